@@ -1,0 +1,1 @@
+"""Flax NNX model definitions, the audio front end, tokenizers and checkpoint loaders."""

@@ -1,0 +1,4 @@
+"""Attention kernels over a paged ring-buffer KV cache: Pallas (TPU Mosaic, GPU Triton) + XLA reference."""
+from jaxstream.tpu_kernels.ring_attention import ring_attention
+
+__all__ = ["ring_attention"]

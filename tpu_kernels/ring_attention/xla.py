@@ -1,0 +1,46 @@
+"""XLA reference of `ring_attention`: gathers each session's ring and runs a masked softmax in f32.
+
+Runs on every backend; it is what CPU serving uses and the fallback of the dispatcher.
+"""
+import jax
+import jax.numpy as jnp
+
+from jaxstream.tpu_kernels.ring_attention import positions
+
+
+def ring_attention_xla(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, *, window, scale=None):
+    num_sessions, chunk, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, page_size, _ = k_pages.shape
+    pages_per_window = page_table.shape[1]
+    ring = pages_per_window * page_size
+    group = num_q_heads // num_kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+
+    def gather_ring(pages):
+        # [S, P, Hkv, page, D] -> [S, Hkv, R, D]; ring index j = logical_page * page_size + offset.
+        gathered = pages[page_table]
+        return gathered.transpose(0, 2, 1, 3, 4).reshape(num_sessions, num_kv_heads, ring, head_dim)
+
+    keys = jnp.concatenate([gather_ring(k_pages), k_new.transpose(0, 2, 1, 3)], axis=2)
+    values = jnp.concatenate([gather_ring(v_pages), v_new.transpose(0, 2, 1, 3)], axis=2)
+    ring_pos = positions.ring_positions(lengths, ring)  # [S, R]
+    query_pos = lengths[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [S, C]
+    key_pos = jnp.concatenate([ring_pos, query_pos], axis=1)  # [S, R + C]
+    key_valid = jnp.concatenate([ring_pos >= 0, jnp.arange(chunk)[None, :] < num_new[:, None]], axis=1)
+    mask = positions.attention_mask(query_pos, key_pos, key_valid, window)  # [S, C, R + C]
+
+    qg = q.reshape(num_sessions, chunk, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("schgd,shkd->shgck", qg, keys, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    probs = jnp.where(mask[:, None, None], jnp.exp(scores - row_max), 0.0)
+    denom = jnp.sum(probs, axis=-1, keepdims=True)
+    probs = probs / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("shgck,shkd->schgd", probs, values.astype(jnp.float32))
+    out = out.reshape(num_sessions, chunk, num_q_heads, head_dim).astype(q.dtype)
+
+    page_index, offset = positions.write_targets(page_table, lengths, num_new, chunk, page_size, k_pages.shape[0])
+    k_pages = k_pages.at[page_index, :, offset].set(k_new.astype(k_pages.dtype), mode="drop")
+    v_pages = v_pages.at[page_index, :, offset].set(v_new.astype(v_pages.dtype), mode="drop")
+    return out, k_pages, v_pages
