@@ -1,0 +1,179 @@
+"""Static model configurations (frozen, hashable dataclasses passed to jit as static arguments).
+
+Parsed from Hugging Face `config.json` (model_type voxtral_realtime, mistral, llama) or Mistral-native
+`params.json`; `VOXTRAL_MINI_4B` is the real Voxtral-Mini-4B-Realtime-2602 configuration.
+"""
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class TextConfig:
+    """A Mistral/Llama-style decoder; `ada_t_cond_dim > 0` adds Voxtral's delay-conditioned FFN norm."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 1e6
+    norm_eps: float = 1e-5
+    sliding_window: int | None = None  # None: full attention up to max_positions
+    max_positions: int = 131072
+    tie_embeddings: bool = False
+    ada_t_cond_dim: int = 0
+    # Llama 3 style RoPE frequency scaling, as (factor, low_freq_factor, high_freq_factor,
+    # original_max_positions); None for plain RoPE.
+    rope_llama3_scaling: tuple[float, float, float, int] | None = None
+
+    @property
+    def attention_window(self) -> int:
+        """The window the KV ring must cover: the sliding window, or all positions for full attention."""
+        return self.sliding_window or self.max_positions
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderConfig:
+    """Voxtral's causal audio encoder (MHA, biases on q/v/o and the MLP down projection)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    num_mel_bins: int = 128
+    sliding_window: int = 750
+    rope_theta: float = 1e6
+    norm_eps: float = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class VoxtralConfig:
+    encoder: EncoderConfig
+    text: TextConfig
+    downsample_factor: int = 4  # encoder frames stacked into one decoder slot
+    mel_frames_per_token: int = 8  # 80 ms of 10 ms hops
+    n_left_pad_tokens: int = 32
+    default_delay_ms: int = 480
+    bos_id: int = 1
+    eos_id: int = 2
+    streaming_pad_id: int = 32
+    streaming_word_id: int = 33
+
+
+VOXTRAL_MINI_4B = VoxtralConfig(
+    encoder=EncoderConfig(hidden_size=1280, intermediate_size=5120, num_layers=32, num_heads=32, head_dim=64),
+    text=TextConfig(
+        vocab_size=131072, hidden_size=3072, intermediate_size=9216, num_layers=26, num_heads=32,
+        num_kv_heads=8, head_dim=128, sliding_window=8192, tie_embeddings=True, ada_t_cond_dim=32,
+    ),
+)
+
+
+def _rope_theta(cfg: dict[str, Any], default: float) -> float:
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    return float(params.get("rope_theta", cfg.get("rope_theta", default)))
+
+
+def _llama3_scaling(cfg: dict[str, Any]) -> tuple[float, float, float, int] | None:
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, llama3")
+    return (float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"]),
+            int(params["original_max_position_embeddings"]))
+
+
+def text_config_from_hf(cfg: dict[str, Any], *, ada_t_cond_dim: int = 0) -> TextConfig:
+    for flag in ("attention_bias", "mlp_bias"):
+        if cfg.get(flag):
+            raise ValueError(f"config.json sets {flag}=true, which jaxstream's Mistral/Llama decoder does not support")
+    num_heads = cfg["num_attention_heads"]
+    return TextConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        rope_theta=_rope_theta(cfg, 10000.0),
+        norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        sliding_window=cfg.get("sliding_window"),
+        max_positions=cfg.get("max_position_embeddings", 131072),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        ada_t_cond_dim=ada_t_cond_dim,
+        rope_llama3_scaling=_llama3_scaling(cfg),
+    )
+
+
+def config_from_hf(cfg: dict[str, Any]) -> TextConfig | VoxtralConfig:
+    """Parses a Hugging Face `config.json` dict (voxtral_realtime, mistral or llama)."""
+    model_type = cfg.get("model_type")
+    if model_type in ("mistral", "llama"):
+        return text_config_from_hf(cfg)
+    if model_type != "voxtral_realtime":
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: voxtral_realtime, mistral, llama")
+    audio, text = cfg["audio_config"], cfg["text_config"]
+    encoder = EncoderConfig(
+        hidden_size=audio["hidden_size"],
+        intermediate_size=audio["intermediate_size"],
+        num_layers=audio["num_hidden_layers"],
+        num_heads=audio["num_attention_heads"],
+        head_dim=audio.get("head_dim") or audio["hidden_size"] // audio["num_attention_heads"],
+        num_mel_bins=audio.get("num_mel_bins", 128),
+        sliding_window=audio.get("sliding_window") or 750,
+        # The encoder config class defaults to 1e4 but the real model uses 1e6 (spec pitfall 1).
+        rope_theta=_rope_theta(audio, 1e6),
+        norm_eps=audio.get("rms_norm_eps", 1e-5),
+    )
+    text_cfg = text_config_from_hf({**text, "tie_word_embeddings": text.get(
+        "tie_word_embeddings", cfg.get("tie_word_embeddings", True))}, ada_t_cond_dim=32)
+    default_delay_tokens = cfg.get("default_num_delay_tokens", 6)
+    return VoxtralConfig(
+        encoder=encoder,
+        text=text_cfg,
+        downsample_factor=cfg.get("downsample_factor", 4),
+        mel_frames_per_token=cfg.get("audio_length_per_tok", 8),
+        default_delay_ms=80 * default_delay_tokens,
+    )
+
+
+def config_from_mistral_params(params: dict[str, Any]) -> TextConfig | VoxtralConfig:
+    """Parses a Mistral-native `params.json` dict (a Voxtral Realtime model or a plain text model)."""
+    text = TextConfig(
+        vocab_size=params["vocab_size"],
+        hidden_size=params["dim"],
+        intermediate_size=params["hidden_dim"],
+        num_layers=params["n_layers"],
+        num_heads=params["n_heads"],
+        num_kv_heads=params.get("n_kv_heads") or params["n_heads"],
+        head_dim=params.get("head_dim") or params["dim"] // params["n_heads"],
+        rope_theta=float(params.get("rope_theta", 1e6)),
+        norm_eps=params.get("norm_eps", 1e-5),
+        sliding_window=params.get("sliding_window"),
+        max_positions=params.get("model_max_length", 131072),
+        tie_embeddings=bool(params.get("tied_embeddings", False)),
+        ada_t_cond_dim=params.get("ada_rms_norm_t_cond_dim", 32) if params.get("ada_rms_norm_t_cond") else 0,
+    )
+    whisper = (params.get("multimodal") or {}).get("whisper_model_args")
+    if whisper is None:
+        return text
+    enc = whisper["encoder_args"]
+    encoder = EncoderConfig(
+        hidden_size=enc["dim"],
+        intermediate_size=enc["hidden_dim"],
+        num_layers=enc["n_layers"],
+        num_heads=enc["n_heads"],
+        head_dim=enc.get("head_dim") or enc["dim"] // enc["n_heads"],
+        num_mel_bins=enc["audio_encoding_args"]["num_mel_bins"],
+        sliding_window=enc.get("sliding_window") or 750,
+        rope_theta=float(enc.get("rope_theta", 1e6)),
+        norm_eps=enc.get("norm_eps", 1e-5),
+    )
+    downsample = whisper.get("downsample_args", {}).get("downsample_factor", 4)
+    return VoxtralConfig(encoder=encoder, text=text, downsample_factor=downsample)
