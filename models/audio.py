@@ -1,0 +1,322 @@
+"""Voxtral Realtime audio front end, on the host in numpy: log-mel features, padding, streaming, audio I/O.
+
+Features are **time-major**: `[frames, 128]` float32, one row per 10 ms hop (160 samples at 16 kHz), eight
+rows per 80 ms decoder slot. (Transformers' feature extractor returns the transpose, `(128, frames)`.)
+
+The log-mel matches transformers' `VoxtralRealtimeFeatureExtractor` (spec §1.1): periodic Hann window 400,
+n_fft 400, hop 160, centred STFT with reflect padding, power spectrum, the last STFT frame dropped, a
+Slaney-scale Slaney-normalised mel filterbank (201 x 128, 0-8 kHz), log10 floored at 1e-10, clamped at
+the fixed global maximum 1.5 - 8, then (x + 4) / 4. Computed in float64 and returned as float32.
+
+Every stream is left-padded with 32 silent slots (40960 samples) and, at its end, right-padded to a
+multiple of 1280 samples plus `n_delay + 11` silent slots (spec §1.2). `StreamingLogMel` reproduces the
+offline features of that padded stream exactly while the audio arrives in pieces of any size (spec §1.3).
+"""
+import io
+import os
+
+import numpy as np
+
+SAMPLING_RATE = 16000
+HOP_LENGTH = 160
+WINDOW_SIZE = 400  # also n_fft
+NUM_MEL_BINS = 128
+GLOBAL_LOG_MEL_MAX = 1.5
+SAMPLES_PER_SLOT = 1280  # one decoder token = 80 ms
+MEL_FRAMES_PER_SLOT = SAMPLES_PER_SLOT // HOP_LENGTH
+N_LEFT_PAD_TOKENS = 32
+DEFAULT_DELAY_MS = 480
+# mistral-common's OFFLINE_STREAMING_BUFFER_TOKENS: extra silence that lets the model flush delayed words.
+END_OF_STREAM_BUFFER_SLOTS = 10
+
+_HALF_WINDOW = WINDOW_SIZE // 2
+# The last mel frame of a slot is centred 40 samples before the slot's end and reads 200 samples past its
+# centre, so a slot needs 40 samples of the next slot (2.5 ms look-ahead).
+LOOK_AHEAD_SAMPLES = _HALF_WINDOW - HOP_LENGTH
+_DELAY_STEP_MS = 80
+ALLOWED_DELAYS_MS = tuple(range(_DELAY_STEP_MS, 1201, _DELAY_STEP_MS)) + (2400,)
+_FRAMES_PER_BLOCK = 4096  # bounds the float64 work arrays of the offline path (~13 MB per block)
+
+
+class AudioError(ValueError):
+    """Audio the front end cannot use: wrong rate, shape or values, or a file that is missing/undecodable."""
+
+
+def _mel_filters() -> np.ndarray:
+    # mistral-common's filterbank is bit-identical to transformers' slaney/slaney one (checked in the tests
+    # against committed transformers features). It is cached there, so keep a private read-only copy.
+    from mistral_common.audio import mel_filter_bank
+
+    filters = np.array(mel_filter_bank(WINDOW_SIZE // 2 + 1, NUM_MEL_BINS, 0.0, SAMPLING_RATE / 2, SAMPLING_RATE))
+    filters.setflags(write=False)
+    return filters
+
+
+MEL_FILTERS = _mel_filters()  # [201, 128]
+# torch.hann_window(400) is the periodic Hann window: the symmetric window of length 401 without its end.
+_WINDOW = 0.5 - 0.5 * np.cos(2.0 * np.pi * np.arange(WINDOW_SIZE) / WINDOW_SIZE)
+
+
+def _frames_to_log_mel(frames: np.ndarray) -> np.ndarray:
+    """[n, 400] windows of samples -> [n, 128] float32 normalised log-mel rows."""
+    power = np.abs(np.fft.rfft(frames * _WINDOW, n=WINDOW_SIZE, axis=-1)) ** 2
+    log_spec = np.log10(np.maximum(power @ MEL_FILTERS, 1e-10))
+    log_spec = np.maximum(log_spec, GLOBAL_LOG_MEL_MAX - 8.0)
+    return ((log_spec + 4.0) / 4.0).astype(np.float32)
+
+
+def _hop_windows(samples: np.ndarray, num_frames: int) -> np.ndarray:
+    """The `num_frames` windows of 400 samples starting every 160 samples (a strided view, no copy)."""
+    windows = np.lib.stride_tricks.sliding_window_view(samples, WINDOW_SIZE)
+    return windows[: (num_frames - 1) * HOP_LENGTH + 1 : HOP_LENGTH]
+
+
+def _check_pcm(audio, what: str = "audio") -> np.ndarray:
+    """Validated 1-D finite float PCM as float64 (the dtype the front end computes in)."""
+    array = np.asarray(audio)
+    if array.ndim != 1:
+        raise AudioError(f"{what} must be 1-D mono PCM, got an array of shape {array.shape}")
+    if not np.issubdtype(array.dtype, np.floating):
+        raise AudioError(
+            f"{what} must be float PCM in [-1, 1], got dtype {array.dtype} (convert PCM16 bytes with pcm16_to_float32)"
+        )
+    array = array.astype(np.float64)
+    if not np.isfinite(array).all():
+        raise AudioError(f"{what} contains NaN or infinite samples")
+    return array
+
+
+def _check_rate(sampling_rate: int) -> None:
+    if sampling_rate != SAMPLING_RATE:
+        raise AudioError(
+            f"the audio front end expects {SAMPLING_RATE} Hz audio, got {sampling_rate} Hz; "
+            f"resample it first (resample_to_16k)"
+        )
+
+
+def log_mel(audio, sampling_rate: int = SAMPLING_RATE) -> np.ndarray:
+    """Log-mel features of already padded 16 kHz audio: `[len(audio) // 160, 128]` float32, time-major.
+
+    Equals transformers' `VoxtralRealtimeFeatureExtractor()(audio, center=True)["input_features"][0].T`.
+    """
+    _check_rate(sampling_rate)
+    samples = _check_pcm(audio)
+    if samples.size <= _HALF_WINDOW:
+        raise AudioError(f"audio must be longer than {_HALF_WINDOW} samples for the centred STFT, got {samples.size}")
+    samples = np.pad(samples, _HALF_WINDOW, mode="reflect")
+    num_frames = (samples.size - WINDOW_SIZE) // HOP_LENGTH  # the STFT's last frame is dropped
+    features = np.empty((num_frames, NUM_MEL_BINS), np.float32)
+    for first in range(0, num_frames, _FRAMES_PER_BLOCK):
+        count = min(_FRAMES_PER_BLOCK, num_frames - first)
+        block = samples[first * HOP_LENGTH : (first + count - 1) * HOP_LENGTH + WINDOW_SIZE]
+        features[first : first + count] = _frames_to_log_mel(_hop_windows(block, count))
+    return features
+
+
+def n_delay_from_ms(delay_ms) -> int:
+    """Transcription delay in ms -> number of delay slots (480 ms -> 6). Allowed: 80..1200 in steps of 80, 2400."""
+    if isinstance(delay_ms, bool) or not isinstance(delay_ms, (int, float, np.integer, np.floating)):
+        raise ValueError(f"delay_ms must be a number of milliseconds, got {delay_ms!r}")
+    if delay_ms not in ALLOWED_DELAYS_MS:
+        raise ValueError(
+            f"delay_ms must be a multiple of {_DELAY_STEP_MS} between {_DELAY_STEP_MS} and 1200, or 2400; "
+            f"got {delay_ms}"
+        )
+    return int(delay_ms) // _DELAY_STEP_MS
+
+
+def prompt_length(n_delay: int, n_left_pad_tokens: int = N_LEFT_PAD_TOKENS) -> int:
+    """Prompt tokens = audio slots prefilled at the start: BOS + left-pad + delay `[STREAMING_PAD]`s (39 at 480 ms)."""
+    return 1 + n_left_pad_tokens + n_delay
+
+
+def left_pad_samples(n_left_pad_tokens: int = N_LEFT_PAD_TOKENS) -> int:
+    """Zeros put before every stream (40960 = 2.56 s for the default 32 slots)."""
+    return n_left_pad_tokens * SAMPLES_PER_SLOT
+
+
+def right_pad_samples(num_samples: int, n_delay: int) -> int:
+    """Zeros appended after `num_samples` real samples at the end of a stream.
+
+    Aligns to a whole slot, then adds `(n_delay + 1) + 10` silent slots (mistral-common `_get_streaming_pad`).
+    """
+    align = -num_samples % SAMPLES_PER_SLOT
+    return align + (n_delay + 1 + END_OF_STREAM_BUFFER_SLOTS) * SAMPLES_PER_SLOT
+
+
+def pad_for_offline(audio, n_delay: int, n_left_pad_tokens: int = N_LEFT_PAD_TOKENS) -> np.ndarray:
+    """Left and right padded float32 audio; its length is a multiple of 1280 (one slot per 1280 samples)."""
+    samples = _check_pcm(audio).astype(np.float32)
+    return np.concatenate([
+        np.zeros(left_pad_samples(n_left_pad_tokens), np.float32),
+        samples,
+        np.zeros(right_pad_samples(samples.size, n_delay), np.float32),
+    ])
+
+
+def offline_features(
+    audio, n_delay: int, sampling_rate: int = SAMPLING_RATE, n_left_pad_tokens: int = N_LEFT_PAD_TOKENS
+) -> np.ndarray:
+    """Features of a whole utterance: `[8 * num_slots, 128]`, the padded stream's slots in order."""
+    _check_rate(sampling_rate)
+    return log_mel(pad_for_offline(audio, n_delay, n_left_pad_tokens))
+
+
+class StreamingLogMel:
+    """Incremental front end: PCM pieces in, mel slots `[n, 8, 128]` out, equal to `offline_features`.
+
+    Sample indices below are in padded-stream coordinates (0 = first left-pad sample). Slot k holds mel
+    frames 8k..8k+7; frame f reads samples [160f - 200, 160f + 200), so slot k is computable once samples
+    up to 1280 (k + 1) + 40 have arrived. Reflect padding only ever mirrors left-pad or right-pad zeros,
+    so the stream is extended with implicit zeros on both sides.
+
+    Slots are released in the HF streaming order: nothing until the prompt's slots (`prompt_slots` =
+    1 + 32 + n_delay, the first 9000 real samples at 480 ms) are all computable, then one slot per 1280
+    samples. `finish()` appends the right padding and releases every remaining slot. Features are computed
+    lazily in `take`; only the samples of slots not yet taken (plus 200 of history) are kept, so memory
+    stays bounded for streams of any length as long as the consumer keeps taking slots.
+    """
+
+    def __init__(
+        self, n_delay: int, n_left_pad_tokens: int = N_LEFT_PAD_TOKENS, sampling_rate: int = SAMPLING_RATE
+    ):
+        _check_rate(sampling_rate)
+        if n_delay < 1:
+            raise ValueError(f"n_delay must be >= 1, got {n_delay}")
+        self.n_delay = n_delay
+        self.prompt_slots = prompt_length(n_delay, n_left_pad_tokens)
+        self._left_pad = left_pad_samples(n_left_pad_tokens)
+        # _buffer[_offset : _offset + _length] holds the padded samples [_start, _start + _length).
+        self._buffer = np.zeros(_HALF_WINDOW + self._left_pad + 4 * SAMPLES_PER_SLOT)
+        self._offset = 0
+        self._start = -_HALF_WINDOW
+        self._length = _HALF_WINDOW + self._left_pad
+        self.samples_received = 0
+        self.slots_taken = 0
+        self.total_slots: int | None = None  # known once finished
+
+    @property
+    def finished(self) -> bool:
+        return self.total_slots is not None
+
+    @property
+    def done(self) -> bool:
+        """Finished and every slot taken."""
+        return self.finished and self.slots_taken == self.total_slots
+
+    @property
+    def retained_samples(self) -> int:
+        """Samples held in memory: those of slots not yet taken, plus 200 of history."""
+        return self._length
+
+    @property
+    def _stream_end(self) -> int:
+        return self._start + self._length
+
+    def _computable_slots(self) -> int:
+        if self.finished:
+            return self.total_slots
+        count = max(0, (self._stream_end - LOOK_AHEAD_SAMPLES) // SAMPLES_PER_SLOT)
+        return count if count >= self.prompt_slots else 0
+
+    @property
+    def slots_ready(self) -> int:
+        """Slots that `take` can return now."""
+        return self._computable_slots() - self.slots_taken
+
+    @property
+    def samples_until_next_slot(self) -> int:
+        """Real samples still needed before one more slot (or the whole prompt) is ready; 0 if ready or done."""
+        if self.slots_ready > 0 or self.finished:
+            return 0
+        target_slots = max(self.slots_taken + 1, self.prompt_slots)
+        return target_slots * SAMPLES_PER_SLOT + LOOK_AHEAD_SAMPLES - self._stream_end
+
+    def _append(self, samples: np.ndarray) -> None:
+        if self._offset + self._length + samples.size > self._buffer.size:
+            # Move the live samples to the front; grow only if the consumer lags behind.
+            live = self._buffer[self._offset : self._offset + self._length]
+            if self._length + samples.size > self._buffer.size:
+                self._buffer = np.zeros(max(self._length + samples.size, 2 * self._buffer.size))
+            self._buffer[: self._length] = live
+            self._offset = 0
+        end = self._offset + self._length
+        self._buffer[end : end + samples.size] = samples
+        self._length += samples.size
+
+    def push(self, pcm) -> int:
+        """Append float PCM at 16 kHz (any number of samples); returns `slots_ready`."""
+        if self.finished:
+            raise ValueError("cannot push audio after finish()")
+        samples = _check_pcm(pcm)
+        self._append(samples)
+        self.samples_received += samples.size
+        return self.slots_ready
+
+    def finish(self) -> int:
+        """End of stream: append the right padding; every remaining slot becomes ready. Returns `slots_ready`."""
+        if not self.finished:
+            padding = right_pad_samples(self.samples_received, self.n_delay)
+            self.total_slots = (self._stream_end + padding) // SAMPLES_PER_SLOT
+            # The offline STFT's end reflection mirrors right-pad zeros, hence the extra look-ahead zeros.
+            self._append(np.zeros(padding + LOOK_AHEAD_SAMPLES))
+        return self.slots_ready
+
+    def take(self, max_slots: int | None = None) -> np.ndarray:
+        """Up to `max_slots` (default: all) ready slots, in order, as float32 `[n, 8, 128]`."""
+        count = self.slots_ready if max_slots is None else min(max_slots, self.slots_ready)
+        if count <= 0:
+            return np.zeros((0, MEL_FRAMES_PER_SLOT, NUM_MEL_BINS), np.float32)
+        first = self._offset + self.slots_taken * SAMPLES_PER_SLOT - _HALF_WINDOW - self._start
+        last = first + count * SAMPLES_PER_SLOT + 2 * _HALF_WINDOW - HOP_LENGTH
+        features = _frames_to_log_mel(_hop_windows(self._buffer[first:last], count * MEL_FRAMES_PER_SLOT))
+        self.slots_taken += count
+        # Release the samples only the taken slots read (the next slot starts reading 200 samples early).
+        released = self.slots_taken * SAMPLES_PER_SLOT - _HALF_WINDOW - self._start
+        self._offset += released
+        self._start += released
+        self._length -= released
+        return features.reshape(count, MEL_FRAMES_PER_SLOT, NUM_MEL_BINS)
+
+
+def pcm16_to_float32(data: bytes) -> np.ndarray:
+    """Little-endian signed 16-bit PCM bytes -> float32 samples in [-1, 1) (divided by 32768, as vLLM does)."""
+    if len(data) % 2:
+        raise AudioError(f"PCM16 data must have an even number of bytes, got {len(data)}")
+    return np.frombuffer(data, dtype="<i2").astype(np.float32) / np.float32(32768.0)
+
+
+def resample_to_16k(audio, sampling_rate: int) -> np.ndarray:
+    """1-D float audio at any positive rate -> float32 at 16 kHz (soxr "HQ", as mistral-common resamples)."""
+    if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, (int, np.integer)) or sampling_rate <= 0:
+        raise AudioError(f"sampling rate must be a positive integer number of Hz, got {sampling_rate!r}")
+    samples = _check_pcm(audio).astype(np.float32)
+    if sampling_rate == SAMPLING_RATE:
+        return samples
+    import soxr
+
+    return soxr.resample(samples, int(sampling_rate), SAMPLING_RATE, quality="HQ").astype(np.float32)
+
+
+def load_audio(source: str | os.PathLike | bytes) -> np.ndarray:
+    """An audio file (path or the file's bytes; wav/flac/ogg/mp3/...) -> mono float32 at 16 kHz.
+
+    Channels are averaged. Raises `AudioError` naming the file when it is missing or cannot be decoded.
+    """
+    import soundfile
+
+    if isinstance(source, (bytes, bytearray)):
+        name, handle = "<audio bytes>", io.BytesIO(source)
+    else:
+        name = handle = os.fspath(source)
+        if not os.path.isfile(name):
+            raise AudioError(f"audio file not found: {name}")
+    try:
+        samples, rate = soundfile.read(handle, dtype="float32", always_2d=True)
+    except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
+        raise AudioError(f"cannot decode audio {name}: {exc}") from exc
+    mono = samples.mean(axis=1) if samples.shape[1] > 1 else samples[:, 0]
+    try:
+        return resample_to_16k(mono, rate)
+    except AudioError as exc:
+        raise AudioError(f"unusable audio {name}: {exc}") from exc

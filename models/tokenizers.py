@@ -1,0 +1,229 @@
+"""Tokenizers with Voxtral's id layout, and an incremental UTF-8-safe detokenizer.
+
+Both implementations share the layout of Voxtral Realtime's tekken tokenizer: ids below 1000 are control
+ids (0 `<unk>`, 1 `<s>`, 2 `</s>`, 11 `<pad>`, 32 `[STREAMING_PAD]`, 33 `[STREAMING_WORD]`, ...) and are
+skipped when decoding; ids from 1000 up are text pieces, each standing for a byte string. Text is the
+UTF-8 decoding of the concatenated bytes of all text ids, so a character whose bytes span several tokens
+(or tokens separated by control ids) decodes correctly.
+
+- `TekkenTokenizer`: Mistral's `tekken.json` through mistral-common (id = tiktoken rank + 1000).
+- `SentencePieceTokenizer`: a sentencepiece `.model` (for small self-trained models), remapped into the
+  same layout: the spm unk/bos/eos/pad pieces become ids 0/1/2/11 and every other spm piece i becomes
+  id 1000 + i (so spm ids 0..2 leave ids 1000..1002 unused). Ids 32 and 33 are the streaming controls,
+  as in tekken. Train the model with `byte_fallback=True`: an unknown piece has no bytes and is dropped.
+
+`load_tokenizer(path)` takes a `tekken.json` / `tokenizer.model` file or a directory holding one.
+"""
+import abc
+import codecs
+import dataclasses
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+NUM_CONTROL_IDS = 1000
+UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 11
+STREAMING_PAD_ID, STREAMING_WORD_ID = 32, 33
+_SPM_SPACE = "\u2581"
+
+
+class Tokenizer(abc.ABC):
+    """Common interface: `encode` gives text ids only (no BOS/EOS); `decode` skips control ids."""
+
+    bos_id: int
+    eos_id: int
+    streaming_pad_id: int | None  # None for tokenizers without the realtime controls (text-only tekken)
+    streaming_word_id: int | None
+    vocab_size: int
+    # sentencepiece drops the space its dummy prefix put before the first piece; tekken keeps every byte.
+    strips_leading_space: bool = False
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Text -> text ids (all >= 1000)."""
+
+    @abc.abstractmethod
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for; b"" for control ids. Raises ValueError outside the vocabulary."""
+
+    def is_control(self, token_id: int) -> bool:
+        return token_id < NUM_CONTROL_IDS
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of all text ids (control ids skipped), decoding their concatenated bytes as UTF-8."""
+        decoder = self.stream_decoder()
+        return "".join(decoder.push(token_id) for token_id in ids) + decoder.flush()
+
+    def stream_decoder(self) -> "StreamDecoder":
+        return StreamDecoder(self)
+
+    def _checked(self, token_id: int) -> int:
+        token_id = int(token_id)
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} is outside the tokenizer's vocabulary [0, {self.vocab_size})")
+        return token_id
+
+
+class StreamDecoder:
+    """Incremental detokenizer: `push` one id at a time, get back only complete UTF-8 text.
+
+    Bytes of a character split across tokens are held until the character is complete; invalid byte
+    sequences become U+FFFD exactly as in a one-shot `bytes.decode("utf-8", "replace")`. The deltas of all
+    `push` calls plus `flush()` concatenate to `tokenizer.decode(ids)`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._token_bytes = tokenizer.token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._strip_space = tokenizer.strips_leading_space
+        self._parts: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """Everything returned so far."""
+        return "".join(self._parts)
+
+    def push(self, token_id: int) -> str:
+        data = self._token_bytes(token_id)
+        if self._strip_space and data:
+            self._strip_space = False
+            data = data.removeprefix(b" ")
+        delta = self._utf8.decode(data)
+        if delta:
+            self._parts.append(delta)
+        return delta
+
+    def flush(self) -> str:
+        """End of the token stream: an incomplete trailing character becomes U+FFFD."""
+        delta = self._utf8.decode(b"", final=True)
+        if delta:
+            self._parts.append(delta)
+        return delta
+
+
+@dataclasses.dataclass(frozen=True)
+class TekkenAudioConfig:
+    """The `audio` block of a tekken.json (Voxtral: 16000 Hz, 12.5 Hz, 128 mel, hop 160, window 400)."""
+
+    sampling_rate: int
+    frame_rate: float
+    num_mel_bins: int
+    hop_length: int
+    window_size: int
+    transcription_delay_ms: float | None  # the model's default delay; None for non-streaming models
+    n_left_pad_tokens: int | None
+
+    @property
+    def default_n_delay(self) -> int | None:
+        if self.transcription_delay_ms is None:
+            return None
+        return round(self.transcription_delay_ms * self.frame_rate / 1000)
+
+
+class TekkenTokenizer(Tokenizer):
+    """Mistral's tekken tokenizer (`tekken.json`) via mistral-common."""
+
+    def __init__(self, path: str | os.PathLike):
+        from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+        tekkenizer = Tekkenizer.from_file(Path(path))
+        if tekkenizer.num_special_tokens != NUM_CONTROL_IDS:
+            raise ValueError(
+                f"{path}: expected {NUM_CONTROL_IDS} special tokens (the Voxtral id layout), "
+                f"got {tekkenizer.num_special_tokens}"
+            )
+        self._tekkenizer = tekkenizer
+        self.vocab_size = tekkenizer.n_words
+        self.bos_id = tekkenizer.bos_id
+        self.eos_id = tekkenizer.eos_id
+        self.streaming_pad_id = self._special_or_none("[STREAMING_PAD]")
+        self.streaming_word_id = self._special_or_none("[STREAMING_WORD]")
+        self._bytes = [b""] * NUM_CONTROL_IDS + [
+            tekkenizer.id_to_byte_piece(token_id) for token_id in range(NUM_CONTROL_IDS, self.vocab_size)
+        ]
+        self.audio_config = self._audio_config(tekkenizer.audio)
+
+    def _special_or_none(self, name: str) -> int | None:
+        try:
+            return self._tekkenizer.get_special_token(name)
+        except ValueError:
+            return None
+
+    @staticmethod
+    def _audio_config(audio) -> TekkenAudioConfig | None:
+        if audio is None:
+            return None
+        return TekkenAudioConfig(
+            sampling_rate=audio.sampling_rate,
+            frame_rate=audio.frame_rate,
+            num_mel_bins=audio.encoding_config.num_mel_bins,
+            hop_length=audio.encoding_config.hop_length,
+            window_size=audio.encoding_config.window_size,
+            transcription_delay_ms=audio.transcription_delay_ms,
+            n_left_pad_tokens=audio.streaming_n_left_pad_tokens,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self._tekkenizer.encode(text, bos=False, eos=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._bytes[self._checked(token_id)]
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A sentencepiece model remapped into the Voxtral id layout (see the module docstring)."""
+
+    strips_leading_space = True
+
+    def __init__(self, path: str | os.PathLike):
+        import sentencepiece
+
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=os.fspath(path))
+        num_pieces = self._sp.get_piece_size()
+        self.vocab_size = NUM_CONTROL_IDS + num_pieces
+        self.bos_id, self.eos_id = BOS_ID, EOS_ID
+        self.streaming_pad_id, self.streaming_word_id = STREAMING_PAD_ID, STREAMING_WORD_ID
+        self._control_ids = {
+            spm_id: control_id
+            for spm_id, control_id in (
+                (self._sp.unk_id(), UNK_ID), (self._sp.bos_id(), BOS_ID),
+                (self._sp.eos_id(), EOS_ID), (self._sp.pad_id(), PAD_ID),
+            )
+            if spm_id >= 0
+        }
+        self._bytes = [b""] * NUM_CONTROL_IDS + [self._piece_bytes(spm_id) for spm_id in range(num_pieces)]
+
+    def _piece_bytes(self, spm_id: int) -> bytes:
+        if self._sp.is_control(spm_id) or self._sp.is_unknown(spm_id):
+            return b""
+        piece = self._sp.id_to_piece(spm_id)
+        if self._sp.is_byte(spm_id):  # byte-fallback pieces are spelled <0xAB>
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace(_SPM_SPACE, " ").encode("utf-8")
+
+    def encode(self, text: str) -> list[int]:
+        return [self._control_ids.get(spm_id, NUM_CONTROL_IDS + spm_id) for spm_id in self._sp.encode(text)]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._bytes[self._checked(token_id)]
+
+
+TOKENIZER_FILES = {"tekken.json": TekkenTokenizer, "tokenizer.model": SentencePieceTokenizer}
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """A `tekken.json` (tekken) or `.model` (sentencepiece) file, or a directory holding `tekken.json` or
+    `tokenizer.model` (tekken wins if both are there)."""
+    path = Path(path)
+    if path.is_dir():
+        for name, implementation in TOKENIZER_FILES.items():
+            if (path / name).is_file():
+                return implementation(path / name)
+        raise FileNotFoundError(f"no tokenizer in {path}: expected one of {', '.join(TOKENIZER_FILES)}")
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer not found: {path}")
+    if path.suffix == ".json":
+        return TekkenTokenizer(path)
+    if path.suffix == ".model":
+        return SentencePieceTokenizer(path)
+    raise ValueError(f"unrecognised tokenizer file {path}: expected a tekken .json or a sentencepiece .model")

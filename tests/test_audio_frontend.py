@@ -1,0 +1,273 @@
+"""The Voxtral audio front end against transformers' feature extractor and mistral-common's padding.
+
+Oracles: tests/fixtures/voxtral_tiny_reference.npz (transformers float32 features, made by
+tests/make_reference_fixtures.py), tests/fixtures/frontend_reference.npz (the same transformers algorithm
+in float64 too, made by tests/make_frontend_fixture.py), mistral-common's AudioEncoder on the fixture
+tekken.json, and the offline features for the streaming front end.
+"""
+import io
+import itertools
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+
+from jaxstream.models import audio
+
+FIXTURES = Path(__file__).parent / "fixtures"
+# transformers runs the STFT in float32; its round-off reaches ~2.5e-5 in low-power bins of tonal audio
+# (frontend_reference.npz measures it against the float64 run, which jaxstream matches to float32 rounding).
+FLOAT32_REFERENCE_MAX_ERROR = 3e-5
+FLOAT32_REFERENCE_TYPICAL_ERROR = 1e-5  # bound on the 99.9th percentile
+
+
+@pytest.fixture(scope="module")
+def model_reference():
+    return np.load(FIXTURES / "voxtral_tiny_reference.npz")
+
+
+@pytest.fixture(scope="module")
+def frontend_reference():
+    return np.load(FIXTURES / "frontend_reference.npz")
+
+
+@pytest.fixture(scope="module")
+def audio_encoder():
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    tokenizer = MistralTokenizer.from_file(str(FIXTURES / "voxtral_tiny" / "tekken.json"))
+    return tokenizer.instruct_tokenizer.audio_encoder
+
+
+def assert_close_to_float32_reference(features: np.ndarray, reference_hf_layout: np.ndarray) -> None:
+    error = np.abs(features - reference_hf_layout.T)
+    assert features.shape == reference_hf_layout.T.shape
+    assert error.max() <= FLOAT32_REFERENCE_MAX_ERROR, error.max()
+    assert np.quantile(error, 0.999) <= FLOAT32_REFERENCE_TYPICAL_ERROR
+
+
+def test_mel_filters_equal_transformers(model_reference):
+    assert audio.MEL_FILTERS.shape == (201, 128)
+    np.testing.assert_array_equal(audio.MEL_FILTERS.astype(np.float32), model_reference["mel_filters"])
+
+
+@pytest.mark.parametrize("length", [16000, 12345])
+def test_log_mel_matches_transformers(model_reference, length):
+    features = audio.log_mel(model_reference[f"fe_input_{length}"])
+    assert features.dtype == np.float32 and features.shape == (length // 160, 128)
+    assert_close_to_float32_reference(features, model_reference[f"fe_output_{length}_center"])
+
+
+def test_log_mel_matches_float64_reference_including_reflect_padding(frontend_reference):
+    features = audio.log_mel(frontend_reference["short_audio"])
+    np.testing.assert_allclose(features, frontend_reference["short_float64"].T, rtol=0, atol=1e-6)
+    assert_close_to_float32_reference(features, frontend_reference["short_float32"])
+
+
+@pytest.mark.parametrize("n_delay", [6, 2])
+def test_offline_features_match_transformers(model_reference, n_delay):
+    raw = model_reference["audio"]
+    np.testing.assert_array_equal(audio.pad_for_offline(raw, n_delay), model_reference[f"padded_audio_d{n_delay}"])
+    features = audio.offline_features(raw, n_delay)
+    assert_close_to_float32_reference(features, model_reference[f"features_d{n_delay}"][0])
+
+
+def test_offline_features_match_float64_reference(frontend_reference):
+    n_delay = int(frontend_reference["n_delay"])
+    raw = frontend_reference["audio"]
+    np.testing.assert_array_equal(audio.pad_for_offline(raw, n_delay), frontend_reference["padded_audio"])
+    features = audio.offline_features(raw, n_delay)
+    np.testing.assert_allclose(features, frontend_reference["features_float64"].T, rtol=0, atol=1e-6)
+    assert_close_to_float32_reference(features, frontend_reference["features_float32"])
+
+
+@pytest.mark.parametrize("delay_ms", [80, 480, 1200, 2400])
+@pytest.mark.parametrize("num_samples", [0, 1, 1279, 1280, 5000])
+def test_padding_and_prompt_match_mistral_common(audio_encoder, delay_ms, num_samples):
+    n_delay = audio.n_delay_from_ms(delay_ms)
+    raw = np.random.default_rng(num_samples).uniform(-1, 1, num_samples).astype(np.float32)
+    expected = audio_encoder.pad(raw, 16000, transcription_delay_ms=delay_ms)
+    np.testing.assert_array_equal(audio.pad_for_offline(raw, n_delay), expected)
+    assert audio.left_pad_samples() + num_samples + audio.right_pad_samples(num_samples, n_delay) == expected.size
+    assert audio.prompt_length(n_delay) == 1 + len(audio_encoder.encode_streaming_tokens(delay_ms))
+
+
+def test_delay_values(audio_encoder):
+    for delay_ms in audio.ALLOWED_DELAYS_MS:
+        assert audio.n_delay_from_ms(delay_ms) == audio_encoder.audio_config.get_num_delay_tokens(delay_ms)
+    assert audio.n_delay_from_ms(480) == 6 and audio.n_delay_from_ms(480.0) == 6
+    assert audio.prompt_length(6) == 39
+    assert math.isclose(audio.LOOK_AHEAD_SAMPLES / 16, audio_encoder.audio_config.streaming_look_ahead_ms)
+    for bad in (0, 40, 81, 500, 1280, 2320, 2480, -80, 480.5, "480", None, True):
+        with pytest.raises(ValueError, match="multiple of 80 between 80 and 1200, or 2400|milliseconds"):
+            audio.n_delay_from_ms(bad)
+
+
+def stream_in_pieces(raw: np.ndarray, n_delay: int, piece_sizes, take_every_push: bool) -> np.ndarray:
+    """Feed `raw` in the given piece sizes (cycled) and collect every slot; checks the readiness counters."""
+    stream = audio.StreamingLogMel(n_delay)
+    slots, position, sizes = [], 0, itertools.cycle(piece_sizes)
+    while position < raw.size:
+        piece = raw[position : position + next(sizes)]
+        needed = stream.samples_until_next_slot
+        ready = stream.push(piece)
+        position += piece.size
+        padded_end = audio.left_pad_samples() + position
+        computable = (padded_end - 40) // 1280
+        expected_ready = computable - stream.slots_taken if computable >= stream.prompt_slots else 0
+        assert ready == stream.slots_ready == expected_ready
+        assert (ready > 0) == (piece.size >= needed)
+        if take_every_push:
+            slots.append(stream.take())
+            assert stream.slots_ready == 0
+            if stream.slots_taken:  # only the history and the next slot's partial samples are kept
+                assert stream.retained_samples < 200 + 1280 + 40
+    assert stream.samples_received == raw.size and not stream.finished
+    stream.finish()
+    assert stream.total_slots == audio.pad_for_offline(raw, n_delay).size // 1280
+    while not stream.done:
+        slots.append(stream.take(max_slots=5))
+    return np.concatenate(slots).reshape(-1, 128)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_streaming_equals_offline_for_random_pieces(seed):
+    rng = np.random.default_rng(seed)
+    n_delay = int(rng.choice([1, 6, 15]))
+    raw = (0.1 * rng.standard_normal(int(rng.integers(20000, 40000)))).astype(np.float32)
+    # Ragged pieces (empty ones too), with 3000 single samples across the prompt's completion.
+    prompt_audio = (n_delay + 1) * 1280 + 40
+    cuts = np.sort(rng.integers(0, prompt_audio - 1500, 6))
+    sizes = list(np.diff(cuts, prepend=0, append=prompt_audio - 1500)) + [1] * 3000 + list(rng.integers(1, 3000, 100))
+    streamed = stream_in_pieces(raw, n_delay, sizes + [4096], take_every_push=bool(seed % 2))
+    np.testing.assert_allclose(streamed, audio.offline_features(raw, n_delay), rtol=0, atol=1e-6)
+
+
+def test_prompt_slots_arrive_together_then_one_slot_per_1280_samples():
+    stream = audio.StreamingLogMel(n_delay=6)
+    assert stream.prompt_slots == 39 and stream.samples_until_next_slot == 9000
+    assert stream.push(np.zeros(8999, np.float32)) == 0 and stream.samples_until_next_slot == 1
+    assert stream.push(np.zeros(1, np.float32)) == 39
+    assert stream.take(10).shape == (10, 8, 128) and stream.slots_ready == 29
+    stream.take()
+    assert stream.push(np.zeros(1279, np.float32)) == 0 and stream.samples_until_next_slot == 1
+    assert stream.push(np.zeros(1, np.float32)) == 1
+    assert stream.take(0).shape == (0, 8, 128)
+
+
+def test_finish_before_the_prompt_is_complete():
+    raw = np.random.default_rng(5).uniform(-0.5, 0.5, 700).astype(np.float32)
+    streamed = stream_in_pieces(raw, 6, [300], take_every_push=True)
+    np.testing.assert_allclose(streamed, audio.offline_features(raw, 6), rtol=0, atol=1e-6)
+
+
+def test_long_stream_keeps_bounded_memory():
+    rng = np.random.default_rng(7)
+    seconds = 35
+    t = np.arange(seconds * 16000) / 16000
+    raw = (0.3 * np.sin(2 * np.pi * 300 * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+    streamed = stream_in_pieces(raw, 6, rng.integers(1000, 6000, 1000), take_every_push=True)
+    offline = audio.offline_features(raw, 6)
+    assert streamed.shape == offline.shape and offline.shape[0] > seconds * 100
+    np.testing.assert_allclose(streamed, offline, rtol=0, atol=1e-6)
+
+
+def test_input_validation():
+    good = np.zeros(16000, np.float32)
+    with pytest.raises(ValueError, match="16000 Hz"):
+        audio.log_mel(good, sampling_rate=8000)
+    with pytest.raises(ValueError, match="16000 Hz"):
+        audio.offline_features(good, 6, sampling_rate=44100)
+    with pytest.raises(ValueError, match="16000 Hz"):
+        audio.StreamingLogMel(6, sampling_rate=24000)
+    with pytest.raises(ValueError, match="1-D"):
+        audio.log_mel(np.zeros((2, 16000), np.float32))
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        audio.log_mel(np.full(1000, np.nan, np.float32))
+    with pytest.raises(ValueError, match="float PCM"):
+        audio.log_mel(np.zeros(1000, np.int16))
+    with pytest.raises(ValueError, match="longer than 200"):
+        audio.log_mel(np.zeros(200, np.float32))
+    stream = audio.StreamingLogMel(6)
+    with pytest.raises(ValueError, match="1-D"):
+        stream.push(np.zeros((10, 2), np.float32))
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        stream.push(np.array([0.0, np.inf], np.float32))
+    assert stream.samples_received == 0
+    stream.finish()
+    with pytest.raises(ValueError, match="after finish"):
+        stream.push(good)
+
+
+def test_pcm16_to_float32():
+    values = np.array([0, 1, -1, 32767, -32768, 12345, -4321], dtype=np.int64)
+    data = b"".join(int(v).to_bytes(2, "little", signed=True) for v in values)
+    converted = audio.pcm16_to_float32(data)
+    assert converted.dtype == np.float32
+    np.testing.assert_array_equal(converted, (values / 32768.0).astype(np.float32))
+    with pytest.raises(ValueError, match="even number of bytes"):
+        audio.pcm16_to_float32(data[:-1])
+
+
+def sine(frequency: float, rate: int, seconds: float) -> np.ndarray:
+    return (0.5 * np.sin(2 * np.pi * frequency * np.arange(int(rate * seconds)) / rate)).astype(np.float32)
+
+
+@pytest.mark.parametrize("rate", [8000, 24000, 44100])
+def test_resample_to_16k_against_analytic_sine(rate):
+    resampled = audio.resample_to_16k(sine(440, rate, 0.5), rate)
+    assert resampled.dtype == np.float32 and abs(resampled.size - 8000) <= 1
+    expected = sine(440, 16000, 0.5)[: resampled.size]
+    middle = slice(400, resampled.size - 400)  # away from the filter's edge transients
+    np.testing.assert_allclose(resampled[middle], expected[middle], atol=2e-3)
+
+
+def test_resample_to_16k_validation():
+    np.testing.assert_array_equal(audio.resample_to_16k(np.ones(5, np.float64), 16000), np.ones(5, np.float32))
+    for bad_rate in (0, -16000, 16000.5, None):
+        with pytest.raises(ValueError, match="sampling rate"):
+            audio.resample_to_16k(np.ones(5, np.float32), bad_rate)
+
+
+def chirp(start_hz: float, end_hz: float, rate: int, seconds: float) -> np.ndarray:
+    """A linear sweep: unlike a sum of sines it has no period, so its alignment is unambiguous."""
+    t = np.arange(int(rate * seconds)) / rate
+    return (0.5 * np.sin(2 * np.pi * (start_hz * t + (end_hz - start_hz) / (2 * seconds) * t**2))).astype(np.float32)
+
+
+@pytest.mark.parametrize("file_format, subtype, max_lag, tolerance", [
+    ("WAV", "PCM_16", 0, 1e-3), ("FLAC", "PCM_16", 0, 1e-3),
+    ("OGG", "VORBIS", 1200, 0.02), ("MP3", "MPEG_LAYER_III", 1200, 0.02),
+])
+def test_load_audio_downmixes_and_resamples(tmp_path, file_format, subtype, max_lag, tolerance):
+    rate, seconds = 22050, 1.0
+    stereo = np.stack([chirp(200, 3000, rate, seconds), chirp(2500, 300, rate, seconds)], axis=1)
+    path = tmp_path / f"clip.{file_format.lower()}"
+    soundfile.write(path, stereo, rate, format=file_format, subtype=subtype)
+    loaded = audio.load_audio(path)
+    assert loaded.dtype == np.float32 and loaded.ndim == 1
+    expected = (chirp(200, 3000, 16000, seconds) + chirp(2500, 300, 16000, seconds)) / 2
+    assert abs(loaded.size - expected.size) <= 1600  # lossy codecs pad the stream a little
+    # Lossy codecs also delay it, so compare the middle of the clip at the best lag.
+    middle = expected[2000:14000]
+    errors = {lag: np.abs(loaded[2000 + lag : 14000 + lag] - middle).mean() for lag in range(-max_lag, max_lag + 1)
+              if 2000 + lag >= 0 and 14000 + lag <= loaded.size}
+    assert min(errors.values()) < tolerance
+    np.testing.assert_array_equal(audio.load_audio(path.read_bytes()), loaded)
+
+
+def test_load_audio_errors(tmp_path):
+    missing = tmp_path / "nope.wav"
+    with pytest.raises(ValueError, match=f"audio file not found: {missing}"):
+        audio.load_audio(missing)
+    garbage = tmp_path / "garbage.wav"
+    garbage.write_bytes(b"this is not audio" * 10)
+    with pytest.raises(ValueError, match="cannot decode audio .*garbage.wav"):
+        audio.load_audio(garbage)
+    with pytest.raises(ValueError, match="cannot decode audio <audio bytes>"):
+        audio.load_audio(b"\x00\x01" * 50)
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.zeros(100, np.float32), 16000, format="WAV")
+    assert audio.load_audio(buffer.getvalue()).size == 100

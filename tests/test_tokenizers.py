@@ -1,0 +1,242 @@
+"""Tokenizers against mistral-common (committed fixture pairs and live decoding), the raw tekken.json
+bytes, and sentencepiece itself on a tiny model trained here."""
+import base64
+import io
+import json
+import random
+from pathlib import Path
+
+import mistral_common
+import numpy as np
+import pytest
+import sentencepiece
+from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+from jaxstream.models.tokenizers import (
+    SentencePieceTokenizer,
+    TekkenTokenizer,
+    load_tokenizer,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURE_TEKKEN = FIXTURES / "voxtral_tiny" / "tekken.json"
+BUNDLED_TEKKEN = Path(mistral_common.__file__).parent / "data" / "tekken_240911.json"
+UTF8_TEXTS = [
+    "café naïve — привет мир, 日本語のテキスト 😀👍🏽 done",
+    " Ünïcödé ∑ 𝔘 e\u0301 ½ ﬁ",
+]
+
+
+def rows(padded: np.ndarray) -> list[list[int]]:
+    return [[int(i) for i in row if i >= 0] for row in padded]
+
+
+def stream_decode(tokenizer, ids) -> tuple[list[str], str]:
+    decoder = tokenizer.stream_decoder()
+    deltas = [decoder.push(token_id) for token_id in ids]
+    deltas.append(decoder.flush())
+    assert decoder.text == "".join(deltas)
+    return deltas, decoder.text
+
+
+# ------------------------------------------------------------------------------------------------ tekken
+
+
+@pytest.fixture(scope="module")
+def tiny_tekken():
+    return load_tokenizer(FIXTURES / "voxtral_tiny")
+
+
+def test_tekken_matches_mistral_common_fixture_pairs(tiny_tekken):
+    reference = np.load(FIXTURES / "voxtral_tiny_reference.npz")
+    for ids, text in zip(rows(reference["tok_decode_ids"]), reference["tok_decode_text"]):
+        assert tiny_tekken.decode(ids) == str(text)
+        assert stream_decode(tiny_tekken, ids)[1] == str(text)
+    for text, ids in zip(reference["tok_encode_text"], rows(reference["tok_encode_ids"])):
+        assert tiny_tekken.encode(str(text)) == ids
+
+
+def test_tekken_special_ids_and_audio_config(tiny_tekken):
+    assert isinstance(tiny_tekken, TekkenTokenizer)
+    assert (tiny_tekken.bos_id, tiny_tekken.eos_id) == (1, 2)
+    assert (tiny_tekken.streaming_pad_id, tiny_tekken.streaming_word_id) == (32, 33)
+    assert tiny_tekken.vocab_size == 1100
+    assert tiny_tekken.is_control(999) and not tiny_tekken.is_control(1000)
+    config = tiny_tekken.audio_config
+    assert (config.sampling_rate, config.frame_rate, config.num_mel_bins, config.hop_length, config.window_size) == (
+        16000, 12.5, 128, 160, 400)
+    assert (config.transcription_delay_ms, config.n_left_pad_tokens, config.default_n_delay) == (480, 32, 6)
+    with pytest.raises(ValueError, match="outside the tokenizer's vocabulary"):
+        tiny_tekken.decode([1100])
+
+
+@pytest.fixture(scope="module")
+def utf8_tekken_path(tmp_path_factory) -> Path:
+    """The fixture tekken.json with the first 3000 ranks of mistral-common's bundled vocab: all 256 bytes plus
+    merges, among them partial UTF-8 sequences such as b"\\xe2\\x80" and b" \\xd0"."""
+    data = json.loads(FIXTURE_TEKKEN.read_text(encoding="utf-8"))
+    num_vocab = 3000
+    data["vocab"] = json.loads(BUNDLED_TEKKEN.read_text(encoding="utf-8"))["vocab"][:num_vocab]
+    data["config"].update(num_vocab_tokens=num_vocab, default_vocab_size=1000 + num_vocab)
+    path = tmp_path_factory.mktemp("utf8_tekken") / "tekken.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return path
+
+
+def raw_tekken_bytes(path: Path) -> dict[int, bytes]:
+    """Independent oracle: token id -> bytes straight from the JSON (id = rank + 1000)."""
+    vocab = json.loads(path.read_text(encoding="utf-8"))["vocab"]
+    return {entry["rank"] + 1000: base64.b64decode(entry["token_bytes"]) for entry in vocab}
+
+
+@pytest.mark.parametrize("text", UTF8_TEXTS, ids=["mixed-scripts-emoji", "combining-math"])
+def test_tekken_multibyte_characters_split_across_tokens(utf8_tekken_path, text):
+    tokenizer = load_tokenizer(utf8_tekken_path)
+    raw = raw_tekken_bytes(utf8_tekken_path)
+    ids = tokenizer.encode(text)
+    assert all(token_id >= 1000 for token_id in ids)
+    assert b"".join(raw[i] for i in ids) == text.encode("utf-8")
+    # The case under test really occurs: some tokens are not valid UTF-8 on their own.
+    assert any(not is_valid_utf8(raw[i]) for i in ids)
+    assert tokenizer.decode(ids) == Tekkenizer.from_file(utf8_tekken_path).decode(ids) == text
+
+    deltas, streamed = stream_decode(tokenizer, ids)
+    assert streamed == text and not any("\ufffd" in delta for delta in deltas)
+    emitted = ""
+    for count, delta in enumerate(deltas[:-1], start=1):
+        emitted += delta  # exactly the complete characters of the bytes so far
+        assert emitted == b"".join(raw[i] for i in ids[:count]).decode("utf-8", errors="ignore")
+
+
+def is_valid_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def test_tekken_control_ids_inside_a_character_and_truncated_tail(utf8_tekken_path):
+    tokenizer = load_tokenizer(utf8_tekken_path)
+    raw = raw_tekken_bytes(utf8_tekken_path)
+    text = UTF8_TEXTS[0]
+    ids = tokenizer.encode(text)
+    rng = random.Random(0)
+    interleaved = []
+    for token_id in ids:  # control ids land inside split characters too: the byte stream still decodes
+        interleaved += rng.choice([[], [32], [33], [32, 32]]) + [token_id]
+    assert tokenizer.decode(interleaved + [2]) == text
+    assert stream_decode(tokenizer, interleaved)[1] == text
+
+    cut = next(k for k in range(1, len(ids)) if not is_valid_utf8(b"".join(raw[i] for i in ids[:k])))
+    expected = b"".join(raw[i] for i in ids[:cut]).decode("utf-8", errors="replace")
+    assert expected.endswith("\ufffd")
+    assert tokenizer.decode(ids[:cut]) == expected
+    deltas, streamed = stream_decode(tokenizer, ids[:cut])
+    assert streamed == expected and deltas[-1].endswith("\ufffd")
+
+
+def test_tekken_without_audio_block_or_streaming_specials(utf8_tekken_path, tmp_path):
+    data = json.loads(utf8_tekken_path.read_text(encoding="utf-8"))
+    del data["audio"]
+    for special in data["special_tokens"]:
+        if special["token_str"] in ("[STREAMING_PAD]", "[STREAMING_WORD]"):
+            special["token_str"] = f"<SPECIAL_{special['rank']}>"
+    path = tmp_path / "text_only.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    tokenizer = load_tokenizer(path)
+    assert tokenizer.audio_config is None
+    assert tokenizer.streaming_pad_id is None and tokenizer.streaming_word_id is None
+    assert tokenizer.decode(tokenizer.encode("plain text")) == "plain text"
+
+
+# ----------------------------------------------------------------------------------------- sentencepiece
+
+
+WORDS = ("the quick brown fox jumps over a lazy dog hello world streaming audio "
+         "café naïve straße привет мир").split()
+RARE = ["日本語", "😀", "ß∑", "ÿ"]
+
+
+def train_spm(directory: Path, byte_fallback: bool) -> sentencepiece.SentencePieceProcessor:
+    rng = random.Random(0)
+    sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) for _ in range(400)]
+    sentences += RARE  # seen once: below the 0.98 character coverage, so they fall back to bytes
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences), model_writer=model, model_type="bpe", byte_fallback=byte_fallback,
+        vocab_size=330 if byte_fallback else 150,  # byte fallback needs 256 byte pieces on top
+        character_coverage=0.98, minloglevel=2, num_threads=1,
+    )
+    (directory / "tokenizer.model").write_bytes(model.getvalue())
+    return sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+@pytest.fixture(scope="module")
+def spm_dir(tmp_path_factory) -> tuple[Path, sentencepiece.SentencePieceProcessor]:
+    directory = tmp_path_factory.mktemp("spm")
+    return directory, train_spm(directory, byte_fallback=True)
+
+
+SPM_TEXTS = ["hello world", "  the café  привет 日本語 😀 ÿ!", "naïve straße ß∑ fox", "x"]
+
+
+@pytest.mark.parametrize("text", SPM_TEXTS, ids=["ascii", "spaces-bytes", "latin", "one-char"])
+def test_sentencepiece_round_trip_and_id_layout(spm_dir, text):
+    directory, sp = spm_dir
+    tokenizer = load_tokenizer(directory)
+    assert isinstance(tokenizer, SentencePieceTokenizer)
+    assert tokenizer.vocab_size == 1000 + sp.get_piece_size()
+    assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.streaming_pad_id, tokenizer.streaming_word_id) == (
+        1, 2, 32, 33)
+    spm_ids = sp.encode(text)
+    ids = tokenizer.encode(text)
+    assert ids == [1000 + i for i in spm_ids]
+    expected = sp.decode(spm_ids)
+    assert tokenizer.decode(ids) == expected
+    with_controls = [1, 32] + [x for token_id in ids for x in (token_id, 33)] + [2]
+    assert tokenizer.decode(with_controls) == expected
+    deltas, streamed = stream_decode(tokenizer, with_controls)
+    assert streamed == expected and not any("\ufffd" in delta for delta in deltas)
+
+
+def test_sentencepiece_byte_fallback_pieces_are_exercised(spm_dir):
+    directory, sp = spm_dir
+    spm_ids = sp.encode(SPM_TEXTS[1])
+    assert sum(sp.is_byte(i) for i in spm_ids) >= 4
+
+
+def test_sentencepiece_unknown_piece_maps_to_control_unk(tmp_path):
+    sp = train_spm(tmp_path, byte_fallback=False)
+    tokenizer = SentencePieceTokenizer(tmp_path / "tokenizer.model")
+    spm_ids = sp.encode("hello ☃ world")
+    assert sp.unk_id() in spm_ids
+    ids = tokenizer.encode("hello ☃ world")
+    assert ids == [0 if i == sp.unk_id() else 1000 + i for i in spm_ids]
+    # The unknown piece has no bytes: decoding drops it (sentencepiece itself would print " ⁇ ").
+    assert tokenizer.decode(ids) == sp.decode([i for i in spm_ids if i != sp.unk_id()])
+
+
+# ------------------------------------------------------------------------------------------ load_tokenizer
+
+
+def test_load_tokenizer_picks_the_implementation(spm_dir, tmp_path):
+    directory, _ = spm_dir
+    assert isinstance(load_tokenizer(directory / "tokenizer.model"), SentencePieceTokenizer)
+    assert isinstance(load_tokenizer(FIXTURE_TEKKEN), TekkenTokenizer)
+    both = tmp_path / "both"
+    both.mkdir()
+    (both / "tokenizer.model").write_bytes((directory / "tokenizer.model").read_bytes())
+    (both / "tekken.json").write_bytes(FIXTURE_TEKKEN.read_bytes())
+    assert isinstance(load_tokenizer(both), TekkenTokenizer)
+
+
+def test_load_tokenizer_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tokenizer not found"):
+        load_tokenizer(tmp_path / "missing.json")
+    with pytest.raises(FileNotFoundError, match="expected one of tekken.json, tokenizer.model"):
+        load_tokenizer(tmp_path)
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("a b c")
+    with pytest.raises(ValueError, match="unrecognised tokenizer file"):
+        load_tokenizer(vocab)
