@@ -1,0 +1,121 @@
+"""TextLM (Mistral with a sliding window, Llama with tied embeddings) vs transformers fixtures, over shuffled
+paged rings: full-sequence logits, chunked prefill == one shot, greedy continuation == generate()."""
+import dataclasses
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file
+
+from jaxstream.models import CheckpointMismatchError, TextLM, config_from_hf, init_kv_cache, load_hf_weights
+
+FIXTURES = Path(__file__).parent / "fixtures"
+PAGE_SIZE = 4
+CHUNK = 8
+
+
+@pytest.fixture(scope="module", params=["mistral", "llama"])
+def lm(request):
+    name = request.param
+    cfg = config_from_hf(json.loads((FIXTURES / f"{name}_tiny" / "config.json").read_text()))
+    model = nnx.eval_shape(lambda: TextLM(cfg, rngs=nnx.Rngs(0)))  # no random init: the checkpoint fills it
+    load_hf_weights(model, load_file(FIXTURES / f"{name}_tiny" / "model.safetensors"))
+    graphdef, state = nnx.split(model)
+
+    def forward(state, *args, **kwargs):
+        return nnx.merge(graphdef, state)(*args, **kwargs)
+
+    ref = dict(np.load(FIXTURES / f"{name}_tiny_reference.npz"))
+    return SimpleNamespace(name=name, cfg=cfg, state=state, ref=ref, step=jax.jit(forward, donate_argnums=(2,)))
+
+
+def fresh_ring(lm, num_sessions, rng):
+    """A shuffled paged ring (page_size 4) covering the model's attention window."""
+    pages_per_window = -(-lm.cfg.attention_window // PAGE_SIZE)
+    pages = 1 + rng.permutation(num_sessions * pages_per_window).astype(np.int32)
+    cache = init_kv_cache(lm.cfg.num_layers, 1 + pages.size, lm.cfg.num_kv_heads, PAGE_SIZE, lm.cfg.head_dim)
+    return cache, jnp.asarray(pages.reshape(num_sessions, pages_per_window))
+
+
+def one_shot(lm, ids, rng):
+    cache, table = fresh_ring(lm, ids.shape[0], rng)
+    zeros = jnp.zeros((ids.shape[0],), jnp.int32)
+    logits, _ = lm.step(lm.state, jnp.asarray(ids), cache, table, zeros, zeros + ids.shape[1])
+    return np.asarray(logits)
+
+
+def test_logits_match_transformers(lm):
+    ids = lm.ref["input_ids"]
+    if lm.cfg.sliding_window:
+        assert ids.shape[1] > 2 * lm.cfg.sliding_window  # the window must matter
+    error = np.abs(one_shot(lm, ids, np.random.default_rng(0)) - lm.ref["logits"]).max()
+    print(f"{lm.name}: max |logits - transformers| = {error:.2e}")
+    assert error <= 1e-4
+
+
+def test_chunked_prefill_matches_one_shot(lm):
+    """Two sessions prefill the same ids in different random pieces (padding rows hold garbage ids)."""
+    rng = np.random.default_rng(1)
+    ids = lm.ref["input_ids"][0]
+    total = ids.size
+    reference = one_shot(lm, ids[None], rng)[0]
+    cache, table = fresh_ring(lm, 2, rng)
+    written = [0, 0]
+    logits_rows = [[], []]
+    while min(written) < total:
+        num_new = [min(int(rng.integers(0, CHUNK + 1)), total - w) for w in written]
+        chunk_ids = rng.integers(0, lm.cfg.vocab_size, (2, CHUNK)).astype(np.int32)
+        for s, n in enumerate(num_new):
+            chunk_ids[s, :n] = ids[written[s] : written[s] + n]
+        logits, cache = lm.step(lm.state, jnp.asarray(chunk_ids), cache, table, jnp.asarray(written, jnp.int32),
+                                jnp.asarray(num_new, jnp.int32))
+        for s, n in enumerate(num_new):
+            logits_rows[s].extend(np.asarray(logits[s, :n]))
+            written[s] += n
+    for rows in logits_rows:
+        np.testing.assert_allclose(np.stack(rows), reference, atol=1e-5)
+
+
+def test_greedy_continuation_matches_generate(lm):
+    rng = np.random.default_rng(2)
+    prompt = lm.ref["prompt_ids"]
+    expected = lm.ref["generate"][0, prompt.shape[1]:]
+    cache, table = fresh_ring(lm, 1, rng)
+    logits, cache = lm.step(lm.state, jnp.asarray(prompt), cache, table, jnp.zeros((1,), jnp.int32),
+                            jnp.asarray([prompt.shape[1]], jnp.int32),
+                            logits_at=jnp.asarray([prompt.shape[1] - 1], jnp.int32))
+    step_logits = [np.asarray(logits[0])]
+    for position in range(prompt.shape[1], prompt.shape[1] + expected.size - 1):
+        token = int(np.argmax(step_logits[-1]))
+        logits, cache = lm.step(lm.state, jnp.asarray([[token]], jnp.int32), cache, table,
+                                jnp.asarray([position], jnp.int32), jnp.ones((1,), jnp.int32),
+                                logits_at=jnp.zeros((1,), jnp.int32))
+        step_logits.append(np.asarray(logits[0]))
+    generated = [int(np.argmax(row)) for row in step_logits]
+    assert generated == list(expected)
+    np.testing.assert_allclose(np.stack(step_logits), lm.ref["generate_logits"], atol=1e-4)
+
+
+def test_text_lm_rejects_bad_inputs():
+    cfg = config_from_hf(json.loads((FIXTURES / "mistral_tiny" / "config.json").read_text()))
+    model = nnx.eval_shape(lambda: TextLM(cfg, rngs=nnx.Rngs(0)))
+    tensors = load_file(FIXTURES / "mistral_tiny" / "model.safetensors")
+    load_hf_weights(model, tensors)
+    cache = init_kv_cache(cfg.num_layers, 5, cfg.num_kv_heads, PAGE_SIZE, cfg.head_dim)
+    table, one = jnp.ones((1, 2), jnp.int32), jnp.ones((1,), jnp.int32)
+    with pytest.raises(ValueError, match="token_ids must be"):
+        model(jnp.ones((3,), jnp.int32), cache, table, one, one)
+    with pytest.raises(ValueError, match="lengths must have shape"):
+        model(jnp.ones((1, 1), jnp.int32), cache, table, jnp.ones((2,), jnp.int32), one)
+    with pytest.raises(ValueError, match="logits_at must have shape"):
+        model(jnp.ones((1, 1), jnp.int32), cache, table, one, one, logits_at=jnp.zeros((1, 1), jnp.int32))
+    with pytest.raises(ValueError, match="belongs to VoxtralRealtime"):
+        TextLM(dataclasses.replace(cfg, ada_t_cond_dim=32), rngs=nnx.Rngs(0))
+    del tensors["lm_head.weight"]  # untied: the head is required
+    with pytest.raises(CheckpointMismatchError, match="1 missing: lm_head.weight"):
+        load_hf_weights(model, tensors)
