@@ -8,3 +8,4 @@ from jaxstream.models.hf_weights import (
 from jaxstream.models.layers import contiguous_page_table, init_kv_cache, num_parameters, rope_angles
 from jaxstream.models.text_lm import TextLM
 from jaxstream.models.voxtral import ConvState, VoxtralRealtime, init_conv_state
+from jaxstream.models.loading import BUILTIN_MODELS, LoadedModel, load_model, save_checkpoint

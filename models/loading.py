@@ -1,0 +1,451 @@
+"""One entry point to load a model: `load_model(source)` for the CLI, the engine and the notebook.
+
+`source` is one of
+- a built-in name (`BUILTIN_MODELS`: name -> packaged checkpoint directory),
+- a local directory holding
+  (a) a Mistral-native checkpoint: `params.json` + `consolidated*.safetensors` (+ `tekken.json`),
+  (b) a Hugging Face checkpoint: `config.json` + `model.safetensors` or a sharded
+      `model.safetensors.index.json` (legacy on-disk and modern transformers names both accepted),
+  (c) a jaxstream Orbax checkpoint written by `save_checkpoint` / `jaxstream convert`:
+      `jaxstream.json` (format, config, parameter dtype, tokenizer file) + `state/` (Orbax) + tokenizer,
+- a Hugging Face repo id `org/name`, downloaded with `huggingface_hub.snapshot_download` (a clear
+  one-line `UserError` when offline or not found).
+
+Safetensors checkpoints are streamed: the model is built abstractly (`nnx.eval_shape`, no allocation),
+then each tensor is read on its own (`safe_open`), re-laid out, cast to the parameter dtype and placed on
+its device before the next one is read, so host memory holds the placed parameters plus a few tensors,
+never a second copy of the checkpoint. Orbax checkpoints are restored straight into the requested dtype
+and shardings.
+"""
+import dataclasses
+import json
+import os
+import re
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, traverse_util
+
+from jaxstream.errors import UserError
+from jaxstream.models.config import (
+    EncoderConfig, TextConfig, VoxtralConfig, config_from_hf, config_from_mistral_params,
+)
+from jaxstream.models.hf_weights import CheckpointMismatchError, check_tensor_names, hf_name_map, ignorable_names
+from jaxstream.models.native_weights import (
+    check_native_tensors, interleaved_to_half_split, native_to_hf_name, rope_permutation_heads,
+)
+from jaxstream.models.text_lm import TextLM
+from jaxstream.models.tokenizers import TOKENIZER_FILES
+from jaxstream.models.voxtral import VoxtralRealtime
+
+# Built-in model name -> packaged checkpoint directory (any of the formats above).
+BUILTIN_MODELS: dict[str, Path] = {}
+
+ORBAX_METADATA = "jaxstream.json"
+ORBAX_STATE_DIR = "state"
+ORBAX_FORMAT = "jaxstream-orbax"
+ORBAX_FORMAT_VERSION = 1
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_HUB_METADATA_FILES = ["*.json", "tokenizer.model"]
+_NATIVE_WEIGHTS = "consolidated*.safetensors"
+_HF_WEIGHTS = "model*.safetensors"
+
+ModelConfig = TextConfig | VoxtralConfig
+Model = TextLM | VoxtralRealtime
+# A sharding for every parameter, or a rule (NNX state path, shape) -> sharding.
+ShardingSpec = jax.sharding.Sharding | Callable[[tuple, tuple[int, ...]], jax.sharding.Sharding]
+
+
+class LoadedModel(NamedTuple):
+    """What `load_model` returns; unpacks as `model, config, tokenizer_path = load_model(...)`."""
+
+    model: Model  # the NNX module; the engine takes `nnx.split(model)`
+    config: ModelConfig
+    tokenizer_path: Path | None  # tekken.json / tokenizer.model next to the weights (for `load_tokenizer`)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """A checkpoint directory, inspected without reading any weights."""
+
+    kind: str  # "native", "hf" or "orbax"
+    directory: Path
+    config: ModelConfig
+    weight_files: tuple[Path, ...]  # safetensors files (empty for Orbax)
+    tokenizer_path: Path | None
+
+
+def default_dtype() -> jnp.dtype:
+    """bfloat16 on accelerators, float32 on CPU (design.md numerics)."""
+    return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+
+
+def load_model(source: str | os.PathLike, *, dtype=None, param_dtype=None, sharding: ShardingSpec | None = None,
+               progress: bool | None = None) -> LoadedModel:
+    """Loads a model from a built-in name, a local directory or a Hugging Face repo id (module docstring).
+
+    dtype: the computation dtype (default: `default_dtype()`); param_dtype: the stored parameter dtype
+    (default: `dtype`), every tensor is cast to it as it is read. sharding: where the parameters go
+    (default: the first device), e.g. `NamedSharding(mesh, PartitionSpec())` to replicate over a mesh, or
+    a callable `(path, shape) -> Sharding` for per-parameter layouts. progress: a tqdm bar (default: when
+    stderr is a terminal). Raises `UserError` (one line) for anything wrong with `source`.
+    """
+    dtype = jnp.dtype(dtype) if dtype is not None else default_dtype()
+    param_dtype = jnp.dtype(param_dtype) if param_dtype is not None else dtype
+    info = inspect_checkpoint(resolve_model_dir(source))
+    graphdef, abstract = nnx.split(abstract_model(info.config, dtype, param_dtype))
+    shardings = _leaf_shardings(abstract, sharding)
+    if info.kind == "orbax":
+        params = _restore_orbax(info.directory, abstract, param_dtype, shardings)
+    else:
+        params = _stream_safetensors(info, param_dtype, shardings, progress)
+    nnx.replace_by_pure_dict(abstract, params)
+    return LoadedModel(nnx.merge(graphdef, abstract), info.config, info.tokenizer_path)
+
+
+# ----------------------------------------------------------------------------------------- resolving
+
+
+def resolve_model_dir(source: str | os.PathLike) -> Path:
+    """The local directory of `source`: a built-in name, an existing directory, or a downloaded hub repo."""
+    name = os.fspath(source)
+    if name in BUILTIN_MODELS:
+        return Path(BUILTIN_MODELS[name])
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise UserError(f"model {name!r} is a file; expected a checkpoint directory")
+        return path
+    if _HUB_ID.fullmatch(name):
+        return _download(name)
+    builtins = ", ".join(sorted(BUILTIN_MODELS)) or "none"
+    raise UserError(f"model {name!r} not found: not a built-in name ({builtins}), a local directory or a "
+                    "Hugging Face repo id (org/name)")
+
+
+def _download(repo_id: str) -> Path:
+    """Metadata first, then only the weights of the format the repo offers (native preferred), so a repo
+    that ships both formats is not downloaded twice."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        directory = Path(snapshot_download(repo_id, allow_patterns=_HUB_METADATA_FILES))
+        native = (directory / "params.json").is_file()
+        weights = _NATIVE_WEIGHTS if native else _HF_WEIGHTS
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_METADATA_FILES + [weights]))
+    except GatedRepoError:
+        raise UserError(f"Hugging Face repo {repo_id!r} is gated: accept its terms on huggingface.co and log in "
+                        "with `hf auth login`") from None
+    except RepositoryNotFoundError:
+        raise UserError(f"model {repo_id!r} is not a local directory and not a Hugging Face repo (or it is "
+                        "private: log in with `hf auth login`)") from None
+    except LocalEntryNotFoundError:
+        why = "offline mode (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE else "the Hub cannot be reached"
+        raise UserError(f"model {repo_id!r} is not a local directory and cannot be downloaded from the Hugging "
+                        f"Face Hub: {why} and it is not in the local cache") from None
+    except OSError as exc:  # network and HTTP errors of huggingface_hub derive from OSError
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"downloading {repo_id!r} from the Hugging Face Hub failed: {first_line}") from None
+
+
+# ---------------------------------------------------------------------------------------- inspecting
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read {path}: {exc}") from None
+
+
+def _parse_config(path: Path, parse: Callable[[dict], ModelConfig]) -> ModelConfig:
+    try:
+        return parse(_read_json(path))
+    except KeyError as exc:
+        raise UserError(f"{path}: missing field {exc}") from None
+    except (ValueError, TypeError) as exc:
+        raise UserError(f"{path}: {exc}") from None
+
+
+def _tokenizer_file(directory: Path) -> Path | None:
+    return next((directory / name for name in TOKENIZER_FILES if (directory / name).is_file()), None)
+
+
+def inspect_checkpoint(directory: Path) -> CheckpointInfo:
+    """Recognises the checkpoint format of `directory` and parses its configuration (no weights read)."""
+    tokenizer = _tokenizer_file(directory)
+    if (directory / ORBAX_METADATA).is_file():
+        metadata = _read_json(directory / ORBAX_METADATA)
+        if metadata.get("format") != ORBAX_FORMAT or not (directory / ORBAX_STATE_DIR).is_dir():
+            raise UserError(f"{directory / ORBAX_METADATA} does not describe a jaxstream Orbax checkpoint "
+                            f"(format {ORBAX_FORMAT!r} with a {ORBAX_STATE_DIR}/ directory)")
+        if metadata.get("format_version", 0) > ORBAX_FORMAT_VERSION:
+            raise UserError(f"{directory} was written by a newer jaxstream (checkpoint format version "
+                            f"{metadata['format_version']}); upgrade jaxstream to load it")
+        config = _parse_config(directory / ORBAX_METADATA, lambda meta: config_from_dict(meta["config"]))
+        tokenizer = directory / metadata["tokenizer"] if metadata.get("tokenizer") else None
+        return CheckpointInfo("orbax", directory, config, (), tokenizer)
+    native_files = tuple(sorted(directory.glob(_NATIVE_WEIGHTS)))
+    if (directory / "params.json").is_file() and native_files:
+        config = _parse_config(directory / "params.json", config_from_mistral_params)
+        return CheckpointInfo("native", directory, config, native_files, tokenizer)
+    if (directory / "config.json").is_file():
+        config = _parse_config(directory / "config.json", config_from_hf)
+        return CheckpointInfo("hf", directory, config, _hf_weight_files(directory), tokenizer)
+    if (directory / "params.json").is_file():
+        raise UserError(f"{directory} has params.json but no consolidated.safetensors")
+    raise UserError(f"{directory} is not a model checkpoint: it has no params.json (Mistral native), config.json "
+                    f"(Hugging Face) or {ORBAX_METADATA} (jaxstream Orbax)")
+
+
+def _hf_weight_files(directory: Path) -> tuple[Path, ...]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise UserError(f"{index} has no weight_map")
+        files = tuple(directory / name for name in sorted(set(weight_map.values())))
+        missing = [file.name for file in files if not file.is_file()]
+        if missing:
+            raise UserError(f"{directory} lacks {', '.join(missing)}, listed in {index.name}")
+        return files
+    if (directory / "model.safetensors").is_file():
+        return (directory / "model.safetensors",)
+    raise UserError(f"{directory} has config.json but no model.safetensors or model.safetensors.index.json")
+
+
+# ---------------------------------------------------------------------------------- safetensors path
+
+
+class _Source(NamedTuple):
+    file: Path
+    name: str  # the tensor's name in the file
+    rope_heads: int | None  # un-interleave q/k rows of this many heads (native checkpoints)
+
+
+# transformers' load-time names (the module tree) -> the legacy names `save_pretrained` writes (spec §5.3).
+_VOXTRAL_MODERN_PREFIXES = (
+    ("model.language_model.", "language_model.model."), ("model.audio_tower.", "audio_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."), ("lm_head.", "language_model.lm_head."))
+
+
+def _hf_legacy_name(name: str, config: ModelConfig) -> str:
+    """Modern transformers names of Voxtral -> the legacy on-disk names `hf_name_map` uses."""
+    if isinstance(config, VoxtralConfig):
+        for modern, legacy in _VOXTRAL_MODERN_PREFIXES:
+            if name.startswith(modern):
+                return legacy + name[len(modern):]
+    return name
+
+
+def _tensor_sources(info: CheckpointInfo) -> dict[str, _Source]:
+    """HF on-disk name -> where to read it, after checking names and shapes against the configuration."""
+    from safetensors import SafetensorError, safe_open
+
+    stored: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for file in info.weight_files:
+        try:
+            with safe_open(file, framework="numpy") as reader:
+                for name in reader.keys():
+                    if name in stored:
+                        raise UserError(f"tensor {name!r} is stored twice ({stored[name][0].name}, {file.name})")
+                    stored[name] = (file, tuple(reader.get_slice(name).get_shape()))
+        except (OSError, SafetensorError) as exc:
+            raise UserError(f"cannot read {file}: {exc}") from None
+    try:
+        if info.kind == "native":
+            check_native_tensors(info.config, {name: shape for name, (_, shape) in stored.items()})
+            renamed = {native_to_hf_name(name, info.config): name for name in stored}
+        else:
+            renamed = {_hf_legacy_name(name, info.config): name for name in stored}
+            check_tensor_names(info.config, {hf: stored[name][1] for hf, name in renamed.items()})
+    except CheckpointMismatchError as exc:
+        raise UserError(f"{info.directory}: {exc}") from None
+    ignored = ignorable_names(info.config)
+    return {hf: _Source(stored[name][0], name,
+                        rope_heads=rope_permutation_heads(hf, info.config) if info.kind == "native" else None)
+            for hf, name in renamed.items() if hf not in ignored}
+
+
+_SAFETENSORS_DTYPES = {"BF16": jnp.bfloat16, "F16": jnp.float16, "F32": jnp.float32, "F64": jnp.float64}
+
+
+def checkpoint_dtype(info: CheckpointInfo) -> jnp.dtype:
+    """The dtype the checkpoint stores its parameters in (that of its first tensor)."""
+    if info.kind == "orbax":
+        return jnp.dtype(_read_json(info.directory / ORBAX_METADATA)["param_dtype"])
+    from safetensors import safe_open
+
+    with safe_open(info.weight_files[0], framework="numpy") as reader:
+        stored = reader.get_slice(next(iter(reader.keys()))).get_dtype()
+    if stored not in _SAFETENSORS_DTYPES:
+        raise UserError(f"{info.weight_files[0]} stores {stored} tensors; expected floating-point parameters")
+    return jnp.dtype(_SAFETENSORS_DTYPES[stored])
+
+
+def _stream_safetensors(info: CheckpointInfo, param_dtype, shardings: dict, progress: bool | None) -> dict:
+    """Reads, re-lays-out, casts and places one tensor at a time; returns the nested pure state dict."""
+    from safetensors import safe_open
+    from tqdm.auto import tqdm
+
+    sources = _tensor_sources(info)
+    entries = hf_name_map(info.config)
+    by_file: dict[Path, list[str]] = {}
+    for hf_name, source in sources.items():
+        by_file.setdefault(source.file, []).append(hf_name)
+    flat = {}
+    show = progress if progress is not None else sys.stderr.isatty()
+    with tqdm(total=len(sources), unit="tensor", desc="loading", disable=not show) as bar:
+        for file, names in by_file.items():
+            with safe_open(file, framework="numpy") as reader:
+                for hf_name in names:
+                    source, entry = sources[hf_name], entries[hf_name]
+                    tensor = reader.get_tensor(source.name)
+                    if source.rope_heads is not None:
+                        tensor = interleaved_to_half_split(tensor, source.rope_heads)
+                    host = np.ascontiguousarray(entry.transform(tensor), dtype=param_dtype)
+                    del tensor
+                    # Waiting for the transfer lets `host` go before the next read: one tensor in flight.
+                    flat[entry.path] = jax.device_put(host, shardings[entry.path]).block_until_ready()
+                    del host
+                    bar.update()
+    return traverse_util.unflatten_dict(flat)
+
+
+# ------------------------------------------------------------------------------------------ modelling
+
+
+def model_class(config: ModelConfig) -> type[Model]:
+    return VoxtralRealtime if isinstance(config, VoxtralConfig) else TextLM
+
+
+class _ConstantKeys:
+    """Stands in for `nnx.Rngs` when building a model whose every parameter will be overwritten.
+
+    A stateful `nnx.Rngs` under `nnx.eval_shape` makes tracing quadratic in the parameter count (each
+    counter update asks a tracer for its sharding, and jax 0.10 builds an error message scanning the
+    whole trace): 15 s instead of 1 s for the 4B model. Any stream (`rngs.params()`, ...) gives one key.
+    """
+
+    def __call__(self) -> jax.Array:
+        return jax.random.key(0)
+
+    def __getattr__(self, stream: str):
+        if stream.startswith("_"):  # not a stream name: keep Python's protocols (copy, pickle) honest
+            raise AttributeError(stream)
+        return self
+
+
+def abstract_model(config: ModelConfig, dtype=jnp.float32, param_dtype=None) -> Model:
+    """The model of `config` with `jax.ShapeDtypeStruct` parameters (nothing allocated)."""
+    cls = model_class(config)
+    param_dtype = dtype if param_dtype is None else param_dtype
+    try:
+        return nnx.eval_shape(lambda: cls(config, rngs=_ConstantKeys(), dtype=dtype, param_dtype=param_dtype))
+    except ValueError as exc:  # a configuration the model does not support
+        raise UserError(f"unsupported {cls.__name__} configuration: {exc}") from None
+
+
+def _leaf_shardings(abstract: nnx.State, sharding: ShardingSpec | None) -> dict[tuple, jax.sharding.Sharding]:
+    """NNX state path -> sharding of that parameter."""
+    leaves = traverse_util.flatten_dict(nnx.to_pure_dict(abstract))
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if isinstance(sharding, jax.sharding.Sharding):
+        return {path: sharding for path in leaves}
+    return {path: sharding(path, tuple(leaf.shape)) for path, leaf in leaves.items()}
+
+
+# ---------------------------------------------------------------------------------------------- Orbax
+
+
+def config_to_dict(config: ModelConfig) -> dict[str, Any]:
+    """A JSON-ready dict of a configuration; `config_from_dict` inverts it."""
+    return {"type": type(config).__name__, **dataclasses.asdict(config)}
+
+
+def config_from_dict(data: dict[str, Any]) -> ModelConfig:
+    data = dict(data)
+    kind = data.pop("type")
+
+    def text(fields: dict) -> TextConfig:
+        scaling = fields.get("rope_llama3_scaling")
+        return TextConfig(**{**fields, "rope_llama3_scaling": tuple(scaling) if scaling is not None else None})
+
+    if kind == "TextConfig":
+        return text(data)
+    if kind == "VoxtralConfig":
+        return VoxtralConfig(**{**data, "encoder": EncoderConfig(**data["encoder"]), "text": text(data["text"])})
+    raise ValueError(f"unknown configuration type {kind!r}")
+
+
+def check_destination(destination: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """The absolute checkpoint directory for `destination`, which must be missing, empty, or (with
+    `overwrite`) a jaxstream checkpoint; anything else would lose the user's files."""
+    directory = Path(destination).expanduser().resolve()
+    if directory.exists():
+        if not directory.is_dir():
+            raise UserError(f"destination {directory} is a file")
+        if any(directory.iterdir()):
+            if not (directory / ORBAX_METADATA).is_file():
+                raise UserError(f"destination {directory} is not empty and not a jaxstream checkpoint; "
+                                "refusing to overwrite it")
+            if not overwrite:
+                raise UserError(f"destination {directory} already holds a checkpoint (use --overwrite)")
+    elif not os.access(_existing_ancestor(directory), os.W_OK):
+        raise UserError(f"cannot create destination {directory}: permission denied")
+    return directory
+
+
+def _existing_ancestor(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def save_checkpoint(loaded: LoadedModel, destination: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """Writes `loaded` as a jaxstream Orbax checkpoint (state, `jaxstream.json`, tokenizer file) and returns
+    its directory (see `check_destination`)."""
+    import orbax.checkpoint as ocp
+
+    directory = check_destination(destination, overwrite=overwrite)
+    if directory.exists():
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    params = nnx.to_pure_dict(nnx.state(loaded.model, nnx.Param))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(directory / ORBAX_STATE_DIR, params)
+    tokenizer = None
+    if loaded.tokenizer_path is not None:
+        tokenizer = loaded.tokenizer_path.name
+        shutil.copyfile(loaded.tokenizer_path, directory / tokenizer)
+    metadata = {"format": ORBAX_FORMAT, "format_version": ORBAX_FORMAT_VERSION,
+                "config": config_to_dict(loaded.config), "param_dtype": str(jax.tree.leaves(params)[0].dtype),
+                "tokenizer": tokenizer}
+    # Written last: its presence marks a complete checkpoint.
+    (directory / ORBAX_METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
+    return directory
+
+
+def _restore_orbax(directory: Path, abstract: nnx.State, param_dtype, shardings: dict) -> dict:
+    import orbax.checkpoint as ocp
+
+    leaves = traverse_util.flatten_dict(nnx.to_pure_dict(abstract))
+    target = traverse_util.unflatten_dict({
+        path: jax.ShapeDtypeStruct(leaf.shape, param_dtype, sharding=shardings[path])
+        for path, leaf in leaves.items()})
+    state_dir = (directory / ORBAX_STATE_DIR).resolve()
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            return checkpointer.restore(state_dir, target)
+    except (ValueError, KeyError, FileNotFoundError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"{state_dir} does not match {ORBAX_METADATA}: {first_line}") from None
