@@ -1,4 +1,9 @@
-"""Sliding-window attention over a paged ring-buffer KV cache (one op for chunked prefill and decode)."""
-from jaxstream.tpu_kernels.ring_attention.api import ring_attention
+"""Sliding-window attention over a paged ring-buffer KV cache (one op for chunked prefill and decode).
 
-__all__ = ["ring_attention"]
+`ring_attention` dispatches to one of `IMPLEMENTATIONS`: "xla" (reference, any backend), "pallas"
+(portable kernel: TPU Mosaic, GPU Triton, interpreters) and "pallas_tpu" (TPU-tuned kernel);
+`choose_implementation` tells which one a call would run.
+"""
+from jaxstream.tpu_kernels.ring_attention.api import IMPLEMENTATIONS, choose_implementation, ring_attention
+
+__all__ = ["IMPLEMENTATIONS", "choose_implementation", "ring_attention"]

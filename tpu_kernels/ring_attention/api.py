@@ -1,15 +1,117 @@
-"""Public entry point and dispatcher of `ring_attention`."""
+"""Public entry point of `ring_attention`: input validation and the implementation dispatcher."""
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from jaxstream.tpu_kernels.ring_attention import pallas, pallas_tpu
 from jaxstream.tpu_kernels.ring_attention.xla import ring_attention_xla
 
+IMPLEMENTATIONS = ("xla", "pallas", "pallas_tpu")
+# Tried in order by implementation=None; the first whose check passes runs. XLA always works.
+DEFAULT_ORDER = {"tpu": ("pallas_tpu", "pallas", "xla"), "gpu": ("pallas", "xla")}
 
-def ring_attention(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, *, window,
-                                     implementation=None, scale=None):
+_KERNELS = {"pallas": (pallas.check_supported, pallas.ring_attention_pallas),
+            "pallas_tpu": (pallas_tpu.check_supported, pallas_tpu.ring_attention_pallas_tpu)}
+
+
+def ring_attention(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, *, window, implementation=None,
+                   scale=None, interpret=False):
     """Attention of C new positions per session over a paged ring KV cache, writing the new K/V.
 
     Shapes: q [S, C, Hq, D]; k_new/v_new [S, C, Hkv, D]; k_pages/v_pages [num_pages, Hkv, page_size, D];
-    page_table [S, pages_per_window] int32; lengths, num_new [S] int32. Query i of session s (position
-    lengths[s] + i) attends to keys at positions in (pos - window, pos]. Returns (out, k_pages, v_pages).
+    page_table [S, pages_per_window] int32 (valid page indices; point unallocated entries at a null page);
+    lengths, num_new [S] int32. Query i of session s (position lengths[s] + i) attends to keys at
+    positions in (pos - window, pos], read before the chunk is written. Rows i >= num_new[s] are padding:
+    not written, and their outputs are to be ignored (a session with num_new = 0 gets zeros).
+    Returns (out [S, C, Hq, D], k_pages, v_pages); donate the pages to update them in place.
+
+    implementation: "xla", "pallas" (portable: TPU, GPU Triton), "pallas_tpu" (TPU-tuned), or None for
+    the best available on the default backend ("pallas_tpu" on TPU, "pallas" on GPU, "xla" elsewhere).
+    interpret: run an explicitly named Pallas implementation in the Pallas interpreter (tests on CPU):
+    True for the generic interpreter, or a `pltpu.InterpretParams(...)` for the TPU one.
     """
-    del implementation  # Only the XLA path exists so far.
-    return ring_attention_xla(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new,
-                                                        window=window, scale=scale)
+    _validate(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, window, scale)
+    window, scale = int(window), None if scale is None else float(scale)  # Static, hashable jit arguments.
+    name = choose_implementation(k_pages, implementation=implementation, interpret=interpret)
+    args = (q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new)
+    if name == "xla":
+        return ring_attention_xla(*args, window=window, scale=scale)
+    return _KERNELS[name][1](*args, window=window, scale=scale, interpret=interpret)
+
+
+def choose_implementation(k_pages, *, implementation=None, interpret=False, platform=None):
+    """Name of the implementation `ring_attention` runs for these pages on `platform` (default backend).
+
+    Raises ValueError for an unknown name, or for an explicit name that cannot run here, with the reason.
+    """
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown ring_attention implementation {implementation!r}; choose one of "
+                         f"{', '.join(IMPLEMENTATIONS)} or None")
+    if interpret and implementation not in _KERNELS:
+        raise ValueError(f"interpret={interpret!r} needs implementation='pallas' or 'pallas_tpu', "
+                         f"got {implementation!r}")
+    if implementation == "xla":
+        return "xla"
+    if implementation is not None:
+        reason = _unsupported_reason(implementation, k_pages, interpret, platform)
+        if reason:
+            raise ValueError(f"ring_attention implementation {implementation!r} is unavailable: {reason}")
+        return implementation
+    for name in DEFAULT_ORDER.get(platform or jax.default_backend(), ("xla",)):
+        if name == "xla" or not _unsupported_reason(name, k_pages, False, platform):
+            return name
+    return "xla"
+
+
+def _unsupported_reason(name, k_pages, interpret, platform):
+    try:
+        _KERNELS[name][0](k_pages, interpret=interpret, platform=platform)
+    except NotImplementedError as reason:
+        return str(reason)
+    return None
+
+
+def _validate(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, window, scale):
+    def fail(message):
+        raise ValueError(f"ring_attention: {message}")
+
+    arrays = dict(q=q, k_new=k_new, v_new=v_new, k_pages=k_pages, v_pages=v_pages, page_table=page_table,
+                  lengths=lengths, num_new=num_new)
+    ranks = dict(q=4, k_new=4, v_new=4, k_pages=4, v_pages=4, page_table=2, lengths=1, num_new=1)
+    for name, array in arrays.items():
+        if jnp.ndim(array) != ranks[name]:
+            fail(f"{name} must have rank {ranks[name]}, got shape {jnp.shape(array)}")
+    for name in ("page_table", "lengths", "num_new"):
+        if arrays[name].dtype != jnp.int32:
+            fail(f"{name} must be int32, got {arrays[name].dtype}")
+    for name in ("q", "k_new", "v_new", "k_pages", "v_pages"):
+        if not jnp.issubdtype(arrays[name].dtype, jnp.floating):
+            fail(f"{name} must be a floating-point array, got {arrays[name].dtype}")
+    if k_new.shape != v_new.shape:
+        fail(f"k_new {k_new.shape} and v_new {v_new.shape} differ in shape")
+    if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+        fail(f"k_pages {k_pages.shape} {k_pages.dtype} and v_pages {v_pages.shape} {v_pages.dtype} differ")
+    sessions, chunk, num_q_heads, head_dim = q.shape
+    num_pages, num_kv_heads, page_size, page_head_dim = k_pages.shape
+    for name in ("k_new", "page_table", "lengths", "num_new"):
+        if arrays[name].shape[0] != sessions:
+            fail(f"{name} has {arrays[name].shape[0]} sessions but q has {sessions}")
+    if chunk < 1 or k_new.shape[1] != chunk:
+        fail(f"k_new/v_new chunk length {k_new.shape[1]} must equal q's chunk length {chunk} (>= 1)")
+    if k_new.shape[2] != num_kv_heads:
+        fail(f"k_new has {k_new.shape[2]} KV heads but the pages have {num_kv_heads}")
+    if num_q_heads % num_kv_heads:
+        fail(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    if not head_dim == k_new.shape[3] == page_head_dim:
+        fail(f"head_dim differs: q {head_dim}, k_new {k_new.shape[3]}, pages {page_head_dim}")
+    if num_pages < 1 or page_size < 1 or page_table.shape[1] < 1:
+        fail(f"empty page pool {k_pages.shape} or page table {page_table.shape}")
+    if not isinstance(window, numbers.Integral) or isinstance(window, bool) or window < 1:
+        fail(f"window must be a positive Python int, got {window!r}")
+    ring = page_table.shape[1] * page_size
+    if ring < window:
+        fail(f"the page table holds {page_table.shape[1]} pages of {page_size} positions = {ring} < window {window}; "
+             f"it needs ceil(window / page_size) = {-(-window // page_size)} entries")
+    if scale is not None and not isinstance(scale, numbers.Real):
+        fail(f"scale must be a Python float or None, got {scale!r}")

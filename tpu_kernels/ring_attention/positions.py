@@ -1,19 +1,29 @@
 """Position math shared by every implementation of `ring_attention`.
 
-Positions are derived from the per-session count of written positions, never stored: ring index j of a
-session that has written L positions holds position n - ((n mod R - j) mod R) with n = L - 1, which is
-negative (invalid) for never-written entries.
+Positions are derived from the per-session count of written positions, never stored: with n = L - 1 the
+newest written position and base = n mod R, ring index j holds position n - (base - j) if j <= base and
+n - (base - j + R) otherwise; a negative position marks a never-written (invalid) entry. Only `base` needs
+a modulo, so inside kernels it is one scalar operation and the vector side does compares and selects.
 """
 import jax.numpy as jnp
 from jax import lax
 
 
+def position_at(newest, ring, ring_index):
+    """Stream position held by `ring_index` (any int32 array) of a ring whose newest position is `newest`.
+
+    `newest` may be a scalar (inside kernels) or broadcastable against `ring_index`; it is -1 for an empty
+    session, which makes every entry invalid.
+    """
+    base = jnp.remainder(newest, ring)
+    back = jnp.where(ring_index <= base, base - ring_index, base - ring_index + ring)
+    return newest - back
+
+
 def ring_positions(lengths, ring):
     """[S] lengths -> [S, R] stream position held by each ring index (negative = empty)."""
-    newest = lengths - 1
-    base = jnp.remainder(newest, ring)
-    j = jnp.arange(ring, dtype=jnp.int32)
-    return newest[:, None] - jnp.remainder(base[:, None] - j[None, :], ring)
+    ring_index = jnp.arange(ring, dtype=jnp.int32)
+    return position_at((lengths - 1)[:, None], ring, ring_index[None, :])
 
 
 def attention_mask(query_pos, key_pos, key_valid, window):
@@ -21,6 +31,24 @@ def attention_mask(query_pos, key_pos, key_valid, window):
     q = query_pos[:, :, None]
     k = key_pos[:, None, :]
     return key_valid[:, None, :] & (k <= q) & (k > q - window)
+
+
+def visible_pages(length, num_new, window, page_size, pages_per_window):
+    """Scalar range of logical pages that a chunk's queries can see in the old ring.
+
+    The queries of a chunk starting at position `length` see old positions in
+    [max(0, length - window + 1), length - 1] (query 0 has the widest window). Returns (first, count):
+    visit the logical pages (first + t) mod pages_per_window for t in [0, count), each at most once. Pages
+    holding only positions outside the window are never visited, and a session with no valid new rows
+    (num_new == 0, its rows are padding) visits nothing. All operands are non-negative, so `lax.div` is
+    exact (and, unlike `//`, lowers on Mosaic from a CPU host).
+    """
+    lowest = jnp.maximum(length - window + 1, 0)
+    highest = length - 1
+    first = lax.div(lowest, page_size)
+    spanned = lax.div(jnp.maximum(highest, 0), page_size) - first + 1
+    count = jnp.where((num_new > 0) & (highest >= lowest), jnp.minimum(spanned, pages_per_window), 0)
+    return first, count
 
 
 def write_targets(page_table, lengths, num_new, chunk, page_size, num_pages):

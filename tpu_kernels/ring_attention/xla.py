@@ -2,12 +2,15 @@
 
 Runs on every backend; it is what CPU serving uses and the fallback of the dispatcher.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from jaxstream.tpu_kernels.ring_attention import positions
 
 
+@functools.partial(jax.jit, static_argnames=("window", "scale"))
 def ring_attention_xla(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, *, window, scale=None):
     num_sessions, chunk, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
@@ -40,7 +43,23 @@ def ring_attention_xla(q, k_new, v_new, k_pages, v_pages, page_table, lengths, n
     out = jnp.einsum("shgck,shkd->schgd", probs, values.astype(jnp.float32))
     out = out.reshape(num_sessions, chunk, num_q_heads, head_dim).astype(q.dtype)
 
-    page_index, offset = positions.write_targets(page_table, lengths, num_new, chunk, page_size, k_pages.shape[0])
-    k_pages = k_pages.at[page_index, :, offset].set(k_new.astype(k_pages.dtype), mode="drop")
-    v_pages = v_pages.at[page_index, :, offset].set(v_new.astype(v_pages.dtype), mode="drop")
+    k_pages, v_pages = write_new_entries(k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, after=out)
     return out, k_pages, v_pages
+
+
+def write_new_entries(k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, *, after):
+    """Scatter the valid new rows into their pages, after the attention output `after` is computed.
+
+    Every implementation writes with this scatter after attending (read before write); `mode="drop"`
+    discards padding rows, which `write_targets` sends to an out-of-range page. XLA updates a donated pool
+    in place only if it can order the scatter after every other reader of the pool, and its copy
+    insertion sees only data dependences (not even an optimization_barrier): without one it copies the
+    whole pool. So the written rows get `after` folded in as a signed zero, +0.0 or -0.0 whatever `after`
+    holds (NaN included), which leaves every value unchanged and which XLA cannot fold away.
+    """
+    num_pages, _, page_size, _ = k_pages.shape
+    page_index, offset = positions.write_targets(page_table, lengths, num_new, k_new.shape[1], page_size, num_pages)
+    zero = jnp.where(jnp.sum(after, dtype=jnp.float32) > 0, 0.0, -0.0).astype(k_pages.dtype)
+    k_pages = k_pages.at[page_index, :, offset].set(k_new.astype(k_pages.dtype) + zero, mode="drop")
+    v_pages = v_pages.at[page_index, :, offset].set(v_new.astype(v_pages.dtype) + zero, mode="drop")
+    return k_pages, v_pages

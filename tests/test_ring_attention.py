@@ -1,0 +1,208 @@
+"""ring_attention: every implementation against the dense float64 oracle (shared test base), streaming
+through several calls, the dispatcher, input validation and in-place writes under donation.
+
+Pallas kernels run in the CPU interpreters: the generic one (interpret=True, Triton-style specs) and the
+TPU one (pltpu.InterpretParams: SMEM/VMEM, DMA, race detection on two simulated cores).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from jaxstream.tpu_kernels import ring_attention
+from jaxstream.tpu_kernels.ring_attention import api, pallas_common, reference
+from jaxstream.tpu_kernels.ring_attention.test_base import (ACCELERATOR_TOLERANCE, CASES, Case,
+                                                             RingAttentionTestBase, build)
+
+BACKEND = jax.default_backend()
+
+
+class TestXla(RingAttentionTestBase):
+    implementation = "xla"
+
+
+class TestPallasInterpret(RingAttentionTestBase):
+    implementation = "pallas"
+    interpret = True
+
+
+class TestPallasTpuInterpreter(RingAttentionTestBase):
+    implementation = "pallas"
+    interpret = pltpu.InterpretParams()
+    dtypes = ("float32",)
+
+
+class TestPallasTpuKernelInterpret(RingAttentionTestBase):
+    implementation = "pallas_tpu"
+    interpret = True
+    dtypes = ("bfloat16",)
+
+
+class TestPallasTpuKernelTpuInterpreter(RingAttentionTestBase):
+    implementation = "pallas_tpu"
+    interpret = pltpu.InterpretParams()
+    dtypes = ("float32",)
+
+
+@pytest.mark.gpu
+@pytest.mark.tpu
+@pytest.mark.skipif(BACKEND not in ("gpu", "tpu"), reason="needs a GPU or TPU (e.g. JAX_PLATFORMS=cuda pytest ...)")
+class TestCompiledOnAccelerator(RingAttentionTestBase):
+    """The kernel the dispatcher picks on this accelerator, compiled (Triton on GPU, Mosaic on TPU)."""
+
+    implementation = {"tpu": "pallas_tpu", "gpu": "pallas"}.get(BACKEND)
+    tolerance = ACCELERATOR_TOLERANCE
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "pallas_tpu"])
+def test_tpu_interpreter_detects_no_races(implementation):
+    """Both kernels on two simulated TPU cores with race detection: a decode row, a chunk crossing the
+    wrap point and an idle session, split over the parallel grid axes."""
+    try:
+        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+    except ImportError:
+        pytest.skip("this jax does not expose the TPU interpreter's race state")
+    case = Case(lengths=(30, 7, 40), num_new=(4, 1, 0), chunk=4, window=24, page_size=16, group=2, head_dim=64)
+    args, history = build(case, "float32", seed=5)
+    interpret = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
+    out, _, _ = jax.block_until_ready(ring_attention(**args, window=case.window, implementation=implementation,
+                                                     interpret=interpret))
+    assert tpu_interpreter.races is not None and not tpu_interpreter.races.races_found
+    expected = reference.dense_attention(history["q"], history["k_history"], history["v_history"],
+                                         history["lengths"], history["num_new"], window=case.window)
+    valid = np.arange(case.chunk)[None, :] < history["num_new"][:, None]
+    np.testing.assert_allclose(np.asarray(out)[valid], expected[valid], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("implementation,interpret", [("xla", False), ("pallas_tpu", True)])
+def test_stream_of_calls_matches_dense(implementation, interpret):
+    """Chunked prefill then decode through the API, pages allocated on first use from a shuffled free
+    list and the returned pages fed back: every step matches dense attention over the whole history."""
+    window, page_size, chunk, group, head_dim, sessions = 10, 4, 6, 2, 16, 2
+    pages_per_window = -(-window // page_size)
+    rng = np.random.default_rng(11)
+    total = 30
+    k_history = rng.standard_normal((sessions, total + chunk, 1, head_dim)).astype(np.float32)
+    v_history = rng.standard_normal((sessions, total + chunk, 1, head_dim)).astype(np.float32)
+    free = list(rng.permutation(np.arange(1, 1 + sessions * pages_per_window)))
+    page_table = np.zeros((sessions, pages_per_window), np.int32)
+    k_pages = jnp.asarray(rng.standard_normal((1 + len(free), 1, page_size, head_dim)), jnp.float32)
+    v_pages = jnp.asarray(rng.standard_normal((1 + len(free), 1, page_size, head_dim)), jnp.float32)
+    lengths = np.zeros(sessions, np.int32)
+    call = functools.partial(ring_attention, window=window, implementation=implementation, interpret=interpret)
+    # Session 1 starts two steps late and prefills in shorter chunks.
+    plan = [((6, 0), chunk), ((6, 0), chunk), ((5, 4), chunk), ((1, 4), chunk), ((1, 4), chunk)]
+    plan += [((1, 1), 1)] * 9
+    for num_new, size in plan:
+        num_new = np.asarray(num_new, np.int32)
+        for s in range(sessions):
+            for p in range(lengths[s], lengths[s] + num_new[s]):
+                logical = (p // page_size) % pages_per_window
+                if p < pages_per_window * page_size and p % page_size == 0:
+                    page_table[s, logical] = free.pop()
+        q = rng.standard_normal((sessions, size, group, head_dim)).astype(np.float32)
+        new = [np.stack([h[s, lengths[s]: lengths[s] + size] for s in range(sessions)]) for h in (k_history, v_history)]
+        out, k_pages, v_pages = call(jnp.asarray(q), jnp.asarray(new[0]), jnp.asarray(new[1]), k_pages, v_pages,
+                                     jnp.asarray(page_table), jnp.asarray(lengths), jnp.asarray(num_new))
+        expected = reference.dense_attention(q, k_history, v_history, lengths, num_new, window=window)
+        valid = np.arange(size)[None, :] < num_new[:, None]
+        np.testing.assert_allclose(np.asarray(out)[valid], expected[valid], atol=2e-5, rtol=2e-5)
+        lengths = lengths + num_new
+    assert lengths.tolist() == [28, 21]
+
+
+@pytest.mark.parametrize("implementation,interpret", [("xla", False), ("pallas", True)])
+def test_nan_queries_leave_the_writes_intact(implementation, interpret):
+    """The write is ordered after the attention through the output; NaN there must not leak into pages."""
+    case = CASES["paged_chunk_gqa4"]
+    args, history = build(case, "float32", seed=3)
+    args["q"] = args["q"].at[0].set(jnp.nan)
+    _, k_pages, v_pages = ring_attention(**args, window=case.window, scale=case.scale,
+                                         implementation=implementation, interpret=interpret)
+    stop = history["lengths"] + history["num_new"]
+    for name, written in (("k", k_pages), ("v", v_pages)):
+        expected = reference.write_positions(history[f"{name}_pool"], history["page_table"],
+                                             history[f"{name}_history"], history["lengths"], stop)
+        np.testing.assert_array_equal(np.asarray(written), expected)
+
+
+def test_default_implementation_per_platform(monkeypatch):
+    pages = jnp.zeros((4, 2, 16, 64), jnp.bfloat16)
+    assert api.choose_implementation(pages) == "xla"  # The tests run on CPU.
+    assert api.choose_implementation(pages, platform="tpu") == "pallas_tpu"
+    assert api.choose_implementation(pages, platform="gpu") == "pallas"
+    assert api.choose_implementation(jnp.zeros((4, 2, 24, 64)), platform="gpu") == "xla"  # Triton: 2^k pages.
+    monkeypatch.setattr(pallas_common, "triton_available", lambda: False)
+    assert api.choose_implementation(pages, platform="gpu") == "xla"
+    with pytest.raises(ValueError, match="Triton backend cannot be imported"):
+        api.choose_implementation(pages, implementation="pallas", platform="gpu")
+
+
+@pytest.mark.parametrize("implementation,interpret,platform,message", [
+    ("flash", False, None, "unknown ring_attention implementation 'flash'"),
+    ("pallas", False, "cpu", "pass interpret=True"),
+    ("pallas_tpu", False, "gpu", "'pallas_tpu' needs a TPU"),
+    (None, True, None, "needs implementation='pallas' or 'pallas_tpu'"),
+    ("xla", True, None, "needs implementation='pallas' or 'pallas_tpu'"),
+])
+def test_unavailable_implementation_is_a_clear_error(implementation, interpret, platform, message):
+    with pytest.raises(ValueError, match=message):
+        api.choose_implementation(jnp.zeros((4, 2, 16, 64)), implementation=implementation, interpret=interpret,
+                                  platform=platform)
+
+
+def test_portable_kernel_refuses_pools_beyond_tpu_vmem():
+    pool = jax.ShapeDtypeStruct((4096, 8, 256, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="VMEM budget"):
+        api.choose_implementation(pool, implementation="pallas", platform="tpu")
+
+
+def _mutated(**changes):
+    args, _ = build(CASES["paged_chunk_gqa4"], "float32", seed=0)
+    args.update(window=CASES["paged_chunk_gqa4"].window)
+    for name, change in changes.items():
+        args[name] = change(args[name]) if callable(change) else change
+    return args
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(q=lambda x: x[:, :, :3]), r"query heads \(3\) must be a multiple of KV heads \(2\)"),
+    (dict(q=lambda x: x[0]), "q must have rank 4"),
+    (dict(k_new=lambda x: x[..., :32], v_new=lambda x: x[..., :32]), "head_dim differs"),
+    (dict(v_new=lambda x: x[:, :2]), "k_new .* and v_new .* differ in shape"),
+    (dict(k_new=lambda x: x[:, :2], v_new=lambda x: x[:, :2]), "must equal q's chunk length"),
+    (dict(lengths=lambda x: x[:2]), "lengths has 2 sessions but q has 4"),
+    (dict(page_table=lambda x: x.astype(jnp.float32)), "page_table must be int32"),
+    (dict(num_new=lambda x: x.astype(jnp.int16)), "num_new must be int32"),
+    (dict(v_pages=lambda x: x.astype(jnp.bfloat16)), "k_pages .* and v_pages .* differ"),
+    (dict(k_pages=lambda x: x[:, :1], v_pages=lambda x: x[:, :1]), "k_new has 2 KV heads but the pages have 1"),
+    (dict(page_table=lambda x: x[:, :1]), r"= 16 < window 24; it needs ceil\(window / page_size\) = 2 entries"),
+    (dict(window=jnp.int32(24)), "window must be a positive Python int"),
+    (dict(window=0), "window must be a positive Python int"),
+    (dict(q=lambda x: x.astype(jnp.int32)), "q must be a floating-point array"),
+])
+def test_invalid_inputs_are_clear_errors(changes, message):
+    with pytest.raises(ValueError, match=f"^ring_attention: .*{message}"):
+        ring_attention(**_mutated(**changes))
+
+
+@pytest.mark.parametrize("implementation,interpret", [
+    ("xla", False), ("pallas", pltpu.InterpretParams()), ("pallas_tpu", pltpu.InterpretParams())])
+def test_pages_are_written_in_place_under_donation(implementation, interpret):
+    sessions, chunk, kv_heads, group, head_dim, page_size, num_pages = 2, 4, 4, 2, 64, 16, 256
+    q = jax.ShapeDtypeStruct((sessions, chunk, kv_heads * group, head_dim), jnp.float32)
+    new = jax.ShapeDtypeStruct((sessions, chunk, kv_heads, head_dim), jnp.float32)
+    pages = jax.ShapeDtypeStruct((num_pages, kv_heads, page_size, head_dim), jnp.float32)
+    table = jax.ShapeDtypeStruct((sessions, 2), jnp.int32)
+    counts = jax.ShapeDtypeStruct((sessions,), jnp.int32)
+    step = jax.jit(functools.partial(ring_attention, window=24, implementation=implementation, interpret=interpret),
+                   donate_argnames=("k_pages", "v_pages"))
+    compiled = step.lower(q, new, new, pages, pages, table, counts, counts).compile()
+    pool_bytes = num_pages * kv_heads * page_size * head_dim * 4
+    memory = compiled.memory_analysis()
+    assert memory.alias_size_in_bytes == 2 * pool_bytes
+    assert memory.temp_size_in_bytes < pool_bytes / 2, "a copy of a page pool was made"
+    assert "input_output_alias" in compiled.as_text()

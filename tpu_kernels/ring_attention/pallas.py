@@ -1,0 +1,112 @@
+"""Portable Pallas kernel of `ring_attention`: one source for TPU Mosaic, GPU Triton and the interpreters.
+
+Grid (S, Hkv), one program per session and KV head. Its blocks are the session's folded queries
+[rows, D] and chunk keys/values [C_pad, D], and the *whole page pool* of its KV head
+[num_pages, page_size, D]: on Triton a block is only a pointer, so the kernel reads just the pages it
+indexes; on TPU the pool slice is copied to VMEM, so this kernel suits small pools there (tests, small
+configs) and `pallas_tpu` is the TPU production path. Per-session scalars (lengths, num_new, the
+flattened page table) are plain inputs. Two in-kernel loops with data-dependent trip counts share one
+online-softmax state: first over the valid chunk keys, then over the logical pages that hold positions
+inside the window, each page located through the page table. The new rows are scattered into the pages
+after the kernel (read before write), in place when the caller donates the pages.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxstream.tpu_kernels.ring_attention import pallas_common as common
+from jaxstream.tpu_kernels.ring_attention import positions
+from jaxstream.tpu_kernels.ring_attention.xla import write_new_entries
+
+# On TPU the whole pool slice of a head (K and V, double-buffered) must fit in scoped VMEM.
+TPU_POOL_VMEM_BUDGET = 8 * 1024 * 1024
+
+
+def check_supported(k_pages, *, interpret=False, platform=None):
+    """Raise NotImplementedError (with the reason) when this kernel cannot run the given shapes here."""
+    target = common.target_of(interpret, platform)
+    num_pages, _, page_size, head_dim = k_pages.shape
+    if target == "gpu":
+        if not common.triton_available():
+            raise NotImplementedError("the Pallas Triton backend cannot be imported")
+        for name, size in (("page_size", page_size), ("head_dim", head_dim)):
+            if size < common.MIN_TILE or size != common.next_power_of_two(size):
+                raise NotImplementedError(f"Triton needs {name} to be a power of two >= {common.MIN_TILE}, got {size}")
+    if target == "tpu" and not interpret:
+        pool_bytes = 4 * num_pages * page_size * head_dim * jnp.dtype(k_pages.dtype).itemsize
+        if pool_bytes > TPU_POOL_VMEM_BUDGET:
+            raise NotImplementedError(f"the page pool of one KV head ({pool_bytes} bytes for K and V, double-buffered) "
+                                      f"exceeds the VMEM budget of the portable kernel; use 'pallas_tpu'")
+
+
+def _kernel(lengths_ref, num_new_ref, table_ref, q_ref, k_chunk_ref, v_chunk_ref, k_pool_ref, v_pool_ref, out_ref, *,
+            window, group, pages_per_window, scale):
+    session = pl.program_id(0)
+    length = lengths_ref[session]
+    num_new = num_new_ref[session]
+    page_size = k_pool_ref.shape[1]
+    ring = pages_per_window * page_size
+    q = q_ref[...]
+    rows, head_dim = q.shape
+    block = common.chunk_block(k_chunk_ref.shape[0])
+
+    def chunk_body(b, carry):
+        start = pl.multiple_of(b * block, block)
+        return common.chunk_step(q, k_chunk_ref, v_chunk_ref, start, block, num_new, group, window, scale, carry)
+
+    carry = lax.fori_loop(0, pl.cdiv(num_new, block), chunk_body, common.initial_state(rows, head_dim))
+    first, count = positions.visible_pages(length, num_new, window, page_size, pages_per_window)
+
+    def page_body(t, carry):
+        logical = lax.rem(first + t, pages_per_window)
+        page = table_ref[session * pages_per_window + logical]
+        return common.page_step(q, k_pool_ref[page], v_pool_ref[page], logical, length, group, window, ring, scale,
+                                carry)
+
+    _, l, acc = lax.fori_loop(0, count, page_body, carry)
+    out_ref[...] = common.normalise(l, acc, out_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "scale", "interpret", "platform"))
+def ring_attention_pallas(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, *, window, scale=None,
+                          interpret=False, platform=None):
+    """`ring_attention` with the portable kernel. `platform` ("tpu" | "gpu") overrides the default backend,
+    for lowering to another platform with `jax.export`."""
+    check_supported(k_pages, interpret=interpret, platform=platform)
+    target = common.target_of(interpret, platform)
+    sessions, chunk, num_q_heads, head_dim = q.shape
+    num_pages, num_kv_heads, page_size, _ = k_pages.shape
+    pages_per_window = page_table.shape[1]
+    group = num_q_heads // num_kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+    num_new = jnp.clip(num_new, 0, chunk)
+
+    q_rows = common.fold_queries(q, num_kv_heads)
+    rows = q_rows.shape[2]
+    k_chunk = common.chunk_keys_by_head(k_new, q.dtype)
+    v_chunk = common.chunk_keys_by_head(v_new, q.dtype)
+    chunk_keys = k_chunk.shape[2]
+    scalars = [lengths, num_new, page_table.reshape(-1)]
+    if target != "tpu":  # Triton-style whole blocks need power-of-two sizes.
+        scalars = [common.pad_axis(x, 0, common.next_power_of_two(x.shape[0])) for x in scalars]
+
+    rows_spec = pl.BlockSpec((None, None, rows, head_dim), lambda s, h: (s, h, 0, 0))
+    chunk_spec = pl.BlockSpec((None, None, chunk_keys, head_dim), lambda s, h: (s, h, 0, 0))
+    pool_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda s, h: (0, h, 0, 0))
+    kernel = functools.partial(_kernel, window=window, group=group, pages_per_window=pages_per_window, scale=scale)
+    out = pl.pallas_call(
+        kernel,
+        grid=(sessions, num_kv_heads),
+        in_specs=[*(common.scalar_spec(target, x.shape[0]) for x in scalars), rows_spec, chunk_spec, chunk_spec,
+                  pool_spec, pool_spec],
+        out_specs=rows_spec,
+        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+        name="ring_attention_pallas",
+        **common.call_kwargs(target, interpret, ("parallel", "parallel")),
+    )(*scalars, q_rows, k_chunk, v_chunk, k_pages, v_pages)
+
+    k_pages, v_pages = write_new_entries(k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, after=out)
+    return common.unfold_output(out, q.shape), k_pages, v_pages

@@ -1,0 +1,135 @@
+"""Shared parametrised tests of `ring_attention`; each implementation subclasses `RingAttentionTestBase`.
+
+Every case builds a batch of sessions with an explicit random K/V history, fills a page pool from it with
+the numpy layout rule (`reference.write_positions`), runs one `ring_attention` call and checks the output
+against the dense float64 oracle over the full history and the returned pages against the numpy write.
+Inputs are rounded to the test dtype first, so the oracle sees exactly the values the kernel sees.
+"""
+import dataclasses
+import zlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxstream.tpu_kernels.ring_attention import api, reference
+
+TOLERANCE = {"float32": 2e-5, "bfloat16": 3e-2}
+# f32 dots on accelerators may run as TF32 or bf16 passes.
+ACCELERATOR_TOLERANCE = {"float32": 5e-3, "bfloat16": 3e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One batch: lengths/num_new per session; pages_per_window = ceil(window / page_size)."""
+
+    lengths: tuple
+    num_new: tuple
+    chunk: int
+    window: int
+    page_size: int
+    group: int
+    head_dim: int
+    num_kv_heads: int = 2
+    shuffled: bool = True
+    scale: float | None = None
+
+
+# Each case mixes several edge cases in one batch (one compile per case and backend keeps CI fast).
+CASES = {
+    # page_size = W: one fixed ring per session. Empty (0, 0), first token, L = W, L = W + 1, L >> W.
+    "fixed_ring_decode": Case(lengths=(0, 0, 16, 17, 100), num_new=(0, 1, 1, 1, 1), chunk=1, window=16,
+                              page_size=16, group=4, head_dim=64, shuffled=False),
+    # W = 33 with pages of 16 (R = 48): a fresh prompt longer than W and R, a chunk crossing the wrap point
+    # (45..51), C > R after a long history, an idle session, and a short padded chunk whose window starts
+    # on the last entry of a page (the visited page range must not drop that page).
+    "paged_prefill_wrap": Case(lengths=(0, 45, 100, 3, 47), num_new=(64, 7, 64, 0, 5), chunk=64, window=33,
+                               page_size=16, group=1, head_dim=128),
+    # page_size divides W = R; G = 8; L = W, W + 1, L >> W and an idle long session.
+    "paged_decode_gqa8": Case(lengths=(0, 5, 32, 33, 250), num_new=(1, 1, 1, 1, 0), chunk=1, window=32,
+                              page_size=16, group=8, head_dim=128, num_kv_heads=1),
+    # W = 24 with pages of 16 (R = 32): chunks of 4 crossing the wrap (30..33, 31..33), a page boundary.
+    # An explicit softmax scale.
+    "paged_chunk_gqa4": Case(lengths=(2, 30, 31, 64), num_new=(4, 4, 3, 4), chunk=4, window=24, page_size=16,
+                             group=4, head_dim=64, scale=0.3),
+}
+
+
+def round_to(x, dtype):
+    """float32 numpy values exactly representable in `dtype`."""
+    return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+
+
+def build(case, dtype, seed):
+    """Random inputs of `case`: the jnp arguments of ring_attention and the numpy history behind them."""
+    rng = np.random.default_rng(seed)
+    sessions = len(case.lengths)
+    lengths = np.asarray(case.lengths, np.int32)
+    num_new = np.asarray(case.num_new, np.int32)
+    pages_per_window = -(-case.window // case.page_size)
+    heads, dim = case.num_kv_heads, case.head_dim
+    history_len = int(max(lengths)) + case.chunk
+    k_history = round_to(rng.standard_normal((sessions, history_len, heads, dim)), dtype)
+    v_history = round_to(rng.standard_normal((sessions, history_len, heads, dim)), dtype)
+    q = round_to(rng.standard_normal((sessions, case.chunk, heads * case.group, dim)), dtype)
+
+    # Page 0 is the null page; every page starts as garbage, so any unmasked stale entry shows up.
+    num_pages = 1 + sessions * pages_per_window + 2
+    physical = rng.permutation(np.arange(1, num_pages)) if case.shuffled else np.arange(1, num_pages)
+    page_table = np.zeros((sessions, pages_per_window), np.int32)
+    for s in range(sessions):
+        used = min(pages_per_window, -(-int(lengths[s] + num_new[s]) // case.page_size))
+        page_table[s, :used] = physical[s * pages_per_window: s * pages_per_window + used]
+    k_pool = round_to(rng.standard_normal((num_pages, heads, case.page_size, dim)), dtype)
+    v_pool = round_to(rng.standard_normal((num_pages, heads, case.page_size, dim)), dtype)
+    start = np.zeros_like(lengths)
+    k_pool = reference.write_positions(k_pool, page_table, k_history, start, lengths)
+    v_pool = reference.write_positions(v_pool, page_table, v_history, start, lengths)
+    k_new = np.stack([k_history[s, lengths[s]: lengths[s] + case.chunk] for s in range(sessions)])
+    v_new = np.stack([v_history[s, lengths[s]: lengths[s] + case.chunk] for s in range(sessions)])
+    args = dict(q=q, k_new=k_new, v_new=v_new, k_pages=k_pool, v_pages=v_pool)
+    args = {name: jnp.asarray(x, dtype) for name, x in args.items()}
+    args.update(page_table=jnp.asarray(page_table), lengths=jnp.asarray(lengths), num_new=jnp.asarray(num_new))
+    history = dict(q=q, k_history=k_history, v_history=v_history, k_pool=k_pool, v_pool=v_pool,
+                   page_table=page_table, lengths=lengths, num_new=num_new)
+    return args, history
+
+
+class RingAttentionTestBase:
+    """Subclasses set `implementation` and `interpret`, and may narrow the sweep with `dtypes`."""
+
+    implementation = None
+    interpret = False
+    dtypes = ("float32", "bfloat16")
+    tolerance = TOLERANCE
+
+    def run(self, args, window, **kwargs):
+        return api.ring_attention(**args, window=window, implementation=self.implementation,
+                                  interpret=self.interpret, **kwargs)
+
+    @pytest.mark.parametrize("case_name", sorted(CASES))
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    def test_matches_dense_oracle(self, case_name, dtype):
+        if dtype not in self.dtypes:
+            pytest.skip(f"{dtype} is covered by another backend class")
+        case = CASES[case_name]
+        args, history = build(case, dtype, seed=zlib.crc32(f"{case_name}/{dtype}".encode()))
+        out, k_pages, v_pages = self.run(args, case.window, scale=case.scale)
+        assert out.shape == args["q"].shape and out.dtype == args["q"].dtype
+
+        expected = reference.dense_attention(history["q"], history["k_history"], history["v_history"],
+                                             history["lengths"], history["num_new"], window=case.window,
+                                             scale=case.scale)
+        out = np.asarray(out.astype(jnp.float32))
+        assert np.all(np.isfinite(out)), "padding or empty rows must stay finite"
+        valid = np.arange(case.chunk)[None, :] < history["num_new"][:, None]
+        np.testing.assert_allclose(out[valid], expected[valid], atol=self.tolerance[dtype], rtol=self.tolerance[dtype])
+        empty = (history["lengths"] == 0) & (history["num_new"] == 0)
+        assert np.all(out[empty] == 0), "an empty session outputs zeros"
+
+        stop = history["lengths"] + history["num_new"]
+        for name, pool, written in (("k", history["k_pool"], k_pages), ("v", history["v_pool"], v_pages)):
+            expected_pool = reference.write_positions(pool, history["page_table"], history[f"{name}_history"],
+                                                      history["lengths"], stop)
+            np.testing.assert_array_equal(np.asarray(written.astype(jnp.float32)), expected_pool,
+                                          err_msg=f"{name}_pages after the write")
