@@ -1,0 +1,167 @@
+"""`jaxstream eval`: WER/CER, latency and throughput of a model over an audio corpus.
+
+    jaxstream eval [--model MODEL] CORPUS [--concurrency N] [--limit N] [--shard i/N] [--delay-ms 240,480]
+                   [--realtime] [--report PATH [--resume]] [--layout L] [--normalizer english|basic|none]
+    jaxstream eval --merge REPORT... [--report PATH]
+
+Every utterance streams through the engine's realtime sessions, N at a time. `--report PATH` writes the
+JSON report (schema in `jaxstream.evaluation.reports`) plus PATH with `.md` and `.csv` suffixes, and keeps
+it up to date while the run goes, so `--resume` after an interruption runs only what is missing.
+"""
+import sys
+
+from jaxstream.commands.transcribe import model_source
+from jaxstream.errors import UserError
+
+
+def register(subparsers) -> None:
+    from jaxstream.evaluation import LAYOUTS, NORMALIZERS
+
+    parser = subparsers.add_parser(
+        "eval", help="evaluate a model on an audio corpus (WER, CER, latency, RTFx)",
+        description=__doc__.split("\n\n")[0], epilog="Layouts: librispeech, manifest (JSONL/CSV/TSV), commonvoice, "
+        "fleurs, folder (audio + same-name .txt); detected automatically unless --layout is given.")
+    parser.add_argument("corpus", nargs="?", metavar="CORPUS", help="corpus directory or manifest/TSV file")
+    parser.add_argument("--model", default=None, help="model name, directory or Hugging Face id (default: the "
+                        "embedded tiny model)")
+    parser.add_argument("--layout", default=None, choices=LAYOUTS, help="corpus layout (default: detected)")
+    parser.add_argument("--concurrency", type=_positive_int, default=8, metavar="N",
+                        help="sessions in flight at once (default 8)")
+    parser.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="first N utterances only")
+    parser.add_argument("--shard", default=None, metavar="i/N",
+                        help="evaluate the i-th of N deterministic parts (merge the reports with --merge)")
+    parser.add_argument("--delay-ms", default=None, metavar="MS[,MS...]",
+                        help="transcription delay(s); a comma list sweeps them (default: the model's)")
+    parser.add_argument("--realtime", action="store_true",
+                        help="append 80 ms of audio every 80 ms (latency as a live user sees it)")
+    parser.add_argument("--normalizer", default="english", choices=NORMALIZERS,
+                        help="text normalizer applied to both sides: english (default, Whisper's "
+                        "EnglishTextNormalizer), basic (other languages) or none")
+    parser.add_argument("--report", default=None, metavar="PATH",
+                        help="write the JSON report here (and PATH.md, PATH.csv)")
+    parser.add_argument("--resume", action="store_true", help="continue the run recorded in --report")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="REPORT",
+                        help="join the reports of the shards of one corpus instead of running")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from jaxstream.evaluation import load_report, merge_reports, write_reports
+
+    if args.report is not None and args.report.endswith((".md", ".csv")):
+        raise UserError("--report names the JSON report; the .md and .csv files are written next to it")
+    if args.merge is not None:
+        if args.corpus is not None:
+            raise UserError("--merge joins existing reports; do not give a CORPUS with it")
+        report = merge_reports([load_report(path) for path in args.merge])
+        _finish(report, args.report)
+        return 0
+    if args.corpus is None:
+        raise UserError("give a CORPUS to evaluate (or --merge REPORT...)")
+    if args.resume and args.report is None:
+        raise UserError("--resume needs --report PATH (the report of the run to continue)")
+
+    evaluation = _plan(args)
+    if args.resume:
+        _resume(evaluation, args.report)
+    save = None if args.report is None else (lambda state: write_reports(state.report(), args.report))
+    if any(evaluation.todo(delay) for delay in evaluation.delays):
+        try:
+            _run(evaluation, args, save)
+        except BaseException:
+            if save is not None:
+                save(evaluation)  # what is done so far, so --resume can continue from here
+            raise
+    report = evaluation.report()
+    _finish(report, args.report)
+    failed_everything = all(run["summary"]["transcribed"] == 0 for run in report["runs"])
+    return 1 if failed_everything else 0
+
+
+def _plan(args):
+    from jaxstream.evaluation import Evaluation, RunOptions, parse_shard, read_corpus
+
+    delays = _parse_delays(args.delay_ms)
+    shard = None if args.shard is None else parse_shard(args.shard)
+    corpus = read_corpus(args.corpus, args.layout)
+    evaluation = Evaluation(corpus, model=model_source(args.model), delays=delays,
+                            options=RunOptions(concurrency=args.concurrency, realtime=args.realtime),
+                            normalizer_name=args.normalizer, limit=args.limit, shard=shard)
+    excluded = evaluation.corpus["excluded"]
+    note = f" ({len(excluded)} with an empty reference excluded)" if excluded else ""
+    print(f"corpus {corpus.path}: {corpus.layout} layout, {len(corpus.utterances)} utterances; evaluating "
+          f"{len(evaluation.utterances)}{note}", file=sys.stderr)
+    for warning in corpus.warnings[:5]:
+        print(f"  {warning}", file=sys.stderr)
+    if len(corpus.warnings) > 5:
+        print(f"  ... and {len(corpus.warnings) - 5} more skipped", file=sys.stderr)
+    if not evaluation.utterances:
+        raise UserError("nothing to evaluate: every selected utterance has an empty reference")
+    return evaluation
+
+
+def _resume(evaluation, report_path: str) -> None:
+    import os
+
+    from jaxstream.evaluation import load_report
+
+    if not os.path.exists(report_path):
+        print(f"no report at {report_path} yet: starting from the beginning", file=sys.stderr)
+        return
+    kept = evaluation.resume_from(load_report(report_path))
+    print(f"resuming {report_path}: {kept} utterance results kept", file=sys.stderr)
+
+
+def _run(evaluation, args, save) -> None:
+    import asyncio
+
+    from jaxstream.engine.async_engine import AsyncEngine
+    from jaxstream.engine.config import EngineConfig
+    from jaxstream.evaluation import run_evaluation
+    from jaxstream.models.audio import load_audio
+
+    async def main():
+        engine = AsyncEngine.from_pretrained(evaluation.model, config=EngineConfig(max_sessions=args.concurrency))
+        async with engine:
+            await run_evaluation(evaluation, engine, load_audio=load_audio, save=save)
+
+    asyncio.run(main())
+
+
+def _finish(report: dict, report_path: str | None) -> None:
+    from jaxstream.evaluation import format_table, write_reports
+
+    print(format_table(report))
+    if report_path is not None:
+        write_reports(report, report_path)
+        print(f"report: {report_path} (+ .md, .csv)", file=sys.stderr)
+
+
+def _parse_delays(text: str | None) -> list[int | None]:
+    if text is None:
+        return [None]
+    from jaxstream.models.audio import ALLOWED_DELAYS_MS
+
+    delays = []
+    for item in text.split(","):
+        try:
+            delay = int(item.strip())
+        except ValueError:
+            raise UserError(f"--delay-ms takes milliseconds, e.g. 480 or 240,480,960; got {text!r}") from None
+        if delay not in ALLOWED_DELAYS_MS:
+            raise UserError(f"--delay-ms {delay}: the delay must be a multiple of 80 in 80..1200, or 2400")
+        if delay not in delays:
+            delays.append(delay)
+    return delays
+
+
+def _positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value

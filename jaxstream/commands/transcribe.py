@@ -1,0 +1,114 @@
+"""`jaxstream transcribe`: transcribe audio files through the engine's realtime sessions.
+
+    jaxstream transcribe [--model MODEL] AUDIO... [--delay-ms MS] [--json] [--concurrency N]
+
+Prints the transcript of each file (`FILE: text` when there are several), or with `--json` one JSON object
+per line: {"file", "text", "token_ids", "words": [{"word", "start", "end"}], "audio_seconds", "delay_ms"};
+token_ids are the raw generated ids (specials included), in order. Files are transcribed concurrently and
+printed in the order given.
+"""
+import json
+import os
+
+from jaxstream.errors import UserError
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("transcribe", help="transcribe audio files",
+                                   description=__doc__.split("\n\n")[0])
+    parser.add_argument("audio", nargs="+", metavar="AUDIO", help="audio files (wav, flac, ogg, mp3, ...)")
+    parser.add_argument("--model", default=None, help="model name, directory or Hugging Face id (default: the "
+                        "embedded tiny model)")
+    parser.add_argument("--delay-ms", type=int, default=None, metavar="MS",
+                        help="transcription delay, a multiple of 80 in 80..1200 or 2400 (default: the model's)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per file")
+    parser.add_argument("--concurrency", type=int, default=8, metavar="N",
+                        help="files transcribed at once (default 8)")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import asyncio
+
+    from jaxstream.models.audio import ALLOWED_DELAYS_MS
+
+    if args.concurrency < 1:
+        raise UserError(f"--concurrency must be at least 1, got {args.concurrency}")
+    if args.delay_ms is not None and args.delay_ms not in ALLOWED_DELAYS_MS:
+        raise UserError(f"--delay-ms {args.delay_ms}: the delay must be a multiple of 80 in 80..1200, or 2400")
+    for path in args.audio:
+        _check_audio_file(path)  # before loading the model, so a typo fails in a second
+    asyncio.run(_transcribe_all(args))
+    return 0
+
+
+async def _transcribe_all(args) -> None:
+    import asyncio
+
+    from jaxstream.engine.async_engine import AsyncEngine
+    from jaxstream.engine.config import EngineConfig
+    from jaxstream.evaluation.runner import stream_audio
+
+    concurrency = min(args.concurrency, len(args.audio))  # fewer sessions compile fewer batch shapes
+    engine = AsyncEngine.from_pretrained(model_source(args.model), config=EngineConfig(max_sessions=concurrency))
+    async with engine:
+        slots = asyncio.Semaphore(concurrency)
+
+        async def transcribe(path: str):
+            async with slots:
+                pcm = await asyncio.to_thread(_load, path)
+                return pcm.size, (await stream_audio(engine, pcm, delay_ms=args.delay_ms)).done
+
+        tasks = [asyncio.create_task(transcribe(path)) for path in args.audio]
+        try:
+            for path, task in zip(args.audio, tasks):
+                num_samples, done = await task
+                _print_result(path, num_samples, done, args.json, several=len(args.audio) > 1)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def model_source(model: str | None) -> str:
+    """`--model`, or the built-in default model when none is given."""
+    if model is not None:
+        return model
+    try:
+        from jaxstream.models.loading import DEFAULT_MODEL
+    except ImportError:
+        raise UserError("this installation has no built-in default model; pass --model DIR_OR_HUB_ID") from None
+    return DEFAULT_MODEL
+
+
+def _print_result(path: str, num_samples: int, done, as_json: bool, several: bool) -> None:
+    from jaxstream.models.audio import SAMPLING_RATE
+
+    if as_json:
+        print(json.dumps({
+            "file": path, "text": done.text, "token_ids": list(done.token_ids),
+            "words": [{"word": w.word, "start": w.start, "end": w.end} for w in done.words],
+            "audio_seconds": num_samples / SAMPLING_RATE, "delay_ms": done.delay_ms,
+        }, ensure_ascii=False), flush=True)
+    else:
+        print(f"{path}: {done.text}" if several else done.text, flush=True)
+
+
+def _check_audio_file(path: str) -> None:
+    import soundfile
+
+    if not os.path.isfile(path):
+        raise UserError(f"audio file not found: {path}")
+    try:
+        soundfile.info(path)
+    except (soundfile.LibsndfileError, RuntimeError) as exc:
+        raise UserError(f"unsupported or unreadable audio {path}: {exc}") from None
+
+
+def _load(path: str):
+    from jaxstream.models.audio import AudioError, load_audio
+
+    try:
+        return load_audio(path)
+    except AudioError as exc:
+        raise UserError(str(exc)) from None

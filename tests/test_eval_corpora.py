@@ -1,0 +1,161 @@
+"""Corpus readers: every layout parses into the utterances written, detection, --limit/--shard selection."""
+import csv
+import json
+
+import numpy as np
+import pytest
+import soundfile
+
+from jaxstream.errors import UserError
+from jaxstream.evaluation import WordTime, detect_layout, parse_shard, read_corpus, select_utterances
+
+RATE = 16000
+
+
+def _write_audio(path, seconds=0.2):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(len(str(path)))
+    soundfile.write(path, 0.1 * rng.standard_normal(int(seconds * RATE)).astype(np.float32), RATE)
+
+
+def _expected(utterances):
+    """(id, audio, text, speaker) of parsed utterances, sorted as the readers sort them."""
+    return sorted((u.id, u.audio, u.text, u.speaker) for u in utterances)
+
+
+def test_librispeech_layout(tmp_path):
+    written = []
+    for speaker, chapter, texts in [("84", "121123", ["GO DO YOU HEAR", "BUT IN LESS THAN FIVE MINUTES"]),
+                                    ("1272", "128104", ["MISTER QUILTER IS THE APOSTLE"])]:
+        folder = tmp_path / "test-clean" / speaker / chapter
+        lines = []
+        for index, text in enumerate(texts):
+            utterance_id = f"{speaker}-{chapter}-{index:04d}"
+            _write_audio(folder / f"{utterance_id}.flac")
+            lines.append(f"{utterance_id} {text}\n")
+            written.append((utterance_id, str(folder / f"{utterance_id}.flac"), text, speaker))
+        (folder / f"{speaker}-{chapter}.trans.txt").write_text("".join(lines))
+    corpus = read_corpus(tmp_path)
+    assert corpus.layout == "librispeech"
+    assert _expected(corpus.utterances) == sorted(written)
+    assert [u.id for u in corpus.utterances] == sorted(u.id for u in corpus.utterances)
+
+
+def test_jsonl_manifest_with_word_times(tmp_path):
+    records = [
+        {"id": "b", "audio": "audio/b.wav", "text": "hello there", "speaker": "s1", "duration": 0.2,
+         "words": [{"word": "hello", "start": 0.01, "end": 0.08}, {"word": "there", "start": 0.1, "end": 0.19}]},
+        {"audio_filepath": str(tmp_path / "audio" / "a.wav"), "text": "", "speaker_id": 7},  # NeMo-style keys
+    ]
+    for name in ("a", "b"):
+        _write_audio(tmp_path / "audio" / f"{name}.wav")
+    manifest = tmp_path / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in records))
+    for source in (manifest, tmp_path):  # the file, or a folder holding exactly one *.jsonl
+        corpus = read_corpus(source)
+        assert corpus.layout == "manifest"
+        first, second = corpus.utterances
+        assert (first.id, first.audio, first.text, first.speaker) == (
+            str(tmp_path / "audio" / "a.wav"), str(tmp_path / "audio" / "a.wav"), "", "7")
+        assert (second.id, second.audio, second.speaker, second.duration) == (
+            "b", str(tmp_path / "audio" / "b.wav"), "s1", 0.2)
+        assert second.words == tuple(WordTime(w["word"], w["start"], w["end"]) for w in records[0]["words"])
+
+
+@pytest.mark.parametrize("suffix,delimiter", [(".csv", ","), (".tsv", "\t")])
+def test_csv_and_tsv_manifests(tmp_path, suffix, delimiter):
+    rows = [{"path": "x1.flac", "transcript": 'say "yes", then no', "speaker": "a",
+             "words": json.dumps([{"word": "say", "start": 0.0, "end": 0.1}])},
+            {"path": "x2.flac", "transcript": "second one", "speaker": "", "words": ""}]
+    manifest = tmp_path / f"list{suffix}"
+    with open(manifest, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]), delimiter=delimiter)
+        writer.writeheader()
+        writer.writerows(rows)
+    corpus = read_corpus(manifest)
+    assert corpus.layout == "manifest"
+    assert _expected(corpus.utterances) == [("x1.flac", str(tmp_path / "x1.flac"), 'say "yes", then no', "a"),
+                                            ("x2.flac", str(tmp_path / "x2.flac"), "second one", None)]
+    assert corpus.utterances[0].words == (WordTime("say", 0.0, 0.1),)
+    assert corpus.utterances[1].words is None
+
+
+def test_common_voice_layout(tmp_path):
+    header = ["client_id", "path", "sentence", "up_votes", "down_votes", "age", "gender", "accents", "locale",
+              "segment"]
+    rows = [["c1", "common_voice_en_1.mp3", 'He said "hi".', "2", "0", "", "", "", "en", ""],
+            ["c2", "common_voice_en_2.mp3", "Another sentence", "3", "1", "twenties", "male", "us", "en", ""]]
+    (tmp_path / "clips").mkdir()
+    (tmp_path / "test.tsv").write_text("\n".join("\t".join(r) for r in [header, *rows]) + "\n")
+    (tmp_path / "dev.tsv").write_text("\t".join(header) + "\n" + "\t".join(rows[1]) + "\n")
+    corpus = read_corpus(tmp_path)
+    assert corpus.layout == "commonvoice"
+    assert _expected(corpus.utterances) == sorted((r[1], str(tmp_path / "clips" / r[1]), r[2], r[0]) for r in rows)
+    dev = read_corpus(tmp_path / "dev.tsv")  # another split, given as its TSV file
+    assert dev.layout == "commonvoice" and [u.id for u in dev.utterances] == [rows[1][1]]
+
+
+def test_fleurs_layout(tmp_path):
+    rows = [["1001", "7019.wav", "The raw, Cased text.", "the raw cased text", "t|h|e", "32000", "FEMALE"],
+            ["1002", "7020.wav", "Second (raw) one", "second raw one", "s|e", "16000", "MALE"]]
+    (tmp_path / "audio" / "test").mkdir(parents=True)
+    (tmp_path / "test.tsv").write_text("".join("\t".join(r) + "\n" for r in rows))
+    corpus = read_corpus(tmp_path)
+    assert corpus.layout == "fleurs"
+    assert _expected(corpus.utterances) == sorted(
+        (r[1].removesuffix(".wav"), str(tmp_path / "audio" / "test" / r[1]), r[2], None) for r in rows)
+    assert [u.duration for u in corpus.utterances] == [int(r[5]) / RATE for r in rows]
+    assert read_corpus(tmp_path / "test.tsv").layout == "fleurs"
+
+
+def test_folder_of_audio_with_transcripts(tmp_path):
+    for name, text in [("one", "first text\n"), ("sub/two", "  second\ntext ")]:
+        _write_audio(tmp_path / f"{name}.wav")
+        (tmp_path / f"{name}.txt").write_text(text)
+    _write_audio(tmp_path / "orphan.flac")
+    corpus = read_corpus(tmp_path)
+    assert corpus.layout == "folder"
+    assert _expected(corpus.utterances) == [("one", str(tmp_path / "one.wav"), "first text", None),
+                                            ("sub/two", str(tmp_path / "sub" / "two.wav"), "second text", None)]
+    assert len(corpus.warnings) == 1 and "orphan.flac" in corpus.warnings[0]
+
+
+def test_forcing_a_layout(tmp_path):
+    folder = tmp_path / "chapter"
+    _write_audio(folder / "9-9-0001.flac")
+    (folder / "9-9.trans.txt").write_text("9-9-0001 SOME WORDS\n")
+    (folder / "9-9-0001.txt").write_text("some words")
+    assert detect_layout(folder) == "librispeech"
+    forced = read_corpus(folder, layout="folder")
+    assert [(u.id, u.text) for u in forced.utterances] == [("9-9-0001", "some words")]
+    with pytest.raises(UserError, match="unknown corpus layout"):
+        read_corpus(folder, layout="kaldi")
+
+
+def test_unknown_layout_missing_corpus_and_duplicates(tmp_path):
+    (tmp_path / "notes.md").write_text("nothing here")
+    with pytest.raises(UserError, match="cannot tell the layout"):
+        read_corpus(tmp_path)
+    with pytest.raises(UserError, match="corpus not found"):
+        read_corpus(tmp_path / "missing")
+    manifest = tmp_path / "dup.jsonl"
+    manifest.write_text('{"id": "x", "audio": "a.wav", "text": "a"}\n{"id": "x", "audio": "b.wav", "text": "b"}\n')
+    with pytest.raises(UserError, match="duplicate utterance id"):
+        read_corpus(manifest)
+    manifest.write_text('{"audio": "a.wav"}\n')
+    with pytest.raises(UserError, match=r"dup.jsonl:1: needs an audio column"):
+        read_corpus(manifest)
+
+
+def test_shards_partition_the_limited_selection():
+    items = [f"utt{i:03d}" for i in range(23)]
+    full = select_utterances(items, limit=17)
+    assert full == items[:17]
+    shards = [select_utterances(items, limit=17, shard=(i, 4)) for i in range(4)]
+    assert sorted(sum(shards, [])) == full
+    assert sum(len(s) for s in shards) == len(full)
+    assert max(len(s) for s in shards) - min(len(s) for s in shards) <= 1
+    assert parse_shard("3/4") == (3, 4)
+    for bad in ("4/4", "-1/2", "1", "a/b", "0/0"):
+        with pytest.raises(UserError, match="--shard"):
+            parse_shard(bad)
