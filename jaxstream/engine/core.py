@@ -1,0 +1,115 @@
+"""Builds an engine core (device cache + compiled programs + scheduler) for a model."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxstream.engine import kv_cache, sharding, steps
+from jaxstream.engine.config import EngineConfig
+from jaxstream.engine.scheduler import STACK, TextScheduler
+from jaxstream.models.config import TextConfig, VoxtralConfig
+
+
+def model_config(model) -> TextConfig | VoxtralConfig:
+    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+    if not isinstance(cfg, (TextConfig, VoxtralConfig)):
+        raise TypeError(f"{type(model).__name__} has no TextConfig/VoxtralConfig `cfg` attribute")
+    return cfg
+
+
+def engine_dtype(engine_cfg: EngineConfig):
+    if engine_cfg.dtype is not None:
+        return jnp.dtype(engine_cfg.dtype)
+    return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+
+
+def build_text_core(model, engine_cfg: EngineConfig, *, eos_token_id=None, detokenizer_factory=None,
+                    warm_up=True) -> TextScheduler:
+    cfg = model_config(model)
+    max_model_len = min(engine_cfg.max_model_len or cfg.max_positions, cfg.max_positions)
+    spec = kv_cache.stack_spec(
+        STACK, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        page_size=engine_cfg.page_size, ring=min(cfg.attention_window, max_model_len),
+        num_pages=engine_cfg.num_pages, max_sessions=engine_cfg.max_sessions)
+    placement = sharding.Placement(engine_cfg.mesh, engine_cfg.tp_axis)
+    [spec] = fit_pools([spec], engine_cfg, placement)
+    check_pool(spec)
+    cache = kv_cache.DeviceCache([spec], {}, engine_cfg.max_sessions, engine_dtype(engine_cfg),
+                                 shardings={STACK: placement.kv_sharding(spec)},
+                                 slot_sharding=placement.replicated())
+    programs = steps.Programs(model, cache, **placement.program_shardings(model, cache))
+    scheduler = TextScheduler(programs, engine_cfg, cfg, max_model_len=max_model_len, eos_token_id=eos_token_id,
+                              detokenizer_factory=detokenizer_factory)
+    if warm_up:
+        scheduler.warm_up()
+    return scheduler
+
+
+def fit_pools(specs: list[kv_cache.StackSpec], engine_cfg: EngineConfig, placement) -> list[kv_cache.StackSpec]:
+    """Scales default-sized pools down to `kv_memory_fraction` of the device's free memory.
+
+    Pools the user sized explicitly are kept. With paged rings, short sessions hold few pages, so a
+    smaller pool still serves `max_sessions` sessions unless they all grow to full windows (then the limit
+    rules of `EngineConfig` apply).
+    """
+    explicit = {"text": engine_cfg.num_pages, "decoder": engine_cfg.num_pages,
+                "encoder": engine_cfg.encoder_num_pages}
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return specs  # CPU: no reported limit
+    free = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * placement.size
+    dtype = engine_dtype(engine_cfg)
+    defaulted = [spec for spec in specs if explicit.get(spec.name) is None]
+    wanted = sum((spec.num_pages - 1) * spec.bytes_per_page(dtype) for spec in defaulted)
+    budget = engine_cfg.kv_memory_fraction * free - sum(
+        spec.num_pages * spec.bytes_per_page(dtype) for spec in specs if spec not in defaulted)
+    if wanted <= budget:
+        return specs
+    scale = max(budget, 0) / wanted
+    return [dataclasses.replace(spec, num_pages=1 + max(spec.pages_per_window, int((spec.num_pages - 1) * scale)))
+            if spec in defaulted else spec for spec in specs]
+
+
+def check_pool(spec: kv_cache.StackSpec) -> None:
+    if spec.num_pages - 1 < spec.pages_per_window:
+        raise ValueError(f"the {spec.name} page pool ({spec.num_pages - 1} usable pages) cannot hold one "
+                         f"session's window ({spec.pages_per_window} pages of {spec.page_size})")
+
+
+def build_realtime_core(model, engine_cfg: EngineConfig, tokenizer, *, warm_up=True):
+    from jaxstream.engine.realtime import RealtimeScheduler
+    from jaxstream.models.audio import ALLOWED_DELAYS_MS, n_delay_from_ms, prompt_length
+
+    cfg = model_config(model)
+    enc, text = cfg.encoder, cfg.text
+    common = dict(max_sessions=engine_cfg.max_sessions)
+    specs = [
+        kv_cache.stack_spec("encoder", num_layers=enc.num_layers, num_kv_heads=enc.num_heads, head_dim=enc.head_dim,
+                            page_size=engine_cfg.encoder_page_size, ring=enc.sliding_window,
+                            num_pages=engine_cfg.encoder_num_pages, **common),
+        kv_cache.stack_spec("decoder", num_layers=text.num_layers, num_kv_heads=text.num_kv_heads,
+                            head_dim=text.head_dim, page_size=engine_cfg.page_size, ring=text.attention_window,
+                            num_pages=engine_cfg.num_pages, **common),
+    ]
+    placement = sharding.Placement(engine_cfg.mesh, engine_cfg.tp_axis)
+    specs = fit_pools(specs, engine_cfg, placement)
+    for spec in specs:
+        check_pool(spec)
+    slot_shapes = {
+        "conv1": ((2, enc.num_mel_bins), jnp.float32),  # float32 holds any compute dtype exactly
+        "conv2": ((1, enc.hidden_size), jnp.float32),
+        "last_token": ((), jnp.int32),
+    }
+    cache = kv_cache.DeviceCache(specs, slot_shapes, engine_cfg.max_sessions, engine_dtype(engine_cfg),
+                                 shardings={spec.name: placement.kv_sharding(spec) for spec in specs},
+                                 slot_sharding=placement.replicated())
+    programs = steps.Programs(model, cache, **placement.program_shardings(model, cache))
+    buckets = engine_cfg.realtime_prefill_buckets
+    if buckets is None:
+        longest = max(prompt_length(n_delay_from_ms(ms), cfg.n_left_pad_tokens) for ms in ALLOWED_DELAYS_MS)
+        chunk = -(-longest // 16) * 16
+        buckets = tuple(sorted({(min(rows, engine_cfg.max_sessions), chunk) for rows in (1, 8)}))
+    scheduler = RealtimeScheduler(programs, engine_cfg, cfg, tokenizer, prefill_buckets=buckets)
+    if warm_up:
+        scheduler.warm_up()
+    return scheduler

@@ -1,0 +1,209 @@
+"""Which sessions live on the device: slots, pages, LRU eviction of parked sessions to host memory.
+
+Shared by the text scheduler and the realtime transcription scheduler. A *resident* session holds a slot
+(`max_sessions` in all) and its pages; a *parked* session (its input is idle) keeps them, like vLLM's
+WAITING_FOR_STREAMING_REQ. When a slot or a page is needed and none is free, the least recently active
+parked session is evicted: its pages and slot rows are copied to host memory (bounded by
+`host_offload_bytes`) and restored bit for bit on its next input. A session that cannot be offloaded
+(host budget spent) is dropped to recompute when its scheduler allows that (text), otherwise it stays.
+"""
+import collections
+import dataclasses
+import enum
+import itertools
+import time
+
+import jax
+
+from jaxstream.engine.kv_cache import DeviceCache
+
+END_OF_STREAM = object()  # delivered to a sink when a stream ends without a final output
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # has work; not admitted yet, or admitted and waiting for budget
+    RUNNING = "running"
+    PARKED = "parked"  # a chunk ended and no input is queued; KV kept (vLLM WAITING_FOR_STREAMING_REQ)
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(frozen=True)
+class TickStats:
+    """Timing of one engine tick: `wait_s` is the time blocked on the device results; the rest of
+    `total_s` is host work (scheduling, batch building, dispatch, output processing)."""
+
+    rows: int  # sessions advanced
+    steps: int  # 80 ms steps / tokens advanced in total
+    total_s: float
+    wait_s: float
+
+    @property
+    def host_s(self) -> float:
+        return self.total_s - self.wait_s
+
+
+class SessionBase:
+    def __init__(self, request_id: str, sink, pages):
+        self.request_id = request_id
+        self.sink = sink  # called on the engine thread with outputs, an Exception, or END_OF_STREAM
+        self.status = Status.WAITING
+        self.slot: int | None = None
+        self.pages = pages  # {stack name: SessionPages}
+        self.offloaded = None  # host copy of pages + slot rows while evicted
+        self.offloaded_bytes = 0
+        self.last_active = 0
+        self.admitted_order = 0
+
+    @property
+    def resident(self) -> bool:
+        return self.slot is not None
+
+
+class Residency:
+    """Slot/page accounting and eviction over a `DeviceCache`; subclasses schedule the work."""
+
+    can_drop_kv = False  # True when an evicted session can recompute its KV instead of restoring it
+
+    def __init__(self, cache: DeviceCache, host_offload_bytes: int):
+        self.cache = cache
+        self.host_offload_bytes = host_offload_bytes
+        self.host_bytes = 0
+        self.sessions: dict[str, SessionBase] = {}
+        self._clock = itertools.count(1)
+        self.tick = 0
+        self.evictions = 0  # sessions moved off the device (to host memory or to recompute)
+        self.tick_stats: collections.deque[TickStats] = collections.deque(maxlen=100_000)
+
+    def fetch(self, outputs):
+        """Blocks on the device results of a tick; returns (host copies, seconds waited)."""
+        start = time.perf_counter()
+        fetched = jax.device_get(outputs)
+        return fetched, time.perf_counter() - start
+
+    def touch(self, session: SessionBase) -> None:
+        session.last_active = next(self._clock)
+
+    # -- counts -----------------------------------------------------------------------------------
+    @property
+    def num_parked(self) -> int:
+        return sum(s.status is Status.PARKED for s in self.sessions.values())
+
+    @property
+    def num_unfinished(self) -> int:
+        """Sessions with work (vLLM's count: parked sessions are excluded)."""
+        return sum(s.status in (Status.WAITING, Status.RUNNING) for s in self.sessions.values())
+
+    @property
+    def num_resident(self) -> int:
+        return self.cache.max_sessions - self.cache.num_free_slots
+
+    # -- eviction -------------------------------------------------------------------------------------
+    def _parked_lru(self, protect=()):
+        candidates = [s for s in self.sessions.values()
+                      if s.status is Status.PARKED and s.resident and s not in protect]
+        return sorted(candidates, key=lambda s: s.last_active)
+
+    def evict(self, session: SessionBase) -> bool:
+        """Moves a resident session off the device; False if it must stay (cannot offload nor drop)."""
+        nbytes = self._offload_size(session)
+        if self.host_bytes + nbytes <= self.host_offload_bytes:
+            session.offloaded, session.offloaded_bytes = self.cache.offload(session.slot, session.pages)
+            self.host_bytes += session.offloaded_bytes
+        elif self.can_drop_kv:
+            self.cache.release_pages(session.pages)
+            self.cache.release_slot(session.slot)
+            self._dropped_kv(session)
+        else:
+            return False
+        session.slot = None
+        self.evictions += 1
+        return True
+
+    def _offload_size(self, session: SessionBase) -> int:
+        """Host bytes an offload of `session` takes (its allocated pages; slot rows are negligible)."""
+        return sum(session.pages[name].num_allocated * spec.bytes_per_page(self.cache.dtype)
+                   for name, spec in self.cache.specs.items())
+
+    def _dropped_kv(self, session: SessionBase) -> None:
+        raise NotImplementedError
+
+    def evict_one_parked(self, protect=()) -> bool:
+        for victim in self._parked_lru(protect):
+            if self.evict(victim):
+                return True
+        return False
+
+    def admit(self, session: SessionBase) -> bool:
+        """Gives a waiting session a slot (restoring it if evicted); evicts parked sessions as needed."""
+        if session.resident:
+            return True
+        if self.cache.num_free_slots == 0 and not self.evict_one_parked(protect=(session,)):
+            return False
+        if session.offloaded is not None:
+            needed = self.cache.pages_to_restore(session.offloaded)
+            if not self._make_room(needed, protect=(session,)):
+                return False
+            session.slot = self.cache.restore(session.offloaded, session.pages)
+            self.host_bytes -= session.offloaded_bytes
+            session.offloaded, session.offloaded_bytes = None, 0
+        else:
+            session.slot = self.cache.take_slot()
+        session.admitted_order = next(self._clock)
+        return True
+
+    def _make_room(self, needed: dict[str, int], protect=()) -> bool:
+        while any(self.cache.pools[name].num_free < n for name, n in needed.items()):
+            if not self.evict_one_parked(protect):
+                return False
+        return True
+
+    def reserve(self, session: SessionBase, spans: dict[str, tuple[int, int]], protect=()) -> bool:
+        """Allocates the pages positions [start, stop) of each stack will be written to."""
+        missing = {name: session.pages[name].missing(*span) for name, span in spans.items()}
+        if not any(missing.values()):
+            return True  # the common case: the positions land on pages the session holds
+        if not self._make_room({name: len(pages) for name, pages in missing.items()}, protect=(session, *protect)):
+            return False
+        for name, pages in missing.items():
+            session.pages[name].assign(self.cache.pools[name], pages)
+        return True
+
+    # -- ending ---------------------------------------------------------------------------------------
+    def release(self, session: SessionBase) -> None:
+        """Frees everything a session holds (device pages and slot, or its host copy)."""
+        if session.resident:
+            self.cache.release_pages(session.pages)
+            self.cache.release_slot(session.slot)
+            session.slot = None
+        if session.offloaded is not None:
+            self.host_bytes -= session.offloaded_bytes
+            session.offloaded, session.offloaded_bytes = None, 0
+        session.status = Status.FINISHED
+        self.sessions.pop(session.request_id, None)
+
+    def fail(self, session: SessionBase, error: BaseException) -> None:
+        """Ends one session with an error; the others are unaffected."""
+        self.release(session)
+        deliver(session, error)
+
+    def dispatch_failed(self, sessions, error: BaseException) -> None:
+        """A dispatch raised: its sessions end with the error; if the donated device state was consumed,
+        every resident session lost its KV and ends too, and the state is rebuilt for new sessions."""
+        for session in sessions:
+            if session.request_id in self.sessions:
+                self.fail(session, error)
+        if self.cache.state_lost():
+            for session in [s for s in self.sessions.values() if s.resident]:
+                self.fail(session, error)
+            self.cache.reset_state()
+
+    def at_baseline(self) -> bool:
+        return not self.sessions and self.host_bytes == 0 and self.cache.at_baseline()
+
+
+def deliver(session: SessionBase, item) -> None:
+    """Hands an item to a session's sink; a failing sink must not take the engine down."""
+    try:
+        session.sink(item)
+    except Exception:  # noqa: BLE001 - the consumer's problem, isolated to its session
+        pass

@@ -1,0 +1,386 @@
+"""Continuous batching of text sessions with vLLM's streaming-input semantics.
+
+One `TextSession` per request id (vLLM's resumable "anchor" request). Its context is `prompt_ids`
+(the cumulative prompt) + `outputs` (the current chunk's sampled tokens); `num_computed` positions have
+KV. A chunk applied to a session folds every output of the previous chunk except the last sampled one
+(never fed back, so it has no KV) into the prompt, then appends the chunk's tokens
+(`specs/streaming_semantics.md` §1.2). Chunks queue FIFO while a chunk runs and are never coalesced;
+stop, EOS and max_tokens end the chunk and park the session with its KV; only abort, errors, the end of
+input and (by jaxstream's rule) reaching `max_model_len` end the session.
+
+A tick schedules running sessions first (decodes, then unfinished prefills), then admits waiting ones in
+FIFO order, under a token budget; decode rows (one token) go to a C = 1 program and prefill rows to one
+prefill bucket; both are dispatched before one host sync.
+"""
+import collections
+import dataclasses
+import time
+
+from jaxstream.engine import steps
+from jaxstream.engine.requests import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
+from jaxstream.engine.residency import END_OF_STREAM, Residency, SessionBase, Status, TickStats, deliver
+
+STACK = "text"
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkUpdate:
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+class TextSession(SessionBase):
+    def __init__(self, request_id, sink, pages, *, resumable, detokenizer):
+        super().__init__(request_id, sink, pages)
+        self.resumable = resumable
+        self.prompt_ids: list[int] = []
+        self.outputs: list[int] = []
+        self.num_computed = 0
+        self.params = SamplingParams()
+        self.max_tokens = 0
+        self.seed = 0
+        self.queue: collections.deque = collections.deque()
+        self.chunk_prompts: list[int] = []  # what vLLM reports as prompt_token_ids: chunk prompts only
+        self.streamed: list[int] = []  # every sampled token, for CUMULATIVE outputs
+        self.streamed_logprobs: list[float] = []
+        self.text = ""
+        self.cumulative_logprob = 0.0
+        self.detokenizer = detokenizer
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.outputs)
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """Context tokens [start, stop) (without concatenating the whole context)."""
+        split = len(self.prompt_ids)
+        if start >= split:
+            return self.outputs[start - split : stop - split]
+        return self.prompt_ids[start:stop] + self.outputs[: max(0, stop - split)]
+
+
+class TextScheduler(Residency):
+    """The host-side scheduler of a text LM engine; `step()` runs one tick on the calling thread."""
+
+    can_drop_kv = True
+
+    def __init__(self, programs: steps.Programs, engine_cfg, model_cfg, *, max_model_len, eos_token_id=None,
+                 detokenizer_factory=None):
+        super().__init__(programs.cache, engine_cfg.host_offload_bytes)
+        self.programs = programs
+        self.cfg = engine_cfg
+        self.vocab_size = model_cfg.vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.detokenizer_factory = detokenizer_factory
+        self.waiting: collections.deque[TextSession] = collections.deque()
+        self.running: list[TextSession] = []
+        self._seed_counter = 0
+        self._preempted: set[TextSession] = set()
+        self.preemptions = 0
+
+    # -- start-up -------------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Compiles every decode and prefill bucket, and the offload/restore programs."""
+        pages = self.cache.specs[STACK].pages_per_window
+        step = _text_step(self.cfg.attention_impl)
+        for rows in self.cfg.decode_batch_buckets:
+            self.programs.compile(("text", rows, 1), step, steps.text_batch(rows, 1, pages))
+        for rows, chunk in self.cfg.prefill_buckets:
+            if ("text", rows, chunk) not in self.programs:
+                self.programs.compile(("text", rows, chunk), step, steps.text_batch(rows, chunk, pages))
+        self.cache.warm_up()
+
+    # -- commands (engine thread) ---------------------------------------------------------------------
+    def add_chunk(self, request_id: str, prompt_ids, params: SamplingParams, *, first: bool, resumable: bool,
+                  sink) -> None:
+        """A request's first chunk creates its session; later chunks queue, or apply at once if parked.
+        A chunk for an unknown id that is not a first chunk is dropped: an ended session never revives."""
+        session = self.sessions.get(request_id)
+        created = session is None
+        if created:
+            if not first:
+                return
+            session = TextSession(request_id, sink, self.cache.new_pages(), resumable=resumable,
+                                  detokenizer=self.detokenizer_factory() if self.detokenizer_factory else None)
+            self.sessions[request_id] = session
+        try:
+            update = ChunkUpdate(self._validated(prompt_ids), params)
+        except ValueError as exc:
+            self.fail(session, exc)
+            return
+        if created or session.status is Status.PARKED:
+            self._apply(session, update)
+        else:
+            session.queue.append(update)
+
+    def end_input(self, request_id: str) -> None:
+        """The session's input is closed: finish it now if parked, else after its queued chunks."""
+        session = self.sessions.get(request_id)
+        if session is None:
+            return
+        if session.status is Status.PARKED:
+            self.release(session)
+            if self.cfg.compat == "strict":
+                deliver(session, self._output(session, [], [], None, None, finished=True))
+            deliver(session, END_OF_STREAM)
+        else:
+            session.queue.append(None)
+
+    def abort(self, request_id: str) -> None:
+        session = self.sessions.get(request_id)
+        if session is None:
+            return
+        self.release(session)
+        deliver(session, self._output(session, [], [], "abort", None, finished=True))
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- chunk application ----------------------------------------------------------------------------
+    def _validated(self, prompt_ids) -> tuple[int, ...]:
+        ids = tuple(int(t) for t in prompt_ids)
+        if not ids:
+            raise ValueError("a chunk prompt must contain at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def _apply(self, session: TextSession, update: ChunkUpdate) -> None:
+        """vLLM's `_update_request_as_session`: fold all outputs but the last into the prompt, append the
+        chunk, take its params; KV (num_computed) is kept."""
+        assert not session.outputs or session.num_tokens - 1 >= session.num_computed
+        session.prompt_ids += session.outputs[:-1]
+        session.outputs = []
+        session.prompt_ids += update.prompt_ids
+        session.chunk_prompts += update.prompt_ids
+        session.params = update.params
+        session.max_tokens = update.params.max_tokens or max(1, self.max_model_len - len(update.prompt_ids))
+        session.seed = self._seed(update.params)
+        self.touch(session)
+        if session.status is Status.RUNNING:
+            self.running.remove(session)
+        session.status = Status.WAITING
+        if len(session.prompt_ids) >= self.max_model_len:
+            self.release(session)
+            deliver(session, self._output(session, [], [], "length", None, finished=True))
+            return
+        self.waiting.append(session)
+
+    def _seed(self, params: SamplingParams) -> int:
+        if params.seed is not None:
+            return params.seed & _MASK32
+        self._seed_counter += 1
+        return (self.cfg.seed * 1_000_003 + self._seed_counter) & _MASK32
+
+    # -- residency hooks ------------------------------------------------------------------------------
+    def _dropped_kv(self, session: TextSession) -> None:
+        session.num_computed = 0
+
+    def _unschedule(self, session: TextSession) -> None:
+        if session in self.running:
+            self.running.remove(session)
+        if session in self.waiting:
+            self.waiting.remove(session)
+
+    def release(self, session: TextSession) -> None:
+        self._unschedule(session)
+        super().release(session)
+
+    def _preempt(self, session: TextSession) -> None:
+        """vLLM preemption: free the KV and recompute the whole context later (tokens are kept)."""
+        self._unschedule(session)
+        self.cache.release_pages(session.pages)
+        self.cache.release_slot(session.slot)
+        session.slot = None
+        session.num_computed = 0
+        session.status = Status.WAITING
+        self.preemptions += 1
+        self.waiting.appendleft(session)
+        self._preempted.add(session)
+
+    # -- one tick -------------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One tick; False when nothing could be scheduled."""
+        start = time.perf_counter()
+        self.tick += 1
+        self._preempted = set()  # not re-admitted in the tick that preempted them
+        decode, prefill, bucket = self._schedule()
+        if not decode and not prefill:
+            return False
+        try:
+            results, waited = self._execute(decode, prefill, bucket)
+        except Exception as exc:  # noqa: BLE001 - a failed dispatch ends the sessions it carried
+            self.dispatch_failed([session for session, _, _ in decode + prefill], exc)
+            return True
+        for rows, fetched in results:
+            for i, (session, start_pos, count) in enumerate(rows):
+                try:
+                    self._advance(session, start_pos + count, int(fetched["tokens"][i]),
+                                  float(fetched["logprobs"][i]))
+                except Exception as exc:  # noqa: BLE001 - isolate host-side failures to their session
+                    self.fail(session, exc)
+        rows = decode + prefill
+        self.tick_stats.append(TickStats(len(rows), sum(count for _, _, count in rows),
+                                         time.perf_counter() - start, waited))
+        return True
+
+    def _schedule(self):
+        budget = self.cfg.max_num_batched_tokens
+        max_decode = self.cfg.decode_batch_buckets[-1]
+        decode, candidates, scheduled = [], [], set()
+
+        def plan(session):
+            """A decode row now, or a prefill candidate for after the decodes."""
+            nonlocal budget
+            if session.num_tokens - session.num_computed > 1:
+                candidates.append(session)
+            elif budget >= 1 and len(decode) < max_decode and self._reserve(session, 1, scheduled):
+                decode.append((session, session.num_computed, 1))
+                scheduled.add(session)
+                budget -= 1
+
+        for session in [s for s in self.waiting if s.resident]:  # KV-holding sessions first, like vLLM
+            self.waiting.remove(session)
+            session.status = Status.RUNNING
+            self.running.append(session)
+        for session in list(self.running):
+            if session.status is Status.RUNNING:  # not preempted by an earlier row of this tick
+                plan(session)
+        while (budget > 0 and self.waiting and self.waiting[0] not in self._preempted
+               and self.admit(self.waiting[0])):
+            session = self.waiting.popleft()
+            session.status = Status.RUNNING
+            self.running.append(session)
+            plan(session)
+        prefill, bucket = [], None
+        candidates = [s for s in candidates if s.status is Status.RUNNING]
+        if candidates and budget > 0:
+            bucket = self._prefill_bucket(candidates, budget)
+            rows, chunk = bucket
+            for session in candidates[:rows]:
+                count = min(session.num_tokens - session.num_computed, chunk, budget)
+                if count <= 0 or session.status is not Status.RUNNING:
+                    continue
+                if self._reserve(session, count, scheduled):
+                    prefill.append((session, session.num_computed, count))
+                    scheduled.add(session)
+                    budget -= count
+        return decode, prefill, bucket
+
+    def _prefill_bucket(self, candidates, budget):
+        def tokens(bucket):
+            rows, chunk = bucket
+            left, total = budget, 0
+            for session in candidates[:rows]:
+                take = min(session.num_tokens - session.num_computed, chunk, left)
+                total, left = total + take, left - take
+            return total
+
+        return max(self.cfg.prefill_buckets, key=lambda b: (tokens(b), -b[0] * b[1]))
+
+    def _reserve(self, session: TextSession, count: int, scheduled: set) -> bool:
+        """Pages for the next `count` positions; evicts parked sessions, then preempts running ones."""
+        span = {STACK: (session.num_computed, session.num_computed + count)}
+        while not self.reserve(session, span, protect=scheduled):
+            victims = [s for s in reversed(self.running) if s is not session and s not in scheduled]
+            if not victims:
+                self._preempt(session)
+                return False
+            self._preempt(victims[0])
+        return True
+
+    def _execute(self, decode, prefill, bucket):
+        dispatched = []
+        if decode:
+            rows = next(b for b in self.cfg.decode_batch_buckets if b >= len(decode))
+            dispatched.append((decode, self.programs.run(("text", rows, 1), self._batch(decode, rows, 1))))
+        if prefill:
+            rows, chunk = bucket
+            dispatched.append((prefill, self.programs.run(("text", rows, chunk),
+                                                          self._batch(prefill, rows, chunk))))
+        fetched, waited = self.fetch([outputs for _, outputs in dispatched])
+        return [(rows, out) for (rows, _), out in zip(dispatched, fetched)], waited
+
+    def _batch(self, rows, num_rows: int, chunk: int):
+        batch = steps.text_batch(num_rows, chunk, self.cache.specs[STACK].pages_per_window)
+        for i, (session, start, count) in enumerate(rows):
+            batch["token_ids"][i, :count] = session.tokens(start, start + count)
+            batch["page_table"][i] = session.pages[STACK].table
+            batch["lengths"][i] = start
+            batch["num_new"][i] = count
+            params = session.params
+            batch["temperature"][i] = params.temperature
+            batch["top_k"][i] = params.top_k
+            batch["top_p"][i] = params.top_p
+            batch["seed"][i] = session.seed
+            batch["position"][i] = session.num_tokens
+        return batch
+
+    # -- results --------------------------------------------------------------------------------------
+    def _advance(self, session: TextSession, computed: int, token: int, logprob: float) -> None:
+        session.num_computed = computed
+        if computed < session.num_tokens:
+            return  # a prefill chunk that does not reach the end of the known tokens samples nothing
+        session.outputs.append(token)
+        reason, stop_reason, session_over = self._check_stop(session)
+        if reason is None:
+            deliver(session, self._output(session, [token], [logprob], None, None, finished=False))
+            return
+        head = session.queue[0] if session.queue else False
+        finished = session_over or not session.resumable or head is None
+        deliver(session, self._output(session, [token], [logprob], reason, stop_reason, finished=finished))
+        self.touch(session)
+        if finished:
+            self.release(session)
+        elif head is not False:
+            self._apply(session, session.queue.popleft())
+        else:
+            self.running.remove(session)
+            session.status = Status.PARKED
+
+    def _check_stop(self, session: TextSession):
+        """vLLM's check_stop order: length caps first, then (after min_tokens) EOS and stop ids.
+        Returns (finish_reason, stop_reason, ends_session)."""
+        produced = len(session.outputs)
+        if session.num_tokens >= self.max_model_len:
+            return "length", None, True
+        if produced >= session.max_tokens:
+            return "length", None, False
+        if produced < session.params.min_tokens:
+            return None, None, False
+        last = session.outputs[-1]
+        if not session.params.ignore_eos and last == self.eos_token_id:
+            return "stop", None, False
+        if session.params.stop_token_ids and last in session.params.stop_token_ids:
+            return "stop", last, False
+        return None, None, False
+
+    def _output(self, session: TextSession, tokens, logprobs, reason, stop_reason, *, finished) -> RequestOutput:
+        text = ""
+        if session.detokenizer is not None and tokens:
+            text = "".join(session.detokenizer.push(token) for token in tokens)
+        session.streamed += tokens
+        session.streamed_logprobs += logprobs
+        session.text += text
+        session.cumulative_logprob += sum(logprobs)
+        params = session.params
+        if params.output_kind is RequestOutputKind.DELTA:
+            ids, lps = list(tokens), list(logprobs)
+        else:
+            ids, lps, text = list(session.streamed), list(session.streamed_logprobs), session.text
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=ids,
+            cumulative_logprob=session.cumulative_logprob if params.logprobs is not None else None,
+            logprobs=lps if params.logprobs is not None else None,
+            finish_reason=reason, stop_reason=stop_reason)
+        return RequestOutput(session.request_id, list(session.chunk_prompts), [completion], finished)
+
+
+def _text_step(attention_impl):
+    def step(model, state, batch):
+        return steps.text_step(model, state, batch, stack=STACK, attention_impl=attention_impl)
+
+    return step

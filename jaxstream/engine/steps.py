@@ -1,0 +1,172 @@
+"""Jitted pure step programs `(params, state, batch) -> (outputs, state)`, compiled ahead of time.
+
+The model is split once (`graphdef, params = nnx.split(model)`) and merged inside each trace; the device
+state (KV pages and per-slot rows, see `kv_cache.DeviceCache`) is donated to every call and rebound from
+its result. Every (program, batch bucket) pair is lowered and compiled at start-up, and calls go to the
+compiled executables, so serving cannot recompile.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxstream.engine import sampling
+from jaxstream.models.voxtral import ConvState
+
+
+class Programs:
+    """The compiled step programs of one model over one `DeviceCache`."""
+
+    def __init__(self, model, cache, *, param_shardings=None, state_shardings=None, batch_sharding=None):
+        self.graphdef, params = nnx.split(model)
+        if param_shardings is not None:
+            params = jax.device_put(params, param_shardings)
+        self.params = params
+        self.cache = cache
+        self._shardings = (param_shardings, state_shardings, batch_sharding)
+        self._compiled = {}
+
+    def compile(self, key, step, batch) -> None:
+        """Compiles `step(model, state, batch) -> (outputs, state)` for the shapes of `batch` (numpy)."""
+        param_sh, state_sh, batch_sh = self._shardings
+        kwargs = {}
+        if state_sh is not None:
+            batch_tree = jax.tree_util.tree_map(lambda _: batch_sh, batch)
+            kwargs = dict(in_shardings=(param_sh, state_sh, batch_tree), out_shardings=(batch_sh, state_sh))
+        jitted = jax.jit(functools.partial(_merged_step, step, self.graphdef), donate_argnums=(1,), **kwargs)
+        self._compiled[key] = jitted.lower(self.params, self.cache.state, batch).compile()
+
+    def __contains__(self, key) -> bool:
+        return key in self._compiled
+
+    def run(self, key, batch):
+        """Dispatches one compiled program (asynchronously) and rebinds the donated state."""
+        outputs, self.cache.state = self._compiled[key](self.params, self.cache.state, batch)
+        return outputs
+
+
+def _merged_step(step, graphdef, params, state, batch):
+    return step(nnx.merge(graphdef, params), state, batch)
+
+
+# -- text language models (TextLM, ToyLM) --------------------------------------------------------------
+
+def text_batch(rows: int, chunk: int, pages_per_window: int) -> dict[str, np.ndarray]:
+    """An all-padding batch of the text step (rows with num_new = 0 write nothing)."""
+    return {
+        "token_ids": np.zeros((rows, chunk), np.int32),
+        "page_table": np.zeros((rows, pages_per_window), np.int32),
+        "lengths": np.zeros(rows, np.int32),
+        "num_new": np.zeros(rows, np.int32),
+        "temperature": np.zeros(rows, np.float32),
+        "top_k": np.zeros(rows, np.int32),
+        "top_p": np.ones(rows, np.float32),
+        "seed": np.zeros(rows, np.uint32),
+        "position": np.zeros(rows, np.int32),
+    }
+
+
+def text_step(model, state, batch, *, stack, attention_impl):
+    """Chunked prefill or decode of S rows, then per-row sampling at each row's last valid position."""
+    cache = state["stacks"][stack]
+    logits_at = jnp.maximum(batch["num_new"] - 1, 0)
+    logits, cache = model(batch["token_ids"], cache, batch["page_table"], batch["lengths"], batch["num_new"],
+                          logits_at=logits_at, attention_impl=attention_impl)
+    tokens, logprobs = sampling.sample(logits, batch["temperature"], batch["top_k"], batch["top_p"],
+                                       batch["seed"], batch["position"])
+    state = {"stacks": {**state["stacks"], stack: cache}, "slots": state["slots"]}
+    return {"tokens": tokens, "logprobs": logprobs}, state
+
+
+# -- Voxtral Realtime transcription ----------------------------------------------------------------------
+# State: stacks "encoder" / "decoder"; slot rows "conv1", "conv2" (the conv stem's carried frames) and
+# "last_token" (the token sampled last, fed back with the next 80 ms slot without leaving the device).
+
+def realtime_batch(rows: int, slots: int, cfg, enc_pages: int, dec_pages: int, *, with_tokens: bool):
+    """An all-padding batch of the realtime programs (slot index `-1` rows are padding)."""
+    batch = {
+        "slot": np.full(rows, -1, np.int32),
+        "mel": np.zeros((rows, cfg.mel_frames_per_token * slots, cfg.encoder.num_mel_bins), np.float32),
+        "num_slots": np.zeros(rows, np.int32),
+        "enc_table": np.zeros((rows, enc_pages), np.int32),
+        "dec_table": np.zeros((rows, dec_pages), np.int32),
+        "dec_lengths": np.zeros(rows, np.int32),
+        "n_delay": np.ones(rows, np.float32),
+    }
+    if with_tokens:
+        batch["token_ids"] = np.zeros((rows, slots), np.int32)
+    return batch
+
+
+def _gather_rows(rows, slot):
+    return rows[jnp.clip(slot, 0, rows.shape[0] - 1)]
+
+
+def _scatter_rows(rows, slot, values):
+    target = jnp.where(slot < 0, rows.shape[0], slot)  # padding rows are dropped
+    return rows.at[target].set(values.astype(rows.dtype), mode="drop")
+
+
+def _audio(model, state, batch, *, fresh, attention_impl):
+    """The encoder over the batch's slots; returns (audio_embeds, conv rows to store, encoder cache)."""
+    slots = state["slots"]
+    conv1, conv2 = _gather_rows(slots["conv1"], batch["slot"]), _gather_rows(slots["conv2"], batch["slot"])
+    if fresh:  # a session's first chunk starts from zero conv context, whatever its slot held before
+        start = (batch["dec_lengths"] == 0)[:, None, None]
+        conv1, conv2 = jnp.where(start, 0, conv1), jnp.where(start, 0, conv2)
+    enc_lengths = batch["dec_lengths"] * model.cfg.downsample_factor
+    embeds, conv, enc = model.audio_step(batch["mel"], ConvState(conv1, conv2), state["stacks"]["encoder"],
+                                         batch["enc_table"], enc_lengths, batch["num_slots"],
+                                         attention_impl=attention_impl)
+    return embeds, conv, enc
+
+
+def _realtime_state(state, batch, conv, enc, dec, last_token):
+    slots = state["slots"]
+    return {
+        "stacks": {"encoder": enc, "decoder": dec},
+        "slots": {"conv1": _scatter_rows(slots["conv1"], batch["slot"], conv.conv1),
+                  "conv2": _scatter_rows(slots["conv2"], batch["slot"], conv.conv2),
+                  "last_token": _scatter_rows(slots["last_token"], batch["slot"], last_token)},
+    }
+
+
+def realtime_prefill_step(model, state, batch, *, attention_impl):
+    """Prompt slots (given tokens + their audio) of S sessions; the greedy token after the last one is
+    kept on device as the session's next input and returned."""
+    embeds, conv, enc = _audio(model, state, batch, fresh=True, attention_impl=attention_impl)
+    logits, dec = model.text_step(batch["token_ids"], embeds, batch["n_delay"], state["stacks"]["decoder"],
+                                  batch["dec_table"], batch["dec_lengths"], batch["num_slots"],
+                                  logits_at=jnp.maximum(batch["num_slots"] - 1, 0), attention_impl=attention_impl)
+    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return {"tokens": token}, _realtime_state(state, batch, conv, enc, dec, token)
+
+
+def realtime_decode_step(model, state, batch, *, eos_id, attention_impl):
+    """Up to K 80 ms steps per session in one dispatch: the encoder runs over the K slots as one chunk,
+    then K decoder steps each feed the previous greedy token with the slot's audio embedding (on-device
+    feedback). Rows stop after `num_slots` steps or after sampling EOS. Returns tokens [S, K] (-1 where
+    no step ran)."""
+    embeds, conv, enc = _audio(model, state, batch, fresh=False, attention_impl=attention_impl)
+    num_rows, num_steps = embeds.shape[:2]
+    token = _gather_rows(state["slots"]["last_token"], batch["slot"])
+    zeros = jnp.zeros(num_rows, jnp.int32)
+
+    def body(k, carry):
+        token, dec, out, done = carry
+        valid = (k < batch["num_slots"]) & ~done
+        embed = jax.lax.dynamic_slice_in_dim(embeds, k, 1, axis=1)
+        logits, dec = model.text_step(token[:, None], embed, batch["n_delay"], dec, batch["dec_table"],
+                                      batch["dec_lengths"] + k, valid.astype(jnp.int32), logits_at=zeros,
+                                      attention_impl=attention_impl)
+        sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        token = jnp.where(valid, sampled, token)
+        out = out.at[:, k].set(jnp.where(valid, sampled, -1))
+        return token, dec, out, done | (valid & (sampled == eos_id))
+
+    out = jnp.full((num_rows, num_steps), -1, jnp.int32)
+    carry = (token, state["stacks"]["decoder"], out, jnp.zeros(num_rows, bool))
+    token, dec, out, _ = jax.lax.fori_loop(0, num_steps, body, carry)
+    return {"tokens": out}, _realtime_state(state, batch, conv, enc, dec, token)

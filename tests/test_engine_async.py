@@ -1,0 +1,216 @@
+"""AsyncEngine.generate: vLLM's streaming-input API end to end (specs/streaming_semantics.md §1, §3) on the
+deterministic toy model; the oracle is `toy_next_token` applied under vLLM's context rules."""
+import asyncio
+import dataclasses
+
+import pytest
+
+from jaxstream.engine.async_engine import AsyncEngine
+from jaxstream.engine.config import EngineConfig
+from jaxstream.engine.requests import RequestOutputKind, SamplingParams, StreamingInput
+from jaxstream.engine.testing import ToyLM, toy_config, toy_next_token
+
+CFG = toy_config(vocab_size=97, window=16)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = AsyncEngine(ToyLM(CFG), config=EngineConfig(
+        max_sessions=4, page_size=4, batch_buckets=(4,), prefill_buckets=((2, 8),), max_num_batched_tokens=64))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(autouse=True)
+async def back_to_baseline(engine):
+    yield
+    await engine.wait_until_idle()
+    assert engine.core.at_baseline(), "a session leaked pages, a slot or host memory"
+
+
+def greedy(max_tokens, stop=None):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop)
+
+
+def continue_greedy(context, count, stop=None):
+    out = []
+    while len(out) < count:
+        out.append(toy_next_token(context + out, CFG))
+        if stop and out[-1] in stop:
+            break
+    return out
+
+
+async def test_worked_example(engine):
+    """§1.8: x1 | y1 y2 y3 | z1 S | w1 w2, then the generator closes while parked."""
+    a, b, c, d, e, f, g = 11, 12, 13, 14, 15, 16, 17
+    x = continue_greedy([a, b, c], 1)
+    y = continue_greedy([a, b, c, d, e], 3)
+    z_probe = continue_greedy([a, b, c, d, e] + y[:2] + [f], 2)
+    stop = z_probe[1]
+    assert stop != z_probe[0]
+    z = continue_greedy([a, b, c, d, e] + y[:2] + [f], 4, stop=[stop])
+    w = continue_greedy([a, b, c, d, e] + y[:2] + [f] + z[:1] + [g], 2)
+    chunk_ended = asyncio.Queue()
+
+    async def inputs():
+        yield StreamingInput([a, b, c], greedy(1))
+        await chunk_ended.get()  # 2 arrives while parked
+        yield StreamingInput([d, e], greedy(3))
+        yield StreamingInput([f], greedy(4, stop=[stop]))  # queued while 2 runs
+        await chunk_ended.get()
+        await chunk_ended.get()
+        yield StreamingInput([g], greedy(2))
+        await chunk_ended.get()  # closes while parked
+
+    groups, current, finals = [], [], []
+    async for out in engine.generate(inputs(), request_id="worked"):
+        current += out.outputs[0].token_ids
+        if out.outputs[0].finish_reason:
+            groups.append(current)
+            current = []
+            finals.append((out.outputs[0].finish_reason, out.finished))
+            chunk_ended.put_nowait(None)
+    assert groups == [x, y, z, w] and z[-1] == stop
+    assert finals == [("length", False), ("length", False), ("stop", False), ("length", False)]
+
+
+async def test_zero_chunks_make_no_request(engine):
+    async def nothing():
+        return
+        yield  # noqa: unreachable - makes this an async generator
+
+    outputs = [out async for out in engine.generate(nothing(), request_id="empty")]
+    assert outputs == [] and "empty" not in engine.core.sessions
+
+
+async def test_close_while_parked_strict_mode_emits_a_final_output(engine):
+    engine.core.cfg = dataclasses.replace(engine.core.cfg, compat="strict")
+    try:
+        parked = asyncio.Event()
+
+        async def inputs():
+            yield StreamingInput([1, 2], greedy(2))
+            await parked.wait()
+
+        outputs = []
+        async for out in engine.generate(inputs(), request_id="strict"):
+            outputs.append(out)
+            if out.outputs[0].finish_reason:
+                parked.set()
+    finally:
+        engine.core.cfg = dataclasses.replace(engine.core.cfg, compat="vllm")
+    assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == []
+    assert [t for o in outputs for t in o.outputs[0].token_ids] == continue_greedy([1, 2], 2)
+
+
+async def test_abort_drops_queued_chunks_and_ends_the_stream(engine):
+    sent = []
+    gate = asyncio.Event()
+
+    async def inputs():
+        for prompt in ([5, 6], [7], [8]):
+            sent.append(prompt)
+            yield StreamingInput(prompt, greedy(40))
+        await gate.wait()
+        sent.append("late")
+        yield StreamingInput([9], greedy(1))
+
+    outputs = []
+    async for out in engine.generate(inputs(), request_id="ab"):
+        outputs.append(out)
+        if len(outputs) == 3:
+            await engine.abort("ab")
+    gate.set()
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+    assert sum(len(o.outputs[0].token_ids) for o in outputs) < 40  # the first chunk was cut, the rest dropped
+    assert "ab" not in engine.core.sessions
+
+
+async def test_input_generator_error_reaches_the_caller(engine):
+    class Broken(Exception):
+        pass
+
+    async def inputs():
+        yield StreamingInput([3, 4], greedy(1))
+        raise Broken("input failed")
+
+    with pytest.raises(Broken):
+        async for _ in engine.generate(inputs(), request_id="broken"):
+            pass
+
+
+@pytest.mark.parametrize("params, chunk", [
+    (SamplingParams(n=2), None),
+    (SamplingParams(stop=["x"]), None),
+    (SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY), None),
+    (SamplingParams(), StreamingInput({"prompt_embeds": [0.0]})),
+])
+async def test_rejections(engine, params, chunk):
+    async def inputs():
+        yield chunk or StreamingInput([1])
+
+    with pytest.raises(ValueError):
+        async for _ in engine.generate(inputs(), params, request_id="rejected"):
+            pass
+
+
+async def test_consumer_cancel_frees_the_session(engine):
+    async def inputs():
+        yield StreamingInput([1, 2, 3], greedy(50))
+        await asyncio.Event().wait()  # never closes on its own
+
+    stream = engine.generate(inputs(), request_id="cancelled")
+    async for _ in stream:
+        break
+    await stream.aclose()
+
+
+async def test_slow_consumer_merges_within_chunks_only(engine):
+    async def inputs():
+        yield StreamingInput([2, 3], greedy(6))
+        yield StreamingInput([4], greedy(5))
+
+    stream = engine.generate(inputs(), request_id="slow")
+    await asyncio.sleep(0)
+    outputs = []
+    async for out in stream:
+        outputs.append(out)
+        await asyncio.sleep(0.05)
+    boundaries = [o for o in outputs if o.outputs[0].finish_reason]
+    assert len(boundaries) == 2 and boundaries[-1].finished
+    expected_first = continue_greedy([2, 3], 6)
+    expected_second = continue_greedy([2, 3] + expected_first[:-1] + [4], 5)
+    tokens = [t for o in outputs for t in o.outputs[0].token_ids]
+    assert tokens == expected_first + expected_second
+    split = outputs.index(boundaries[0]) + 1
+    assert [t for o in outputs[:split] for t in o.outputs[0].token_ids] == expected_first
+
+
+async def test_one_failing_session_does_not_affect_another(engine):
+    async def good():
+        yield StreamingInput([6, 6, 6], greedy(12))
+
+    async def bad():
+        yield StreamingInput([6, 6, 6], greedy(12))
+        raise KeyError("bad input")
+
+    async def collect(stream):
+        return [t async for out in stream for t in out.outputs[0].token_ids]
+
+    results = await asyncio.gather(collect(engine.generate(good(), request_id="g")),
+                                   collect(engine.generate(bad(), request_id="b")), return_exceptions=True)
+    assert results[0] == continue_greedy([6, 6, 6], 12)
+    assert isinstance(results[1], KeyError)
+
+
+async def test_seeded_sampling_is_reproducible_and_top_k_one_is_greedy(engine):
+    async def run(params, rid):
+        return [t async for out in engine.generate([9, 8, 7], params, request_id=rid)
+                for t in out.outputs[0].token_ids]
+
+    seeded = SamplingParams(temperature=1.5, top_p=0.9, seed=123, max_tokens=12)
+    first, second = await asyncio.gather(run(seeded, "s1"), run(seeded, "s2"))
+    assert first == second
+    top1 = await run(SamplingParams(temperature=2.0, top_k=1, max_tokens=12), "k1")
+    assert top1 == continue_greedy([9, 8, 7], 12)

@@ -1,0 +1,305 @@
+"""Scheduler conformance (specs/streaming_semantics.md §3) on a deterministic toy model that stores its
+context in the paged KV cache; the oracle is a plain-Python statement of vLLM's streaming-input rules."""
+import jax
+import numpy as np
+import pytest
+
+from jaxstream.engine.config import EngineConfig
+from jaxstream.engine.core import build_text_core
+from jaxstream.engine.requests import SamplingParams
+from jaxstream.engine.residency import END_OF_STREAM, Status
+from jaxstream.engine.testing import ToyLM, toy_config, toy_next_token
+
+CFG = toy_config(vocab_size=97, window=16)
+
+
+@pytest.fixture(scope="module")
+def core():
+    engine_cfg = EngineConfig(max_sessions=4, page_size=4, batch_buckets=(4,), prefill_buckets=((2, 8),),
+                              max_num_batched_tokens=64)
+    return build_text_core(ToyLM(CFG), engine_cfg)
+
+
+@pytest.fixture(autouse=True)
+def back_to_baseline(core):
+    yield
+    assert core.at_baseline(), "a session leaked pages, a slot or host memory"
+
+
+def greedy(max_tokens, stop=None, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop, **kw)
+
+
+def reference(chunks):
+    """vLLM's rules for greedy chunks [(prompt, max_tokens, stop_ids)]: per-chunk outputs and the final
+    KV context (every output folded in except the last of each chunk)."""
+    context, outputs = [], []
+    for prompt, max_tokens, stop in chunks:
+        context = context + list(prompt)
+        out = []
+        while True:
+            out.append(toy_next_token(context + out, CFG))
+            if len(out) >= max_tokens or (stop and out[-1] in stop):
+                break
+        outputs.append(out)
+        context = context + out[:-1]
+    return outputs, context
+
+
+class Collector:
+    def __init__(self):
+        self.items = []
+
+    def __call__(self, item):
+        self.items.append(item)
+
+    def chunks(self):
+        """Token ids per chunk: outputs grouped up to each finish_reason."""
+        grouped, current = [], []
+        for item in self.items:
+            if item is END_OF_STREAM:
+                continue
+            current += item.outputs[0].token_ids
+            if item.outputs[0].finish_reason:
+                grouped.append(current)
+                current = []
+        return grouped
+
+
+def run(core, limit=500):
+    for _ in range(limit):
+        if not core.has_work():
+            return
+        core.step()
+    raise AssertionError("the scheduler did not go idle")
+
+
+def add(core, rid, prompt, params, sink, *, first=False, resumable=True):
+    core.add_chunk(rid, prompt, params, first=first, resumable=resumable, sink=sink)
+
+
+def test_single_chunk_equals_plain_request(core):
+    sink = Collector()
+    add(core, "a", [3, 1, 4, 1, 5], greedy(20), sink, first=True, resumable=False)
+    run(core)
+    expected, _ = reference([([3, 1, 4, 1, 5], 20, None)])
+    assert sink.chunks() == expected
+    assert sink.items[-1].finished and sink.items[-1].outputs[0].finish_reason == "length"
+
+
+def test_cumulative_rule_keeps_computed_and_schedules_only_the_chunk(core):
+    sink = Collector()
+    add(core, "a", [1, 2, 3], greedy(2), sink, first=True)
+    run(core)
+    session = core.sessions["a"]
+    first_outputs = sink.chunks()[0]
+    assert session.status is Status.PARKED and session.num_computed == 4
+    add(core, "a", [4, 5], greedy(1), sink)
+    assert session.prompt_ids == [1, 2, 3, first_outputs[0], 4, 5]
+    assert session.outputs == [] and session.num_computed == 4 and session.status is Status.WAITING
+    core.step()
+    assert core.tick_stats[-1].steps == 2  # only the chunk's two tokens are prefilled
+    core.end_input("a")
+    assert sink.items[-1] is END_OF_STREAM
+
+
+def test_max_tokens_one_over_five_chunks_keeps_exactly_the_prompts(core):
+    sink = Collector()
+    prompts = [[7, 8], [9], [10, 11, 12], [13], [14, 15]]
+    add(core, "a", prompts[0], greedy(1), sink, first=True)
+    for prompt in prompts[1:]:
+        add(core, "a", prompt, greedy(1), sink)
+    run(core)
+    session = core.sessions["a"]
+    assert session.prompt_ids == sum(prompts, [])
+    expected, _ = reference([(p, 1, None) for p in prompts])
+    assert sink.chunks() == expected
+    core.end_input("a")
+
+
+def test_per_chunk_budget_and_fifo_chunks_never_coalesce(core):
+    sink = Collector()
+    chunks = [([5, 6, 7], 10, None), ([8], 4, None), ([9, 10], 3, None), ([11], 2, None)]
+    add(core, "a", chunks[0][0], greedy(10), sink, first=True)
+    core.step()  # chunk 1 is running when the others arrive
+    for prompt, budget, _ in chunks[1:]:
+        add(core, "a", prompt, greedy(budget), sink)
+    core.end_input("a")
+    run(core)
+    expected, _ = reference(chunks)
+    assert sink.chunks() == expected
+    assert [len(c) for c in sink.chunks()] == [10, 4, 3, 2]  # the running chunk was not cut short
+    finals = [i for i in sink.items if i.outputs[0].finish_reason]
+    assert [f.finished for f in finals] == [False, False, False, True]  # closed while busy: last is final
+
+
+def test_chunk_for_parked_session_applies_at_once(core):
+    sink = Collector()
+    add(core, "a", [2, 7, 1], greedy(1), sink, first=True)
+    run(core)
+    assert core.num_parked == 1 and core.num_unfinished == 0
+    add(core, "a", [8, 2], greedy(2), sink)
+    session = core.sessions["a"]
+    assert session.status is Status.WAITING and core.num_parked == 0 and core.num_unfinished == 1
+    core.step()
+    assert session.status is Status.RUNNING
+    core.abort("a")
+    assert sink.items[-1].outputs[0].finish_reason == "abort" and sink.items[-1].finished
+
+
+def test_stop_id_ends_the_chunk_and_is_dropped_from_context(core):
+    probe, _ = reference([([4, 4, 4], 3, None)])
+    stop = probe[0][1]  # the chunk's second greedy token
+    sink = Collector()
+    add(core, "a", [4, 4, 4], greedy(10, stop=[stop]), sink, first=True)
+    add(core, "a", [6], greedy(3), sink)
+    run(core)
+    expected, context = reference([([4, 4, 4], 10, [stop]), ([6], 3, None)])
+    assert sink.chunks() == expected and expected[0][-1] == stop
+    stopped = next(i for i in sink.items if i.outputs[0].finish_reason)
+    assert (stopped.outputs[0].finish_reason, stopped.outputs[0].stop_reason, stopped.finished) == ("stop", stop, False)
+    session = core.sessions["a"]
+    assert session.prompt_ids + session.outputs[:-1] == context  # the stop token has no place in the context
+    core.end_input("a")
+
+
+def test_previous_chunk_unaffected_by_when_the_next_arrives(core):
+    sampled = SamplingParams(temperature=1.0, top_k=20, seed=7, max_tokens=5, logprobs=1)
+    results = []
+    for early in (True, False):
+        sink = Collector()
+        add(core, "a", [1, 5, 9], SamplingParams(temperature=0.0, max_tokens=4, logprobs=1), sink, first=True)
+        if early:
+            add(core, "a", [3], sampled, sink)
+        run(core)
+        if not early:
+            add(core, "a", [3], sampled, sink)
+            run(core)
+        core.end_input("a")
+        results.append([(i.outputs[0].token_ids, i.outputs[0].logprobs) for i in sink.items if i is not END_OF_STREAM])
+    assert results[0] == results[1]
+    greedy_part, _ = reference([([1, 5, 9], 4, None)])
+    assert [t for ids, _ in results[0][:4] for t in ids] == greedy_part[0]
+
+
+def test_reaching_max_model_len_ends_the_session(core):
+    sink = Collector()
+    core.max_model_len, saved = 10, core.max_model_len
+    try:
+        add(core, "a", [1, 2, 3, 4, 5, 6], greedy(50), sink, first=True)
+        run(core)
+    finally:
+        core.max_model_len = saved
+    assert sink.items[-1].finished and sink.items[-1].outputs[0].finish_reason == "length"
+    assert sum(len(i.outputs[0].token_ids) for i in sink.items) == 4
+    add(core, "a", [1], greedy(1), sink)  # a late chunk does not revive the ended session
+    assert "a" not in core.sessions
+
+
+def test_preempted_session_recomputes_to_the_same_tokens(core):
+    """Only one session's window fits: the later one is preempted (pages freed, KV recomputed)."""
+    pool = core.cache.pools["text"]
+    held = pool.allocate(pool.num_free - 6)  # 6 free pages; a full window is 4
+    try:
+        sinks = {rid: Collector() for rid in "ab"}
+        for rid, prompt in (("a", [1, 2, 3, 4, 5]), ("b", [6, 7, 8, 9, 10])):
+            add(core, rid, prompt, greedy(20), sinks[rid], first=True, resumable=False)
+        preempted = core.preemptions
+        run(core)
+        assert core.preemptions > preempted
+    finally:
+        pool.release(held)
+    for rid, prompt in (("a", [1, 2, 3, 4, 5]), ("b", [6, 7, 8, 9, 10])):
+        assert sinks[rid].chunks() == reference([(prompt, 20, None)])[0]
+
+
+@pytest.mark.parametrize("host_bytes", [1 << 30, 0], ids=["offload", "recompute"])
+def test_lru_parked_session_evicted_for_a_new_request(core, host_bytes):
+    """max_sessions=2 with two parked sessions: the least recently active one leaves the device, the new
+    request runs, and the evicted session resumes with identical tokens (from host memory or recomputed)."""
+    held = [core.cache.take_slot(), core.cache.take_slot()]  # 2 of 4 slots left
+    core.host_offload_bytes = host_bytes
+    try:
+        sinks = {rid: Collector() for rid in "abc"}
+        add(core, "a", [1, 2, 3], greedy(3), sinks["a"], first=True)
+        run(core)
+        add(core, "b", [4, 5, 6], greedy(3), sinks["b"], first=True)
+        run(core)
+        assert core.num_parked == 2
+        add(core, "c", [7, 8], greedy(3), sinks["c"], first=True, resumable=False)
+        run(core)
+        assert not core.sessions["a"].resident and core.sessions["b"].resident
+        assert (core.sessions["a"].offloaded is not None) == (host_bytes > 0)
+        add(core, "a", [9], greedy(5), sinks["a"])
+        run(core)
+        assert core.sessions["a"].resident
+        for rid in "ab":
+            core.end_input(rid)
+    finally:
+        for slot in held:
+            core.cache.release_slot(slot)
+        core.host_offload_bytes = 8 << 30
+    assert sinks["a"].chunks() == reference([([1, 2, 3], 3, None), ([9], 5, None)])[0]
+    assert sinks["c"].chunks() == reference([([7, 8], 3, None)])[0]
+
+
+def test_bad_chunk_fails_only_its_session(core):
+    good, bad = Collector(), Collector()
+    add(core, "good", [1, 2], greedy(6), good, first=True, resumable=False)
+    add(core, "bad", [1, 2], greedy(6), bad, first=True)
+    core.step()
+    add(core, "bad", [CFG.vocab_size + 5], greedy(2), bad)  # out of vocabulary
+    run(core)
+    assert isinstance(bad.items[-1], ValueError) and "bad" not in core.sessions
+    assert good.chunks() == reference([([1, 2], 6, None)])[0]
+
+
+def test_detokenizer_failure_is_isolated(core):
+    class Exploding:
+        def push(self, token):
+            raise RuntimeError("boom")
+
+    good, bad = Collector(), Collector()
+    add(core, "good", [3, 3], greedy(5), good, first=True, resumable=False)
+    add(core, "bad", [3, 3], greedy(5), bad, first=True, resumable=False)
+    core.sessions["bad"].detokenizer = Exploding()
+    run(core)
+    assert isinstance(bad.items[-1], RuntimeError)
+    assert good.chunks() == reference([([3, 3], 5, None)])[0]
+
+
+def test_serving_never_compiles(core):
+    """Every shape the scheduler dispatches was compiled at start-up (offload/restore included)."""
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    held = [core.cache.take_slot(), core.cache.take_slot()]
+    try:
+        rng = np.random.default_rng(0)
+        sinks = {}
+        for i in range(6):
+            rid = f"r{i}"
+            sinks[rid] = Collector()
+            prompt = rng.integers(0, CFG.vocab_size, int(rng.integers(1, 30))).tolist()
+            add(core, rid, prompt, SamplingParams(temperature=float(i % 2), seed=i, max_tokens=int(rng.integers(1, 9))),
+                sinks[rid], first=True)
+            for _ in range(3):
+                core.step()
+        run(core)
+        evicted = core.evictions
+        for rid in sinks:  # the evicted ones come back through restore
+            add(core, rid, [1, 2], greedy(2), sinks[rid])
+            run(core)
+            core.end_input(rid)
+        assert core.evictions > evicted
+        assert compiles == []
+        jax.jit(lambda x: x * 3 + 1)(np.float32(2))  # proves the listener sees compiles
+        assert len(compiles) == 1
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+        for slot in held:
+            core.cache.release_slot(slot)

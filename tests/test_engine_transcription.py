@@ -1,0 +1,223 @@
+"""Realtime transcription sessions over the tiny Voxtral fixture: any chunking of the audio gives exactly
+transformers' greedy `generate` tokens; sessions with different delays batched together equal their solo
+runs; eviction to host memory and back changes nothing; every way a session ends frees its pages."""
+import asyncio
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxstream.engine.async_engine import AsyncEngine
+from jaxstream.engine.config import EngineConfig
+from jaxstream.engine.transcription import TranscriptionDelta, TranscriptionDone, word_timings
+from jaxstream.models.audio import ALLOWED_DELAYS_MS, n_delay_from_ms, prompt_length
+from jaxstream.models.tokenizers import load_tokenizer
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return dict(np.load(FIXTURES / "voxtral_tiny_reference.npz"))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    config = EngineConfig(max_sessions=16, page_size=4, encoder_page_size=4, batch_buckets=(16,),
+                          realtime_step_buckets=(1, 4), realtime_prefill_buckets=((4, 40),))
+    engine = AsyncEngine.from_pretrained(FIXTURES / "voxtral_tiny", config=config, dtype="float32")
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(autouse=True)
+async def back_to_baseline(engine):
+    yield
+    await engine.wait_until_idle()
+    assert engine.core.at_baseline(), "a session leaked pages, a slot or host memory"
+
+
+def expected_tokens(reference, delay_ms):
+    n_delay = n_delay_from_ms(delay_ms)
+    return reference[f"generate_d{n_delay}"][0, prompt_length(n_delay):].tolist()
+
+
+async def stream(session, audio, rng, *, pause=None):
+    """Appends `audio` in random pieces (sometimes tiny, sometimes seconds), then finishes; collects events.
+    `pause`: an awaitable run once half the audio is in (the session sits idle meanwhile)."""
+    position, paused = 0, pause is None
+    while position < len(audio):
+        size = int(rng.choice([1, 37, 640, 1280, 4000, 20000]))
+        await session.append(audio[position : position + size])
+        position += size
+        if not paused and position >= len(audio) // 2:
+            paused = True
+            await pause
+        await asyncio.sleep(0)
+    await session.finish()
+    return [event async for event in session]
+
+
+def check_events(events, tokens, tokenizer, audio_seconds, delay_ms):
+    *deltas, done = events
+    assert isinstance(done, TranscriptionDone) and all(isinstance(d, TranscriptionDelta) for d in deltas)
+    assert done.token_ids == tokens and done.delay_ms == delay_ms
+    assert done.text == tokenizer.decode(tokens) == "".join(d.text for d in deltas)
+    assert [t for d in deltas for t in d.token_ids] == tokens[: len([t for d in deltas for t in d.token_ids])]
+    assert done.usage.audio_seconds == audio_seconds and done.usage.output_tokens == len(tokens)
+    assert done.usage.prompt_tokens == prompt_length(n_delay_from_ms(delay_ms))
+
+
+async def test_random_chunkings_match_transformers_generate(engine, reference):
+    audio = reference["audio"]
+    runs = [(480, 0), (480, 1), (160, 2), (160, 3)]
+    sessions = [await engine.start_transcription(delay_ms=delay) for delay, _ in runs]
+    results = await asyncio.gather(*(stream(s, audio, np.random.default_rng(seed))
+                                     for s, (_, seed) in zip(sessions, runs)))
+    for (delay, _), events in zip(runs, results):
+        check_events(events, expected_tokens(reference, delay), engine.tokenizer, len(audio) / 16000, delay)
+
+
+async def test_concurrent_sessions_with_every_delay_equal_their_solo_runs(engine, reference):
+    audio = reference["audio"][:30000]
+    solo = {}
+    for delay in ALLOWED_DELAYS_MS:
+        done = await engine.transcribe(audio, delay_ms=delay)
+        solo[delay] = done.token_ids
+    assert len(solo) == 16
+    sessions = [await engine.start_transcription(delay_ms=delay) for delay in ALLOWED_DELAYS_MS]
+    results = await asyncio.gather(*(stream(s, audio, np.random.default_rng(i)) for i, s in enumerate(sessions)))
+    for delay, events in zip(ALLOWED_DELAYS_MS, results):
+        check_events(events, solo[delay], engine.tokenizer, len(audio) / 16000, delay)
+
+
+async def test_parked_sessions_evicted_to_host_resume_identically(engine, reference):
+    """Also checks that serving (prefill, catch-up steps, eviction, restore) never compiles."""
+    audio = reference["audio"]
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    held = [engine.core.cache.take_slot() for _ in range(14)]  # two device slots left for three sessions
+    try:
+        evictions = engine.core.evictions
+        idle = asyncio.Event()
+        first = [await engine.start_transcription(delay_ms=480) for _ in range(2)]
+        tasks = [asyncio.create_task(stream(s, audio, np.random.default_rng(i), pause=idle.wait()))
+                 for i, s in enumerate(first)]
+        await asyncio.sleep(0.5)
+        await engine.wait_until_idle()  # both parked mid-stream, holding the two slots
+        third = await engine.start_transcription(delay_ms=160)
+        third_events = await stream(third, audio, np.random.default_rng(9))
+        idle.set()
+        first_events = await asyncio.gather(*tasks)
+        assert engine.core.evictions > evictions
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+        for slot in held:
+            engine.core.cache.release_slot(slot)
+    assert compiles == []
+    check_events(third_events, expected_tokens(reference, 160), engine.tokenizer, len(audio) / 16000, 160)
+    for events in first_events:
+        check_events(events, expected_tokens(reference, 480), engine.tokenizer, len(audio) / 16000, 480)
+
+
+async def test_memory_per_stream_stays_within_the_windows(engine, reference):
+    audio = np.tile(reference["audio"], 2)  # 6.6 s: far past both tiny windows (12 frames, 16 tokens)
+    session = await engine.start_transcription(delay_ms=480)
+    peak = {"encoder": 0, "decoder": 0}
+    for start in range(0, len(audio), 2560):
+        await session.append(audio[start : start + 2560])
+        await asyncio.sleep(0.01)
+        state = engine.core.sessions.get(session.session_id)
+        if state is not None:
+            for name in peak:
+                peak[name] = max(peak[name], state.pages[name].num_allocated)
+    await session.finish()
+    events = [event async for event in session]
+    assert len(events[-1].token_ids) == (len(audio) + 40960 + 21760 + 1279) // 1280 - 39
+    for name, spec in engine.core.cache.specs.items():
+        assert 0 < peak[name] <= spec.pages_per_window
+
+
+async def test_abort_cancel_and_bad_input_free_everything(engine, reference):
+    audio = reference["audio"]
+    aborted = await engine.start_transcription()
+    await aborted.append(audio[:30000])
+    await aborted.abort()
+    assert [event async for event in aborted] == []
+
+    cancelled = await engine.start_transcription()
+    await cancelled.append(audio)
+    listener = asyncio.create_task(anext(aiter(cancelled)))
+    await engine.wait_until_idle()
+    listener.cancel()  # the consumer walks away mid-stream
+    await asyncio.gather(listener, return_exceptions=True)
+
+    bad = await engine.start_transcription()
+    await bad.append(audio[:5000])
+    with pytest.raises(ValueError):
+        await bad.append(np.full(100, np.nan, np.float32))
+    with pytest.raises(ValueError):
+        await bad.append(audio[:100].astype(np.int16))
+    await bad.append(audio[5000:])  # the session survives a rejected append
+    await bad.finish()
+    events = [event async for event in bad]
+    assert events[-1].token_ids == expected_tokens(reference, 480)
+    with pytest.raises(RuntimeError):
+        await bad.append(audio[:10])
+
+
+async def test_a_failing_session_does_not_affect_another(engine, reference):
+    audio = reference["audio"]
+    good, bad = await engine.start_transcription(), await engine.start_transcription()
+
+    class Exploding:
+        def push(self, token):
+            raise RuntimeError("detokenizer failure")
+
+    await bad.append(audio[:20000])
+    await engine.wait_until_idle()
+    engine.core.sessions[bad.session_id].decoder = Exploding()
+    results = await asyncio.gather(stream(good, audio, np.random.default_rng(5)),
+                                   stream(bad, audio[20000:], np.random.default_rng(6)), return_exceptions=True)
+    assert isinstance(results[1], RuntimeError)
+    check_events(results[0], expected_tokens(reference, 480), engine.tokenizer, len(audio) / 16000, 480)
+
+
+def test_word_timings_follow_markers_minus_the_delay():
+    tokenizer = load_tokenizer(FIXTURES / "voxtral_tiny" / "tekken.json")
+    byte_id = {bytes([b]): 1000 + b for b in range(100)}  # the tiny vocabulary: single bytes 0..99
+    first, second = [byte_id[c] for c in (b" ", b"H", b"I")], [byte_id[c] for c in (b" ", b"O", b"K")]
+    pad, word = tokenizer.streaming_pad_id, tokenizer.streaming_word_id
+    ids = [pad, word, *first, pad, pad, word, *second, pad]
+    words = word_timings(ids, tokenizer, audio_seconds=10.0)
+    # Token i describes real audio at (i + 1) * 80 ms: a word starts at its marker (ids 1 and 7) and ends
+    # 80 ms after its last text token (ids 4 and 10).
+    assert [w.word for w in words] == ["HI", "OK"]
+    np.testing.assert_allclose([(w.start, w.end) for w in words], [(2 * 0.08, 6 * 0.08), (8 * 0.08, 12 * 0.08)])
+    clipped = word_timings(ids, tokenizer, audio_seconds=0.7)
+    assert [(w.start, w.end) for w in clipped] == pytest.approx([(2 * 0.08, 6 * 0.08), (8 * 0.08, 0.7)])
+    # Without markers, a space-led text token starts a new word at its own time.
+    plain = word_timings([*first, *second], tokenizer, audio_seconds=10.0)
+    np.testing.assert_allclose([(w.start, w.end) for w in plain], [(0.08, 4 * 0.08), (4 * 0.08, 7 * 0.08)])
+
+
+async def test_tensor_parallel_over_four_devices_gives_identical_tokens(reference):
+    mesh = jax.make_mesh((2, 2), ("data", "tp"))
+    config = EngineConfig(max_sessions=2, page_size=4, encoder_page_size=4, batch_buckets=(2,),
+                          realtime_step_buckets=(4,), realtime_prefill_buckets=((2, 40),), mesh=mesh)
+    engine = AsyncEngine.from_pretrained(FIXTURES / "voxtral_tiny", config=config, dtype="float32")
+    try:
+        assert engine.core.cache.state["stacks"]["encoder"][0][0].sharding.spec[1] == "tp"
+        audio = reference["audio"]
+        sessions = [await engine.start_transcription(delay_ms=delay) for delay in (480, 160)]
+        results = await asyncio.gather(*(stream(s, audio, np.random.default_rng(i)) for i, s in enumerate(sessions)))
+    finally:
+        await engine.shutdown()
+    for delay, events in zip((480, 160), results):
+        assert events[-1].token_ids == expected_tokens(reference, delay)
