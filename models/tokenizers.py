@@ -164,7 +164,12 @@ class TekkenTokenizer(Tokenizer):
         )
 
     def encode(self, text: str) -> list[int]:
-        return self._tekkenizer.encode(text, bos=False, eos=False)
+        try:
+            return self._tekkenizer.encode(text, bos=False, eos=False)
+        except BaseException as exc:  # tiktoken panics (a BaseException) on bytes a truncated vocab lacks
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise ValueError(f"text {text[:40]!r} cannot be encoded with this tekken vocabulary: {exc}") from None
 
     def token_bytes(self, token_id: int) -> bytes:
         return self._bytes[self._checked(token_id)]

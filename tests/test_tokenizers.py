@@ -240,3 +240,9 @@ def test_load_tokenizer_errors(tmp_path):
     vocab.write_text("a b c")
     with pytest.raises(ValueError, match="unrecognised tokenizer file"):
         load_tokenizer(vocab)
+
+
+def test_tekken_text_outside_a_truncated_vocab_is_a_clear_error(tiny_tekken):
+    # The fixture keeps only byte ranks 0..99, so 'z' (byte 122) has no token: tiktoken would panic.
+    with pytest.raises(ValueError, match="cannot be encoded"):
+        tiny_tekken.encode("zebra")
