@@ -45,7 +45,8 @@ from jaxstream.models.tokenizers import TOKENIZER_FILES
 from jaxstream.models.voxtral import VoxtralRealtime
 
 # Built-in model name -> packaged checkpoint directory (any of the formats above).
-BUILTIN_MODELS: dict[str, Path] = {}
+BUILTIN_MODELS: dict[str, Path] = {"tiny": Path(__file__).parent / "assets" / "tiny"}
+DEFAULT_MODEL = "tiny"  # the embedded model every command uses without --model
 
 ORBAX_METADATA = "jaxstream.json"
 ORBAX_STATE_DIR = "state"

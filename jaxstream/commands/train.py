@@ -1,0 +1,52 @@
+"""`jaxstream train`: train a small Voxtral-architecture streaming model (the embedded tiny model's recipe)."""
+import argparse
+import os
+
+from jaxstream.errors import UserError
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train", help="train a streaming speech model on a synthetic corpus",
+        description="Trains with delayed-streams targets (AdamW, warmup + cosine, clipping), keeps Orbax "
+                    "checkpoints in OUT/checkpoints (rerun the same command to resume), exports the latest "
+                    "model to OUT/model and the best held-out one to OUT/best (jaxstream checkpoints).")
+    parser.add_argument("--config", default="tiny",
+                        help="recipe TOML: a path or a preset name in jaxstream.configs (default: tiny)")
+    parser.add_argument("--corpus", required=True, help="training corpus written by `jaxstream synth`")
+    parser.add_argument("--eval-corpus", help="held-out corpus for the periodic WER (jaxstream synth --held-out)")
+    parser.add_argument("--out", required=True, help="run directory (checkpoints, tokenizer, exported models)")
+    parser.add_argument("--steps", type=int, help="total steps (default: the recipe's optimizer.total_steps)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run)
+
+
+def resolve_config_path(name: str) -> str:
+    if os.path.isfile(name):
+        return name
+    import importlib.resources
+
+    preset = importlib.resources.files("jaxstream.configs").joinpath(f"{name}.toml")
+    if preset.is_file():
+        return os.fspath(preset)
+    raise UserError(f"config {name!r} is neither a file nor a preset in jaxstream.configs")
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxstream.synth.corpus import MANIFEST_NAME
+    from jaxstream.training import load_train_config, train
+
+    for corpus in filter(None, (args.corpus, args.eval_corpus)):
+        if not os.path.isfile(os.path.join(corpus, MANIFEST_NAME)):
+            raise UserError(f"{corpus} has no {MANIFEST_NAME}: generate it with `jaxstream synth`")
+    if args.steps is not None and args.steps < 1:
+        raise UserError(f"--steps must be at least 1, got {args.steps}")
+    try:
+        cfg = load_train_config(resolve_config_path(args.config))
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"bad training config {args.config}: {exc}") from None
+    metrics = train(cfg, args.corpus, args.out, eval_corpus_dir=args.eval_corpus, steps=args.steps,
+                    progress=not args.no_progress)
+    print(" ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
+                   for key, value in metrics.items()))
+    return 0

@@ -1,0 +1,129 @@
+"""Synthetic corpus generation: LibriSpeech layout + a JSONL manifest with exact word timings.
+
+Layout under OUT: `<speaker>/<chapter>/<speaker>-<chapter>-<utt>.flac` (16 kHz mono) with one
+`<speaker>-<chapter>.trans.txt` per chapter (lines `ID UPPERCASE TRANSCRIPT`), and `manifest.jsonl`
+with one object per utterance: id, path (relative to OUT), text, words [{word, start, end}] in seconds,
+duration, voice, speed_wpm, pitch. Speaker = the voice variant, chapter = the accent. Every utterance
+is a pure function of (seed, index), so corpora are reproducible and can be generated in parallel.
+"""
+import dataclasses
+import json
+import multiprocessing
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import soundfile
+
+from jaxstream.synth import augment as augmentation
+from jaxstream.synth.espeak import ACCENTS, HELD_OUT_VARIANTS, SAMPLING_RATE, TRAIN_VARIANTS, VoiceSpec, synthesize_words
+from jaxstream.synth.words import SentenceSampler
+
+MANIFEST_NAME = "manifest.jsonl"
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusSpec:
+    num_utterances: int
+    seed: int = 0
+    held_out: bool = False  # unseen sentences and voice variants
+    min_words: int = 3
+    max_words: int = 8
+    augment_strength: float = 1.0
+    speed_wpm: tuple[int, int] = (125, 200)
+    pitch: tuple[int, int] = (25, 75)
+
+
+_SAMPLER: SentenceSampler | None = None
+
+
+def _sampler(spec: CorpusSpec) -> SentenceSampler:
+    global _SAMPLER
+    if _SAMPLER is None or (_SAMPLER.min_words, _SAMPLER.max_words) != (spec.min_words, spec.max_words):
+        _SAMPLER = SentenceSampler(spec.min_words, spec.max_words)
+    return _SAMPLER
+
+
+def _speaker_chapter(spec: CorpusSpec, voice: VoiceSpec) -> tuple[int, int]:
+    variants = HELD_OUT_VARIANTS if spec.held_out else TRAIN_VARIANTS
+    speaker = variants.index(voice.variant) + (9000 if spec.held_out else 100)
+    return speaker, ACCENTS.index(voice.accent)
+
+
+def make_utterance(spec: CorpusSpec, index: int) -> tuple[dict, np.ndarray]:
+    """The manifest record (path not set) and 16 kHz audio of utterance `index` of the corpus."""
+    rng = np.random.default_rng([spec.seed, index, int(spec.held_out)])
+    variants = HELD_OUT_VARIANTS if spec.held_out else TRAIN_VARIANTS
+    voice = VoiceSpec(
+        accent=str(rng.choice(ACCENTS)), variant=str(rng.choice(variants)),
+        speed_wpm=int(rng.integers(*spec.speed_wpm)), pitch=int(rng.integers(*spec.pitch)),
+    )
+    words = _sampler(spec).sample_split(rng, spec.held_out)
+    pieces = synthesize_words(words, voice)
+    gap_scale = float(rng.uniform(0.03, 0.2))
+    cursor = int(rng.uniform(0.1, 0.6) * SAMPLING_RATE)
+    chunks, timings = [np.zeros(cursor, np.float32)], []
+    for word, piece in zip(words, pieces):
+        timings.append((word, cursor, cursor + piece.size))
+        gap = int(rng.exponential(gap_scale) * SAMPLING_RATE)
+        chunks += [piece, np.zeros(gap, np.float32)]
+        cursor += piece.size + gap
+    chunks.append(np.zeros(int(rng.uniform(0.1, 0.4) * SAMPLING_RATE), np.float32))
+    audio, speed = augmentation.augment(np.concatenate(chunks), rng, spec.augment_strength)
+    speaker, chapter = _speaker_chapter(spec, voice)
+    record = {
+        "id": f"{speaker}-{chapter}-{index:05d}",
+        "text": " ".join(words),
+        "words": [{"word": w, "start": round(s / SAMPLING_RATE / speed, 4), "end": round(e / SAMPLING_RATE / speed, 4)}
+                  for w, s, e in timings],
+        "duration": round(audio.size / SAMPLING_RATE, 4),
+        "voice": voice.name, "speed_wpm": voice.speed_wpm, "pitch": voice.pitch,
+    }
+    return record, audio
+
+
+def _write_one(args: tuple[str, CorpusSpec, int]) -> dict:
+    out_dir, spec, index = args
+    record, audio = make_utterance(spec, index)
+    speaker, chapter, _ = record["id"].split("-")
+    relative = os.path.join(speaker, chapter, record["id"] + ".flac")
+    os.makedirs(os.path.join(out_dir, speaker, chapter), exist_ok=True)
+    soundfile.write(os.path.join(out_dir, relative), audio, SAMPLING_RATE, format="FLAC")
+    return {"path": relative, **record}
+
+
+def generate_corpus(out_dir: str, spec: CorpusSpec, *, workers: int = 1, progress: bool = False) -> list[dict]:
+    """Writes the corpus under `out_dir`; returns the manifest records (sorted by id)."""
+    os.makedirs(out_dir, exist_ok=True)
+    jobs = [(out_dir, spec, index) for index in range(spec.num_utterances)]
+    if workers > 1:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            results = pool.imap_unordered(_write_one, jobs, chunksize=8)
+            records = list(_progress(results, len(jobs), progress))
+    else:
+        records = list(_progress(map(_write_one, jobs), len(jobs), progress))
+    records.sort(key=lambda r: r["id"])
+    chapters: dict[tuple[str, str], list[dict]] = {}
+    for record in records:
+        speaker, chapter, _ = record["id"].split("-")
+        chapters.setdefault((speaker, chapter), []).append(record)
+    for (speaker, chapter), members in chapters.items():
+        with open(os.path.join(out_dir, speaker, chapter, f"{speaker}-{chapter}.trans.txt"), "w") as f:
+            f.writelines(f"{r['id']} {r['text'].upper()}\n" for r in members)
+    with open(os.path.join(out_dir, MANIFEST_NAME), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    return records
+
+
+def _progress(items: Iterator, total: int, enabled: bool) -> Iterator:
+    if not enabled:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, total=total, unit="utt")
+
+
+def read_manifest(corpus_dir: str) -> list[dict]:
+    path = os.path.join(corpus_dir, MANIFEST_NAME)
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

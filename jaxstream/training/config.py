@@ -1,0 +1,37 @@
+"""Training recipes as TOML (`configs/tiny.toml`): model shape, tokenizer size, optimizer, schedule."""
+import dataclasses
+import tomllib
+from pathlib import Path
+
+from jaxstream.models.config import EncoderConfig, TextConfig, VoxtralConfig
+from jaxstream.models.tokenizers import NUM_CONTROL_IDS
+from jaxstream.training.step import OptimizerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    model: VoxtralConfig
+    optimizer: OptimizerConfig
+    spm_vocab_size: int = 1536
+    batch_size: int = 16
+    delays_ms: tuple[int, ...] = (160, 240, 320, 400, 480, 560, 640, 720, 800, 880, 960)
+    eval_every: int = 250
+    eval_utterances: int = 64
+    eval_delay_ms: int = 480
+    checkpoint_every: int = 100
+    seed: int = 0
+
+
+def load_train_config(path: str | Path) -> TrainConfig:
+    """Parses a recipe; the decoder vocabulary is the 1000 control ids + the sentencepiece pieces."""
+    with open(path, "rb") as f:
+        raw = tomllib.load(f)
+    model, train = raw.get("model", {}), raw.get("train", {})
+    spm_vocab_size = int(raw.get("tokenizer", {}).get("vocab_size", 1536))
+    encoder = EncoderConfig(**model.get("encoder", {}))
+    text = TextConfig(vocab_size=NUM_CONTROL_IDS + spm_vocab_size, tie_embeddings=True, ada_t_cond_dim=32,
+                      **model.get("text", {}))
+    voxtral = VoxtralConfig(encoder=encoder, text=text, default_delay_ms=int(model.get("default_delay_ms", 480)))
+    optimizer = OptimizerConfig(**raw.get("optimizer", {}))
+    train = {key: tuple(value) if isinstance(value, list) else value for key, value in train.items()}
+    return TrainConfig(model=voxtral, optimizer=optimizer, spm_vocab_size=spm_vocab_size, **train)

@@ -1,0 +1,169 @@
+"""Training batches from a synthetic corpus: delayed-streams tokens, mel features, loss masks.
+
+Every stream starts with the same 31 slots of silence (the left pad minus its last slot, whose last mel
+frame already reads the first 40 audio samples), so their encoder pass is shared by the whole batch (see
+`step.py`); a batch holds the mel from slot 31 on. Streams are cut 4 slots after their last text piece
+(the rest of the right pad is pure STREAMING_PAD and costs compute without teaching anything new) and
+grouped into length buckets so only a few shapes are ever compiled.
+"""
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import numpy as np
+import soundfile
+
+from jaxstream.models import audio as front_end
+from jaxstream.models.tokenizers import NUM_CONTROL_IDS, Tokenizer
+from jaxstream.training import targets
+
+SHARED_PREFIX_SLOTS = front_end.N_LEFT_PAD_TOKENS - 1
+# Classes of the auxiliary character CTC: 0 is the blank, then these characters (space between words).
+CTC_CHARACTERS = "abcdefghijklmnopqrstuvwxyz' "
+CTC_CLASSES = 1 + len(CTC_CHARACTERS)
+_FRAMES_PER_SLOT = 4
+_CHAR_BUCKET = 64
+_TAIL_SLOTS = 4
+BUCKET_SLOTS = 16
+
+
+class Batch(NamedTuple):
+    mel: np.ndarray  # [B, 8 * (T - 31), 128] float32: slots 31 .. T-1
+    tokens: np.ndarray  # [B, T] int32
+    mask: np.ndarray  # [B, T] float32 (1 where the logits are trained on the next token)
+    n_delay: np.ndarray  # [B] float32
+    chars: np.ndarray  # [B, max chars] int32: the transcript as CTC classes (for the auxiliary CTC loss)
+    char_padding: np.ndarray  # [B, max chars] float32: 1 past each row's characters
+    frames_valid: np.ndarray  # [B] int32: encoder frames of each row from slot 31 on (the rest is padding)
+    pieces: np.ndarray  # [B, max pieces] int32: the transcript's text ids (for the auxiliary piece CTC)
+    piece_padding: np.ndarray  # [B, max pieces] float32: 1 past each row's pieces
+
+
+class Example(NamedTuple):
+    mel: np.ndarray  # [8 * (T - 31), 128]: the stream's mel from slot 31 on
+    tokens: np.ndarray  # [T] int32
+    mask: np.ndarray  # [T] float32
+    text: str
+
+
+def word_pieces(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
+    """Each word's text ids, encoded alone (sentencepiece gives the same pieces inside a sentence)."""
+    return [tokenizer.encode(word) for word in words]
+
+
+def load_example(corpus_dir: str, record: dict, tokenizer: Tokenizer, n_delay: int, *, cut_tail: bool = True
+                 ) -> Example:
+    """One utterance at one delay as an `Example` (T = its stream's slots, cut after the last piece)."""
+    audio, rate = soundfile.read(os.path.join(corpus_dir, record["path"]), dtype="float32")
+    if rate != front_end.SAMPLING_RATE:
+        raise ValueError(f"{record['path']}: expected {front_end.SAMPLING_RATE} Hz audio, got {rate}")
+    num_slots = targets.num_stream_slots(audio.size, n_delay)
+    words = record["words"]
+    tokens, used = targets.stream_tokens([w["end"] for w in words], word_pieces(tokenizer, [w["word"] for w in words]),
+                                         n_delay, num_slots)
+    if cut_tail:
+        num_slots = min(num_slots, max(used, front_end.prompt_length(n_delay)) + _TAIL_SLOTS)
+    padded = targets.padded_audio(audio, n_delay)
+    # Start two hops before slot 31 so its first frame's window (200 samples each side) lies in the slice.
+    lead_frames = 2
+    start = SHARED_PREFIX_SLOTS * front_end.SAMPLES_PER_SLOT - lead_frames * front_end.HOP_LENGTH
+    mel = front_end.log_mel(padded[start : num_slots * front_end.SAMPLES_PER_SLOT + front_end.WINDOW_SIZE])
+    mel = mel[lead_frames : lead_frames + (num_slots - SHARED_PREFIX_SLOTS) * front_end.MEL_FRAMES_PER_SLOT]
+    return Example(mel, tokens[:num_slots], targets.loss_mask(num_slots, n_delay), record["text"])
+
+
+def ctc_classes(text: str) -> np.ndarray:
+    """Text -> CTC class ids (characters outside the set are dropped)."""
+    return np.array([1 + CTC_CHARACTERS.index(c) for c in text.lower() if c in CTC_CHARACTERS], np.int32)
+
+
+def collate(examples: list[Example], n_delays: list[int], num_slots: int) -> Batch:
+    """Pads examples (from `load_example`) into one batch of `num_slots` slots."""
+    batch = len(examples)
+    mel = np.full((batch, (num_slots - SHARED_PREFIX_SLOTS) * front_end.MEL_FRAMES_PER_SLOT, front_end.NUM_MEL_BINS),
+                  _silence_mel_value(), np.float32)
+    tokens = np.full((batch, num_slots), targets.StreamTokens().pad, np.int32)
+    mask = np.zeros((batch, num_slots), np.float32)
+    for row, example in enumerate(examples):
+        mel[row, : example.mel.shape[0]] = example.mel
+        tokens[row, : example.tokens.size] = example.tokens
+        mask[row, : example.mask.size] = example.mask
+    chars, char_padding = _padded_rows([ctc_classes(example.text) for example in examples])
+    frames_valid = np.array([(e.tokens.size - SHARED_PREFIX_SLOTS) * _FRAMES_PER_SLOT for e in examples], np.int32)
+    pieces, piece_padding = _padded_rows([e.tokens[e.tokens >= NUM_CONTROL_IDS] for e in examples])
+    return Batch(mel, tokens, mask, np.asarray(n_delays, np.float32), chars, char_padding, frames_valid, pieces,
+                 piece_padding)
+
+
+def _padded_rows(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of ids -> (ids [B, W], padding [B, W]); W rounded up so few shapes get compiled."""
+    width = -(-max(max(row.size for row in rows), 1) // _CHAR_BUCKET) * _CHAR_BUCKET
+    ids = np.zeros((len(rows), width), np.int32)
+    padding = np.ones((len(rows), width), np.float32)
+    for index, row in enumerate(rows):
+        ids[index, : row.size] = row
+        padding[index, : row.size] = 0.0
+    return ids, padding
+
+
+def _silence_mel_value() -> float:
+    """The normalised log-mel of digital silence (-0.625): the floor (1.5 - 8 + 4) / 4."""
+    return (front_end.GLOBAL_LOG_MEL_MAX - 8.0 + 4.0) / 4.0
+
+
+def bucket_slots(num_slots: int) -> int:
+    return -(-num_slots // BUCKET_SLOTS) * BUCKET_SLOTS
+
+
+class BatchStream:
+    """An endless stream of training batches, built in a background thread (numpy/FFT release the GIL).
+
+    Each batch draws one length bucket (proportionally to its size), then `batch_size` utterances of it,
+    each at a delay drawn from `delays_slots`.
+    """
+
+    def __init__(self, corpus_dir: str, records: list[dict], tokenizer: Tokenizer, *, batch_size: int,
+                 delays_slots: tuple[int, ...], seed: int, prefetch: int = 4):
+        self.corpus_dir, self.records, self.tokenizer = corpus_dir, records, tokenizer
+        self.batch_size, self.delays = batch_size, delays_slots
+        self.rng = np.random.default_rng(seed)
+        max_delay = max(delays_slots)
+        self.buckets: dict[int, list[int]] = {}
+        for index, record in enumerate(records):
+            samples = int(round(record["duration"] * front_end.SAMPLING_RATE))
+            self.buckets.setdefault(bucket_slots(targets.num_stream_slots(samples, max_delay)), []).append(index)
+        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, daemon=True)
+        self._thread.start()
+
+    def _make(self) -> Batch:
+        keys = sorted(self.buckets)
+        sizes = np.array([len(self.buckets[k]) for k in keys], np.float64)
+        bucket = self.buckets[keys[self.rng.choice(len(keys), p=sizes / sizes.sum())]]
+        chosen = self.rng.choice(bucket, size=self.batch_size, replace=len(bucket) < self.batch_size)
+        n_delays = [int(self.rng.choice(self.delays)) for _ in chosen]
+        examples = [load_example(self.corpus_dir, self.records[i], self.tokenizer, d) for i, d in zip(chosen, n_delays)]
+        num_slots = bucket_slots(max(example.tokens.size for example in examples))
+        return collate(examples, n_delays, num_slots)
+
+    def _fill(self) -> None:
+        while not self._stop.is_set():
+            batch = self._make()
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(batch, timeout=0.5)
+                    break
+                except queue.Full:
+                    continue
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        return self._queue.get()
+
+    def close(self) -> None:
+        self._stop.set()

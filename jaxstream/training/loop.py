@@ -1,0 +1,145 @@
+"""The training loop: tokenizer, model init, jitted steps, Orbax checkpoints with resume, WER evaluation.
+
+Layout of a run directory OUT:
+  tokenizer.model          sentencepiece, trained on the corpus text + the synth vocabulary (first run)
+  checkpoints/<step>/      Orbax: weights (model + CTC head) + optimizer state (the last few are kept; resume
+                           picks the newest)
+  model/                   the latest params as a loadable jaxstream checkpoint (`jaxstream.models.load_model`)
+  best/                    the params with the best held-out WER so far, same format
+  log.jsonl                one JSON object per logged step / evaluation
+"""
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxstream.models import audio as front_end
+from jaxstream.models.loading import LoadedModel, save_checkpoint
+from jaxstream.models.tokenizers import SentencePieceTokenizer
+from jaxstream.models.voxtral import VoxtralRealtime
+from jaxstream.synth import SentenceSampler, read_manifest
+from jaxstream.training.config import TrainConfig
+from jaxstream.training.data import BatchStream
+from jaxstream.training.decode import transcribe_corpus, word_error_rate
+from jaxstream.training.spm import train_sentencepiece
+from jaxstream.training.step import init_ctc_head, make_optimizer, make_train_step
+
+TOKENIZER_FILE = "tokenizer.model"
+
+
+@dataclasses.dataclass
+class RunPaths:
+    out: Path
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.out / TOKENIZER_FILE
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.out / "checkpoints"
+
+    @property
+    def log(self) -> Path:
+        return self.out / "log.jsonl"
+
+
+def ensure_tokenizer(paths: RunPaths, records: list[dict], vocab_size: int) -> SentencePieceTokenizer:
+    if not paths.tokenizer.is_file():
+        texts = [record["text"] for record in records] + sorted(SentenceSampler().vocabulary)
+        train_sentencepiece(texts, os.fspath(paths.tokenizer), vocab_size)
+    return SentencePieceTokenizer(paths.tokenizer)
+
+
+def export_model(params, cfg: TrainConfig, graphdef, tokenizer_path: Path, destination: Path) -> None:
+    """Writes `params` as a jaxstream Orbax checkpoint (what `load_model` reads); replaces `destination`."""
+    model = nnx.merge(graphdef, params)
+    save_checkpoint(LoadedModel(model, cfg.model, tokenizer_path), destination, overwrite=True)
+
+
+def evaluate(graphdef, params, tokenizer, corpus_dir: str, records: list[dict], delay_ms: int) -> tuple[float, list[str]]:
+    hypotheses = transcribe_corpus(graphdef, params, tokenizer, corpus_dir, records, front_end.n_delay_from_ms(delay_ms))
+    return word_error_rate([r["text"] for r in records], hypotheses), hypotheses
+
+
+def train(cfg: TrainConfig, corpus_dir: str, out_dir: str, *, eval_corpus_dir: str | None = None,
+          steps: int | None = None, progress: bool = True) -> dict:
+    """Trains (or resumes) a run; returns the final metrics. `steps` overrides the recipe's total."""
+    import orbax.checkpoint as ocp
+    from tqdm import tqdm
+
+    paths = RunPaths(Path(out_dir).resolve())
+    paths.out.mkdir(parents=True, exist_ok=True)
+    records = read_manifest(corpus_dir)
+    tokenizer = ensure_tokenizer(paths, records, cfg.spm_vocab_size)
+    total_steps = steps or cfg.optimizer.total_steps
+    optimizer = make_optimizer(dataclasses.replace(cfg.optimizer, total_steps=total_steps))
+
+    model = VoxtralRealtime(cfg.model, rngs=nnx.Rngs(cfg.seed))
+    graphdef, params = nnx.split(model, nnx.Param)
+    weights = {"model": params, "ctc_head": init_ctc_head(cfg.model, cfg.seed)}
+    opt_state = optimizer.init(weights)
+    manager = ocp.CheckpointManager(paths.checkpoints, options=ocp.CheckpointManagerOptions(max_to_keep=3))
+    start = manager.latest_step() or 0
+    if start:
+        restored = manager.restore(start, args=ocp.args.StandardRestore({"weights": weights, "opt_state": opt_state}))
+        weights, opt_state = restored["weights"], restored["opt_state"]
+    train_step = make_train_step(graphdef, cfg.model, optimizer, cfg.optimizer.ctc_weight,
+                                 cfg.optimizer.piece_ctc_weight)
+
+    eval_records = read_manifest(eval_corpus_dir)[: cfg.eval_utterances] if eval_corpus_dir else []
+    best_wer = _best_wer(paths)
+    delays = tuple(front_end.n_delay_from_ms(ms) for ms in cfg.delays_ms)
+    stream = BatchStream(corpus_dir, records, tokenizer, batch_size=cfg.batch_size, delays_slots=delays,
+                         seed=cfg.seed * 1_000_003 + start)
+    metrics: dict = {}
+    bar = tqdm(total=total_steps, initial=start, unit="step", disable=not progress, dynamic_ncols=True)
+    try:
+        for step in range(start + 1, total_steps + 1):
+            batch = next(stream)
+            began = time.perf_counter()
+            weights, opt_state, step_metrics = train_step(weights, opt_state, batch)
+            params = weights["model"]
+            metrics = {key: float(value) for key, value in step_metrics.items()}
+            metrics.update(step=step, seconds=round(time.perf_counter() - began, 3))
+            bar.update()
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.3f}")
+            _log(paths, metrics)
+            if step % cfg.checkpoint_every == 0 or step == total_steps:
+                manager.save(step, args=ocp.args.StandardSave({"weights": weights, "opt_state": opt_state}))
+                manager.wait_until_finished()
+                export_model(params, cfg, graphdef, paths.tokenizer, paths.out / "model")
+            if eval_records and (step % cfg.eval_every == 0 or step == total_steps):
+                wer, hypotheses = evaluate(graphdef, params, tokenizer, eval_corpus_dir, eval_records, cfg.eval_delay_ms)
+                _log(paths, {"step": step, "eval_wer": wer, "delay_ms": cfg.eval_delay_ms,
+                             "examples": [[r["text"], h] for r, h in zip(eval_records[:3], hypotheses[:3])]})
+                bar.write(f"step {step}: held-out WER {100 * wer:.2f}% at {cfg.eval_delay_ms} ms")
+                metrics["eval_wer"] = wer
+                if wer < best_wer:
+                    best_wer = wer
+                    export_model(params, cfg, graphdef, paths.tokenizer, paths.out / "best")
+                    (paths.out / "best" / "eval.json").write_text(json.dumps({"step": step, "wer": wer}) + "\n")
+    finally:
+        bar.close()
+        stream.close()
+        manager.close()
+    return metrics
+
+
+def _best_wer(paths: RunPaths) -> float:
+    report = paths.out / "best" / "eval.json"
+    return json.loads(report.read_text())["wer"] if report.is_file() else float("inf")
+
+
+def _log(paths: RunPaths, record: dict) -> None:
+    with open(paths.log, "a") as f:
+        f.write(json.dumps({"time": round(time.time(), 1), **record}) + "\n")
+
+
+def parameter_count(params) -> int:
+    return int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves(params)))

@@ -1,0 +1,155 @@
+"""Loss, optimizer and the jitted train step: teacher forcing through the model's own streaming steps.
+
+The forward pass is the inference code path: `audio_step` runs the shared 31 silent left-pad slots once
+(batch of one), its conv state and encoder KV are broadcast to every row, then one `audio_step` chunk
+covers the rest of each stream; `text_step` runs the whole token stream as one chunk on a fresh cache.
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxstream.models import audio as front_end
+from jaxstream.models.config import VoxtralConfig
+from jaxstream.models.layers import init_kv_cache
+from jaxstream.models.voxtral import ConvState, init_conv_state
+from jaxstream.training.data import CTC_CLASSES, SHARED_PREFIX_SLOTS, Batch
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    learning_rate: float = 2e-3
+    warmup_steps: int = 200
+    total_steps: int = 3000
+    final_lr_fraction: float = 0.05
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+    b2: float = 0.98
+    # Weight of an auxiliary character CTC loss on the encoder frames (a training-only linear head): it
+    # teaches the encoder to carry the words long before the decoder has learned to read them, which
+    # otherwise stalls early training at "always STREAMING_PAD".
+    ctc_weight: float = 0.0
+    # Weight of an auxiliary CTC of the text pieces on the audio embeddings (scored against the tied
+    # embedding matrix, STREAMING_PAD as blank, no extra parameters): it puts each word's pieces into the
+    # audio embeddings where it is spoken, so the decoder only has to copy them n_delay slots later.
+    piece_ctc_weight: float = 0.0
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+        decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1), end_value=cfg.learning_rate * cfg.final_lr_fraction)
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                       optax.adamw(schedule, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=_decay_mask))
+
+
+def _decay_mask(params):
+    """Weight decay on matrices only (not norms, biases or the conv stem's biases)."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def _single_page_cache(num_layers, num_heads, window, head_dim, dtype):
+    # Page 0 is the pool's null page; page 1 holds the shared prefix (every row reads it, writes are discarded).
+    return init_kv_cache(num_layers, 2, num_heads, window, head_dim, dtype)
+
+
+def stream_logits(model, cfg: VoxtralConfig, mel_rest, tokens, n_delay, *, attention_impl=None):
+    """(logits [B, T, V], encoder frames [B, 4 (T - 31), H], audio_embeds [B, T, D]) of whole streams: mel_rest [B, 8 (T - 31), n_mel] (slots
+    31..T-1), tokens [B, T]."""
+    batch, num_slots = tokens.shape
+    enc = cfg.encoder
+    dtype = mel_rest.dtype
+    enc_cache = _single_page_cache(enc.num_layers, enc.num_heads, enc.sliding_window, enc.head_dim, dtype)
+    prefix_mel = jnp.full((1, SHARED_PREFIX_SLOTS * cfg.mel_frames_per_token, enc.num_mel_bins),
+                          (front_end.GLOBAL_LOG_MEL_MAX - 8.0 + 4.0) / 4.0, dtype)
+    one_page = jnp.ones((1, 1), jnp.int32)
+    prefix_embeds, conv_state, enc_cache = model.audio_step(
+        prefix_mel, init_conv_state(cfg, 1, dtype), enc_cache, one_page, jnp.zeros((1,), jnp.int32),
+        jnp.full((1,), SHARED_PREFIX_SLOTS, jnp.int32), attention_impl=attention_impl)
+    conv_state = ConvState(*(jnp.broadcast_to(s, (batch,) + s.shape[1:]) for s in conv_state))
+    # audio_step's own three stages (encoder, 4-frame stacking, adapter), spelled out to keep the encoder
+    # frames for the auxiliary CTC head.
+    rest_slots = num_slots - SHARED_PREFIX_SLOTS
+    frames, _, _ = model.audio_tower(
+        mel_rest, conv_state, enc_cache, jnp.ones((batch, 1), jnp.int32),
+        jnp.full((batch,), SHARED_PREFIX_SLOTS * cfg.downsample_factor, jnp.int32),
+        jnp.full((batch,), rest_slots * cfg.mel_frames_per_token, jnp.int32), attention_impl=attention_impl)
+    stacked = frames.reshape(batch, rest_slots, cfg.downsample_factor * enc.hidden_size)
+    rest_embeds = model.multi_modal_projector(stacked)
+    audio_embeds = jnp.concatenate(
+        [jnp.broadcast_to(prefix_embeds, (batch,) + prefix_embeds.shape[1:]), rest_embeds], axis=1)
+    text = cfg.text
+    cache = _single_page_cache(text.num_layers, text.num_kv_heads, text.attention_window, text.head_dim, dtype)
+    logits, _ = model.text_step(tokens, audio_embeds, n_delay, cache, jnp.ones((batch, 1), jnp.int32),
+                                jnp.zeros((batch,), jnp.int32), jnp.full((batch,), num_slots, jnp.int32),
+                                attention_impl=attention_impl)
+    return logits, frames, audio_embeds
+
+
+def piece_ctc_loss(model, cfg: VoxtralConfig, audio_embeds, batch: Batch):
+    """Mean per-piece CTC loss of the audio embeddings (from slot 31 on) against the tied embedding matrix."""
+    embedding = model.language_model.embed_tokens.embedding[...]
+    logits = jnp.einsum("btd,vd->btv", audio_embeds[:, SHARED_PREFIX_SLOTS:].astype(jnp.float32),
+                        embedding.astype(jnp.float32))
+    slots_valid = batch.frames_valid // cfg.downsample_factor
+    padding = (jnp.arange(logits.shape[1])[None, :] >= slots_valid[:, None]).astype(jnp.float32)
+    losses = optax.ctc_loss(logits, padding, batch.pieces, batch.piece_padding, blank_id=cfg.streaming_pad_id)
+    return losses.sum() / jnp.maximum((1.0 - batch.piece_padding).sum(), 1.0)
+
+
+def init_ctc_head(cfg: VoxtralConfig, seed: int = 0) -> dict:
+    """The training-only character CTC head on the encoder frames (not part of the shipped model)."""
+    kernel = jax.random.normal(jax.random.key(seed), (cfg.encoder.hidden_size, CTC_CLASSES)) / cfg.encoder.hidden_size**0.5
+    return {"kernel": kernel, "bias": jnp.zeros((CTC_CLASSES,))}
+
+
+def char_ctc_loss(head: dict, frames, batch: Batch):
+    """Mean per-character CTC loss of the encoder frames (20 ms each, from slot 31 on); blank = class 0."""
+    logits = frames.astype(jnp.float32) @ head["kernel"] + head["bias"]
+    num_frames = frames.shape[1]
+    valid = (batch.frames_valid[:, None] > jnp.arange(num_frames)[None, :]).astype(jnp.float32)
+    losses = optax.ctc_loss(logits, 1.0 - valid, batch.chars, batch.char_padding, blank_id=0)
+    return losses.sum() / jnp.maximum((1.0 - batch.char_padding).sum(), 1.0)
+
+
+def stream_loss(weights: dict, graphdef, cfg: VoxtralConfig, batch: Batch, ctc_weight: float = 0.0,
+                piece_ctc_weight: float = 0.0):
+    """(training loss, metrics): next-token cross entropy over the trained positions (+ the weighted
+    auxiliary character CTC loss), the token accuracy there. weights = {"model": params, "ctc_head": ...}."""
+    model = nnx.merge(graphdef, weights["model"])
+    logits, frames, audio_embeds = stream_logits(model, cfg, batch.mel, batch.tokens, batch.n_delay)
+    next_tokens = jnp.roll(batch.tokens, -1, axis=1)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, next_tokens)
+    weight = jnp.maximum(batch.mask.sum(), 1.0)
+    correct = (jnp.argmax(logits, -1) == next_tokens).astype(jnp.float32)
+    stream = (losses * batch.mask).sum() / weight
+    metrics = {"loss": stream, "accuracy": (correct * batch.mask).sum() / weight}
+    total = stream
+    if ctc_weight:
+        metrics["ctc"] = char_ctc_loss(weights["ctc_head"], frames, batch)
+        total = total + ctc_weight * metrics["ctc"]
+    if piece_ctc_weight:
+        metrics["piece_ctc"] = piece_ctc_loss(model, cfg, audio_embeds, batch)
+        total = total + piece_ctc_weight * metrics["piece_ctc"]
+    return total, metrics
+
+
+def make_train_step(graphdef, cfg: VoxtralConfig, optimizer: optax.GradientTransformation, ctc_weight: float = 0.0,
+                    piece_ctc_weight: float = 0.0):
+    """A jitted pure step (weights, opt_state, batch) -> (weights, opt_state, metrics), weights = {"model":
+    the model's nnx.Param state, "ctc_head": `init_ctc_head(...)`}; weights and state are donated."""
+
+    def loss_fn(weights, batch):
+        return stream_loss(weights, graphdef, cfg, batch, ctc_weight, piece_ctc_weight)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(weights, opt_state, batch: Batch):
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(weights, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, weights)
+        weights = optax.apply_updates(weights, updates)
+        return weights, opt_state, {**metrics, "grad_norm": optax.tree.norm(grads)}
+
+    return train_step

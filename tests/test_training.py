@@ -1,0 +1,221 @@
+"""Training side of the tiny model: delayed-streams targets, batches, the shared-prefix forward, greedy
+decoding, the optax step, Orbax resume and export. Oracles: the front end's padding/features
+(models/audio.py), the model's own offline forward, jiwer."""
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxstream.models import audio as front_end
+from jaxstream.models.config import EncoderConfig, TextConfig, VoxtralConfig
+from jaxstream.models.tokenizers import SentencePieceTokenizer
+from jaxstream.models.voxtral import VoxtralRealtime
+from jaxstream.training import data, targets
+from jaxstream.training.decode import transcribe_batch, word_error_rate
+from jaxstream.training.step import OptimizerConfig, init_ctc_head, make_optimizer, make_train_step, stream_logits
+
+SPM_VOCAB = 300
+TINY_TOML = """
+[model.encoder]
+hidden_size = 32
+intermediate_size = 64
+num_layers = 1
+num_heads = 1
+head_dim = 32
+sliding_window = 64
+[model.text]
+hidden_size = 32
+intermediate_size = 64
+num_layers = 1
+num_heads = 2
+num_kv_heads = 1
+head_dim = 16
+sliding_window = 32
+[tokenizer]
+vocab_size = 300
+[optimizer]
+learning_rate = 0.003
+warmup_steps = 1
+total_steps = 3
+[train]
+batch_size = 2
+delays_ms = [160, 480]
+eval_every = 100
+checkpoint_every = 1
+"""
+
+
+def tiny_config(vocab_size: int = 1000 + SPM_VOCAB) -> VoxtralConfig:
+    return VoxtralConfig(
+        encoder=EncoderConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=1, head_dim=32,
+                              sliding_window=64),
+        text=TextConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                        num_kv_heads=1, head_dim=16, sliding_window=32, tie_embeddings=True, ada_t_cond_dim=32))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng not installed")
+    from jaxstream.synth import CorpusSpec, generate_corpus
+
+    out = tmp_path_factory.mktemp("corpus")
+    records = generate_corpus(os.fspath(out), CorpusSpec(num_utterances=4, seed=11, max_words=4))
+    return os.fspath(out), records
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from jaxstream.synth import SentenceSampler
+    from jaxstream.training.spm import train_sentencepiece
+
+    path = tmp_path_factory.mktemp("spm") / "tokenizer.model"
+    train_sentencepiece(sorted(SentenceSampler().vocabulary), os.fspath(path), SPM_VOCAB)
+    return SentencePieceTokenizer(path)
+
+
+@pytest.mark.parametrize("num_samples", [1, 1279, 1280, 1281, 50_000])
+@pytest.mark.parametrize("n_delay", [2, 6, 12])
+def test_stream_slots_match_front_end_padding(num_samples, n_delay):
+    padded = front_end.pad_for_offline(np.zeros(num_samples, np.float32), n_delay)
+    assert targets.num_stream_slots(num_samples, n_delay) * front_end.SAMPLES_PER_SLOT == padded.size
+
+
+@pytest.mark.parametrize("n_delay", [2, 6, 12])
+def test_stream_tokens_prompt_markers_and_spill(n_delay):
+    ends = [0.0001, 0.30, 0.33, 1.0]  # the second and third words end in the same slot: the third spills
+    pieces = [[1001], [1002, 1003, 1004], [1005], [1006, 1007]]
+    num_slots = targets.num_stream_slots(16000 * 2, n_delay)
+    tokens, used = targets.stream_tokens(ends, pieces, n_delay, num_slots)
+    prompt = front_end.prompt_length(n_delay)
+    assert tokens[:prompt].tolist() == [1] + [32] * (prompt - 1)
+    # Oracle: walk the slots in time; a word may start once the prediction made at the previous position
+    # has seen n_delay whole slots after the slot of the word's last sample, and only on a free slot.
+    expected = [32] * num_slots
+    expected[0] = 1
+    free = prompt
+    for end, word_pieces in zip(ends, pieces):
+        last_sample = int(np.ceil(end * 16000)) - 1
+        position = free
+        while (position - 1) - (32 + last_sample // 1280) < n_delay:
+            position += 1
+        for offset, token in enumerate([33] + word_pieces):
+            expected[position + offset] = token
+        free = position + 1 + len(word_pieces)
+    assert tokens.tolist() == expected and used == free
+    assert tokens[prompt] == 33  # a word ending in the first audio slot is written at the first output
+    mask = targets.loss_mask(num_slots, n_delay)
+    assert mask.sum() == num_slots - prompt and mask[prompt - 1] == 1 and mask[-1] == 0
+
+
+def test_example_features_and_tokens(corpus, tokenizer):
+    corpus_dir, records = corpus
+    import soundfile
+
+    record = records[0]
+    audio, _ = soundfile.read(os.path.join(corpus_dir, record["path"]), dtype="float32")
+    mel, tokens, mask, text = data.load_example(corpus_dir, record, tokenizer, 6, cut_tail=False)
+    offline = front_end.offline_features(audio, 6)
+    assert tokens.size == offline.shape[0] // 8 == mask.size
+    np.testing.assert_array_equal(mel, offline[8 * data.SHARED_PREFIX_SLOTS :])
+    np.testing.assert_array_equal(offline[: 8 * data.SHARED_PREFIX_SLOTS], data._silence_mel_value())
+    assert tokenizer.decode(tokens) == record["text"] == text
+    assert (tokens == 33).sum() == len(record["words"])
+    cut_mel, cut_tokens, _, _ = data.load_example(corpus_dir, record, tokenizer, 6)
+    assert tokenizer.decode(cut_tokens) == record["text"] and cut_tokens.size <= tokens.size
+    np.testing.assert_array_equal(cut_mel, mel[: cut_mel.shape[0]])
+
+
+def test_shared_prefix_forward_equals_offline_forward(corpus, tokenizer):
+    corpus_dir, records = corpus
+    cfg = tiny_config()
+    model = VoxtralRealtime(cfg, rngs=nnx.Rngs(1))
+    delays = [2, 9]
+    examples = [data.load_example(corpus_dir, r, tokenizer, d, cut_tail=False) for r, d in zip(records, delays)]
+    num_slots = max(example.tokens.size for example in examples)
+    batch = data.collate(examples, delays, num_slots)
+    assert batch.frames_valid.tolist() == [4 * (e.tokens.size - data.SHARED_PREFIX_SLOTS) for e in examples]
+    for chars, padding, example in zip(batch.chars, batch.char_padding, examples):
+        assert "".join(data.CTC_CHARACTERS[c - 1] for c in chars[padding == 0]) == example.text
+    logits, _, _ = stream_logits(model, cfg, jnp.asarray(batch.mel), jnp.asarray(batch.tokens), jnp.asarray(batch.n_delay))
+    silence = np.full((2, 8 * data.SHARED_PREFIX_SLOTS, 128), data._silence_mel_value(), np.float32)
+    full_mel = np.concatenate([silence, batch.mel], axis=1)
+    expected = model.offline_logits(jnp.asarray(full_mel), jnp.asarray(batch.tokens), jnp.asarray(batch.n_delay))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), rtol=2e-4, atol=2e-4)
+
+
+def test_greedy_decode_agrees_with_teacher_forced_argmax(corpus):
+    corpus_dir, records = corpus
+    import soundfile
+
+    cfg = tiny_config(vocab_size=1040)
+    model = VoxtralRealtime(cfg, rngs=nnx.Rngs(2))
+    graphdef, params = nnx.split(model, nnx.Param)
+    audios = [soundfile.read(os.path.join(corpus_dir, r["path"]), dtype="float32")[0] for r in records[:2]]
+    n_delay = 3
+    outputs = transcribe_batch(graphdef, params, audios, n_delay)
+    prompt = front_end.prompt_length(n_delay)
+    for audio, generated in zip(audios, outputs):
+        num_slots = targets.num_stream_slots(audio.size, n_delay)
+        assert len(generated) == num_slots - prompt
+        tokens = np.array([1] + [32] * (prompt - 1) + generated, np.int32)
+        mel = front_end.offline_features(audio, n_delay)
+        logits = model.offline_logits(jnp.asarray(mel[None]), jnp.asarray(tokens[None]), jnp.full((1,), float(n_delay)))
+        assert np.argmax(np.asarray(logits[0, prompt - 1 : num_slots - 1]), -1).tolist() == generated
+
+
+def test_train_step_lowers_the_loss_on_a_fixed_batch(corpus, tokenizer):
+    corpus_dir, records = corpus
+    cfg = tiny_config()
+    examples = [data.load_example(corpus_dir, r, tokenizer, 6) for r in records[:2]]
+    batch = data.collate(examples, [6, 6], data.bucket_slots(max(e.tokens.size for e in examples)))
+    graphdef, params = nnx.split(VoxtralRealtime(cfg, rngs=nnx.Rngs(3)), nnx.Param)
+    weights = {"model": params, "ctc_head": init_ctc_head(cfg)}
+    optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-2, warmup_steps=1, total_steps=20))
+    opt_state = optimizer.init(weights)
+    step = make_train_step(graphdef, cfg, optimizer, ctc_weight=0.3, piece_ctc_weight=0.3)
+    losses, ctc, piece_ctc = [], [], []
+    for _ in range(10):
+        weights, opt_state, metrics = step(weights, opt_state, batch)
+        losses.append(float(metrics["loss"]))
+        ctc.append(float(metrics["ctc"]))
+        piece_ctc.append(float(metrics["piece_ctc"]))
+    assert losses[-1] < 0.7 * losses[0] and ctc[-1] < 0.85 * ctc[0] and piece_ctc[-1] < 0.85 * piece_ctc[0], \
+        (losses, ctc, piece_ctc)
+
+
+def test_train_resumes_and_exports_a_loadable_model(corpus, tmp_path):
+    from jaxstream.models.loading import load_model
+    from jaxstream.training import load_train_config, train
+
+    corpus_dir, _ = corpus
+    (tmp_path / "tiny.toml").write_text(TINY_TOML)
+    cfg = load_train_config(tmp_path / "tiny.toml")
+    out = tmp_path / "run"
+    train(cfg, corpus_dir, os.fspath(out), steps=2, progress=False)
+    train(cfg, corpus_dir, os.fspath(out), steps=3, progress=False)
+    logged = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3]  # the second run resumed after step 2
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(out / "checkpoints") as manager:
+        assert manager.latest_step() == 3
+        saved = manager.restore(3)["weights"]["model"]
+    loaded = load_model(out / "model", dtype=jnp.float32)
+    assert loaded.config == cfg.model and loaded.tokenizer_path.name == "tokenizer.model"
+    exported = nnx.to_pure_dict(nnx.state(loaded.model, nnx.Param))
+    for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(saved)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_word_error_rate_normalises_like_the_open_asr_leaderboard():
+    import jiwer
+
+    assert word_error_rate(["Twenty three apples."], ["23 apples"]) == 0.0
+    refs, hyps = ["the cat sat on the mat", "hello world"], ["the cat sat on mat", "hello there world"]
+    assert word_error_rate(refs, hyps) == pytest.approx(jiwer.wer(refs, hyps))
