@@ -36,7 +36,9 @@ class TranscriptionDelta:
 
     text: str
     token_ids: list[int]
-    audio_seconds: float  # real audio consumed when the text was emitted
+    # Real-audio time the newest token of this delta describes (`token_time`); it was emitted once
+    # `delay_ms` more audio had been consumed.
+    audio_seconds: float
 
 
 @dataclasses.dataclass(frozen=True)
