@@ -8,6 +8,8 @@
   power-of-two shapes) needs and which fills whole bf16 sublane tiles on TPU.
 - Math: the score product and one online-softmax step over a block of keys.
 """
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -113,6 +115,29 @@ def unfold_output(out, q_shape):
 def chunk_keys_by_head(x, dtype):
     """[S, C, Hkv, D] -> [S, Hkv, C_pad, D] in the compute dtype, padded with zero keys (never valid)."""
     return pad_axis(x.astype(dtype).transpose(0, 2, 1, 3), 2, padded_chunk(x.shape[1]))
+
+
+class KernelOperands(NamedTuple):
+    """The kernel-layout operands and static sizes both Pallas wrappers start from."""
+
+    q_rows: jax.Array  # [S, Hkv, rows, D] folded queries
+    k_chunk: jax.Array  # [S, Hkv, C_pad, D]
+    v_chunk: jax.Array
+    num_new: jax.Array  # [S] clipped to [0, C]
+    group: int
+    scale: float
+
+
+def kernel_operands(q, k_new, v_new, num_kv_heads, num_new, scale) -> KernelOperands:
+    head_dim = q.shape[-1]
+    return KernelOperands(
+        q_rows=fold_queries(q, num_kv_heads),
+        k_chunk=chunk_keys_by_head(k_new, q.dtype),
+        v_chunk=chunk_keys_by_head(v_new, q.dtype),
+        num_new=jnp.clip(num_new, 0, q.shape[1]),
+        group=q.shape[2] // num_kv_heads,
+        scale=head_dim**-0.5 if scale is None else scale,
+    )
 
 
 def scores(q, k, scale):

@@ -80,17 +80,12 @@ def ring_attention_pallas_tpu(q, k_new, v_new, k_pages, v_pages, page_table, len
     """`ring_attention` with the TPU-tuned kernel. `platform="tpu"` lowers for TPU from another host
     (`jax.export`); `interpret` runs it in the generic (True) or TPU (`pltpu.InterpretParams`) interpreter."""
     check_supported(k_pages, interpret=interpret, platform=platform)
-    sessions, chunk, num_q_heads, head_dim = q.shape
+    sessions, _, _, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
     pages_per_window = page_table.shape[1]
-    group = num_q_heads // num_kv_heads
-    scale = head_dim**-0.5 if scale is None else scale
-    num_new = jnp.clip(num_new, 0, chunk)
-
-    q_rows = common.fold_queries(q, num_kv_heads)
+    q_rows, k_chunk, v_chunk, num_new, group, scale = common.kernel_operands(q, k_new, v_new, num_kv_heads,
+                                                                             num_new, scale)
     rows = q_rows.shape[2]
-    k_chunk = common.chunk_keys_by_head(k_new, q.dtype)
-    v_chunk = common.chunk_keys_by_head(v_new, q.dtype)
 
     def page_map(s, h, b, lengths_ref, num_new_ref, table_ref):
         first, count = positions.visible_pages(lengths_ref[s], num_new_ref[s], window, page_size, pages_per_window)
