@@ -12,7 +12,8 @@ from jaxstream.training.step import OptimizerConfig
 class TrainConfig:
     model: VoxtralConfig
     optimizer: OptimizerConfig
-    spm_vocab_size: int = 1536
+    spm_vocab_size: int = 1536  # an upper bound: the decoder vocabulary is sized from the trained tokenizer
+    spm_model_type: str = "bpe"
     batch_size: int = 16
     delays_ms: tuple[int, ...] = (160, 240, 320, 400, 480, 560, 640, 720, 800, 880, 960)
     eval_every: int = 250
@@ -27,11 +28,19 @@ def load_train_config(path: str | Path) -> TrainConfig:
     with open(path, "rb") as f:
         raw = tomllib.load(f)
     model, train = raw.get("model", {}), raw.get("train", {})
-    spm_vocab_size = int(raw.get("tokenizer", {}).get("vocab_size", 1536))
+    tokenizer = raw.get("tokenizer", {})
+    spm_vocab_size = int(tokenizer.get("vocab_size", 1536))
     encoder = EncoderConfig(**model.get("encoder", {}))
     text = TextConfig(vocab_size=NUM_CONTROL_IDS + spm_vocab_size, tie_embeddings=True, ada_t_cond_dim=32,
                       **model.get("text", {}))
     voxtral = VoxtralConfig(encoder=encoder, text=text, default_delay_ms=int(model.get("default_delay_ms", 480)))
     optimizer = OptimizerConfig(**raw.get("optimizer", {}))
     train = {key: tuple(value) if isinstance(value, list) else value for key, value in train.items()}
-    return TrainConfig(model=voxtral, optimizer=optimizer, spm_vocab_size=spm_vocab_size, **train)
+    return TrainConfig(model=voxtral, optimizer=optimizer, spm_vocab_size=spm_vocab_size,
+                       spm_model_type=str(tokenizer.get("model_type", "bpe")), **train)
+
+
+def with_vocab_size(cfg: TrainConfig, vocab_size: int) -> TrainConfig:
+    """The recipe with the decoder vocabulary set to the trained tokenizer's (control ids included)."""
+    text = dataclasses.replace(cfg.model.text, vocab_size=vocab_size)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, text=text))

@@ -16,7 +16,7 @@ import numpy as np
 import soundfile
 
 from jaxstream.models import audio as front_end
-from jaxstream.models.tokenizers import NUM_CONTROL_IDS, Tokenizer
+from jaxstream.models.tokenizers import Tokenizer
 from jaxstream.training import targets
 
 SHARED_PREFIX_SLOTS = front_end.N_LEFT_PAD_TOKENS - 1
@@ -37,8 +37,6 @@ class Batch(NamedTuple):
     chars: np.ndarray  # [B, max chars] int32: the transcript as CTC classes (for the auxiliary CTC loss)
     char_padding: np.ndarray  # [B, max chars] float32: 1 past each row's characters
     frames_valid: np.ndarray  # [B] int32: encoder frames of each row from slot 31 on (the rest is padding)
-    pieces: np.ndarray  # [B, max pieces] int32: the transcript's text ids (for the auxiliary piece CTC)
-    piece_padding: np.ndarray  # [B, max pieces] float32: 1 past each row's pieces
 
 
 class Example(NamedTuple):
@@ -92,9 +90,7 @@ def collate(examples: list[Example], n_delays: list[int], num_slots: int) -> Bat
         mask[row, : example.mask.size] = example.mask
     chars, char_padding = _padded_rows([ctc_classes(example.text) for example in examples])
     frames_valid = np.array([(e.tokens.size - SHARED_PREFIX_SLOTS) * _FRAMES_PER_SLOT for e in examples], np.int32)
-    pieces, piece_padding = _padded_rows([e.tokens[e.tokens >= NUM_CONTROL_IDS] for e in examples])
-    return Batch(mel, tokens, mask, np.asarray(n_delays, np.float32), chars, char_padding, frames_valid, pieces,
-                 piece_padding)
+    return Batch(mel, tokens, mask, np.asarray(n_delays, np.float32), chars, char_padding, frames_valid)
 
 
 def _padded_rows(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

@@ -23,7 +23,7 @@ from jaxstream.models.loading import LoadedModel, save_checkpoint
 from jaxstream.models.tokenizers import SentencePieceTokenizer
 from jaxstream.models.voxtral import VoxtralRealtime
 from jaxstream.synth import SentenceSampler, read_manifest
-from jaxstream.training.config import TrainConfig
+from jaxstream.training.config import TrainConfig, with_vocab_size
 from jaxstream.training.data import BatchStream
 from jaxstream.training.decode import transcribe_corpus, word_error_rate
 from jaxstream.training.spm import train_sentencepiece
@@ -49,10 +49,10 @@ class RunPaths:
         return self.out / "log.jsonl"
 
 
-def ensure_tokenizer(paths: RunPaths, records: list[dict], vocab_size: int) -> SentencePieceTokenizer:
+def ensure_tokenizer(paths: RunPaths, records: list[dict], vocab_size: int, model_type: str) -> SentencePieceTokenizer:
     if not paths.tokenizer.is_file():
         texts = [record["text"] for record in records] + sorted(SentenceSampler().vocabulary)
-        train_sentencepiece(texts, os.fspath(paths.tokenizer), vocab_size)
+        train_sentencepiece(texts, os.fspath(paths.tokenizer), vocab_size, model_type)
     return SentencePieceTokenizer(paths.tokenizer)
 
 
@@ -76,7 +76,8 @@ def train(cfg: TrainConfig, corpus_dir: str, out_dir: str, *, eval_corpus_dir: s
     paths = RunPaths(Path(out_dir).resolve())
     paths.out.mkdir(parents=True, exist_ok=True)
     records = read_manifest(corpus_dir)
-    tokenizer = ensure_tokenizer(paths, records, cfg.spm_vocab_size)
+    tokenizer = ensure_tokenizer(paths, records, cfg.spm_vocab_size, cfg.spm_model_type)
+    cfg = with_vocab_size(cfg, tokenizer.vocab_size)
     total_steps = steps or cfg.optimizer.total_steps
     optimizer = make_optimizer(dataclasses.replace(cfg.optimizer, total_steps=total_steps))
 
@@ -90,7 +91,7 @@ def train(cfg: TrainConfig, corpus_dir: str, out_dir: str, *, eval_corpus_dir: s
         restored = manager.restore(start, args=ocp.args.StandardRestore({"weights": weights, "opt_state": opt_state}))
         weights, opt_state = restored["weights"], restored["opt_state"]
     train_step = make_train_step(graphdef, cfg.model, optimizer, cfg.optimizer.ctc_weight,
-                                 cfg.optimizer.piece_ctc_weight)
+                                 cfg.optimizer.aligned_piece_weight)
 
     eval_records = read_manifest(eval_corpus_dir)[: cfg.eval_utterances] if eval_corpus_dir else []
     best_wer = _best_wer(paths)

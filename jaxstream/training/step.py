@@ -15,7 +15,8 @@ from flax import nnx
 from jaxstream.models import audio as front_end
 from jaxstream.models.config import VoxtralConfig
 from jaxstream.models.layers import init_kv_cache
-from jaxstream.models.voxtral import ConvState, init_conv_state
+from jaxstream.models.text_lm import tied_logits
+from jaxstream.models.voxtral import ConvState, init_conv_state, time_condition
 from jaxstream.training.data import CTC_CLASSES, SHARED_PREFIX_SLOTS, Batch
 
 
@@ -32,10 +33,10 @@ class OptimizerConfig:
     # teaches the encoder to carry the words long before the decoder has learned to read them, which
     # otherwise stalls early training at "always STREAMING_PAD".
     ctc_weight: float = 0.0
-    # Weight of an auxiliary CTC of the text pieces on the audio embeddings (scored against the tied
-    # embedding matrix, STREAMING_PAD as blank, no extra parameters): it puts each word's pieces into the
-    # audio embeddings where it is spoken, so the decoder only has to copy them n_delay slots later.
-    piece_ctc_weight: float = 0.0
+    # Weight of an auxiliary cross entropy on the audio embeddings, scored against the tied embedding matrix
+    # (no extra parameters): audio slot s is trained to predict the token the stream feeds n_delay slots
+    # later (`aligned_piece_loss`), so the decoder's job becomes copying from a fixed, delay-given offset.
+    aligned_piece_weight: float = 0.0
 
 
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
@@ -57,8 +58,9 @@ def _single_page_cache(num_layers, num_heads, window, head_dim, dtype):
 
 
 def stream_logits(model, cfg: VoxtralConfig, mel_rest, tokens, n_delay, *, attention_impl=None):
-    """(logits [B, T, V], encoder frames [B, 4 (T - 31), H], audio_embeds [B, T, D]) of whole streams: mel_rest [B, 8 (T - 31), n_mel] (slots
-    31..T-1), tokens [B, T]."""
+    """Whole streams: mel_rest [B, 8 (T - 31), n_mel] (slots 31..T-1), tokens [B, T] -> (logits [B, T - 31, V]
+    at positions 31.. (no position before is ever trained), encoder frames [B, 4 (T - 31), H], audio_embeds
+    [B, T, D])."""
     batch, num_slots = tokens.shape
     enc = cfg.encoder
     dtype = mel_rest.dtype
@@ -83,21 +85,35 @@ def stream_logits(model, cfg: VoxtralConfig, mel_rest, tokens, n_delay, *, atten
         [jnp.broadcast_to(prefix_embeds, (batch,) + prefix_embeds.shape[1:]), rest_embeds], axis=1)
     text = cfg.text
     cache = _single_page_cache(text.num_layers, text.num_kv_heads, text.attention_window, text.head_dim, dtype)
-    logits, _ = model.text_step(tokens, audio_embeds, n_delay, cache, jnp.ones((batch, 1), jnp.int32),
-                                jnp.zeros((batch,), jnp.int32), jnp.full((batch,), num_slots, jnp.int32),
-                                attention_impl=attention_impl)
+    # text_step's body, with the tied head applied to positions 31.. only.
+    embed = model.language_model.embed_tokens
+    t_cond = time_condition(n_delay, text.hidden_size, embed.dtype)
+    hidden, _ = model.language_model(embed(tokens) + audio_embeds.astype(embed.dtype), cache,
+                                     jnp.ones((batch, 1), jnp.int32), jnp.zeros((batch,), jnp.int32),
+                                     jnp.full((batch,), num_slots, jnp.int32), t_cond=t_cond,
+                                     attention_impl=attention_impl)
+    logits = tied_logits(hidden[:, SHARED_PREFIX_SLOTS:], embed.embedding[...])
     return logits, frames, audio_embeds
 
 
-def piece_ctc_loss(model, cfg: VoxtralConfig, audio_embeds, batch: Batch):
-    """Mean per-piece CTC loss of the audio embeddings (from slot 31 on) against the tied embedding matrix."""
+def aligned_targets(tokens, n_delay):
+    """(targets [B, T - 31], valid [B, T - 31]) of audio slots 31..T-1: the token fed at slot + n_delay, i.e.
+    STREAMING_PAD mostly, a word's STREAMING_WORD one slot after its last sample and its pieces on the
+    following slots; valid is 0 where that position lies past the stream."""
+    num_slots = tokens.shape[1]
+    positions = jnp.arange(SHARED_PREFIX_SLOTS, num_slots)[None, :] + n_delay.astype(jnp.int32)[:, None]
+    targets = jnp.take_along_axis(tokens, jnp.minimum(positions, num_slots - 1), axis=1)
+    return targets, (positions < num_slots).astype(jnp.float32)
+
+
+def aligned_piece_loss(model, audio_embeds, batch: Batch):
+    """Mean cross entropy of the audio embeddings (slots 31..) against the tied embedding on `aligned_targets`."""
     embedding = model.language_model.embed_tokens.embedding[...]
+    targets, valid = aligned_targets(batch.tokens, batch.n_delay)
     logits = jnp.einsum("btd,vd->btv", audio_embeds[:, SHARED_PREFIX_SLOTS:].astype(jnp.float32),
                         embedding.astype(jnp.float32))
-    slots_valid = batch.frames_valid // cfg.downsample_factor
-    padding = (jnp.arange(logits.shape[1])[None, :] >= slots_valid[:, None]).astype(jnp.float32)
-    losses = optax.ctc_loss(logits, padding, batch.pieces, batch.piece_padding, blank_id=cfg.streaming_pad_id)
-    return losses.sum() / jnp.maximum((1.0 - batch.piece_padding).sum(), 1.0)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    return (losses * valid).sum() / jnp.maximum(valid.sum(), 1.0)
 
 
 def init_ctc_head(cfg: VoxtralConfig, seed: int = 0) -> dict:
@@ -116,34 +132,35 @@ def char_ctc_loss(head: dict, frames, batch: Batch):
 
 
 def stream_loss(weights: dict, graphdef, cfg: VoxtralConfig, batch: Batch, ctc_weight: float = 0.0,
-                piece_ctc_weight: float = 0.0):
+                aligned_piece_weight: float = 0.0):
     """(training loss, metrics): next-token cross entropy over the trained positions (+ the weighted
-    auxiliary character CTC loss), the token accuracy there. weights = {"model": params, "ctc_head": ...}."""
+    auxiliary losses), the token accuracy there. weights = {"model": params, "ctc_head": ...}."""
     model = nnx.merge(graphdef, weights["model"])
     logits, frames, audio_embeds = stream_logits(model, cfg, batch.mel, batch.tokens, batch.n_delay)
-    next_tokens = jnp.roll(batch.tokens, -1, axis=1)
+    next_tokens = jnp.roll(batch.tokens, -1, axis=1)[:, SHARED_PREFIX_SLOTS:]
+    mask = batch.mask[:, SHARED_PREFIX_SLOTS:]
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, next_tokens)
-    weight = jnp.maximum(batch.mask.sum(), 1.0)
+    weight = jnp.maximum(mask.sum(), 1.0)
     correct = (jnp.argmax(logits, -1) == next_tokens).astype(jnp.float32)
-    stream = (losses * batch.mask).sum() / weight
-    metrics = {"loss": stream, "accuracy": (correct * batch.mask).sum() / weight}
+    stream = (losses * mask).sum() / weight
+    metrics = {"loss": stream, "accuracy": (correct * mask).sum() / weight}
     total = stream
     if ctc_weight:
         metrics["ctc"] = char_ctc_loss(weights["ctc_head"], frames, batch)
         total = total + ctc_weight * metrics["ctc"]
-    if piece_ctc_weight:
-        metrics["piece_ctc"] = piece_ctc_loss(model, cfg, audio_embeds, batch)
-        total = total + piece_ctc_weight * metrics["piece_ctc"]
+    if aligned_piece_weight:
+        metrics["aligned"] = aligned_piece_loss(model, audio_embeds, batch)
+        total = total + aligned_piece_weight * metrics["aligned"]
     return total, metrics
 
 
 def make_train_step(graphdef, cfg: VoxtralConfig, optimizer: optax.GradientTransformation, ctc_weight: float = 0.0,
-                    piece_ctc_weight: float = 0.0):
+                    aligned_piece_weight: float = 0.0):
     """A jitted pure step (weights, opt_state, batch) -> (weights, opt_state, metrics), weights = {"model":
     the model's nnx.Param state, "ctc_head": `init_ctc_head(...)`}; weights and state are donated."""
 
     def loss_fn(weights, batch):
-        return stream_loss(weights, graphdef, cfg, batch, ctc_weight, piece_ctc_weight)
+        return stream_loss(weights, graphdef, cfg, batch, ctc_weight, aligned_piece_weight)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def train_step(weights, opt_state, batch: Batch):
