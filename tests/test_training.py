@@ -259,3 +259,30 @@ def test_word_error_rate_normalises_like_the_open_asr_leaderboard():
     assert word_error_rate(["Twenty three apples."], ["23 apples"]) == 0.0
     refs, hyps = ["the cat sat on the mat", "hello world"], ["the cat sat on mat", "hello there world"]
     assert word_error_rate(refs, hyps) == pytest.approx(jiwer.wer(refs, hyps))
+
+
+def test_spelling_init_makes_alike_words_start_alike(tmp_path):
+    from jaxstream.training import spelling
+    from jaxstream.training.spm import train_sentencepiece
+
+    words = ["kitchen", "kitchens", "chicken", "bold", "bolds", "under"]
+    vectors = spelling.spelling_vectors(words, 256, seed=0)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
+    cosine = vectors @ vectors.T
+    # Oracle: shared character n-grams (counted directly) order the similarities.
+    shared = lambda a, b: len(set(spelling.char_ngrams(a)) & set(spelling.char_ngrams(b)))
+    assert shared("kitchen", "kitchens") > shared("kitchen", "chicken") > shared("kitchen", "bold") == 0
+    assert cosine[0, 1] > cosine[0, 2] > abs(cosine[0, 3]) and cosine[3, 4] > 0.6
+    np.testing.assert_array_equal(vectors, spelling.spelling_vectors(words, 256, seed=0))
+
+    path = tmp_path / "word.model"
+    train_sentencepiece(words * 3, os.fspath(path), 400, model_type="word")
+    word_tokenizer = SentencePieceTokenizer(path)
+    ids, found = spelling.word_rows(word_tokenizer)
+    assert sorted(found) == sorted(words) and all(word_tokenizer.encode(w) == [i] for i, w in zip(ids, found))
+    embedding = np.random.default_rng(1).normal(size=(word_tokenizer.vocab_size, 256)).astype(np.float32)
+    initialised = spelling.init_word_embeddings(embedding, word_tokenizer, seed=0)
+    others = np.setdiff1d(np.arange(word_tokenizer.vocab_size), ids)
+    np.testing.assert_array_equal(initialised[others], embedding[others])  # controls and byte pieces untouched
+    expected = spelling.spelling_vectors(found, 256, seed=0) * np.linalg.norm(embedding[ids], axis=1).mean()
+    np.testing.assert_allclose(initialised[ids], expected, rtol=1e-5)

@@ -21,6 +21,8 @@ class TrainConfig:
     eval_delay_ms: int = 480
     checkpoint_every: int = 100
     seed: int = 0
+    # Start whole-word embedding rows from their spelling (`jaxstream/training/spelling.py`).
+    spelling_init: bool = False
 
 
 def load_train_config(path: str | Path) -> TrainConfig:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -26,6 +27,7 @@ from jaxstream.synth import SentenceSampler, read_manifest
 from jaxstream.training.config import TrainConfig, with_vocab_size
 from jaxstream.training.data import BatchStream
 from jaxstream.training.decode import transcribe_corpus, word_error_rate
+from jaxstream.training.spelling import init_word_embeddings
 from jaxstream.training.spm import train_sentencepiece
 from jaxstream.training.step import init_ctc_head, make_optimizer, make_train_step
 
@@ -82,6 +84,9 @@ def train(cfg: TrainConfig, corpus_dir: str, out_dir: str, *, eval_corpus_dir: s
     optimizer = make_optimizer(dataclasses.replace(cfg.optimizer, total_steps=total_steps))
 
     model = VoxtralRealtime(cfg.model, rngs=nnx.Rngs(cfg.seed))
+    if cfg.spelling_init:
+        embed = model.language_model.embed_tokens
+        embed.embedding.value = jnp.asarray(init_word_embeddings(np.asarray(embed.embedding.value), tokenizer, cfg.seed))
     graphdef, params = nnx.split(model, nnx.Param)
     weights = {"model": params, "ctc_head": init_ctc_head(cfg.model, cfg.seed)}
     opt_state = optimizer.init(weights)
