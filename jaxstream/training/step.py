@@ -2,7 +2,8 @@
 
 The forward pass is the inference code path: `audio_step` runs the shared 31 silent left-pad slots once
 (batch of one), its conv state and encoder KV are broadcast to every row, then one `audio_step` chunk
-covers the rest of each stream; `text_step` runs the whole token stream as one chunk on a fresh cache.
+covers the rest of each stream; the decoder runs the whole token stream as one chunk on a fresh cache (the
+body of `text_step`, with the tied head applied only from slot 31 on, the first position ever trained).
 """
 import dataclasses
 import functools
