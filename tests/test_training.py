@@ -38,7 +38,8 @@ num_kv_heads = 1
 head_dim = 16
 sliding_window = 32
 [tokenizer]
-vocab_size = 300
+model_type = "word"
+vocab_size = 4000
 [optimizer]
 learning_rate = 0.003
 warmup_steps = 1
@@ -48,6 +49,7 @@ batch_size = 2
 delays_ms = [160, 480]
 eval_every = 100
 checkpoint_every = 1
+spelling_init = true
 """
 
 
@@ -232,15 +234,26 @@ def test_train_step_lowers_the_loss_on_a_fixed_batch(corpus, tokenizer):
 def test_train_resumes_and_exports_a_loadable_model(corpus, tmp_path):
     from jaxstream.models.loading import load_model
     from jaxstream.training import load_train_config, train
+    from jaxstream.training.config import with_vocab_size
+    from jaxstream.training.spelling import init_word_embeddings
 
     corpus_dir, _ = corpus
     (tmp_path / "tiny.toml").write_text(TINY_TOML)
     cfg = load_train_config(tmp_path / "tiny.toml")
     out = tmp_path / "run"
+    train(cfg, corpus_dir, os.fspath(out), steps=1, progress=False)
+    # The recipe's word tokenizer sizes the decoder; spelling_init set the word rows before step 1.
+    word_tokenizer = SentencePieceTokenizer(out / "tokenizer.model")
+    cfg = with_vocab_size(cfg, word_tokenizer.vocab_size)
+    fresh = VoxtralRealtime(cfg.model, rngs=nnx.Rngs(cfg.seed)).language_model.embed_tokens.embedding[...]
+    expected = init_word_embeddings(np.asarray(fresh), word_tokenizer, cfg.seed)
+    exported = load_model(out / "model", dtype=jnp.float32).model
+    after_one_step = np.asarray(exported.language_model.embed_tokens.embedding[...])
+    np.testing.assert_allclose(after_one_step, expected, atol=5 * cfg.optimizer.learning_rate)  # Adam moves <= ~lr
     train(cfg, corpus_dir, os.fspath(out), steps=2, progress=False)
     train(cfg, corpus_dir, os.fspath(out), steps=3, progress=False)
     logged = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
-    assert logged == [1, 2, 3]  # the second run resumed after step 2
+    assert logged == [1, 2, 3]  # each later run resumed
     import orbax.checkpoint as ocp
 
     with ocp.CheckpointManager(out / "checkpoints") as manager:
@@ -251,6 +264,14 @@ def test_train_resumes_and_exports_a_loadable_model(corpus, tmp_path):
     exported = nnx.to_pure_dict(nnx.state(loaded.model, nnx.Param))
     for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(saved)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_recipe_rejects_an_unknown_tokenizer_model_type(tmp_path):
+    from jaxstream.training import load_train_config
+
+    (tmp_path / "bad.toml").write_text(TINY_TOML.replace('model_type = "word"', 'model_type = "chars"'))
+    with pytest.raises(ValueError, match=r"\[tokenizer\] model_type must be one of"):
+        load_train_config(tmp_path / "bad.toml")
 
 
 def test_word_error_rate_normalises_like_the_open_asr_leaderboard():

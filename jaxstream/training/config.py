@@ -5,6 +5,7 @@ from pathlib import Path
 
 from jaxstream.models.config import EncoderConfig, TextConfig, VoxtralConfig
 from jaxstream.models.tokenizers import NUM_CONTROL_IDS
+from jaxstream.training.spm import MODEL_TYPES
 from jaxstream.training.step import OptimizerConfig
 
 
@@ -38,8 +39,11 @@ def load_train_config(path: str | Path) -> TrainConfig:
     voxtral = VoxtralConfig(encoder=encoder, text=text, default_delay_ms=int(model.get("default_delay_ms", 480)))
     optimizer = OptimizerConfig(**raw.get("optimizer", {}))
     train = {key: tuple(value) if isinstance(value, list) else value for key, value in train.items()}
-    return TrainConfig(model=voxtral, optimizer=optimizer, spm_vocab_size=spm_vocab_size,
-                       spm_model_type=str(tokenizer.get("model_type", "bpe")), **train)
+    model_type = str(tokenizer.get("model_type", "bpe"))
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"[tokenizer] model_type must be one of {MODEL_TYPES}, got {model_type!r}")
+    return TrainConfig(model=voxtral, optimizer=optimizer, spm_vocab_size=spm_vocab_size, spm_model_type=model_type,
+                       **train)
 
 
 def with_vocab_size(cfg: TrainConfig, vocab_size: int) -> TrainConfig:

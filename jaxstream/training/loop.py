@@ -86,7 +86,7 @@ def train(cfg: TrainConfig, corpus_dir: str, out_dir: str, *, eval_corpus_dir: s
     model = VoxtralRealtime(cfg.model, rngs=nnx.Rngs(cfg.seed))
     if cfg.spelling_init:
         embed = model.language_model.embed_tokens
-        embed.embedding.value = jnp.asarray(init_word_embeddings(np.asarray(embed.embedding.value), tokenizer, cfg.seed))
+        embed.embedding[...] = jnp.asarray(init_word_embeddings(np.asarray(embed.embedding[...]), tokenizer, cfg.seed))
     graphdef, params = nnx.split(model, nnx.Param)
     weights = {"model": params, "ctc_head": init_ctc_head(cfg.model, cfg.seed)}
     opt_state = optimizer.init(weights)
