@@ -6,5 +6,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "float32")
+
+
+@pytest.fixture
+async def engine_returns_to_baseline(engine):
+    """For engine test modules (`pytestmark = pytest.mark.usefixtures(...)`): after each test, the module's
+    `engine` fixture is idle and back at its baseline."""
+    yield
+    await engine.wait_until_idle()
+    assert engine.core.at_baseline(), "a session leaked pages, a slot or host memory"

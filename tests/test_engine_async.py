@@ -13,19 +13,16 @@ from jaxstream.engine.testing import ToyLM, toy_config, toy_next_token
 CFG = toy_config(vocab_size=97, window=16)
 
 
+# Every test must leave the module's engine idle with no pages, slots or host memory held.
+pytestmark = pytest.mark.usefixtures("engine_returns_to_baseline")
+
+
 @pytest.fixture(scope="module")
 def engine():
     engine = AsyncEngine(ToyLM(CFG), config=EngineConfig(
         max_sessions=4, page_size=4, batch_buckets=(4,), prefill_buckets=((2, 8),), max_num_batched_tokens=64))
     yield engine
     engine.close()
-
-
-@pytest.fixture(autouse=True)
-async def back_to_baseline(engine):
-    yield
-    await engine.wait_until_idle()
-    assert engine.core.at_baseline(), "a session leaked pages, a slot or host memory"
 
 
 def greedy(max_tokens, stop=None):
