@@ -32,16 +32,17 @@ def ring_attention_xla(q, k_new, v_new, k_pages, v_pages, page_table, lengths, n
     key_valid = jnp.concatenate([ring_pos >= 0, jnp.arange(chunk)[None, :] < num_new[:, None]], axis=1)
     mask = positions.attention_mask(query_pos, key_pos, key_valid, window)  # [S, C, R + C]
 
-    qg = q.reshape(num_sessions, chunk, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("schgd,shkd->shgck", qg, keys, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    probs = jnp.where(mask[:, None, None], jnp.exp(scores - row_max), 0.0)
-    denom = jnp.sum(probs, axis=-1, keepdims=True)
-    probs = probs / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("shgck,shkd->schgd", probs, values.astype(jnp.float32))
-    out = out.reshape(num_sessions, chunk, num_q_heads, head_dim).astype(q.dtype)
+    qg = q.reshape(num_sessions, chunk, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
+    scores = jnp.einsum("shgcd,shkd->shgck", qg, keys, preferred_element_type=jnp.float32) * scale
+    # A finite fill and jax.nn.softmax: on CPU the forward+backward of -inf fills plus a hand-written
+    # max/exp/sum took 1.9x as long (0.156 vs 0.083 s for the tiny encoder's shapes), and training runs
+    # through this path.
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    # A query with no valid key (padding rows, empty sessions) outputs zeros, not the mean of stale values.
+    probs = jnp.where(mask.any(axis=-1)[:, None, None, :, None], probs, 0.0)
+    out = jnp.einsum("shgck,shkd->shgcd", probs, values.astype(jnp.float32))
+    out = out.transpose(0, 3, 1, 2, 4).reshape(num_sessions, chunk, num_q_heads, head_dim).astype(q.dtype)
 
     k_pages, v_pages = write_new_entries(k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, after=out)
     return out, k_pages, v_pages

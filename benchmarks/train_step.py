@@ -1,0 +1,127 @@
+"""Where a training step's time goes, against a dense matmul measured in the same run.
+
+    python benchmarks/train_step.py                      # the tiny recipe, batch 16 x 112 slots
+    python benchmarks/train_step.py --config configs/tiny.toml --batch 16 --slots 112 --json out.json
+
+Times (median of --reps after a warm-up) the jitted forward+backward of: the whole step's loss
+(`stream_loss` with the recipe's auxiliary weights), the encoder alone (conv stem + transformer), one
+encoder layer's ring attention, and one tied-head cross entropy; reports XLA's FLOP count of the whole
+step and the achieved GFLOP/s as a fraction of a square f32 matmul's on the same device. On a 2-core CPU
+the step runs far below matmul speed (attention's masked softmax and the elementwise work of small widths
+dominate), so this is the script to run before and after changing the model code or the recipe's shapes.
+"""
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxstream.models.layers import init_kv_cache
+from jaxstream.models.tokenizers import NUM_CONTROL_IDS
+from jaxstream.models.voxtral import VoxtralRealtime
+from jaxstream.tpu_kernels.ring_attention import ring_attention
+from jaxstream.training import load_train_config
+from jaxstream.training.config import with_vocab_size
+from jaxstream.training.data import CTC_CLASSES, SHARED_PREFIX_SLOTS, Batch
+from jaxstream.training.step import init_ctc_head, stream_logits, stream_loss
+
+
+def timed(function, *args, reps):
+    """Median seconds of a jitted `function(*args)` after one warm-up (compile) call."""
+    jitted = jax.jit(function)
+    jax.block_until_ready(jitted(*args))
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(jitted(*args))
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def random_batch(rng, batch, slots, vocab_size, n_delay):
+    """A training batch of the recipe's shapes (random features and tokens: the cost does not depend on them)."""
+    rest = slots - SHARED_PREFIX_SLOTS
+    chars = 64
+    return Batch(
+        mel=rng.standard_normal((batch, 8 * rest, 128)).astype(np.float32),
+        tokens=rng.integers(NUM_CONTROL_IDS, vocab_size, (batch, slots)).astype(np.int32),
+        mask=np.ones((batch, slots), np.float32), n_delay=np.full((batch,), n_delay, np.float32),
+        chars=rng.integers(1, CTC_CLASSES, (batch, chars)).astype(np.int32),
+        char_padding=np.zeros((batch, chars), np.float32), frames_valid=np.full((batch,), 4 * rest, np.int32))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/tiny.toml")
+    parser.add_argument("--vocab-size", type=int, default=4387, help="decoder rows (the shipped tiny model's)")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--slots", type=int, default=112, help="stream slots per row (80 ms each)")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+
+    cfg = load_train_config(args.config)
+    cfg = with_vocab_size(cfg, args.vocab_size)
+    model = VoxtralRealtime(cfg.model, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    weights = {"model": params, "ctc_head": init_ctc_head(cfg.model)}
+    batch = random_batch(np.random.default_rng(0), args.batch, args.slots, args.vocab_size, n_delay=6)
+    opt = cfg.optimizer
+
+    def loss(weights):
+        return stream_loss(weights, graphdef, cfg.model, batch, opt.ctc_weight, opt.aligned_piece_weight)[0]
+
+    def encoder_output(params):
+        _, frames, _ = stream_logits(nnx.merge(graphdef, params), cfg.model, batch.mel, batch.tokens, batch.n_delay)
+        return jnp.mean(frames**2)
+
+    enc = cfg.model.encoder
+    rest_frames = 4 * (args.slots - SHARED_PREFIX_SLOTS)
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal((args.batch, rest_frames, enc.num_heads, enc.head_dim)), jnp.float32)
+               for _ in range(3))
+    k_pages, v_pages = init_kv_cache(1, 2, enc.num_heads, enc.sliding_window, enc.head_dim, jnp.float32)[0]
+    page_table = jnp.ones((args.batch, 1), jnp.int32)
+    lengths = jnp.full((args.batch,), 4 * SHARED_PREFIX_SLOTS, jnp.int32)
+    num_new = jnp.full((args.batch,), rest_frames, jnp.int32)
+
+    def attention(q, k, v):
+        out, _, _ = ring_attention(q, k, v, k_pages, v_pages, page_table, lengths, num_new, window=enc.sliding_window)
+        return jnp.mean(out**2)
+
+    hidden = jnp.ones((args.batch, args.slots - SHARED_PREFIX_SLOTS, cfg.model.text.hidden_size))
+    embedding = jnp.ones((args.vocab_size, cfg.model.text.hidden_size))
+
+    def head(hidden, embedding):
+        return jnp.mean(jax.nn.logsumexp(jnp.einsum("btd,vd->btv", hidden, embedding), axis=-1))
+
+    step_flops = jax.jit(jax.grad(loss)).lower(weights).compile().cost_analysis()
+    step_flops = (step_flops[0] if isinstance(step_flops, list) else step_flops).get("flops", float("nan"))
+    n = 1024
+    square = jnp.ones((n, n), jnp.float32)
+    matmul_gflops = 2 * n**3 / timed(lambda a: a @ a, square, reps=args.reps) / 1e9
+    seconds = {
+        "step fwd+bwd": timed(jax.grad(loss), weights, reps=args.reps),
+        "encoder fwd+bwd": timed(jax.grad(encoder_output), params, reps=args.reps),
+        "one encoder attention fwd+bwd": timed(jax.grad(attention, argnums=(0, 1, 2)), q, k, v, reps=args.reps),
+        "one tied head fwd+bwd": timed(jax.grad(head, argnums=(0, 1)), hidden, embedding, reps=args.reps),
+    }
+    step_gflops = step_flops / seconds["step fwd+bwd"] / 1e9
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), batch {args.batch} x {args.slots} slots")
+    for name, value in seconds.items():
+        print(f"{name:32s} {1000 * value:9.1f} ms  ({100 * value / seconds['step fwd+bwd']:5.1f} % of the step)")
+    print(f"step: {step_flops / 1e9:.1f} GFLOP at {step_gflops:.1f} GFLOP/s = "
+          f"{100 * step_gflops / matmul_gflops:.1f} % of a {n}x{n} f32 matmul ({matmul_gflops:.1f} GFLOP/s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "batch": args.batch, "slots": args.slots,
+                       "seconds": seconds, "step_gflop": step_flops / 1e9, "step_gflops": step_gflops,
+                       "matmul_gflops": matmul_gflops}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
