@@ -1,6 +1,7 @@
 """Training side of the tiny model: delayed-streams targets, batches, the shared-prefix forward, greedy
 decoding, the optax step, Orbax resume and export. Oracles: the front end's padding/features
 (models/audio.py), the model's own offline forward, jiwer."""
+import dataclasses
 import json
 import os
 import shutil
@@ -264,6 +265,62 @@ def test_train_resumes_and_exports_a_loadable_model(corpus, tmp_path):
     exported = nnx.to_pure_dict(nnx.state(loaded.model, nnx.Param))
     for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(saved)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_init_from_starts_from_the_models_weights_and_tokenizer(corpus, tmp_path):
+    from jaxstream.errors import UserError
+    from jaxstream.models.loading import load_model
+    from jaxstream.training import load_train_config, train
+
+    corpus_dir, _ = corpus
+    (tmp_path / "tiny.toml").write_text(TINY_TOML)
+    cfg = load_train_config(tmp_path / "tiny.toml")
+    source = tmp_path / "stage1"
+    train(cfg, corpus_dir, os.fspath(source), steps=2, progress=False)  # step 1 runs at the warmup's lr of 0
+    # At a zero learning rate AdamW moves nothing: the fine-tuned run must hold the source's weights, bit for
+    # bit: the exported model's from a model directory, and the CTC head's too from a run directory.
+    frozen = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, learning_rate=0.0))
+    for name, init_from in (("from_model", source / "model"), ("from_run", source)):
+        train(frozen, corpus_dir, os.fspath(tmp_path / name), steps=1, init_from=os.fspath(init_from),
+              progress=False)
+        assert (tmp_path / name / "tokenizer.model").read_bytes() == (source / "tokenizer.model").read_bytes()
+        before, after = (nnx.to_pure_dict(nnx.state(load_model(path, dtype=jnp.float32).model, nnx.Param))
+                         for path in (source / "model", tmp_path / name / "model"))
+        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    source_head, from_run_head, from_model_head = (
+        _checkpoint_weights(path)["ctc_head"] for path in (source, tmp_path / "from_run", tmp_path / "from_model"))
+    np.testing.assert_array_equal(from_run_head["kernel"], source_head["kernel"])
+    assert not np.array_equal(from_model_head["kernel"], source_head["kernel"])  # a model carries no CTC head
+
+    wider = load_train_config(tmp_path / "tiny.toml")
+    wider = dataclasses.replace(wider, model=dataclasses.replace(
+        wider.model, encoder=dataclasses.replace(wider.model.encoder, intermediate_size=96)))
+    with pytest.raises(UserError, match=r"differs from the recipe's \[model\]: encoder.intermediate_size: model 64, "
+                                        r"recipe 96$"):
+        train(wider, corpus_dir, os.fspath(tmp_path / "wider"), steps=1, init_from=os.fspath(source / "model"),
+              progress=False)
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copyfile(tmp_path / "tiny.toml", other / "tokenizer.model")  # any other bytes
+    with pytest.raises(UserError, match="different tokenizer"):
+        train(cfg, corpus_dir, os.fspath(other), steps=1, init_from=os.fspath(source / "model"), progress=False)
+
+
+def _checkpoint_weights(run):
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(run / "checkpoints") as manager:
+        return jax.tree.map(np.asarray, manager.restore(manager.latest_step())["weights"])
+
+
+def test_stage2_preset_fine_tunes_the_tiny_architecture():
+    from jaxstream.commands.train import resolve_config_path
+    from jaxstream.training import load_train_config
+
+    stage1, stage2 = (load_train_config(resolve_config_path(name)) for name in ("tiny", "tiny_stage2"))
+    assert stage2.model == stage1.model  # `--init-from` requires it
+    assert (stage2.spm_model_type, stage2.spm_vocab_size) == (stage1.spm_model_type, stage1.spm_vocab_size)
 
 
 def test_recipe_rejects_an_unknown_tokenizer_model_type(tmp_path):

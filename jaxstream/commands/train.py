@@ -16,6 +16,9 @@ def register(subparsers) -> None:
     parser.add_argument("--corpus", required=True, help="training corpus written by `jaxstream synth`")
     parser.add_argument("--eval-corpus", help="held-out corpus for the periodic WER (jaxstream synth --held-out)")
     parser.add_argument("--out", required=True, help="run directory (checkpoints, tokenizer, exported models)")
+    parser.add_argument("--init-from", metavar="MODEL",
+                        help="fine-tune: start from this model's weights and tokenizer (a name such as tiny, or "
+                             "a directory) with a fresh optimizer; its architecture must match the recipe's")
     parser.add_argument("--steps", type=int, help="total steps (default: the recipe's optimizer.total_steps)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
@@ -46,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         raise UserError(f"bad training config {args.config}: {exc}") from None
     metrics = train(cfg, args.corpus, args.out, eval_corpus_dir=args.eval_corpus, steps=args.steps,
-                    progress=not args.no_progress)
+                    init_from=args.init_from, progress=not args.no_progress)
     print(" ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
                    for key, value in metrics.items()))
     return 0

@@ -11,8 +11,10 @@ Layout of a run directory OUT:
 import dataclasses
 import json
 import os
+import shutil
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +22,9 @@ import numpy as np
 from flax import nnx
 
 from jaxstream.models import audio as front_end
-from jaxstream.models.loading import LoadedModel, save_checkpoint
+from jaxstream.errors import UserError
+from jaxstream.models.config import VoxtralConfig
+from jaxstream.models.loading import LoadedModel, load_model, save_checkpoint
 from jaxstream.models.tokenizers import SentencePieceTokenizer
 from jaxstream.models.voxtral import VoxtralRealtime
 from jaxstream.synth import SentenceSampler, read_manifest
@@ -58,6 +62,41 @@ def ensure_tokenizer(paths: RunPaths, records: list[dict], vocab_size: int, mode
     return SentencePieceTokenizer(paths.tokenizer)
 
 
+class InitialModel(NamedTuple):
+    loaded: LoadedModel
+    ctc_head: dict | None  # the training-only CTC head, when the source is a `jaxstream train` run
+
+
+def load_initial_model(source: str, paths: RunPaths) -> InitialModel:
+    """The float32 model to fine-tune from; its tokenizer becomes the run's (kept if the run already has it).
+
+    `source` is a model (name or directory) or a `jaxstream train` run directory: then its exported model
+    and, from its latest checkpoint, the auxiliary CTC head, which would otherwise restart from random and
+    drag the trained encoder back through CTC's all-blank plateau.
+    """
+    import orbax.checkpoint as ocp
+
+    run = RunPaths(Path(source))
+    ctc_head = None
+    if run.checkpoints.is_dir() and (run.out / "model").is_dir():
+        with ocp.CheckpointManager(run.checkpoints) as manager:
+            step = manager.latest_step()
+            if step is not None:
+                ctc_head = manager.restore(step, args=ocp.args.StandardRestore())["weights"].get("ctc_head")
+        source = os.fspath(run.out / "model")
+    loaded = load_model(source, dtype=jnp.float32)
+    if not isinstance(loaded.config, VoxtralConfig) or loaded.tokenizer_path is None \
+            or loaded.tokenizer_path.name != TOKENIZER_FILE:
+        raise UserError(f"--init-from {source}: not a jaxstream-trained speech model (a Voxtral config and a "
+                        f"{TOKENIZER_FILE} are required)")
+    if not paths.tokenizer.is_file():
+        shutil.copyfile(loaded.tokenizer_path, paths.tokenizer)
+    elif paths.tokenizer.read_bytes() != loaded.tokenizer_path.read_bytes():
+        raise UserError(f"--init-from {source}: {paths.tokenizer} is a different tokenizer; use a fresh --out")
+    head = None if ctc_head is None else {key: jnp.asarray(value) for key, value in ctc_head.items()}
+    return InitialModel(loaded, head)
+
+
 def export_model(params, cfg: TrainConfig, graphdef, tokenizer_path: Path, destination: Path) -> None:
     """Writes `params` as a jaxstream Orbax checkpoint (what `load_model` reads); replaces `destination`."""
     model = nnx.merge(graphdef, params)
@@ -70,25 +109,35 @@ def evaluate(graphdef, params, tokenizer, corpus_dir: str, records: list[dict], 
 
 
 def train(cfg: TrainConfig, corpus_dir: str, out_dir: str, *, eval_corpus_dir: str | None = None,
-          steps: int | None = None, progress: bool = True) -> dict:
-    """Trains (or resumes) a run; returns the final metrics. `steps` overrides the recipe's total."""
+          steps: int | None = None, init_from: str | None = None, progress: bool = True) -> dict:
+    """Trains (or resumes) a run; returns the final metrics. `steps` overrides the recipe's total;
+    `init_from` (a model name or directory, or an earlier run's directory) starts from that model's weights
+    and tokenizer instead of a fresh initialisation, with a fresh optimizer and schedule (fine-tuning)."""
     import orbax.checkpoint as ocp
     from tqdm import tqdm
 
     paths = RunPaths(Path(out_dir).resolve())
     paths.out.mkdir(parents=True, exist_ok=True)
     records = read_manifest(corpus_dir)
+    initial = load_initial_model(init_from, paths) if init_from else None
     tokenizer = ensure_tokenizer(paths, records, cfg.spm_vocab_size, cfg.spm_model_type)
     cfg = with_vocab_size(cfg, tokenizer.vocab_size)
     total_steps = steps or cfg.optimizer.total_steps
     optimizer = make_optimizer(dataclasses.replace(cfg.optimizer, total_steps=total_steps))
 
-    model = VoxtralRealtime(cfg.model, rngs=nnx.Rngs(cfg.seed))
-    if cfg.spelling_init:
+    if initial is not None:
+        if initial.loaded.config != cfg.model:
+            raise UserError(f"--init-from {init_from}: its architecture differs from the recipe's [model]: "
+                            + ", ".join(_differences(initial.loaded.config, cfg.model)))
+        model = initial.loaded.model
+    else:
+        model = VoxtralRealtime(cfg.model, rngs=nnx.Rngs(cfg.seed))
+    if cfg.spelling_init and initial is None:
         embed = model.language_model.embed_tokens
         embed.embedding[...] = jnp.asarray(init_word_embeddings(np.asarray(embed.embedding[...]), tokenizer, cfg.seed))
     graphdef, params = nnx.split(model, nnx.Param)
-    weights = {"model": params, "ctc_head": init_ctc_head(cfg.model, cfg.seed)}
+    ctc_head = initial.ctc_head if initial is not None else None
+    weights = {"model": params, "ctc_head": init_ctc_head(cfg.model, cfg.seed) if ctc_head is None else ctc_head}
     opt_state = optimizer.init(weights)
     manager = ocp.CheckpointManager(paths.checkpoints, options=ocp.CheckpointManagerOptions(max_to_keep=3))
     start = manager.latest_step() or 0
@@ -135,6 +184,18 @@ def train(cfg: TrainConfig, corpus_dir: str, out_dir: str, *, eval_corpus_dir: s
         stream.close()
         manager.close()
     return metrics
+
+
+def _differences(model: VoxtralConfig, recipe: VoxtralConfig) -> list[str]:
+    """'encoder.hidden_size: model 128, recipe 96' for each config field that differs."""
+    def flat(fields: dict, prefix: str = "") -> dict:
+        items = {}
+        for key, value in fields.items():
+            items.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+        return items
+
+    ours, theirs = flat(dataclasses.asdict(model)), flat(dataclasses.asdict(recipe))
+    return [f"{key}: model {ours[key]}, recipe {theirs.get(key)}" for key in ours if ours[key] != theirs.get(key)]
 
 
 def _best_wer(paths: RunPaths) -> float:
