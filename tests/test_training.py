@@ -311,7 +311,8 @@ def _checkpoint_weights(run):
     import orbax.checkpoint as ocp
 
     with ocp.CheckpointManager(run / "checkpoints") as manager:
-        return jax.tree.map(np.asarray, manager.restore(manager.latest_step())["weights"])
+        restored = manager.restore(manager.latest_step(), args=ocp.args.StandardRestore())
+    return jax.tree.map(np.asarray, restored["weights"])
 
 
 def test_stage2_preset_fine_tunes_the_tiny_architecture():

@@ -16,9 +16,10 @@ def register(subparsers) -> None:
     parser.add_argument("--corpus", required=True, help="training corpus written by `jaxstream synth`")
     parser.add_argument("--eval-corpus", help="held-out corpus for the periodic WER (jaxstream synth --held-out)")
     parser.add_argument("--out", required=True, help="run directory (checkpoints, tokenizer, exported models)")
-    parser.add_argument("--init-from", metavar="MODEL",
-                        help="fine-tune: start from this model's weights and tokenizer (a name such as tiny, or "
-                             "a directory) with a fresh optimizer; its architecture must match the recipe's")
+    parser.add_argument("--init-from", metavar="MODEL|RUN",
+                        help="fine-tune with a fresh optimizer, starting from a model's weights and tokenizer (a "
+                             "name such as tiny, or a directory) or from an earlier run directory (which also "
+                             "carries its training-only CTC head); the architecture must match the recipe's")
     parser.add_argument("--steps", type=int, help="total steps (default: the recipe's optimizer.total_steps)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
