@@ -13,8 +13,6 @@ recipe's shapes.
 """
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -30,29 +28,27 @@ from jaxstream.training.config import with_vocab_size
 from jaxstream.training.data import CTC_CLASSES, SHARED_PREFIX_SLOTS, Batch
 from jaxstream.training.step import init_ctc_head, stream_logits, stream_loss
 
+from ring_attention import timed  # benchmarks/ring_attention.py (this script's directory is on sys.path)
 
-def timed(function, *args, reps):
+
+def timed_jit(function, *args, reps):
     """Median seconds of a jitted `function(*args)` after one warm-up (compile) call."""
     jitted = jax.jit(function)
-    jax.block_until_ready(jitted(*args))
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(jitted(*args))
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return timed(lambda: jitted(*args), reps)
 
 
-def random_batch(rng, batch, slots, vocab_size, n_delay):
+def random_batch(rng, model_cfg, batch, slots, n_delay):
     """A training batch of the recipe's shapes (random features and tokens: the cost does not depend on them)."""
     rest = slots - SHARED_PREFIX_SLOTS
     chars = 64
     return Batch(
-        mel=rng.standard_normal((batch, 8 * rest, 128)).astype(np.float32),
-        tokens=rng.integers(NUM_CONTROL_IDS, vocab_size, (batch, slots)).astype(np.int32),
+        mel=rng.standard_normal((batch, model_cfg.mel_frames_per_token * rest, model_cfg.encoder.num_mel_bins)
+                                ).astype(np.float32),
+        tokens=rng.integers(NUM_CONTROL_IDS, model_cfg.text.vocab_size, (batch, slots)).astype(np.int32),
         mask=np.ones((batch, slots), np.float32), n_delay=np.full((batch,), n_delay, np.float32),
         chars=rng.integers(1, CTC_CLASSES, (batch, chars)).astype(np.int32),
-        char_padding=np.zeros((batch, chars), np.float32), frames_valid=np.full((batch,), 4 * rest, np.int32))
+        char_padding=np.zeros((batch, chars), np.float32),
+        frames_valid=np.full((batch,), model_cfg.downsample_factor * rest, np.int32))
 
 
 def main(argv=None):
@@ -70,7 +66,7 @@ def main(argv=None):
     model = VoxtralRealtime(cfg.model, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
     weights = {"model": params, "ctc_head": init_ctc_head(cfg.model)}
-    batch = random_batch(np.random.default_rng(0), args.batch, args.slots, args.vocab_size, n_delay=6)
+    batch = random_batch(np.random.default_rng(0), cfg.model, args.batch, args.slots, n_delay=6)
     opt = cfg.optimizer
 
     def loss(weights):
@@ -81,13 +77,13 @@ def main(argv=None):
         return jnp.mean(frames**2)
 
     enc = cfg.model.encoder
-    rest_frames = 4 * (args.slots - SHARED_PREFIX_SLOTS)
+    rest_frames = cfg.model.downsample_factor * (args.slots - SHARED_PREFIX_SLOTS)
     rng = np.random.default_rng(1)
     q, k, v = (jnp.asarray(rng.standard_normal((args.batch, rest_frames, enc.num_heads, enc.head_dim)), jnp.float32)
                for _ in range(3))
     k_pages, v_pages = init_kv_cache(1, 2, enc.num_heads, enc.sliding_window, enc.head_dim, jnp.float32)[0]
     page_table = jnp.ones((args.batch, 1), jnp.int32)
-    lengths = jnp.full((args.batch,), 4 * SHARED_PREFIX_SLOTS, jnp.int32)
+    lengths = jnp.full((args.batch,), cfg.model.downsample_factor * SHARED_PREFIX_SLOTS, jnp.int32)
     num_new = jnp.full((args.batch,), rest_frames, jnp.int32)
 
     def attention(q, k, v):
@@ -104,12 +100,12 @@ def main(argv=None):
     step_flops = (step_flops[0] if isinstance(step_flops, list) else step_flops).get("flops", float("nan"))
     n = 1024
     square = jnp.ones((n, n), jnp.float32)
-    matmul_gflops = 2 * n**3 / timed(lambda a: a @ a, square, reps=args.reps) / 1e9
+    matmul_gflops = 2 * n**3 / timed_jit(lambda a: a @ a, square, reps=args.reps) / 1e9
     seconds = {
-        "step fwd+bwd": timed(jax.grad(loss), weights, reps=args.reps),
-        "encoder fwd+bwd": timed(jax.grad(encoder_output), params, reps=args.reps),
-        "one encoder attention fwd+bwd": timed(jax.grad(attention, argnums=(0, 1, 2)), q, k, v, reps=args.reps),
-        "one tied head fwd+bwd": timed(jax.grad(head, argnums=(0, 1)), hidden, embedding, reps=args.reps),
+        "step fwd+bwd": timed_jit(jax.grad(loss), weights, reps=args.reps),
+        "encoder fwd+bwd": timed_jit(jax.grad(encoder_output), params, reps=args.reps),
+        "one encoder attention fwd+bwd": timed_jit(jax.grad(attention, argnums=(0, 1, 2)), q, k, v, reps=args.reps),
+        "one tied head fwd+bwd": timed_jit(jax.grad(head, argnums=(0, 1)), hidden, embedding, reps=args.reps),
     }
     step_gflops = step_flops / seconds["step fwd+bwd"] / 1e9
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), batch {args.batch} x {args.slots} slots")

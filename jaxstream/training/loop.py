@@ -125,18 +125,19 @@ def train(cfg: TrainConfig, corpus_dir: str, out_dir: str, *, eval_corpus_dir: s
     total_steps = steps or cfg.optimizer.total_steps
     optimizer = make_optimizer(dataclasses.replace(cfg.optimizer, total_steps=total_steps))
 
+    ctc_head = None
     if initial is not None:
         if initial.loaded.config != cfg.model:
             raise UserError(f"--init-from {init_from}: its architecture differs from the recipe's [model]: "
                             + ", ".join(_differences(initial.loaded.config, cfg.model)))
-        model = initial.loaded.model
+        model, ctc_head = initial.loaded.model, initial.ctc_head
     else:
         model = VoxtralRealtime(cfg.model, rngs=nnx.Rngs(cfg.seed))
-    if cfg.spelling_init and initial is None:
-        embed = model.language_model.embed_tokens
-        embed.embedding[...] = jnp.asarray(init_word_embeddings(np.asarray(embed.embedding[...]), tokenizer, cfg.seed))
+        if cfg.spelling_init:
+            embed = model.language_model.embed_tokens
+            embed.embedding[...] = jnp.asarray(init_word_embeddings(np.asarray(embed.embedding[...]), tokenizer,
+                                                                    cfg.seed))
     graphdef, params = nnx.split(model, nnx.Param)
-    ctc_head = initial.ctc_head if initial is not None else None
     weights = {"model": params, "ctc_head": init_ctc_head(cfg.model, cfg.seed) if ctc_head is None else ctc_head}
     opt_state = optimizer.init(weights)
     manager = ocp.CheckpointManager(paths.checkpoints, options=ocp.CheckpointManagerOptions(max_to_keep=3))
