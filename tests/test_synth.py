@@ -1,4 +1,5 @@
-"""Synthetic corpus generator: number words, espeak-ng word boundaries, layout, held-out split, CLI."""
+"""Synthetic corpus generator: number words, espeak-ng word boundaries, edited voices, layout, held-out split,
+CLI."""
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ from jaxstream.synth import (
     is_held_out_sentence, number_words, read_manifest, synthesize_words,
 )
 from jaxstream.synth.espeak import _run_espeak
+from jaxstream.synth.voices import random_voice_edits
 
 needs_espeak = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng not installed")
 
@@ -57,8 +59,27 @@ def test_word_segments_are_the_words_between_the_breaks():
 
 
 @needs_espeak
-def test_corpus_layout_and_exact_word_timings(tmp_path):
-    spec = CorpusSpec(num_utterances=4, seed=5, augment_strength=0.0, max_words=5)
+def test_edited_voice_is_the_base_voice_file_plus_the_edits():
+    # Oracle: espeak-ng's own variant. m3's file already says "pitch 80 122", so repeating that line must give
+    # m3's audio exactly (the private data directory is complete); changing it must not (the edit is applied,
+    # not silently replaced by a default voice, which is what espeak-ng does for an unknown variant name).
+    text = "<speak>seven<break time=\"600ms\"/>hundred</speak>"
+    base = _run_espeak(VoiceSpec("en-us", "m3"), text, ssml=True)
+    same = _run_espeak(VoiceSpec("en-us", "m3", edits=("pitch 80 122",)), text, ssml=True)
+    np.testing.assert_array_equal(same, base)
+    higher = _run_espeak(VoiceSpec("en-us", "m3", edits=("pitch 160 240",)), text, ssml=True)
+    assert higher.shape != base.shape or np.abs(higher - base).max() > 0.1
+    edits = random_voice_edits(np.random.default_rng(0))
+    assert edits == random_voice_edits(np.random.default_rng(0))
+    assert {line.split()[0] for line in edits} >= {"pitch", "consonants", "voicing"}
+    assert len(synthesize_words(["seven", "hundred"], VoiceSpec("en-us", "m3", edits=edits))) == 2
+
+
+@needs_espeak
+@pytest.mark.parametrize("voice_edit_fraction", [0.0, 1.0])
+def test_corpus_layout_and_exact_word_timings(tmp_path, voice_edit_fraction):
+    spec = CorpusSpec(num_utterances=4, seed=5, augment_strength=0.0, max_words=5,
+                      voice_edit_fraction=voice_edit_fraction)
     records = generate_corpus(os.fspath(tmp_path), spec)
     assert read_manifest(os.fspath(tmp_path)) == records
     for record in records:
@@ -80,14 +101,17 @@ def test_corpus_layout_and_exact_word_timings(tmp_path):
             assert np.abs(audio[start : start + 10]).max() > 0 and np.abs(audio[end - 10 : end]).max() > 0
         assert np.abs(audio[~inside]).max() < 1e-4  # FLAC is lossless; 16-bit rounding only
         assert record["voice"].split("+")[1] in TRAIN_VARIANTS
+        assert bool(record.get("voice_edits")) == bool(voice_edit_fraction)
 
 
 @needs_espeak
 def test_held_out_corpus_uses_only_held_out_sentences_and_voices(tmp_path):
-    records = generate_corpus(os.fspath(tmp_path), CorpusSpec(num_utterances=3, seed=1, held_out=True, max_words=4))
+    spec = CorpusSpec(num_utterances=3, seed=1, held_out=True, max_words=4, voice_edit_fraction=1.0)
+    records = generate_corpus(os.fspath(tmp_path), spec)
     for record in records:
         assert is_held_out_sentence(record["text"].split())
         assert record["voice"].split("+")[1] in HELD_OUT_VARIANTS
+        assert "voice_edits" not in record  # held-out voices are the variants' own files
 
 
 @needs_espeak
@@ -99,3 +123,4 @@ def test_synth_cli_writes_corpus_and_refuses_non_empty_output(tmp_path):
     lines = (out / "manifest.jsonl").read_text().splitlines()
     assert len(lines) == 2 and all(json.loads(line)["words"] for line in lines)
     assert main(["synth", os.fspath(out), "--num", "2"]) == 2
+    assert main(["synth", os.fspath(tmp_path / "other"), "--voice-edits", "1.5"]) == 2

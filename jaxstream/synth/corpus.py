@@ -3,8 +3,9 @@
 Layout under OUT: `<speaker>/<chapter>/<speaker>-<chapter>-<utt>.flac` (16 kHz mono) with one
 `<speaker>-<chapter>.trans.txt` per chapter (lines `ID UPPERCASE TRANSCRIPT`), and `manifest.jsonl`
 with one object per utterance: id, path (relative to OUT), text, words [{word, start, end}] in seconds,
-duration, voice, speed_wpm, pitch. Speaker = the voice variant, chapter = the accent. Every utterance
-is a pure function of (seed, index), so corpora are reproducible and can be generated in parallel.
+duration, voice, speed_wpm, pitch, and voice_edits when the variant's voice file was edited. Speaker = the
+voice variant, chapter = the accent. Every utterance is a pure function of (seed, index), so corpora are
+reproducible and can be generated in parallel.
 """
 import dataclasses
 import json
@@ -16,6 +17,7 @@ import numpy as np
 import soundfile
 
 from jaxstream.synth import augment as augmentation
+from jaxstream.synth import voices
 from jaxstream.synth.espeak import ACCENTS, HELD_OUT_VARIANTS, SAMPLING_RATE, TRAIN_VARIANTS, VoiceSpec, synthesize_words
 from jaxstream.synth.words import SentenceSampler
 
@@ -32,6 +34,11 @@ class CorpusSpec:
     augment_strength: float = 1.0
     speed_wpm: tuple[int, int] = (125, 200)
     pitch: tuple[int, int] = (25, 75)
+    voice_edit_fraction: float = 0.5  # share of utterances with an edited variant (synth/voices.py); never held out
+
+    @property
+    def edits_voices(self) -> bool:
+        return self.voice_edit_fraction > 0 and not self.held_out
 
 
 _SAMPLER: SentenceSampler | None = None
@@ -58,6 +65,9 @@ def make_utterance(spec: CorpusSpec, index: int) -> tuple[dict, np.ndarray]:
         accent=str(rng.choice(ACCENTS)), variant=str(rng.choice(variants)),
         speed_wpm=int(rng.integers(*spec.speed_wpm)), pitch=int(rng.integers(*spec.pitch)),
     )
+    edit_rng = np.random.default_rng([spec.seed, index, int(spec.held_out), 1])  # keeps `rng`'s draws as they were
+    if spec.edits_voices and edit_rng.random() < spec.voice_edit_fraction:
+        voice = dataclasses.replace(voice, edits=voices.random_voice_edits(edit_rng))
     words = _sampler(spec).sample_split(rng, spec.held_out)
     pieces = synthesize_words(words, voice)
     gap_scale = float(rng.uniform(0.03, 0.2))
@@ -79,6 +89,8 @@ def make_utterance(spec: CorpusSpec, index: int) -> tuple[dict, np.ndarray]:
         "duration": round(audio.size / SAMPLING_RATE, 4),
         "voice": voice.name, "speed_wpm": voice.speed_wpm, "pitch": voice.pitch,
     }
+    if voice.edits:
+        record["voice_edits"] = list(voice.edits)
     return record, audio
 
 
@@ -96,6 +108,8 @@ def generate_corpus(out_dir: str, spec: CorpusSpec, *, workers: int = 1, progres
     """Writes the corpus under `out_dir`; returns the manifest records (sorted by id)."""
     os.makedirs(out_dir, exist_ok=True)
     jobs = [(out_dir, spec, index) for index in range(spec.num_utterances)]
+    if spec.edits_voices:
+        voices.private_data_path()  # before forking, so every worker writes its variants into one folder
     if workers > 1:
         with multiprocessing.get_context("fork").Pool(workers) as pool:
             results = pool.imap_unordered(_write_one, jobs, chunksize=8)

@@ -6,6 +6,7 @@ joins the trimmed words with natural gaps of its own choosing, so every word's s
 the sample. Voices = an English accent (espeak-ng's `gmw` voices) + a voice variant (`!v` files) + speed
 and pitch; some variants are reserved for held-out sets and never used in training.
 """
+import contextlib
 import dataclasses
 import io
 import subprocess
@@ -13,6 +14,8 @@ import subprocess
 import numpy as np
 import soundfile
 import soxr
+
+from jaxstream.synth import voices
 
 SAMPLING_RATE = 16000
 ACCENTS = ("en-us", "en-gb", "en-gb-scotland", "en-gb-x-rp", "en-gb-x-gbclan", "en-gb-x-gbcwmd", "en-029",
@@ -37,6 +40,7 @@ class VoiceSpec:
     variant: str
     speed_wpm: int = 160
     pitch: int = 50
+    edits: tuple[str, ...] = ()  # voice-file lines appended to the variant's (synth/voices.py)
 
     @property
     def name(self) -> str:
@@ -44,13 +48,21 @@ class VoiceSpec:
 
 
 def _run_espeak(voice: VoiceSpec, text: str, ssml: bool) -> np.ndarray:
-    command = ["espeak-ng", "-v", voice.name, "-s", str(voice.speed_wpm), "-p", str(voice.pitch), "--stdout"]
-    if ssml:
-        command.append("-m")
-    try:
-        wav = subprocess.run(command + [text], check=True, capture_output=True).stdout
-    except FileNotFoundError as error:
-        raise RuntimeError("espeak-ng is not installed (Debian/Ubuntu: apt-get install espeak-ng)") from error
+    with contextlib.ExitStack() as stack:
+        name, path = voice.name, []
+        if voice.edits:
+            name = f"{voice.accent}+{stack.enter_context(voices.edited_variant(voice.variant, voice.edits))}"
+            path = [f"--path={voices.private_data_path()}"]
+        command = ["espeak-ng", *path, "-v", name, "-s", str(voice.speed_wpm), "-p", str(voice.pitch), "--stdout"]
+        if ssml:
+            command.append("-m")
+        try:
+            wav = subprocess.run(command + [text], check=True, capture_output=True).stdout
+        except FileNotFoundError as error:
+            raise RuntimeError(voices.NOT_INSTALLED) from error
+        except subprocess.CalledProcessError as error:
+            message = error.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {error.returncode}"]
+            raise RuntimeError(f"espeak-ng failed for voice {voice}: {message[0]}") from error
     audio, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
     return soxr.resample(audio, rate, SAMPLING_RATE).astype(np.float32)
 
