@@ -29,6 +29,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxstream.synth import CorpusSpec, generate_corpus
+    from jaxstream.synth.voices import NOT_INSTALLED
 
     if args.num < 1:
         raise UserError(f"--num must be at least 1, got {args.num}")
@@ -37,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.voice_edits <= 1:
         raise UserError(f"--voice-edits must be between 0 and 1, got {args.voice_edits}")
     if shutil.which("espeak-ng") is None:
-        raise UserError("espeak-ng is not installed (Debian/Ubuntu: apt-get install espeak-ng)")
+        raise UserError(NOT_INSTALLED)
     if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
         raise UserError(f"output {args.out} exists and is not an empty directory")
     spec = CorpusSpec(num_utterances=args.num, seed=args.seed, held_out=args.held_out, min_words=args.min_words,

@@ -4,8 +4,8 @@ espeak-ng's ~50 normal-voice variants span a narrow range of consonant strength,
 and the tiny model's worst held-out voice sits outside it (weak consonants + breath + high pitch: see
 MODEL_CARD.md). Each edited utterance appends settings to a copy of its base variant's file (later lines
 override earlier ones); each copy lives, for one espeak-ng call, in a private espeak-ng data directory made
-of links to the system's, passed to espeak-ng with `--path`. Held-out variants are never a base, so held-out voices
-stay unseen.
+of links to the system's, passed to espeak-ng with `--path`. Held-out variants are never a base, so held-out
+voices stay unseen.
 """
 import atexit
 import contextlib
@@ -21,7 +21,6 @@ import numpy as np
 
 _VARIANT_DIR = os.path.join("espeak-ng-data", "voices", "!v")
 NOT_INSTALLED = "espeak-ng is not installed (Debian/Ubuntu: apt-get install espeak-ng)"
-_data_path: str | None = None
 _serial = itertools.count()
 
 
@@ -59,24 +58,22 @@ def _system_data_dir() -> str:
     return version.split("Data at:")[1].strip()
 
 
+@functools.cache
 def private_data_path() -> str:
     """A process-wide espeak-ng `--path` whose data directory links to the system's, except for its own
     (initially empty) variant folder. Made once; workers forked after the first call share it."""
-    global _data_path
-    if _data_path is None:
-        system = _system_data_dir()
-        root = tempfile.mkdtemp(prefix="jaxstream-espeak-")
-        atexit.register(shutil.rmtree, root, ignore_errors=True)
-        data = os.path.join(root, "espeak-ng-data")
-        os.makedirs(os.path.join(root, _VARIANT_DIR))
-        for entry in os.listdir(system):
-            if entry != "voices":
-                os.symlink(os.path.join(system, entry), os.path.join(data, entry))
-        for entry in os.listdir(os.path.join(system, "voices")):
-            if entry != "!v":
-                os.symlink(os.path.join(system, "voices", entry), os.path.join(data, "voices", entry))
-        _data_path = root
-    return _data_path
+    system = _system_data_dir()
+    root = tempfile.mkdtemp(prefix="jaxstream-espeak-")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    data = os.path.join(root, "espeak-ng-data")
+    os.makedirs(os.path.join(root, _VARIANT_DIR))
+    for entry in os.listdir(system):
+        if entry != "voices":
+            os.symlink(os.path.join(system, entry), os.path.join(data, entry))
+    for entry in os.listdir(os.path.join(system, "voices")):
+        if entry != "!v":
+            os.symlink(os.path.join(system, "voices", entry), os.path.join(data, "voices", entry))
+    return root
 
 
 @contextlib.contextmanager
