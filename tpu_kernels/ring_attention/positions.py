@@ -20,12 +20,6 @@ def position_at(newest, ring, ring_index):
     return newest - back
 
 
-def ring_positions(lengths, ring):
-    """[S] lengths -> [S, R] stream position held by each ring index (negative = empty)."""
-    ring_index = jnp.arange(ring, dtype=jnp.int32)
-    return position_at((lengths - 1)[:, None], ring, ring_index[None, :])
-
-
 def attention_mask(query_pos, key_pos, key_valid, window):
     """[S, C] query positions, [S, K] key positions/validity -> [S, C, K] sliding-window causal mask."""
     q = query_pos[:, :, None]

@@ -48,6 +48,10 @@ CASES = {
     # page_size divides W = R; G = 8; L = W, W + 1, L >> W and an idle long session.
     "paged_decode_gqa8": Case(lengths=(0, 5, 32, 33, 250), num_new=(1, 1, 1, 1, 0), chunk=1, window=32,
                               page_size=16, group=8, head_dim=128, num_kv_heads=1),
+    # A training-sized chunk (C > 2 x the XLA path's query block, ending in a partial block) after a short
+    # history, a long one, a fresh stream and a padded tail; W = 40 with pages of 16 (R = 48).
+    "long_chunk_blocks": Case(lengths=(0, 17, 130, 9), num_new=(150, 150, 150, 100), chunk=150, window=40,
+                              page_size=16, group=2, head_dim=64),
     # W = 24 with pages of 16 (R = 32): chunks of 4 crossing the wrap (30..33, 31..33), a page boundary.
     # An explicit softmax scale.
     "paged_chunk_gqa4": Case(lengths=(2, 30, 31, 64), num_new=(4, 4, 3, 4), chunk=4, window=24, page_size=16,
