@@ -124,3 +124,24 @@ def test_synth_cli_writes_corpus_and_refuses_non_empty_output(tmp_path):
     assert len(lines) == 2 and all(json.loads(line)["words"] for line in lines)
     assert main(["synth", os.fspath(out), "--num", "2"]) == 2
     assert main(["synth", os.fspath(tmp_path / "other"), "--voice-edits", "1.5"]) == 2
+
+
+def test_synth_cli_explains_an_espeak_ng_without_a_data_directory(tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    from jaxstream.cli import main
+    from jaxstream.synth import voices
+
+    class Printed:
+        stdout = "eSpeak NG text-to-speech: 1.51  (no data line)\n"
+
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: Printed())
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/" + name)
+    voices.system_data_dir.cache_clear()
+    try:
+        assert main(["synth", os.fspath(tmp_path / "out"), "--num", "1", "--voice-edits", "0.5"]) == 2
+    finally:
+        voices.system_data_dir.cache_clear()
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and "voices/!v" in error and "no data line" in error
+

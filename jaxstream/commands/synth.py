@@ -29,7 +29,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxstream.synth import CorpusSpec, generate_corpus
-    from jaxstream.synth.voices import NOT_INSTALLED
+    from jaxstream.synth.voices import NOT_INSTALLED, system_data_dir
 
     if args.num < 1:
         raise UserError(f"--num must be at least 1, got {args.num}")
@@ -39,6 +39,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--voice-edits must be between 0 and 1, got {args.voice_edits}")
     if shutil.which("espeak-ng") is None:
         raise UserError(NOT_INSTALLED)
+    if args.voice_edits and not args.held_out:
+        try:
+            system_data_dir()  # edited voices are written beside a copy of it
+        except RuntimeError as error:
+            raise UserError(str(error)) from error
     if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
         raise UserError(f"output {args.out} exists and is not an empty directory")
     spec = CorpusSpec(num_utterances=args.num, seed=args.seed, held_out=args.held_out, min_words=args.min_words,

@@ -50,19 +50,24 @@ def random_voice_edits(rng: np.random.Generator) -> tuple[str, ...]:
 
 
 @functools.cache
-def _system_data_dir() -> str:
+def system_data_dir() -> str:
+    """espeak-ng's own data directory, from the "Data at: DIR" line of `espeak-ng --version`."""
     try:
         version = subprocess.run(["espeak-ng", "--version"], check=True, capture_output=True, text=True).stdout
     except FileNotFoundError as error:
         raise RuntimeError(NOT_INSTALLED) from error
-    return version.split("Data at:")[1].strip()
+    directory = version.partition("Data at:")[2].strip()
+    if not directory or not os.path.isdir(os.path.join(directory, "voices", "!v")):
+        raise RuntimeError(f"cannot find espeak-ng's voice variants (voices/!v) in the data directory that "
+                           f"`espeak-ng --version` names: it printed {version.strip()!r}")
+    return directory
 
 
 @functools.cache
 def private_data_path() -> str:
     """A process-wide espeak-ng `--path` whose data directory links to the system's, except for its own
     (initially empty) variant folder. Made once; workers forked after the first call share it."""
-    system = _system_data_dir()
+    system = system_data_dir()
     root = tempfile.mkdtemp(prefix="jaxstream-espeak-")
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     data = os.path.join(root, "espeak-ng-data")
@@ -80,7 +85,7 @@ def private_data_path() -> str:
 def edited_variant(base: str, edits: tuple[str, ...]) -> Iterator[str]:
     """The name of a variant file = `base`'s file + `edits`, present in the private data directory while the
     context lasts: espeak-ng lists every voice file at start-up and stops at 350."""
-    with open(os.path.join(_system_data_dir(), "voices", "!v", base)) as f:
+    with open(os.path.join(system_data_dir(), "voices", "!v", base)) as f:
         text = f.read().rstrip("\n") + "\n" + "\n".join(edits) + "\n"
     name = f"jx{os.getpid()}-{next(_serial)}"  # short: espeak-ng overflows a buffer on long voice names
     path = os.path.join(private_data_path(), _VARIANT_DIR, name)
