@@ -144,4 +144,3 @@ def test_synth_cli_explains_an_espeak_ng_without_a_data_directory(tmp_path, monk
         voices.system_data_dir.cache_clear()
     error = capsys.readouterr().err.strip()
     assert error.count("\n") == 0 and "voices/!v" in error and "no data line" in error
-

@@ -3,10 +3,10 @@ generated held-out set (sentences and espeak-ng voice variants never used in tra
 
 Documented bounds, from the model card (models/assets/tiny/MODEL_CARD.md): on 300 held-out utterances the
 shipped checkpoint scores WER 0.10 / CER 0.05 at its default 480 ms delay, and on this test's 8 utterances
-(seed 2024) WER 0.075 / CER 0.027; the two previous checkpoints scored 0.10 / 0.05 and 0.45 / 0.24 here and
-an untrained model of the same shape ~10.9 / ~7.7. The bounds leave about 20 points for synthesizer differences across machines
-and still catch a broken or regressed checkpoint, loader, front end or decoding loop; tighten them as the
-model improves (the project's target is WER <= 0.10).
+(seed 2024) WER 0.075 / CER 0.027; the two previous checkpoints scored 0.10 / 0.05 and 0.45 / 0.24 here and an
+untrained model of the same shape ~10.9 / ~7.7. The bounds leave about 20 points for synthesizer differences
+across machines and still catch a broken or regressed checkpoint, loader, front end or decoding loop; tighten
+them as the model improves (the project's target is WER <= 0.10).
 """
 import json
 import os
