@@ -2,6 +2,7 @@
 
     python benchmarks/train_step.py                      # the tiny recipe, batch 16 x 112 slots
     python benchmarks/train_step.py --config configs/tiny.toml --batch 16 --slots 112 --json out.json
+    python benchmarks/train_step.py --profile 40         # also: where the step's thread time goes
 
 Times (median of --reps after a warm-up) the jitted forward+backward of: the whole step's loss
 (`stream_loss` with the recipe's auxiliary weights), the encoder alone (conv stem + transformer), one
@@ -9,10 +10,17 @@ encoder layer's ring attention, and one tied-head cross entropy; reports XLA's F
 step and the achieved GFLOP/s as a fraction of a square f32 matmul's on the same device. On the 2-core CPU
 the tiny recipe's step runs at about a quarter of matmul speed, three quarters of it in the encoder (its
 attention and the elementwise work at width 128): run this before and after changing the model code or the
-recipe's shapes.
+recipe's shapes. `--profile N` traces a few steps with the JAX profiler and lists the N costliest groups of
+XLA thunks, each named by the JAX operation it came from (`transpose(jvp(...))` is the backward pass) and its
+output shape, in milliseconds of thread time per step.
 """
 import argparse
+import collections
+import glob
+import gzip
 import json
+import re
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +45,30 @@ def timed_jit(function, *args, reps):
     return timed(lambda: jitted(*args), reps)
 
 
+def thread_time_by_operation(jitted, args, reps=3) -> collections.Counter:
+    """Thread milliseconds per call of each (JAX operation, output shape) in a jitted function's compiled
+    module, from a profiler trace of `reps` calls joined to the module's HLO metadata."""
+    operations = {}
+    for line in jitted.lower(*args).compile().as_text().splitlines():
+        found = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+) .*op_name=\"([^\"]*)\"", line)
+        if found:
+            operations[found.group(1)] = (found.group(3), found.group(2))
+    jax.block_until_ready(jitted(*args))
+    totals = collections.Counter()
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(reps):
+                jax.block_until_ready(jitted(*args))
+        (path,) = glob.glob(f"{trace_dir}/plugins/profile/*/*.trace.json.gz")
+        with gzip.open(path) as f:
+            events = json.load(f)["traceEvents"]
+    for event in events:
+        name = event.get("args", {}).get("hlo_op")
+        if event.get("ph") == "X" and name and not event["name"].startswith("ThunkExecutor"):
+            totals[operations.get(name, ("(no JAX operation) " + name, ""))] += event["dur"] / 1000 / reps
+    return totals
+
+
 def random_batch(rng, model_cfg, batch, slots, n_delay):
     """A training batch of the recipe's shapes (random features and tokens: the cost does not depend on them)."""
     rest = slots - SHARED_PREFIX_SLOTS
@@ -59,6 +91,8 @@ def main(argv=None):
     parser.add_argument("--slots", type=int, default=112, help="stream slots per row (80 ms each)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also list the N costliest operations of the step by thread time")
     args = parser.parse_args(argv)
 
     cfg = load_train_config(args.config)
@@ -113,6 +147,11 @@ def main(argv=None):
         print(f"{name:32s} {1000 * value:9.1f} ms  ({100 * value / seconds['step fwd+bwd']:5.1f} % of the step)")
     print(f"step: {step_flops / 1e9:.1f} GFLOP at {step_gflops:.1f} GFLOP/s = "
           f"{100 * step_gflops / matmul_gflops:.1f} % of a {n}x{n} f32 matmul ({matmul_gflops:.1f} GFLOP/s)")
+    if args.profile:
+        by_operation = thread_time_by_operation(jax.jit(jax.grad(loss)), (weights,))
+        print(f"thread time per step: {sum(by_operation.values()):.1f} ms, the costliest operations:")
+        for (operation, shape), ms in by_operation.most_common(args.profile):
+            print(f"{ms:8.1f} ms  {operation.removeprefix('jit(loss)/')}  {shape}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": jax.devices()[0].device_kind, "batch": args.batch, "slots": args.slots,
