@@ -88,11 +88,8 @@ def apply_rope(x, cos, sin):
     """Rotates x [S, C, H, hd] by per-position (cos, sin) [S, C, hd] (HF `rotate_half` convention)."""
     cos = cos[:, :, None, :].astype(x.dtype)
     sin = sin[:, :, None, :].astype(x.dtype)
-    # rotate_half(x) = [-x2, x1] as a reversal of the (x1, x2) axis times (-1, +1): the same values as slicing
-    # and concatenating, but its backward is another reversal where the concatenation's is two pads (5 % of
-    # the tiny model's CPU train step, `benchmarks/train_step.py --profile`).
-    halves = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
-    rotated = (jnp.flip(halves, axis=-2) * jnp.array([[-1], [1]], x.dtype)).reshape(x.shape)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
 
 
