@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxstream.tpu_kernels.ring_attention import positions
 
@@ -53,8 +54,13 @@ def ring_attention_xla(q, k_new, v_new, k_pages, v_pages, page_table, lengths, n
     return out, k_pages, v_pages
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _masked_attention(qg, keys, values, mask, scale):
     """qg [S, Hkv, G, Cb, D], keys/values [S, Hkv, K, D], mask [S, Cb, K] -> f32 [S, Hkv, G, Cb, D]."""
+    return _masked_attention_forward(qg, keys, values, mask, scale)[0]
+
+
+def _masked_attention_forward(qg, keys, values, mask, scale):
     scores = jnp.einsum("shgcd,shkd->shgck", qg, keys, preferred_element_type=jnp.float32) * scale
     # A finite fill and jax.nn.softmax: on CPU the forward+backward of -inf fills plus a hand-written
     # max/exp/sum took 1.9x as long (0.156 vs 0.083 s for the tiny encoder's shapes), and training runs
@@ -63,7 +69,26 @@ def _masked_attention(qg, keys, values, mask, scale):
     probs = jax.nn.softmax(scores, axis=-1)
     # A query with no valid key (padding rows, empty sessions) outputs zeros, not the mean of stale values.
     probs = jnp.where(mask.any(axis=-1)[:, None, None, :, None], probs, 0.0)
-    return jnp.einsum("shgck,shkd->shgcd", probs, values.astype(jnp.float32))
+    out = jnp.einsum("shgck,shkd->shgcd", probs, values.astype(jnp.float32))
+    return out, (qg, keys, values, mask, probs, out)
+
+
+def _masked_attention_backward(scale, residuals, d_out):
+    """The softmax backward as FlashAttention writes it: sum_k P dP = dO . O, a row sum over the head dim
+    instead of over the keys, and no masking (masked probabilities are exactly 0). Training runs through
+    this: one tiny-model encoder attention's forward+backward takes 58 ms instead of autodiff's 67 (2-core
+    CPU, batch 16 x 324 frames, medians of 20 alternated calls)."""
+    qg, keys, values, mask, probs, out = residuals
+    d_values = jnp.einsum("shgck,shgcd->shkd", probs, d_out)
+    d_probs = jnp.einsum("shgcd,shkd->shgck", d_out, values.astype(jnp.float32))
+    d_scores = probs * (d_probs - jnp.sum(d_out * out, axis=-1, keepdims=True)) * scale
+    d_qg = jnp.einsum("shgck,shkd->shgcd", d_scores, keys.astype(jnp.float32))
+    d_keys = jnp.einsum("shgck,shgcd->shkd", d_scores, qg.astype(jnp.float32))
+    return (d_qg.astype(qg.dtype), d_keys.astype(keys.dtype), d_values.astype(values.dtype),
+            np.zeros(mask.shape, jax.dtypes.float0))
+
+
+_masked_attention.defvjp(_masked_attention_forward, _masked_attention_backward)
 
 
 def write_new_entries(k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, *, after):
