@@ -54,27 +54,3 @@ def test_transcribe_bad_audio_is_one_line_error(tmp_path, capsys):
         assert message in err and str(path) in err and len(err.strip().splitlines()) == 1
     assert cli.main(["transcribe", str(not_audio), "--delay-ms", "100"]) == 2
     assert "--delay-ms 100" in capsys.readouterr().err
-
-
-
-def test_commands_run_with_single_threaded_blas(monkeypatch):
-    """numpy's BLAS threads would fight XLA's for the cores (the host front end's filterbank product): every
-    command runs with BLAS limited to one thread, and the limit is lifted afterwards."""
-    import argparse
-
-    from threadpoolctl import threadpool_info
-
-    def blas_threads():
-        return {pool["num_threads"] for pool in threadpool_info() if pool["user_api"] == "blas"}
-
-    seen = []
-
-    def probe_parser():
-        parser = argparse.ArgumentParser()
-        parser.set_defaults(command="probe", func=lambda args: seen.append(blas_threads()))
-        return parser
-
-    monkeypatch.setattr(cli, "build_parser", probe_parser)
-    before = blas_threads()
-    assert cli.main([]) == 0
-    assert seen == [{1}] and blas_threads() == before
