@@ -6,11 +6,11 @@
 Runs the recipe's jitted train step on the background `BatchStream` as `jaxstream train` does, in alternating
 blocks of steps: numpy's BLAS (the host front end's mel filterbank product, in the loader thread) limited to
 one thread, then at its default thread count, and so on. Reports the median wall seconds per step in each
-setting, the wait for the batch included and the steps that compile a new length bucket left out. A block's
-first batches were built under the previous setting (the loader prefetches four). Compare the two settings
-only within one run: this machine drifts. On the 2-core CPU (tiny recipe, 3 x 40 steps each): 713 ms per
-step with one BLAS thread against 794 ms with OpenBLAS's default two, which is why `jaxstream` commands run
-with one.
+setting, the wait for the batch included and the steps that compile new batch shapes (a length bucket, a label
+width) left out. A block's first batches were built under the previous setting (the loader prefetches four).
+Compare the two settings only within one run: this machine drifts. On the 2-core CPU (tiny recipe, 3 x 40
+steps each): 713 ms per step with one BLAS thread against 794 ms with OpenBLAS's default two, which is why
+`jaxstream` commands run with one.
 """
 import argparse
 import contextlib
@@ -53,7 +53,7 @@ def main(argv=None):
     stream = BatchStream(args.corpus, read_manifest(args.corpus), tokenizer, batch_size=cfg.batch_size,
                          delays_slots=delays, seed=cfg.seed)
 
-    compiled = set()  # a step that compiles a new length bucket is left out of the timings
+    compiled = set()  # a step that compiles new batch shapes is left out of the timings
     settings = {"BLAS on 1 thread": lambda: threadpool_limits(limits=1, user_api="blas"),
                 "BLAS default": contextlib.nullcontext}
     seconds = {name: [] for name in settings}
@@ -64,9 +64,10 @@ def main(argv=None):
                     began = time.perf_counter()
                     batch = next(stream)
                     weights, opt_state, _ = jax.block_until_ready(train_step(weights, opt_state, batch))
-                    if batch.tokens.shape[1] in compiled:
+                    shapes = tuple(array.shape for array in batch)  # slots and the CTC labels' width
+                    if shapes in compiled:
                         seconds[name].append(time.perf_counter() - began)
-                    compiled.add(batch.tokens.shape[1])
+                    compiled.add(shapes)
     stream.close()
     print(f"{jax.devices()[0].device_kind}, batch {cfg.batch_size}, {args.blocks} x {args.block} steps per setting")
     for name in settings:
