@@ -57,10 +57,10 @@ MEL_FILTERS = _mel_filters()  # [201, 128]
 _WINDOW = 0.5 - 0.5 * np.cos(2.0 * np.pi * np.arange(WINDOW_SIZE) / WINDOW_SIZE)
 
 
-def _frames_to_log_mel(frames: np.ndarray) -> np.ndarray:
+def _frames_to_log_mel(frames: np.ndarray, mel_filters: np.ndarray) -> np.ndarray:
     """[n, 400] windows of samples -> [n, 128] float32 normalised log-mel rows."""
     power = np.abs(np.fft.rfft(frames * _WINDOW, n=WINDOW_SIZE, axis=-1)) ** 2
-    log_spec = np.log10(np.maximum(power @ MEL_FILTERS, 1e-10))
+    log_spec = np.log10(np.maximum(power @ mel_filters, 1e-10))
     log_spec = np.maximum(log_spec, GLOBAL_LOG_MEL_MAX - 8.0)
     return ((log_spec + 4.0) / 4.0).astype(np.float32)
 
@@ -94,10 +94,11 @@ def _check_rate(sampling_rate: int) -> None:
         )
 
 
-def log_mel(audio, sampling_rate: int = SAMPLING_RATE) -> np.ndarray:
+def log_mel(audio, sampling_rate: int = SAMPLING_RATE, *, mel_filters: np.ndarray = MEL_FILTERS) -> np.ndarray:
     """Log-mel features of already padded 16 kHz audio: `[len(audio) // 160, 128]` float32, time-major.
 
     Equals transformers' `VoxtralRealtimeFeatureExtractor()(audio, center=True)["input_features"][0].T`.
+    `mel_filters` [201, 128] replaces the filterbank (training's frequency warping passes a warped one).
     """
     _check_rate(sampling_rate)
     samples = _check_pcm(audio)
@@ -109,7 +110,7 @@ def log_mel(audio, sampling_rate: int = SAMPLING_RATE) -> np.ndarray:
     for first in range(0, num_frames, _FRAMES_PER_BLOCK):
         count = min(_FRAMES_PER_BLOCK, num_frames - first)
         block = samples[first * HOP_LENGTH : (first + count - 1) * HOP_LENGTH + WINDOW_SIZE]
-        features[first : first + count] = _frames_to_log_mel(_hop_windows(block, count))
+        features[first : first + count] = _frames_to_log_mel(_hop_windows(block, count), mel_filters)
     return features
 
 
@@ -269,7 +270,7 @@ class StreamingLogMel:
             return np.zeros((0, MEL_FRAMES_PER_SLOT, NUM_MEL_BINS), np.float32)
         first = self._offset + self.slots_taken * SAMPLES_PER_SLOT - _HALF_WINDOW - self._start
         last = first + count * SAMPLES_PER_SLOT + 2 * _HALF_WINDOW - HOP_LENGTH
-        features = _frames_to_log_mel(_hop_windows(self._buffer[first:last], count * MEL_FRAMES_PER_SLOT))
+        features = _frames_to_log_mel(_hop_windows(self._buffer[first:last], count * MEL_FRAMES_PER_SLOT), MEL_FILTERS)
         self.slots_taken += count
         # Release the samples only the taken slots read (the next slot starts reading 200 samples early).
         released = self.slots_taken * SAMPLES_PER_SLOT - _HALF_WINDOW - self._start

@@ -7,7 +7,7 @@ import pytest
 import soundfile
 
 from jaxstream.errors import UserError
-from jaxstream.evaluation import WordTime, detect_layout, parse_shard, read_corpus, select_utterances
+from jaxstream.evaluation import WordTiming, detect_layout, parse_shard, read_corpus, select_utterances
 
 RATE = 16000
 
@@ -59,7 +59,7 @@ def test_jsonl_manifest_with_word_times(tmp_path):
             str(tmp_path / "audio" / "a.wav"), str(tmp_path / "audio" / "a.wav"), "", "7")
         assert (second.id, second.audio, second.speaker, second.duration) == (
             "b", str(tmp_path / "audio" / "b.wav"), "s1", 0.2)
-        assert second.words == tuple(WordTime(w["word"], w["start"], w["end"]) for w in records[0]["words"])
+        assert second.words == tuple(WordTiming(w["word"], w["start"], w["end"]) for w in records[0]["words"])
 
 
 @pytest.mark.parametrize("suffix,delimiter", [(".csv", ","), (".tsv", "\t")])
@@ -76,7 +76,7 @@ def test_csv_and_tsv_manifests(tmp_path, suffix, delimiter):
     assert corpus.layout == "manifest"
     assert _expected(corpus.utterances) == [("x1.flac", str(tmp_path / "x1.flac"), 'say "yes", then no', "a"),
                                             ("x2.flac", str(tmp_path / "x2.flac"), "second one", None)]
-    assert corpus.utterances[0].words == (WordTime("say", 0.0, 0.1),)
+    assert corpus.utterances[0].words == (WordTiming("say", 0.0, 0.1),)
     assert corpus.utterances[1].words is None
 
 

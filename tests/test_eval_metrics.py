@@ -6,7 +6,7 @@ from whisper_normalizer.basic import BasicTextNormalizer
 from whisper_normalizer.english import EnglishTextNormalizer
 
 from jaxstream.errors import UserError
-from jaxstream.evaluation import Corpus, Evaluation, RunOptions, Utterance, UtteranceResult, WordTime, summarize
+from jaxstream.evaluation import Corpus, Evaluation, RunOptions, Utterance, UtteranceResult, WordTiming, summarize
 from jaxstream.evaluation.metrics import (
     emitted_words, make_normalizer, score, speaker_breakdown, word_emission_latencies,
 )
@@ -72,8 +72,8 @@ def test_emitted_words_take_the_time_of_their_last_piece():
 
 
 def test_word_latency_pairs_only_matching_words():
-    reference = [WordTime("the", 0.1, 0.3), WordTime("cat", 0.4, 0.7), WordTime("sat", 0.8, 1.0),
-                 WordTime("on", 1.1, 1.2), WordTime("the", 1.3, 1.4), WordTime("mat", 1.5, 1.9)]
+    reference = [WordTiming("the", 0.1, 0.3), WordTiming("cat", 0.4, 0.7), WordTiming("sat", 0.8, 1.0),
+                 WordTiming("on", 1.1, 1.2), WordTiming("the", 1.3, 1.4), WordTiming("mat", 1.5, 1.9)]
     # "sat" is substituted by "sang", "really" is inserted; case and punctuation do not matter.
     emitted = [("The", 0.9), ("cat,", 1.1), ("sang", 1.5), ("really", 1.6), ("on", 1.7), ("THE", 1.9), ("mat.", 2.4)]
     matched = {0: 0, 1: 1, 3: 4, 4: 5, 5: 6}  # reference index -> emitted index, by construction

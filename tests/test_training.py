@@ -267,7 +267,7 @@ def test_train_resumes_and_exports_a_loadable_model(corpus, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_init_from_starts_from_the_models_weights_and_tokenizer(corpus, tmp_path):
+def test_init_from_starts_from_the_models_weights_and_tokenizer(corpus, tmp_path, monkeypatch):
     from jaxstream.errors import UserError
     from jaxstream.models.loading import load_model
     from jaxstream.training import load_train_config, train
@@ -278,9 +278,11 @@ def test_init_from_starts_from_the_models_weights_and_tokenizer(corpus, tmp_path
     source = tmp_path / "stage1"
     train(cfg, corpus_dir, os.fspath(source), steps=2, progress=False)  # step 1 runs at the warmup's lr of 0
     # At a zero learning rate AdamW moves nothing: the fine-tuned run must hold the source's weights, bit for
-    # bit: the exported model's from a model directory, and the CTC head's too from a run directory.
+    # bit: the exported model's from a model directory, and the CTC head's too from a run directory (named
+    # relative to the working directory: Orbax restores only from absolute paths).
     frozen = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, learning_rate=0.0))
-    for name, init_from in (("from_model", source / "model"), ("from_run", source)):
+    monkeypatch.chdir(tmp_path)
+    for name, init_from in (("from_model", source / "model"), ("from_run", "stage1")):
         train(frozen, corpus_dir, os.fspath(tmp_path / name), steps=1, init_from=os.fspath(init_from),
               progress=False)
         assert (tmp_path / name / "tokenizer.model").read_bytes() == (source / "tokenizer.model").read_bytes()
@@ -331,6 +333,31 @@ def test_recipe_rejects_an_unknown_tokenizer_model_type(tmp_path):
     (tmp_path / "bad.toml").write_text(TINY_TOML.replace('model_type = "word"', 'model_type = "chars"'))
     with pytest.raises(ValueError, match=r"\[tokenizer\] model_type must be one of"):
         load_train_config(tmp_path / "bad.toml")
+
+
+def test_vtlp_range_warps_every_training_example(corpus, tokenizer, tmp_path):
+    from jaxstream.training import load_train_config
+    from jaxstream.training.vtlp import warped_mel_filters
+
+    (tmp_path / "vtlp.toml").write_text(TINY_TOML + "vtlp_range = [0.9, 0.9]\n")
+    assert load_train_config(tmp_path / "vtlp.toml").vtlp_range == (0.9, 0.9)
+    (tmp_path / "bad.toml").write_text(TINY_TOML + "vtlp_range = [1.1, 0.9]\n")
+    with pytest.raises(ValueError, match=r"\[train\] vtlp_range must be \[low, high\]"):
+        load_train_config(tmp_path / "bad.toml")
+
+    corpus_dir, records = corpus
+    batches = {}
+    for name, vtlp_range in (("plain", None), ("warped", (0.9, 0.9))):
+        stream = data.BatchStream(corpus_dir, records[:1], tokenizer, batch_size=2, delays_slots=(6,), seed=3,
+                                  vtlp_range=vtlp_range)
+        batches[name] = next(stream)
+        stream.close()
+    example = data.load_example(corpus_dir, records[0], tokenizer, 6, mel_filters=warped_mel_filters(0.9))
+    frames = example.mel.shape[0]
+    for row in range(2):
+        np.testing.assert_array_equal(batches["warped"].mel[row, :frames], example.mel)
+        np.testing.assert_array_equal(batches["warped"].tokens[row], batches["plain"].tokens[row])
+    assert not np.array_equal(batches["warped"].mel, batches["plain"].mel)
 
 
 def test_word_error_rate_normalises_like_the_open_asr_leaderboard():

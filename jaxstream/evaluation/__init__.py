@@ -4,7 +4,7 @@
 the engine's realtime sessions; `write_reports` / `format_table` present the results.
 """
 from jaxstream.evaluation.corpora import (
-    LAYOUTS, Corpus, Utterance, WordTime, detect_layout, parse_shard, read_corpus, select_utterances,
+    LAYOUTS, Corpus, Utterance, WordTiming, detect_layout, parse_shard, read_corpus, select_utterances,
 )
 from jaxstream.evaluation.metrics import NORMALIZERS, UtteranceResult, make_normalizer, summarize
 from jaxstream.evaluation.reports import (
@@ -14,7 +14,7 @@ from jaxstream.evaluation.runner import Evaluation, RunOptions, StreamRecord, ru
 
 __all__ = [
     "LAYOUTS", "NORMALIZERS", "SCHEMA", "Corpus", "Evaluation", "RunOptions", "StreamRecord", "Utterance",
-    "UtteranceResult", "WordTime", "detect_layout", "format_csv", "format_markdown", "format_table", "load_report", "make_normalizer",
-    "merge_reports", "parse_shard", "read_corpus", "run_evaluation", "select_utterances", "stream_audio",
-    "summarize", "write_reports",
+    "UtteranceResult", "WordTiming", "detect_layout", "format_csv", "format_markdown", "format_table",
+    "load_report", "make_normalizer", "merge_reports", "parse_shard", "read_corpus", "run_evaluation",
+    "select_utterances", "stream_audio", "summarize", "write_reports",
 ]

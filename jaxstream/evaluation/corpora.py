@@ -28,6 +28,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from jaxstream.engine.transcription import WordTiming
 from jaxstream.errors import UserError
 
 LAYOUTS = ("librispeech", "manifest", "commonvoice", "fleurs", "folder")
@@ -43,22 +44,13 @@ _COMMONVOICE_COLUMNS = {"path", "sentence"}
 
 
 @dataclasses.dataclass(frozen=True)
-class WordTime:
-    """A reference word and where it is spoken, in seconds from the start of the audio."""
-
-    word: str
-    start: float
-    end: float
-
-
-@dataclasses.dataclass(frozen=True)
 class Utterance:
     id: str
     audio: str  # path to the audio file
     text: str  # the reference transcript, as the corpus gives it
     speaker: str | None = None
     duration: float | None = None
-    words: tuple[WordTime, ...] | None = None
+    words: tuple[WordTiming, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,12 +204,12 @@ def _manifest_utterance(manifest: Path, line_number: int, row) -> Utterance:
                      duration, words)
 
 
-def _parse_words(value) -> tuple[WordTime, ...] | None:
+def _parse_words(value) -> tuple[WordTiming, ...] | None:
     if value in (None, ""):
         return None
     if isinstance(value, str):
         value = json.loads(value)
-    return tuple(WordTime(str(w["word"]), float(w["start"]), float(w["end"])) for w in value)
+    return tuple(WordTiming(str(w["word"]), float(w["start"]), float(w["end"])) for w in value)
 
 
 def _read_commonvoice(root: Path):

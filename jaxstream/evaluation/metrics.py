@@ -140,7 +140,7 @@ def emitted_words(deltas: Iterable[tuple[str, float]]) -> list[tuple[str, float]
 def word_emission_latencies(reference_words, emitted: list[tuple[str, float]]) -> list[float]:
     """Emission time - reference end time (seconds) of every hypothesis word that matches a reference word.
 
-    `reference_words` are `WordTime`s. Words are matched after lowercasing and dropping punctuation, in
+    `reference_words` are `WordTiming`s. Words are matched after lowercasing and dropping punctuation, in
     a minimum-edit word alignment, so repeated words pair with the right occurrence.
     """
     import jiwer

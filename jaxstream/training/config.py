@@ -24,6 +24,9 @@ class TrainConfig:
     seed: int = 0
     # Start whole-word embedding rows from their spelling (`jaxstream/training/spelling.py`).
     spelling_init: bool = False
+    # (low, high): warp each training utterance's frequency axis by a factor drawn from this range
+    # (`jaxstream/training/vtlp.py`); empty for no warping.
+    vtlp_range: tuple[float, ...] = ()
 
 
 def load_train_config(path: str | Path) -> TrainConfig:
@@ -42,6 +45,10 @@ def load_train_config(path: str | Path) -> TrainConfig:
     model_type = str(tokenizer.get("model_type", "bpe"))
     if model_type not in MODEL_TYPES:
         raise ValueError(f"[tokenizer] model_type must be one of {MODEL_TYPES}, got {model_type!r}")
+    vtlp_range = train.get("vtlp_range", ())
+    if vtlp_range and not (len(vtlp_range) == 2 and 0.5 <= vtlp_range[0] <= vtlp_range[1] <= 2.0):
+        raise ValueError(f"[train] vtlp_range must be [low, high] with 0.5 <= low <= high <= 2.0, "
+                         f"got {list(vtlp_range)}")
     return TrainConfig(model=voxtral, optimizer=optimizer, spm_vocab_size=spm_vocab_size, spm_model_type=model_type,
                        **train)
 

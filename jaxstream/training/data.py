@@ -17,7 +17,7 @@ import soundfile
 
 from jaxstream.models import audio as front_end
 from jaxstream.models.tokenizers import Tokenizer
-from jaxstream.training import targets
+from jaxstream.training import targets, vtlp
 
 SHARED_PREFIX_SLOTS = front_end.N_LEFT_PAD_TOKENS - 1
 # Classes of the auxiliary character CTC: 0 is the blank, then these characters (space between words).
@@ -51,9 +51,10 @@ def word_pieces(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
     return [tokenizer.encode(word) for word in words]
 
 
-def load_example(corpus_dir: str, record: dict, tokenizer: Tokenizer, n_delay: int, *, cut_tail: bool = True
-                 ) -> Example:
-    """One utterance at one delay as an `Example` (T = its stream's slots, cut after the last piece)."""
+def load_example(corpus_dir: str, record: dict, tokenizer: Tokenizer, n_delay: int, *, cut_tail: bool = True,
+                 mel_filters: np.ndarray = front_end.MEL_FILTERS) -> Example:
+    """One utterance at one delay as an `Example` (T = its stream's slots, cut after the last piece);
+    `mel_filters` replaces the front end's filterbank (a VTLP-warped one, `training/vtlp.py`)."""
     audio, rate = soundfile.read(os.path.join(corpus_dir, record["path"]), dtype="float32")
     if rate != front_end.SAMPLING_RATE:
         raise ValueError(f"{record['path']}: expected {front_end.SAMPLING_RATE} Hz audio, got {rate}")
@@ -67,7 +68,8 @@ def load_example(corpus_dir: str, record: dict, tokenizer: Tokenizer, n_delay: i
     # Start two hops before slot 31 so its first frame's window (200 samples each side) lies in the slice.
     lead_frames = 2
     start = SHARED_PREFIX_SLOTS * front_end.SAMPLES_PER_SLOT - lead_frames * front_end.HOP_LENGTH
-    mel = front_end.log_mel(padded[start : num_slots * front_end.SAMPLES_PER_SLOT + front_end.WINDOW_SIZE])
+    mel = front_end.log_mel(padded[start : num_slots * front_end.SAMPLES_PER_SLOT + front_end.WINDOW_SIZE],
+                            mel_filters=mel_filters)
     mel = mel[lead_frames : lead_frames + (num_slots - SHARED_PREFIX_SLOTS) * front_end.MEL_FRAMES_PER_SLOT]
     return Example(mel, tokens[:num_slots], targets.loss_mask(num_slots, n_delay), record["text"])
 
@@ -117,13 +119,15 @@ class BatchStream:
     """An endless stream of training batches, built in a background thread (numpy/FFT release the GIL).
 
     Each batch draws one length bucket (proportionally to its size), then `batch_size` utterances of it,
-    each at a delay drawn from `delays_slots`.
+    each at a delay drawn from `delays_slots` and, with `vtlp_range = (low, high)`, its features warped by
+    a VTLP factor drawn uniformly from that range.
     """
 
     def __init__(self, corpus_dir: str, records: list[dict], tokenizer: Tokenizer, *, batch_size: int,
-                 delays_slots: tuple[int, ...], seed: int, prefetch: int = 4):
+                 delays_slots: tuple[int, ...], seed: int, prefetch: int = 4,
+                 vtlp_range: tuple[float, float] | None = None):
         self.corpus_dir, self.records, self.tokenizer = corpus_dir, records, tokenizer
-        self.batch_size, self.delays = batch_size, delays_slots
+        self.batch_size, self.delays, self.vtlp_range = batch_size, delays_slots, vtlp_range
         self.rng = np.random.default_rng(seed)
         max_delay = max(delays_slots)
         self.buckets: dict[int, list[int]] = {}
@@ -141,9 +145,15 @@ class BatchStream:
         bucket = self.buckets[keys[self.rng.choice(len(keys), p=sizes / sizes.sum())]]
         chosen = self.rng.choice(bucket, size=self.batch_size, replace=len(bucket) < self.batch_size)
         n_delays = [int(self.rng.choice(self.delays)) for _ in chosen]
-        examples = [load_example(self.corpus_dir, self.records[i], self.tokenizer, d) for i, d in zip(chosen, n_delays)]
+        examples = [load_example(self.corpus_dir, self.records[i], self.tokenizer, d, mel_filters=self._mel_filters())
+                    for i, d in zip(chosen, n_delays)]
         num_slots = bucket_slots(max(example.tokens.size for example in examples))
         return collate(examples, n_delays, num_slots)
+
+    def _mel_filters(self) -> np.ndarray:
+        if not self.vtlp_range:
+            return front_end.MEL_FILTERS
+        return vtlp.warped_mel_filters(float(self.rng.uniform(*self.vtlp_range)))
 
     def _fill(self) -> None:
         while not self._stop.is_set():

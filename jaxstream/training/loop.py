@@ -76,7 +76,7 @@ def load_initial_model(source: str, paths: RunPaths) -> InitialModel:
     """
     import orbax.checkpoint as ocp
 
-    run = RunPaths(Path(source))
+    run = RunPaths(Path(source).absolute())  # Orbax restores from absolute paths only
     ctc_head = None
     if run.checkpoints.is_dir() and (run.out / "model").is_dir():
         with ocp.CheckpointManager(run.checkpoints) as manager:
@@ -152,7 +152,7 @@ def train(cfg: TrainConfig, corpus_dir: str, out_dir: str, *, eval_corpus_dir: s
     best_wer = _best_wer(paths)
     delays = tuple(front_end.n_delay_from_ms(ms) for ms in cfg.delays_ms)
     stream = BatchStream(corpus_dir, records, tokenizer, batch_size=cfg.batch_size, delays_slots=delays,
-                         seed=cfg.seed * 1_000_003 + start)
+                         seed=cfg.seed * 1_000_003 + start, vtlp_range=cfg.vtlp_range or None)
     metrics: dict = {}
     bar = tqdm(total=total_steps, initial=start, unit="step", disable=not progress, dynamic_ncols=True)
     try:
