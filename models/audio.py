@@ -101,6 +101,8 @@ def log_mel(audio, sampling_rate: int = SAMPLING_RATE, *, mel_filters: np.ndarra
     `mel_filters` [201, 128] replaces the filterbank (training's frequency warping passes a warped one).
     """
     _check_rate(sampling_rate)
+    if np.shape(mel_filters) != MEL_FILTERS.shape:
+        raise AudioError(f"mel_filters must have shape {MEL_FILTERS.shape}, got {np.shape(mel_filters)}")
     samples = _check_pcm(audio)
     if samples.size <= _HALF_WINDOW:
         raise AudioError(f"audio must be longer than {_HALF_WINDOW} samples for the centred STFT, got {samples.size}")

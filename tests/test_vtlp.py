@@ -37,9 +37,11 @@ def test_warp_function_keeps_the_band_and_is_increasing(alpha):
     np.testing.assert_allclose(warped[freqs <= 5000], alpha * freqs[freqs <= 5000])
 
 
-def test_unit_warp_is_the_plain_filterbank_and_bad_factors_are_refused():
+def test_unit_warp_is_the_plain_filterbank_and_bad_inputs_are_refused():
     assert vtlp.warped_mel_filters(1.0) is front_end.MEL_FILTERS
     assert vtlp.warped_mel_filters(1.001) is front_end.MEL_FILTERS  # rounded to the 0.005 grid
     assert vtlp.warped_mel_filters(1.1) is vtlp.warped_mel_filters(1.1)  # cached
     with pytest.raises(ValueError, match="VTLP warp factor"):
         vtlp.warped_mel_filters(3.0)
+    with pytest.raises(front_end.AudioError, match=r"mel_filters must have shape \(201, 128\)"):
+        front_end.log_mel(np.zeros(4000), mel_filters=front_end.MEL_FILTERS[:, :64])
