@@ -347,7 +347,7 @@ def test_vtlp_range_warps_every_training_example(corpus, tokenizer, tmp_path):
 
     corpus_dir, records = corpus
     batches = {}
-    for name, vtlp_range in (("plain", None), ("warped", (0.9, 0.9))):
+    for name, vtlp_range in (("plain", ()), ("warped", (0.9, 0.9))):
         stream = data.BatchStream(corpus_dir, records[:1], tokenizer, batch_size=2, delays_slots=(6,), seed=3,
                                   vtlp_range=vtlp_range)
         batches[name] = next(stream)

@@ -7,6 +7,7 @@ from jaxstream.models.config import EncoderConfig, TextConfig, VoxtralConfig
 from jaxstream.models.tokenizers import NUM_CONTROL_IDS
 from jaxstream.training.spm import MODEL_TYPES
 from jaxstream.training.step import OptimizerConfig
+from jaxstream.training.vtlp import ALPHA_LIMITS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +47,9 @@ def load_train_config(path: str | Path) -> TrainConfig:
     if model_type not in MODEL_TYPES:
         raise ValueError(f"[tokenizer] model_type must be one of {MODEL_TYPES}, got {model_type!r}")
     vtlp_range = train.get("vtlp_range", ())
-    if vtlp_range and not (len(vtlp_range) == 2 and 0.5 <= vtlp_range[0] <= vtlp_range[1] <= 2.0):
-        raise ValueError(f"[train] vtlp_range must be [low, high] with 0.5 <= low <= high <= 2.0, "
+    lowest, highest = ALPHA_LIMITS
+    if vtlp_range and not (len(vtlp_range) == 2 and lowest <= vtlp_range[0] <= vtlp_range[1] <= highest):
+        raise ValueError(f"[train] vtlp_range must be [low, high] with {lowest} <= low <= high <= {highest}, "
                          f"got {list(vtlp_range)}")
     return TrainConfig(model=voxtral, optimizer=optimizer, spm_vocab_size=spm_vocab_size, spm_model_type=model_type,
                        **train)

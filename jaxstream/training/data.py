@@ -125,7 +125,7 @@ class BatchStream:
 
     def __init__(self, corpus_dir: str, records: list[dict], tokenizer: Tokenizer, *, batch_size: int,
                  delays_slots: tuple[int, ...], seed: int, prefetch: int = 4,
-                 vtlp_range: tuple[float, float] | None = None):
+                 vtlp_range: tuple[float, ...] = ()):
         self.corpus_dir, self.records, self.tokenizer = corpus_dir, records, tokenizer
         self.batch_size, self.delays, self.vtlp_range = batch_size, delays_slots, vtlp_range
         self.rng = np.random.default_rng(seed)

@@ -152,7 +152,7 @@ def train(cfg: TrainConfig, corpus_dir: str, out_dir: str, *, eval_corpus_dir: s
     best_wer = _best_wer(paths)
     delays = tuple(front_end.n_delay_from_ms(ms) for ms in cfg.delays_ms)
     stream = BatchStream(corpus_dir, records, tokenizer, batch_size=cfg.batch_size, delays_slots=delays,
-                         seed=cfg.seed * 1_000_003 + start, vtlp_range=cfg.vtlp_range or None)
+                         seed=cfg.seed * 1_000_003 + start, vtlp_range=cfg.vtlp_range)
     metrics: dict = {}
     bar = tqdm(total=total_steps, initial=start, unit="step", disable=not progress, dynamic_ncols=True)
     try:

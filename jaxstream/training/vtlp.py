@@ -20,6 +20,7 @@ _NYQUIST = front_end.SAMPLING_RATE / 2
 _BIN_HZ = front_end.SAMPLING_RATE / front_end.WINDOW_SIZE  # 40 Hz between rfft bins
 _KNEE = 0.85  # of the Nyquist frequency, for alpha = 1 (the knee moves with alpha so g stays monotonic)
 _ALPHA_STEP = 0.005  # warped filterbanks are cached on this grid of alphas
+ALPHA_LIMITS = (0.5, 2.0)  # the warp factors `warped_mel_filters` accepts
 
 
 def warp_frequency(freqs_hz: np.ndarray, alpha: float) -> np.ndarray:
@@ -44,8 +45,9 @@ def _warped_on_grid(step_index: int) -> np.ndarray:
 def warped_mel_filters(alpha: float) -> np.ndarray:
     """The [201, 128] mel filterbank read at g(f) (linear interpolation between rfft bins); alpha is rounded
     to a multiple of 0.005 and the result cached. alpha = 1 returns the plain filterbank."""
-    if not 0.5 <= alpha <= 2.0:
-        raise ValueError(f"VTLP warp factor must lie in [0.5, 2.0], got {alpha}")
+    low, high = ALPHA_LIMITS
+    if not low <= alpha <= high:
+        raise ValueError(f"VTLP warp factor must lie in [{low}, {high}], got {alpha}")
     step_index = int(round(alpha / _ALPHA_STEP))
     if step_index == round(1.0 / _ALPHA_STEP):
         return front_end.MEL_FILTERS
