@@ -360,6 +360,38 @@ def test_vtlp_range_warps_every_training_example(corpus, tokenizer, tmp_path):
     assert not np.array_equal(batches["warped"].mel, batches["plain"].mel)
 
 
+def test_phoneme_ctc_targets_reach_the_batch_and_size_the_head(corpus, tokenizer, tmp_path):
+    from jaxstream.errors import UserError
+    from jaxstream.training import load_train_config, train
+    from jaxstream.training.phonemes import PHONEME_CLASSES, PhonemeLexicon
+
+    (tmp_path / "bad.toml").write_text(TINY_TOML + 'ctc_targets = "graphemes"\n')
+    with pytest.raises(ValueError, match=r"\[train\] ctc_targets must be one of"):
+        load_train_config(tmp_path / "bad.toml")
+    (tmp_path / "phonemes.toml").write_text(TINY_TOML + 'ctc_targets = "phonemes"\n')
+    cfg = load_train_config(tmp_path / "phonemes.toml")
+    assert cfg.ctc_targets == "phonemes"
+
+    corpus_dir, records = corpus
+    lexicon = PhonemeLexicon(records)
+    stream = data.BatchStream(corpus_dir, records[:1], tokenizer, batch_size=2, delays_slots=(6,), seed=3,
+                              ctc_labels=lexicon.ctc_labels)
+    batch = next(stream)
+    stream.close()
+    for row in range(2):
+        np.testing.assert_array_equal(batch.chars[row][batch.char_padding[row] == 0], lexicon.ctc_labels(records[0]))
+
+    run = tmp_path / "run"
+    train(cfg, corpus_dir, os.fspath(run), steps=1, progress=False)
+    assert _checkpoint_weights(run)["ctc_head"]["bias"].shape == (PHONEME_CLASSES,)
+    (tmp_path / "characters.toml").write_text(TINY_TOML)
+    characters = load_train_config(tmp_path / "characters.toml")
+    with pytest.raises(UserError, match=rf"its CTC head predicts {PHONEME_CLASSES} classes; the recipe's "
+                                        rf"ctc_targets = 'characters' need {data.CTC_CLASSES}$"):
+        train(characters, corpus_dir, os.fspath(tmp_path / "from_phonemes"), steps=1, init_from=os.fspath(run),
+              progress=False)
+
+
 def test_word_error_rate_normalises_like_the_open_asr_leaderboard():
     import jiwer
 

@@ -9,6 +9,8 @@ from jaxstream.training.spm import MODEL_TYPES
 from jaxstream.training.step import OptimizerConfig
 from jaxstream.training.vtlp import ALPHA_LIMITS
 
+CTC_TARGETS = ("characters", "phonemes")
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -28,6 +30,9 @@ class TrainConfig:
     # (low, high): warp each training utterance's frequency axis by a factor drawn from this range
     # (`jaxstream/training/vtlp.py`); empty for no warping.
     vtlp_range: tuple[float, ...] = ()
+    # What the auxiliary CTC (`[optimizer] ctc_weight`) predicts: the transcript's "characters", or the
+    # "phonemes" espeak-ng spoke in each utterance's accent (`jaxstream/training/phonemes.py`).
+    ctc_targets: str = "characters"
 
 
 def load_train_config(path: str | Path) -> TrainConfig:
@@ -51,6 +56,8 @@ def load_train_config(path: str | Path) -> TrainConfig:
     if vtlp_range and not (len(vtlp_range) == 2 and lowest <= vtlp_range[0] <= vtlp_range[1] <= highest):
         raise ValueError(f"[train] vtlp_range must be [low, high] with {lowest} <= low <= high <= {highest}, "
                          f"got {list(vtlp_range)}")
+    if train.get("ctc_targets", "characters") not in CTC_TARGETS:
+        raise ValueError(f"[train] ctc_targets must be one of {CTC_TARGETS}, got {train['ctc_targets']!r}")
     return TrainConfig(model=voxtral, optimizer=optimizer, spm_vocab_size=spm_vocab_size, spm_model_type=model_type,
                        **train)
 

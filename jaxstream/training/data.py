@@ -9,7 +9,7 @@ grouped into length buckets so only a few shapes are ever compiled.
 import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -34,8 +34,8 @@ class Batch(NamedTuple):
     tokens: np.ndarray  # [B, T] int32
     mask: np.ndarray  # [B, T] float32 (1 where the logits are trained on the next token)
     n_delay: np.ndarray  # [B] float32
-    chars: np.ndarray  # [B, max chars] int32: the transcript as CTC classes (for the auxiliary CTC loss)
-    char_padding: np.ndarray  # [B, max chars] float32: 1 past each row's characters
+    chars: np.ndarray  # [B, max labels] int32: the transcript as CTC classes (characters or phonemes)
+    char_padding: np.ndarray  # [B, max labels] float32: 1 past each row's labels
     frames_valid: np.ndarray  # [B] int32: encoder frames of each row from slot 31 on (the rest is padding)
 
 
@@ -79,8 +79,10 @@ def ctc_classes(text: str) -> np.ndarray:
     return np.array([1 + CTC_CHARACTERS.index(c) for c in text.lower() if c in CTC_CHARACTERS], np.int32)
 
 
-def collate(examples: list[Example], n_delays: list[int], num_slots: int) -> Batch:
-    """Pads examples (from `load_example`) into one batch of `num_slots` slots."""
+def collate(examples: list[Example], n_delays: list[int], num_slots: int,
+            ctc_labels: list[np.ndarray] | None = None) -> Batch:
+    """Pads examples (from `load_example`) into one batch of `num_slots` slots; the auxiliary CTC's targets
+    are `ctc_labels` (one row per example), by default each transcript's characters."""
     batch = len(examples)
     mel = np.full((batch, (num_slots - SHARED_PREFIX_SLOTS) * front_end.MEL_FRAMES_PER_SLOT, front_end.NUM_MEL_BINS),
                   _silence_mel_value(), np.float32)
@@ -90,7 +92,9 @@ def collate(examples: list[Example], n_delays: list[int], num_slots: int) -> Bat
         mel[row, : example.mel.shape[0]] = example.mel
         tokens[row, : example.tokens.size] = example.tokens
         mask[row, : example.mask.size] = example.mask
-    chars, char_padding = _padded_rows([ctc_classes(example.text) for example in examples])
+    if ctc_labels is None:
+        ctc_labels = [ctc_classes(example.text) for example in examples]
+    chars, char_padding = _padded_rows(ctc_labels)
     frames_valid = np.array([(e.tokens.size - SHARED_PREFIX_SLOTS) * _FRAMES_PER_SLOT for e in examples], np.int32)
     return Batch(mel, tokens, mask, np.asarray(n_delays, np.float32), chars, char_padding, frames_valid)
 
@@ -120,13 +124,15 @@ class BatchStream:
 
     Each batch draws one length bucket (proportionally to its size), then `batch_size` utterances of it,
     each at a delay drawn from `delays_slots` and, with `vtlp_range = (low, high)`, its features warped by
-    a VTLP factor drawn uniformly from that range.
+    a VTLP factor drawn uniformly from that range. `ctc_labels` maps a record to its CTC target (by default
+    the transcript's characters; `phonemes.PhonemeLexicon.ctc_labels` for phonemes).
     """
 
     def __init__(self, corpus_dir: str, records: list[dict], tokenizer: Tokenizer, *, batch_size: int,
                  delays_slots: tuple[int, ...], seed: int, prefetch: int = 4,
-                 vtlp_range: tuple[float, ...] = ()):
+                 vtlp_range: tuple[float, ...] = (), ctc_labels: Callable[[dict], np.ndarray] | None = None):
         self.corpus_dir, self.records, self.tokenizer = corpus_dir, records, tokenizer
+        self.ctc_labels = ctc_labels or (lambda record: ctc_classes(record["text"]))
         self.batch_size, self.delays, self.vtlp_range = batch_size, delays_slots, vtlp_range
         self.rng = np.random.default_rng(seed)
         max_delay = max(delays_slots)
@@ -148,7 +154,7 @@ class BatchStream:
         examples = [load_example(self.corpus_dir, self.records[i], self.tokenizer, d, mel_filters=self._mel_filters())
                     for i, d in zip(chosen, n_delays)]
         num_slots = bucket_slots(max(example.tokens.size for example in examples))
-        return collate(examples, n_delays, num_slots)
+        return collate(examples, n_delays, num_slots, [self.ctc_labels(self.records[i]) for i in chosen])
 
     def _mel_filters(self) -> np.ndarray:
         if not self.vtlp_range:

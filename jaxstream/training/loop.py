@@ -29,8 +29,9 @@ from jaxstream.models.tokenizers import SentencePieceTokenizer
 from jaxstream.models.voxtral import VoxtralRealtime
 from jaxstream.synth import SentenceSampler, read_manifest
 from jaxstream.training.config import TrainConfig, with_vocab_size
-from jaxstream.training.data import BatchStream
+from jaxstream.training.data import CTC_CLASSES, BatchStream
 from jaxstream.training.decode import transcribe_corpus, word_error_rate
+from jaxstream.training.phonemes import PHONEME_CLASSES, PhonemeLexicon
 from jaxstream.training.spelling import init_word_embeddings
 from jaxstream.training.spm import train_sentencepiece
 from jaxstream.training.step import init_ctc_head, make_optimizer, make_train_step
@@ -137,8 +138,15 @@ def train(cfg: TrainConfig, corpus_dir: str, out_dir: str, *, eval_corpus_dir: s
             embed = model.language_model.embed_tokens
             embed.embedding[...] = jnp.asarray(init_word_embeddings(np.asarray(embed.embedding[...]), tokenizer,
                                                                     cfg.seed))
+    lexicon = PhonemeLexicon(records) if cfg.ctc_targets == "phonemes" else None
+    ctc_classes = PHONEME_CLASSES if lexicon else CTC_CLASSES
+    if ctc_head is None:
+        ctc_head = init_ctc_head(cfg.model, cfg.seed, ctc_classes)
+    elif ctc_head["bias"].shape != (ctc_classes,):
+        raise UserError(f"--init-from {init_from}: its CTC head predicts {ctc_head['bias'].shape[0]} classes; the "
+                        f"recipe's ctc_targets = {cfg.ctc_targets!r} need {ctc_classes}")
     graphdef, params = nnx.split(model, nnx.Param)
-    weights = {"model": params, "ctc_head": init_ctc_head(cfg.model, cfg.seed) if ctc_head is None else ctc_head}
+    weights = {"model": params, "ctc_head": ctc_head}
     opt_state = optimizer.init(weights)
     manager = ocp.CheckpointManager(paths.checkpoints, options=ocp.CheckpointManagerOptions(max_to_keep=3))
     start = manager.latest_step() or 0
@@ -152,7 +160,8 @@ def train(cfg: TrainConfig, corpus_dir: str, out_dir: str, *, eval_corpus_dir: s
     best_wer = _best_wer(paths)
     delays = tuple(front_end.n_delay_from_ms(ms) for ms in cfg.delays_ms)
     stream = BatchStream(corpus_dir, records, tokenizer, batch_size=cfg.batch_size, delays_slots=delays,
-                         seed=cfg.seed * 1_000_003 + start, vtlp_range=cfg.vtlp_range)
+                         seed=cfg.seed * 1_000_003 + start, vtlp_range=cfg.vtlp_range,
+                         ctc_labels=lexicon.ctc_labels if lexicon else None)
     metrics: dict = {}
     bar = tqdm(total=total_steps, initial=start, unit="step", disable=not progress, dynamic_ncols=True)
     try:

@@ -30,9 +30,9 @@ class OptimizerConfig:
     weight_decay: float = 0.01
     clip_norm: float = 1.0
     b2: float = 0.98
-    # Weight of an auxiliary character CTC loss on the encoder frames (a training-only linear head): it
-    # teaches the encoder to carry the words long before the decoder has learned to read them, which
-    # otherwise stalls early training at "always STREAMING_PAD".
+    # Weight of an auxiliary CTC loss on the encoder frames (a training-only linear head over characters or
+    # phonemes, `[train] ctc_targets`): it teaches the encoder to carry the words long before the decoder
+    # has learned to read them, which otherwise stalls early training at "always STREAMING_PAD".
     ctc_weight: float = 0.0
     # Weight of an auxiliary cross entropy on the audio embeddings, scored against the tied embedding matrix
     # (no extra parameters): audio slot s is trained to predict the token the stream feeds n_delay slots
@@ -117,14 +117,15 @@ def aligned_piece_loss(model, audio_embeds, batch: Batch):
     return (losses * valid).sum() / jnp.maximum(valid.sum(), 1.0)
 
 
-def init_ctc_head(cfg: VoxtralConfig, seed: int = 0) -> dict:
-    """The training-only character CTC head on the encoder frames (not part of the shipped model)."""
-    kernel = jax.random.normal(jax.random.key(seed), (cfg.encoder.hidden_size, CTC_CLASSES)) / cfg.encoder.hidden_size**0.5
-    return {"kernel": kernel, "bias": jnp.zeros((CTC_CLASSES,))}
+def init_ctc_head(cfg: VoxtralConfig, seed: int = 0, num_classes: int = CTC_CLASSES) -> dict:
+    """The training-only CTC head on the encoder frames (not part of the shipped model): `num_classes` is
+    CTC_CLASSES for character targets, `phonemes.PHONEME_CLASSES` for phoneme targets."""
+    kernel = jax.random.normal(jax.random.key(seed), (cfg.encoder.hidden_size, num_classes)) / cfg.encoder.hidden_size**0.5
+    return {"kernel": kernel, "bias": jnp.zeros((num_classes,))}
 
 
-def char_ctc_loss(head: dict, frames, batch: Batch):
-    """Mean per-character CTC loss of the encoder frames (20 ms each, from slot 31 on); blank = class 0."""
+def auxiliary_ctc_loss(head: dict, frames, batch: Batch):
+    """Mean per-label CTC loss of the encoder frames (20 ms each, from slot 31 on); blank = class 0."""
     logits = frames.astype(jnp.float32) @ head["kernel"] + head["bias"]
     num_frames = frames.shape[1]
     valid = (batch.frames_valid[:, None] > jnp.arange(num_frames)[None, :]).astype(jnp.float32)
@@ -147,7 +148,7 @@ def stream_loss(weights: dict, graphdef, cfg: VoxtralConfig, batch: Batch, ctc_w
     metrics = {"loss": stream, "accuracy": (correct * mask).sum() / weight}
     total = stream
     if ctc_weight:
-        metrics["ctc"] = char_ctc_loss(weights["ctc_head"], frames, batch)
+        metrics["ctc"] = auxiliary_ctc_loss(weights["ctc_head"], frames, batch)
         total = total + ctc_weight * metrics["ctc"]
     if aligned_piece_weight:
         metrics["aligned"] = aligned_piece_loss(model, audio_embeds, batch)
