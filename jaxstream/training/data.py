@@ -131,8 +131,7 @@ class BatchStream:
     def __init__(self, corpus_dir: str, records: list[dict], tokenizer: Tokenizer, *, batch_size: int,
                  delays_slots: tuple[int, ...], seed: int, prefetch: int = 4,
                  vtlp_range: tuple[float, ...] = (), ctc_labels: Callable[[dict], np.ndarray] | None = None):
-        self.corpus_dir, self.records, self.tokenizer = corpus_dir, records, tokenizer
-        self.ctc_labels = ctc_labels or (lambda record: ctc_classes(record["text"]))
+        self.corpus_dir, self.records, self.tokenizer, self.ctc_labels = corpus_dir, records, tokenizer, ctc_labels
         self.batch_size, self.delays, self.vtlp_range = batch_size, delays_slots, vtlp_range
         self.rng = np.random.default_rng(seed)
         max_delay = max(delays_slots)
@@ -154,7 +153,8 @@ class BatchStream:
         examples = [load_example(self.corpus_dir, self.records[i], self.tokenizer, d, mel_filters=self._mel_filters())
                     for i, d in zip(chosen, n_delays)]
         num_slots = bucket_slots(max(example.tokens.size for example in examples))
-        return collate(examples, n_delays, num_slots, [self.ctc_labels(self.records[i]) for i in chosen])
+        labels = None if self.ctc_labels is None else [self.ctc_labels(self.records[i]) for i in chosen]
+        return collate(examples, n_delays, num_slots, labels)
 
     def _mel_filters(self) -> np.ndarray:
         if not self.vtlp_range:

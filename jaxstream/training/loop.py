@@ -138,13 +138,14 @@ def train(cfg: TrainConfig, corpus_dir: str, out_dir: str, *, eval_corpus_dir: s
             embed = model.language_model.embed_tokens
             embed.embedding[...] = jnp.asarray(init_word_embeddings(np.asarray(embed.embedding[...]), tokenizer,
                                                                     cfg.seed))
-    lexicon = PhonemeLexicon(records) if cfg.ctc_targets == "phonemes" else None
-    ctc_classes = PHONEME_CLASSES if lexicon else CTC_CLASSES
+    ctc_classes = PHONEME_CLASSES if cfg.ctc_targets == "phonemes" else CTC_CLASSES
     if ctc_head is None:
         ctc_head = init_ctc_head(cfg.model, cfg.seed, ctc_classes)
     elif ctc_head["bias"].shape != (ctc_classes,):
         raise UserError(f"--init-from {init_from}: its CTC head predicts {ctc_head['bias'].shape[0]} classes; the "
                         f"recipe's ctc_targets = {cfg.ctc_targets!r} need {ctc_classes}")
+    # Built after the checks above: it asks espeak-ng for the whole vocabulary (~10 s for eight accents).
+    lexicon = PhonemeLexicon(records) if cfg.ctc_targets == "phonemes" else None
     graphdef, params = nnx.split(model, nnx.Param)
     weights = {"model": params, "ctc_head": ctc_head}
     opt_state = optimizer.init(weights)
