@@ -3,6 +3,7 @@ decoding, the optax step, Orbax resume and export. Oracles: the front end's padd
 (models/audio.py), the model's own offline forward, jiwer."""
 import dataclasses
 import json
+import math
 import os
 import shutil
 
@@ -18,8 +19,8 @@ from jaxstream.models.tokenizers import SentencePieceTokenizer
 from jaxstream.models.voxtral import VoxtralRealtime
 from jaxstream.training import data, targets
 from jaxstream.training.decode import transcribe_batch, word_error_rate
-from jaxstream.training.step import (OptimizerConfig, aligned_targets, init_ctc_head, make_optimizer, make_train_step,
-                                     stream_logits)
+from jaxstream.training.step import (OptimizerConfig, aligned_targets, init_ctc_head, learning_rate_schedule,
+                                     make_optimizer, make_train_step, stream_logits)
 
 SPM_VOCAB = 300
 TINY_TOML = """
@@ -230,6 +231,46 @@ def test_train_step_lowers_the_loss_on_a_fixed_batch(corpus, tokenizer):
         aligned.append(float(metrics["aligned"]))
     assert losses[-1] < 0.7 * losses[0] and ctc[-1] < 0.85 * ctc[0] and aligned[-1] < 0.85 * aligned[0], \
         (losses, ctc, aligned)
+
+
+@pytest.mark.parametrize("cooldown", [0, 40])
+def test_learning_rate_schedule_warms_up_holds_then_cools_down(cooldown):
+    peak, end_fraction, warmup, total = 2e-3, 0.05, 10, 100
+    schedule = learning_rate_schedule(OptimizerConfig(learning_rate=peak, warmup_steps=warmup, total_steps=total,
+                                                      final_lr_fraction=end_fraction, cooldown_steps=cooldown))
+    decay_start = total - cooldown if cooldown else warmup
+
+    def expected(t):
+        if t < warmup:
+            return peak * t / warmup
+        if t < decay_start:
+            return peak
+        progress = min(t - decay_start, total - decay_start) / (total - decay_start)
+        return peak * (end_fraction + (1 - end_fraction) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    steps = [0, 5, 10, 11, 59, 60, 61, 75, 99, 100, 150]
+    np.testing.assert_allclose([float(schedule(t)) for t in steps], [expected(t) for t in steps], rtol=1e-5)
+
+
+def test_recipe_reads_and_checks_cooldown_steps(tmp_path):
+    from jaxstream.training import load_train_config
+
+    (tmp_path / "wsd.toml").write_text(TINY_TOML.replace("total_steps = 3", "total_steps = 3\ncooldown_steps = 2"))
+    assert load_train_config(tmp_path / "wsd.toml").optimizer.cooldown_steps == 2
+    (tmp_path / "bad.toml").write_text(TINY_TOML.replace("total_steps = 3", "total_steps = 3\ncooldown_steps = 3"))
+    with pytest.raises(ValueError, match=r"cooldown_steps must be between 0 and total_steps - warmup_steps \(2\)"):
+        load_train_config(tmp_path / "bad.toml")
+
+
+def test_train_command_checks_steps_against_the_cooldown(corpus, tmp_path, capsys):
+    from jaxstream.cli import main
+
+    corpus_dir, _ = corpus
+    (tmp_path / "wsd.toml").write_text(TINY_TOML.replace("total_steps = 3", "total_steps = 3\ncooldown_steps = 2"))
+    assert main(["train", "--config", os.fspath(tmp_path / "wsd.toml"), "--corpus", corpus_dir,
+                 "--out", os.fspath(tmp_path / "run"), "--steps", "2", "--no-progress"]) == 2
+    assert "cooldown_steps must be between 0 and total_steps - warmup_steps (1), got 2" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_train_resumes_and_exports_a_loadable_model(corpus, tmp_path):

@@ -1,5 +1,6 @@
 """`jaxstream train`: train a small Voxtral-architecture streaming model (the embedded tiny model's recipe)."""
 import argparse
+import dataclasses
 import os
 
 from jaxstream.errors import UserError
@@ -47,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
     try:
         cfg = load_train_config(resolve_config_path(args.config))
+        if args.steps is not None:  # checked here, with the recipe's other optimizer settings
+            cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, total_steps=args.steps))
     except (TypeError, ValueError) as exc:
         raise UserError(f"bad training config {args.config}: {exc}") from None
     metrics = train(cfg, args.corpus, args.out, eval_corpus_dir=args.eval_corpus, steps=args.steps,

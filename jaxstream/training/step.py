@@ -27,6 +27,9 @@ class OptimizerConfig:
     warmup_steps: int = 200
     total_steps: int = 3000
     final_lr_fraction: float = 0.05
+    # 0: cosine decay from the end of warmup to the last step. N > 0: hold the peak lr, then cosine over the
+    # last N steps (warmup-stable-decay), so more of a short run learns at the peak lr.
+    cooldown_steps: int = 0
     weight_decay: float = 0.01
     clip_norm: float = 1.0
     b2: float = 0.98
@@ -39,13 +42,32 @@ class OptimizerConfig:
     # later (`aligned_piece_loss`), so the decoder's job becomes copying from a fixed, delay-given offset.
     aligned_piece_weight: float = 0.0
 
+    def __post_init__(self):
+        if self.cooldown_steps < 0 or self.cooldown_steps > max(self.total_steps - self.warmup_steps, 0):
+            raise ValueError(f"[optimizer] cooldown_steps must be between 0 and total_steps - warmup_steps "
+                             f"({self.total_steps - self.warmup_steps}), got {self.cooldown_steps}")
+
+
+def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+    """Linear warmup from 0, then cosine to `final_lr_fraction` of the peak over the rest of the run, or over
+    its last `cooldown_steps` after holding the peak."""
+    end_value = cfg.learning_rate * cfg.final_lr_fraction
+    if not cfg.cooldown_steps:
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+            decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1), end_value=end_value)
+    stable_end = cfg.total_steps - cfg.cooldown_steps
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps),
+         optax.constant_schedule(cfg.learning_rate),
+         optax.cosine_decay_schedule(cfg.learning_rate, cfg.cooldown_steps, alpha=cfg.final_lr_fraction)],
+        boundaries=[cfg.warmup_steps, stable_end])
+
 
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-        decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1), end_value=cfg.learning_rate * cfg.final_lr_fraction)
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
-                       optax.adamw(schedule, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=_decay_mask))
+                       optax.adamw(learning_rate_schedule(cfg), b2=cfg.b2, weight_decay=cfg.weight_decay,
+                                   mask=_decay_mask))
 
 
 def _decay_mask(params):
