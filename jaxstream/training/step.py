@@ -43,9 +43,10 @@ class OptimizerConfig:
     aligned_piece_weight: float = 0.0
 
     def __post_init__(self):
-        if self.cooldown_steps < 0 or self.cooldown_steps > max(self.total_steps - self.warmup_steps, 0):
+        longest = max(self.total_steps - self.warmup_steps, 0)
+        if not 0 <= self.cooldown_steps <= longest:
             raise ValueError(f"[optimizer] cooldown_steps must be between 0 and total_steps - warmup_steps "
-                             f"({self.total_steps - self.warmup_steps}), got {self.cooldown_steps}")
+                             f"({longest}), got {self.cooldown_steps}")
 
 
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
