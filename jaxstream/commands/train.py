@@ -1,6 +1,5 @@
 """`jaxstream train`: train a small Voxtral-architecture streaming model (the embedded tiny model's recipe)."""
 import argparse
-import dataclasses
 import os
 
 from jaxstream.errors import UserError
@@ -40,6 +39,7 @@ def resolve_config_path(name: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from jaxstream.synth.corpus import MANIFEST_NAME
     from jaxstream.training import load_train_config, train
+    from jaxstream.training.config import with_total_steps
 
     for corpus in filter(None, (args.corpus, args.eval_corpus)):
         if not os.path.isfile(os.path.join(corpus, MANIFEST_NAME)):
@@ -49,11 +49,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_train_config(resolve_config_path(args.config))
         if args.steps is not None:  # checked here, with the recipe's other optimizer settings
-            cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, total_steps=args.steps))
+            cfg = with_total_steps(cfg, args.steps)
     except (TypeError, ValueError) as exc:
         raise UserError(f"bad training config {args.config}: {exc}") from None
-    metrics = train(cfg, args.corpus, args.out, eval_corpus_dir=args.eval_corpus, steps=args.steps,
-                    init_from=args.init_from, progress=not args.no_progress)
+    metrics = train(cfg, args.corpus, args.out, eval_corpus_dir=args.eval_corpus, init_from=args.init_from,
+                    progress=not args.no_progress)
     print(" ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
                    for key, value in metrics.items()))
     return 0

@@ -66,3 +66,9 @@ def with_vocab_size(cfg: TrainConfig, vocab_size: int) -> TrainConfig:
     """The recipe with the decoder vocabulary set to the trained tokenizer's (control ids included)."""
     text = dataclasses.replace(cfg.model.text, vocab_size=vocab_size)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, text=text))
+
+
+def with_total_steps(cfg: TrainConfig, total_steps: int) -> TrainConfig:
+    """The recipe run for `total_steps` instead (its schedule stretched or shrunk to fit); ValueError if its
+    other optimizer settings do not fit that length."""
+    return dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, total_steps=total_steps))

@@ -28,7 +28,7 @@ from jaxstream.models.loading import LoadedModel, load_model, save_checkpoint
 from jaxstream.models.tokenizers import SentencePieceTokenizer
 from jaxstream.models.voxtral import VoxtralRealtime
 from jaxstream.synth import SentenceSampler, read_manifest
-from jaxstream.training.config import TrainConfig, with_vocab_size
+from jaxstream.training.config import TrainConfig, with_total_steps, with_vocab_size
 from jaxstream.training.data import CTC_CLASSES, BatchStream
 from jaxstream.training.decode import transcribe_corpus, word_error_rate
 from jaxstream.training.phonemes import PHONEME_CLASSES, PhonemeLexicon
@@ -117,14 +117,16 @@ def train(cfg: TrainConfig, corpus_dir: str, out_dir: str, *, eval_corpus_dir: s
     import orbax.checkpoint as ocp
     from tqdm import tqdm
 
+    if steps:
+        cfg = with_total_steps(cfg, steps)  # before any work: the override must fit the schedule
     paths = RunPaths(Path(out_dir).resolve())
     paths.out.mkdir(parents=True, exist_ok=True)
     records = read_manifest(corpus_dir)
     initial = load_initial_model(init_from, paths) if init_from else None
     tokenizer = ensure_tokenizer(paths, records, cfg.spm_vocab_size, cfg.spm_model_type)
     cfg = with_vocab_size(cfg, tokenizer.vocab_size)
-    total_steps = steps or cfg.optimizer.total_steps
-    optimizer = make_optimizer(dataclasses.replace(cfg.optimizer, total_steps=total_steps))
+    total_steps = cfg.optimizer.total_steps
+    optimizer = make_optimizer(cfg.optimizer)
 
     ctc_head = None
     if initial is not None:
