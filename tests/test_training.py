@@ -358,16 +358,6 @@ def _checkpoint_weights(run):
     return jax.tree.map(np.asarray, restored["weights"])
 
 
-@pytest.mark.parametrize("stage", ["tiny_stage2", "tiny_stage3"])
-def test_fine_tuning_presets_keep_the_tiny_architecture(stage):
-    from jaxstream.commands.train import resolve_config_path
-    from jaxstream.training import load_train_config
-
-    stage1, later = (load_train_config(resolve_config_path(name)) for name in ("tiny", stage))
-    assert later.model == stage1.model  # `--init-from` requires it
-    assert (later.spm_model_type, later.spm_vocab_size) == (stage1.spm_model_type, stage1.spm_vocab_size)
-
-
 def test_recipe_rejects_an_unknown_tokenizer_model_type(tmp_path):
     from jaxstream.training import load_train_config
 
