@@ -52,17 +52,13 @@ class OptimizerConfig:
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
     """Linear warmup from 0, then cosine to `final_lr_fraction` of the peak over the rest of the run, or over
     its last `cooldown_steps` after holding the peak."""
-    end_value = cfg.learning_rate * cfg.final_lr_fraction
-    if not cfg.cooldown_steps:
-        return optax.warmup_cosine_decay_schedule(
-            init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-            decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1), end_value=end_value)
-    stable_end = cfg.total_steps - cfg.cooldown_steps
+    decay_start = cfg.total_steps - cfg.cooldown_steps if cfg.cooldown_steps else cfg.warmup_steps
     return optax.join_schedules(
         [optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps),
-         optax.constant_schedule(cfg.learning_rate),
-         optax.cosine_decay_schedule(cfg.learning_rate, cfg.cooldown_steps, alpha=cfg.final_lr_fraction)],
-        boundaries=[cfg.warmup_steps, stable_end])
+         optax.constant_schedule(cfg.learning_rate),  # empty without a cooldown: both boundaries are the same
+         optax.cosine_decay_schedule(cfg.learning_rate, max(cfg.total_steps - decay_start, 1),
+                                     alpha=cfg.final_lr_fraction)],
+        boundaries=[cfg.warmup_steps, decay_start])
 
 
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
