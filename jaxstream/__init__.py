@@ -12,11 +12,11 @@ _LAZY = {
     "RequestOutput": "jaxstream.engine.requests",
     "CompletionOutput": "jaxstream.engine.requests",
     "RequestOutputKind": "jaxstream.engine.requests",
-    "TranscriptionSession": "jaxstream.engine.transcription",
-    "TranscriptionDelta": "jaxstream.engine.transcription",
-    "TranscriptionDone": "jaxstream.engine.transcription",
-    "TranscriptionUsage": "jaxstream.engine.transcription",
-    "WordTiming": "jaxstream.engine.transcription",
+    "TranscriptionSession": "jaxstream.engine.transcription_session",
+    "TranscriptionDelta": "jaxstream.engine.transcription_session",
+    "TranscriptionDone": "jaxstream.engine.transcription_session",
+    "TranscriptionUsage": "jaxstream.engine.transcription_session",
+    "WordTiming": "jaxstream.engine.transcription_session",
 }
 
 __all__ = sorted(_LAZY)

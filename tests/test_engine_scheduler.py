@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxstream.engine.config import EngineConfig
-from jaxstream.engine.core import build_text_core
+from jaxstream.engine.builders import build_text_core
 from jaxstream.engine.requests import SamplingParams
 from jaxstream.engine.residency import END_OF_STREAM, Status
 from jaxstream.engine.testing import ToyLM, toy_config, toy_next_token

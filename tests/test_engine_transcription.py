@@ -10,7 +10,7 @@ import pytest
 
 from jaxstream.engine.async_engine import AsyncEngine
 from jaxstream.engine.config import EngineConfig
-from jaxstream.engine.transcription import TranscriptionDelta, TranscriptionDone, word_timings
+from jaxstream.engine.transcription_session import TranscriptionDelta, TranscriptionDone, word_timings
 from jaxstream.models.audio import ALLOWED_DELAYS_MS, n_delay_from_ms, prompt_length
 from jaxstream.models.tokenizers import load_tokenizer
 

@@ -107,7 +107,7 @@ def _random_model(name: str, engine_config, seed: int):
     from flax import nnx
 
     from jaxstream.engine.benchmark import SyntheticTokenizer
-    from jaxstream.engine.core import engine_dtype
+    from jaxstream.engine.builders import engine_dtype
     from jaxstream.models.config import VOXTRAL_MINI_4B
     from jaxstream.models.voxtral import VoxtralRealtime
 

@@ -5,7 +5,7 @@ from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.requests import (
     CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams, StreamingInput,
 )
-from jaxstream.engine.transcription import (
+from jaxstream.engine.transcription_session import (
     TranscriptionDelta, TranscriptionDone, TranscriptionSession, TranscriptionUsage, WordTiming,
 )
 

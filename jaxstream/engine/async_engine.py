@@ -14,30 +14,30 @@ import uuid
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.requests import RequestOutput, RequestOutputKind, SamplingParams, StreamingInput
 from jaxstream.engine.residency import END_OF_STREAM
-from jaxstream.engine.transcription import TranscriptionDone, TranscriptionSession
+from jaxstream.engine.transcription_session import TranscriptionDone, TranscriptionSession
 
 
 class AsyncEngine:
     """Serves one model: a text LM through `generate`, or Voxtral Realtime through transcription sessions."""
 
     def __init__(self, model, *, config: EngineConfig | None = None, tokenizer=None, eos_token_id=None):
-        from jaxstream.engine import core
+        from jaxstream.engine import builders
         from jaxstream.models.config import VoxtralConfig
 
         self.config = config or EngineConfig()
-        self.model_config = core.model_config(model)
+        self.model_config = builders.model_config(model)
         self.tokenizer = tokenizer
         if isinstance(self.model_config, VoxtralConfig):
             if tokenizer is None:
                 raise ValueError("Voxtral Realtime needs its tokenizer (tekken.json) for transcription")
             self.kind = "realtime"
-            self.core = core.build_realtime_core(model, self.config, tokenizer)
+            self.core = builders.build_realtime_core(model, self.config, tokenizer)
         else:
             self.kind = "text"
             if eos_token_id is None and tokenizer is not None:
                 eos_token_id = tokenizer.eos_id
             factory = tokenizer.stream_decoder if tokenizer is not None else None
-            self.core = core.build_text_core(model, self.config, eos_token_id=eos_token_id,
+            self.core = builders.build_text_core(model, self.config, eos_token_id=eos_token_id,
                                              detokenizer_factory=factory)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -51,14 +51,14 @@ class AsyncEngine:
     @classmethod
     def from_pretrained(cls, model_source, config: EngineConfig | None = None, *, dtype=None) -> "AsyncEngine":
         """Loads a model (built-in name, local directory or hub id; models/loading.py) and starts an engine."""
-        from jaxstream.engine import core, sharding
+        from jaxstream.engine import builders, sharding
         from jaxstream.models.loading import load_model
         from jaxstream.models.tokenizers import load_tokenizer
 
         config = config or EngineConfig()
         placement = sharding.Placement(config.mesh, config.tp_axis)
         rule = placement.param_sharding if config.mesh is not None else None
-        loaded = load_model(model_source, dtype=dtype or core.engine_dtype(config), sharding=rule)
+        loaded = load_model(model_source, dtype=dtype or builders.engine_dtype(config), sharding=rule)
         tokenizer = load_tokenizer(loaded.tokenizer_path) if loaded.tokenizer_path else None
         return cls(loaded.model, config=config, tokenizer=tokenizer)
 

@@ -28,7 +28,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from jaxstream.engine.transcription import WordTiming
+from jaxstream.engine.transcription_session import WordTiming
 from jaxstream.errors import UserError
 
 LAYOUTS = ("librispeech", "manifest", "commonvoice", "fleurs", "folder")

@@ -167,7 +167,7 @@ async def stream_audio(engine, pcm: np.ndarray, *, delay_ms: int | None = None, 
                        tracker: StreamTracker | None = None) -> StreamRecord:
     """Transcribes `pcm` in one session, fed in real time or as fast as the engine takes it (any length:
     large pieces, waiting out the engine's backpressure), collecting deltas, timings and the final result."""
-    from jaxstream.engine.transcription import TranscriptionDone
+    from jaxstream.engine.transcription_session import TranscriptionDone
 
     loop = asyncio.get_running_loop()
     session = await engine.start_transcription(delay_ms=delay_ms)

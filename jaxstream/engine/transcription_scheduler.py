@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxstream.engine import steps
 from jaxstream.engine.residency import Residency, SessionBase, Status, TickStats, deliver
-from jaxstream.engine.transcription import (
+from jaxstream.engine.transcription_session import (
     TranscriptionDelta, TranscriptionDone, TranscriptionUsage, token_time, word_timings,
 )
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from jaxstream.engine import kv_cache, sharding, steps
 from jaxstream.engine.config import EngineConfig
-from jaxstream.engine.scheduler import STACK, TextScheduler
+from jaxstream.engine.text_scheduler import STACK, TextScheduler
 from jaxstream.models.config import TextConfig, VoxtralConfig
 
 
@@ -77,7 +77,7 @@ def check_pool(spec: kv_cache.StackSpec) -> None:
 
 
 def build_realtime_core(model, engine_cfg: EngineConfig, tokenizer, *, warm_up=True):
-    from jaxstream.engine.realtime import RealtimeScheduler
+    from jaxstream.engine.transcription_scheduler import RealtimeScheduler
     from jaxstream.models.audio import ALLOWED_DELAYS_MS, n_delay_from_ms, prompt_length
 
     cfg = model_config(model)
