@@ -33,6 +33,8 @@ _HALF_WINDOW = WINDOW_SIZE // 2
 # The last mel frame of a slot is centred 40 samples before the slot's end and reads 200 samples past its
 # centre, so a slot needs 40 samples of the next slot (2.5 ms look-ahead).
 LOOK_AHEAD_SAMPLES = _HALF_WINDOW - HOP_LENGTH
+# Float PCM is nominally in [-1, 1]; resampling and gain can overshoot a little, so allow some headroom.
+MAX_SAMPLE_MAGNITUDE = 2.0
 _DELAY_STEP_MS = 80
 ALLOWED_DELAYS_MS = tuple(range(_DELAY_STEP_MS, 1201, _DELAY_STEP_MS)) + (2400,)
 _FRAMES_PER_BLOCK = 4096  # bounds the float64 work arrays of the offline path (~13 MB per block)
@@ -83,6 +85,12 @@ def _check_pcm(audio, what: str = "audio") -> np.ndarray:
     array = array.astype(np.float64)
     if not np.isfinite(array).all():
         raise AudioError(f"{what} contains NaN or infinite samples")
+    peak = float(np.max(np.abs(array), initial=0.0))
+    if peak > MAX_SAMPLE_MAGNITUDE:
+        # Far outside [-1, 1] is a caller's mistake (PCM16-scaled floats), and huge values overflow the
+        # power spectrum to inf, which would reach the KV cache.
+        raise AudioError(f"{what} must be float PCM in [-1, 1]; got a sample of magnitude {peak:.6g} "
+                         f"(integer PCM must be divided by its full scale, e.g. 32768 for PCM16)")
     return array
 
 

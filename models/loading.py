@@ -5,7 +5,8 @@
 - a local directory holding
   (a) a Mistral-native checkpoint: `params.json` + `consolidated*.safetensors` (+ `tekken.json`),
   (b) a Hugging Face checkpoint: `config.json` + `model.safetensors` or a sharded
-      `model.safetensors.index.json` (legacy on-disk and modern transformers names both accepted),
+      `model.safetensors.index.json` (legacy on-disk and modern transformers names both accepted)
+      (+ `tokenizer.json`, + `generation_config.json`: `load_checkpoint_tokenizer`, `declared_token_ids`),
   (c) a jaxstream Orbax checkpoint written by `save_checkpoint` / `jaxstream convert`:
       `jaxstream.json` (format, config, parameter dtype, tokenizer file) + `state/` (Orbax) + tokenizer,
 - a Hugging Face repo id `org/name`, downloaded with `huggingface_hub.snapshot_download` (a clear
@@ -41,7 +42,7 @@ from jaxstream.models.native_weights import (
     check_native_tensors, interleaved_to_half_split, native_to_hf_name, rope_permutation_heads,
 )
 from jaxstream.models.text_lm import TextLM
-from jaxstream.models.tokenizers import TOKENIZER_FILES
+from jaxstream.models.tokenizers import TOKENIZER_FILES, HFTokenizer, Tokenizer, load_tokenizer
 from jaxstream.models.voxtral import VoxtralRealtime
 
 # Built-in model name -> packaged checkpoint directory (any of the formats above).
@@ -69,7 +70,7 @@ class LoadedModel(NamedTuple):
 
     model: Model  # the NNX module; the engine takes `nnx.split(model)`
     config: ModelConfig
-    tokenizer_path: Path | None  # tekken.json / tokenizer.model next to the weights (for `load_tokenizer`)
+    tokenizer_path: Path | None  # tekken.json / tokenizer.model / tokenizer.json next to the weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +110,42 @@ def load_model(source: str | os.PathLike, *, dtype=None, param_dtype=None, shard
         params = _stream_safetensors(info, param_dtype, shardings, progress)
     nnx.replace_by_pure_dict(abstract, params)
     return LoadedModel(nnx.merge(graphdef, abstract), info.config, info.tokenizer_path)
+
+
+def load_checkpoint_tokenizer(directory: Path, tokenizer_path: Path | None) -> Tokenizer | None:
+    """The tokenizer `load_model` found (`LoadedModel.tokenizer_path`) in checkpoint `directory`. A
+    tokenizer.json takes BOS / EOS from the checkpoint's configuration (`declared_token_ids`) where it
+    declares them, else from its own tokenizer_config.json."""
+    if tokenizer_path is None:
+        return None
+    if tokenizer_path.name != "tokenizer.json":
+        return load_tokenizer(tokenizer_path)
+    bos_id, eos_ids = declared_token_ids(directory)
+    return HFTokenizer(tokenizer_path, bos_id=bos_id, eos_id=eos_ids[0] if eos_ids else None)
+
+
+def declared_token_ids(directory: Path) -> tuple[int | None, tuple[int, ...]]:
+    """(BOS id, EOS ids) of a Hugging Face checkpoint as transformers' `generate` takes them:
+    generation_config.json first, then config.json. `eos_token_id` may be one id or a list (Llama 3
+    stops at any of three)."""
+    bos_id, eos_ids = None, ()
+    for name in ("generation_config.json", "config.json"):
+        if not (directory / name).is_file():
+            continue
+        data = _read_json(directory / name)
+        if bos_id is None and data.get("bos_token_id") is not None:
+            [bos_id] = _token_ids(data["bos_token_id"], directory / name, "bos_token_id", several=False)
+        if not eos_ids and data.get("eos_token_id") is not None:
+            eos_ids = _token_ids(data["eos_token_id"], directory / name, "eos_token_id", several=True)
+    return bos_id, eos_ids
+
+
+def _token_ids(value, path: Path, key: str, *, several: bool) -> tuple[int, ...]:
+    ids = value if several and isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        expected = "a token id or a list of them" if several else "a token id"
+        raise UserError(f"{path}: {key} must be {expected}, got {value!r}")
+    return tuple(ids)
 
 
 # ----------------------------------------------------------------------------------------- resolving

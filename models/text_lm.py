@@ -3,6 +3,7 @@
 Attribute names mirror Hugging Face (`model.embed_tokens`, `model.layers[i].self_attn.q_proj`, ...), so
 checkpoint names map one to one (models/hf_weights.py).
 """
+import dataclasses
 import functools
 
 import jax
@@ -124,3 +125,18 @@ class TextLM(nnx.Module):
         if self.cfg.tie_embeddings:
             return tied_logits(hidden, self.model.embed_tokens.embedding[...]), cache
         return self.lm_head(hidden).astype(jnp.float32), cache
+
+    def with_attention_window(self, window: int) -> "TextLM":
+        """This model attending over at most the last `window` positions, sharing its parameters.
+
+        Its outputs equal the model's for sequences of at most `window` positions (both windows then hold
+        every earlier position). The engine serves a model this way when `max_model_len` is below its
+        window: the KV ring then holds only `max_model_len` positions, and the attention kernel must be
+        given the window that ring covers, not one it cannot hold.
+        """
+        cfg = dataclasses.replace(self.cfg, sliding_window=min(window, self.cfg.attention_window))
+        view = nnx.merge(*nnx.split(self))  # new modules over the same parameter variables
+        view.cfg = view.model.cfg = cfg
+        for layer in view.model.layers:
+            layer.self_attn.window = cfg.attention_window
+        return view

@@ -12,11 +12,16 @@ UTF-8 decoding of the concatenated bytes of all text ids, so a character whose b
   id 1000 + i (so spm ids 0..2 leave ids 1000..1002 unused). Ids 32 and 33 are the streaming controls,
   as in tekken. Train the model with `byte_fallback=True`: an unknown piece has no bytes and is dropped.
 
-`load_tokenizer(path)` takes a `tekken.json` / `tokenizer.model` file or a directory holding one.
+A Hugging Face `tokenizer.json` (`HFTokenizer`, through the `tokenizers` library) keeps the model's own
+id layout instead: its special tokens are its control ids, and text comes from the library's decoder.
+
+`load_tokenizer(path)` takes a `tekken.json` / `tokenizer.model` / `tokenizer.json` file or a directory
+holding one.
 """
 import abc
 import codecs
 import dataclasses
+import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -30,8 +35,8 @@ _SPM_SPACE = "\u2581"
 class Tokenizer(abc.ABC):
     """Common interface: `encode` gives text ids only (no BOS/EOS); `decode` skips control ids."""
 
-    bos_id: int
-    eos_id: int
+    bos_id: int | None  # None only for a tokenizer.json whose checkpoint names no BOS / EOS
+    eos_id: int | None
     streaming_pad_id: int | None  # None for tokenizers without the realtime controls (text-only tekken)
     streaming_word_id: int | None
     vocab_size: int
@@ -213,12 +218,103 @@ class SentencePieceTokenizer(Tokenizer):
         return self._bytes[self._checked(token_id)]
 
 
-TOKENIZER_FILES = {"tekken.json": TekkenTokenizer, "tokenizer.model": SentencePieceTokenizer}
+class HFTokenizer(Tokenizer):
+    """A Hugging Face `tokenizer.json` (the `tokenizers` library) in the model's own id layout.
+
+    Its special tokens are its control ids. `bos_id` / `eos_id` are the ones given (the loader passes those
+    the checkpoint's generation_config.json / config.json declare), else those a tokenizer_config.json
+    beside the file names, else None.
+    Text comes from the library's decoder, so every tokenizer family (byte-level BPE, sentencepiece-style
+    byte fallback, WordPiece, ...) decodes exactly as transformers decodes it.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, bos_id: int | None = None, eos_id: int | None = None):
+        import tokenizers
+
+        path = Path(path)
+        self._tokenizer = tokenizers.Tokenizer.from_file(os.fspath(path))
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self._special_ids = frozenset(token_id for token_id, token in self._tokenizer.get_added_tokens_decoder().items()
+                                      if token.special)
+        named = self._named_special_ids(path.parent / "tokenizer_config.json")
+        self.bos_id = bos_id if bos_id is not None else named.get("bos_token")
+        self.eos_id = eos_id if eos_id is not None else named.get("eos_token")
+        self.streaming_pad_id = self.streaming_word_id = None
+
+    def _named_special_ids(self, config_path: Path) -> dict[str, int]:
+        """`bos_token` / `eos_token` of a tokenizer_config.json (a string, or an AddedToken dict) -> ids."""
+        if not config_path.is_file():
+            return {}
+        config = json.loads(config_path.read_text())
+        ids = {}
+        for key in ("bos_token", "eos_token"):
+            token = config.get(key)
+            token = token.get("content") if isinstance(token, dict) else token
+            token_id = self._tokenizer.token_to_id(token) if isinstance(token, str) else None
+            if token_id is not None:
+                ids[key] = token_id
+        return ids
+
+    def is_control(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tokenizer.decode([self._checked(token_id) for token_id in ids], skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token decoded on its own, as UTF-8 (b"" for special tokens). A byte-level piece of a
+        multi-byte character decodes to U+FFFD alone: text comes from `decode` / `stream_decoder`."""
+        return self._tokenizer.decode([self._checked(token_id)], skip_special_tokens=True).encode("utf-8")
+
+    def stream_decoder(self) -> "HFStreamDecoder":
+        return HFStreamDecoder(self._tokenizer, self._checked)
+
+
+class HFStreamDecoder:
+    """`StreamDecoder` for an `HFTokenizer`: the library's `DecodeStream`, which holds back a character
+    whose bytes are incomplete; the deltas plus `flush()` concatenate to `HFTokenizer.decode(ids)`."""
+
+    def __init__(self, tokenizer, checked):
+        from tokenizers.decoders import DecodeStream
+
+        self._tokenizer = tokenizer
+        self._checked = checked
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._ids: list[int] = []
+        self._parts: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self._parts)
+
+    def push(self, token_id: int) -> str:
+        token_id = self._checked(token_id)
+        self._ids.append(token_id)
+        delta = self._stream.step(self._tokenizer, token_id) or ""
+        if delta:
+            self._parts.append(delta)
+        return delta
+
+    def flush(self) -> str:
+        """End of the token stream: what `decode` gives beyond the text so far (an incomplete character
+        that DecodeStream held back, as U+FFFD)."""
+        delta = self._tokenizer.decode(self._ids, skip_special_tokens=True)[len(self.text):]
+        if delta:
+            self._parts.append(delta)
+        return delta
+
+
+# Preference order when a directory holds several: the Voxtral-layout tokenizers first.
+TOKENIZER_FILES = {"tekken.json": TekkenTokenizer, "tokenizer.model": SentencePieceTokenizer,
+                   "tokenizer.json": HFTokenizer}
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """A `tekken.json` (tekken) or `.model` (sentencepiece) file, or a directory holding `tekken.json` or
-    `tokenizer.model` (tekken wins if both are there)."""
+    """A `tekken.json` (or other `.json`: tekken), `tokenizer.json` (Hugging Face) or `.model`
+    (sentencepiece) file, or a directory holding one of `TOKENIZER_FILES` (the first in their order wins)."""
     path = Path(path)
     if path.is_dir():
         for name, implementation in TOKENIZER_FILES.items():
@@ -227,6 +323,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         raise FileNotFoundError(f"no tokenizer in {path}: expected one of {', '.join(TOKENIZER_FILES)}")
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer not found: {path}")
+    if path.name in TOKENIZER_FILES:
+        return TOKENIZER_FILES[path.name](path)
     if path.suffix == ".json":
         return TekkenTokenizer(path)
     if path.suffix == ".model":

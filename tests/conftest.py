@@ -14,7 +14,14 @@ jax.config.update("jax_default_matmul_precision", "float32")
 @pytest.fixture
 async def engine_returns_to_baseline(engine):
     """For engine test modules (`pytestmark = pytest.mark.usefixtures(...)`): after each test, the module's
-    `engine` fixture is idle and back at its baseline."""
+    `engine` fixture is idle and back at its baseline. Sessions a failed test left behind are aborted
+    either way, so the next test starts clean instead of failing for this one."""
     yield
     await engine.wait_until_idle()
-    assert engine.core.at_baseline(), "a session leaked pages, a slot or host memory"
+    leftover = list(engine.core.sessions)  # request ids only; aborting goes through the engine thread
+    try:
+        assert engine.core.at_baseline(), "a session leaked pages, a slot or host memory"
+    finally:
+        for request_id in leftover:
+            await engine.abort(request_id)
+        await engine.wait_until_idle()

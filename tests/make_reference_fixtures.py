@@ -3,7 +3,9 @@
 Run by hand from the repository root (CI never runs this script; it only reads the committed files):
 
     pip install torch==2.13.0 transformers mistral-common[audio]
-    python tests/make_reference_fixtures.py
+    python tests/make_reference_fixtures.py                 # every fixture
+    python tests/make_reference_fixtures.py --only voxtral  # voxtral_tiny* (+ versions.json) only
+    python tests/make_reference_fixtures.py --only text     # mistral_tiny*, llama_tiny* (+ versions.json) only
 
 The committed fixtures were made with torch 2.13.0+cpu, transformers 5.23.0, mistral-common 1.13.1 and
 numpy 2.3 (exact versions in tests/fixtures/versions.json and in every npz under the key `versions`).
@@ -24,7 +26,13 @@ voxtral_tiny/            complete "HF format + tekken.json" model directory
                          transcription_delay_ms 480 and 32 left-pad tokens
     Tiny config: audio hidden 32 / ffn 64 / 2 layers / 4 heads x head_dim 12 / 128 mel / sliding window 12 /
     rope theta 1e6; text vocab 1100 / hidden 64 / ffn 96 / 2 layers / 4 q + 2 kv heads x head_dim 24 /
-    sliding window 16 / rope theta 1e6 / tied embeddings; downsample 4, 8 mel frames per token.
+    sliding window 96 / rope theta 1e6 / tied embeddings; downsample 4, 8 mel frames per token.
+    The decoder window (96) is at least the number of decoder positions S of every reference stream below
+    (91 for d6, 87 for d2), so every generated position attends to the whole prompt, BOS at position 0
+    included: [STREAMING_PAD] in place of BOS changes the logits of every generated position (by > 1e-3)
+    and the d6 greedy tokens (tests/test_voxtral_prompt.py). The encoder window
+    (12 frames) stays far shorter than the streams (364 frames), so the encoder ring still wraps; the
+    decoder's sliding window is exercised by the narrow_window_* entries below instead.
 
 voxtral_tiny_reference.npz
     audio                      (52800,)   raw synthetic 3.3 s audio (noise + tones + a silent gap)
@@ -52,6 +60,10 @@ voxtral_tiny_reference.npz
                                caches (decoder past_key_values, encoder_past_key_values, padding_cache)
     incremental_tokens_d{d}    (S-P+1,)   argmax of each row; equals generate_d{d}[0, P:] plus one more token
                                (generate never feeds the last audio slot)
+    decoder sliding window exercised (same weights, text sliding_window overridden to narrow_window):
+    narrow_window              ()         16
+    narrow_window_hidden_d6    (1, S, 64) post-final-norm decoder output of the full forward of input_ids_d6 +
+                               features_d6 with that window; logits = narrow_window_hidden_d6 @ embed_tokens.T
     front end in isolation (VoxtralRealtimeFeatureExtractor, one unbatched input each):
     mel_filters                (201, 128) Slaney mel filter bank
     fe_input_16000             (16000,)   fe_output_16000_center      (128, 100)  center=True
@@ -86,6 +98,8 @@ fair f32 tolerance for logits. The script also asserts: the streaming front end 
 MistralCommonBackend load from voxtral_tiny/, and every saved model reloads with identical logits.
 """
 
+import argparse
+import copy
 import json
 import os
 import sys
@@ -122,6 +136,11 @@ MEL_PER_TOKEN = 8
 HOP = 160
 LEFT_PAD_TOKENS = 32
 DELAYS = (6, 2)
+# The tiny decoder's attention window. It must be >= the decoder positions of every reference stream (S = 91
+# for d6, 87 for d2) so that the last generated position still sees BOS at position 0 (a position q attends
+# to kv > q - window); 96 is the next multiple of 32. The sliding window itself is tested with NARROW_WINDOW.
+DECODER_WINDOW = 96
+NARROW_WINDOW = 16
 VOXTRAL_VOCAB = 1100
 NUM_SPECIAL = 1000
 
@@ -311,7 +330,7 @@ def build_voxtral() -> VoxtralRealtimeForConditionalGeneration:
                           head_dim=12, num_mel_bins=128, sliding_window=12, rms_norm_eps=1e-5,
                           rope_parameters=rope),
         text_config=dict(vocab_size=VOXTRAL_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=24, sliding_window=16,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=24, sliding_window=DECODER_WINDOW,
                          rms_norm_eps=1e-5, rope_parameters=rope, tie_word_embeddings=True),
         downsample_factor=4, audio_length_per_tok=MEL_PER_TOKEN, default_num_delay_tokens=6,
     )
@@ -349,6 +368,9 @@ def voxtral_delay_reference(model, fe, tokenizer: MistralTokenizer, audio: np.nd
     features = extract(fe, padded, center=True)
     num_positions = features.shape[-1] // MEL_PER_TOKEN
     assert features.shape[-1] == MEL_PER_TOKEN * num_positions == padded.shape[0] // HOP
+    # Every position must attend to the whole prompt (BOS at 0), or the reference hides prompt bugs.
+    assert model.config.text_config.sliding_window >= num_positions, (model.config.text_config.sliding_window,
+                                                                      num_positions)
     rng = np.random.default_rng(100 + n_delay)
     text_ids = rng.integers(NUM_SPECIAL, VOXTRAL_VOCAB, num_positions - len(prompt)).tolist()
     input_ids = torch.tensor([prompt + text_ids])
@@ -402,6 +424,28 @@ def voxtral_delay_reference(model, fe, tokenizer: MistralTokenizer, audio: np.nd
     return {key + suffix: value for key, value in arrays.items()}
 
 
+def narrow_window_reference(model, arrays: dict) -> dict:
+    """The same weights with the decoder's sliding window cut to NARROW_WINDOW, run over input_ids_d6: keeps a
+    transformers reference for the decoder's sliding window (DECODER_WINDOW covers the whole stream)."""
+    config = copy.deepcopy(model.config)
+    config.text_config.sliding_window = NARROW_WINDOW
+    narrow = VoxtralRealtimeForConditionalGeneration(config).eval()
+    narrow.load_state_dict(model.state_dict())
+    input_ids, features = torch.from_numpy(arrays["input_ids_d6"]), torch.from_numpy(arrays["features_d6"])
+    out = narrow(input_ids=input_ids, input_features=features, num_delay_tokens=6, output_hidden_states=True)
+    hidden = out.hidden_states[-1]
+    embed = narrow.model.language_model.embed_tokens.weight
+    assert (hidden @ embed.T - out.logits).abs().max() < 1e-4  # logits = post-final-norm output @ E^T
+    # The narrow window must agree with the full one while it covers everything, and then change the logits.
+    full = arrays["logits_d6"][0]
+    logits = to_numpy(out.logits[0])
+    assert np.abs(logits[:NARROW_WINDOW] - full[:NARROW_WINDOW]).max() < 1e-4
+    change = float(np.abs(logits[NARROW_WINDOW:] - full[NARROW_WINDOW:]).max())
+    assert change > 0.1, change
+    print(f"voxtral narrow window {NARROW_WINDOW}: max |logits - full-window logits| {change:.2f}")
+    return {"narrow_window": np.array(NARROW_WINDOW, np.int64), "narrow_window_hidden_d6": to_numpy(hidden)}
+
+
 def check_processor(model_dir: Path, fe, audio: np.ndarray, reference: dict) -> None:
     """The HF processor's streaming path, loaded from the fixture dir, gives the same prompt and features."""
     processor = VoxtralRealtimeProcessor.from_pretrained(str(model_dir))
@@ -436,6 +480,7 @@ def make_voxtral() -> None:
         again = reloaded(input_ids=torch.from_numpy(arrays["input_ids_d6"]),
                          input_features=torch.from_numpy(arrays["features_d6"]), num_delay_tokens=6).logits
         assert np.abs(to_numpy(again) - arrays["logits_d6"]).max() < 1e-5, "save/load round trip differs"
+        arrays.update(narrow_window_reference(model, arrays))
     arrays.update(frontend_cases(fe))
     arrays.update(tokenizer_cases(tokenizer))
     check_processor(model_dir, fe, audio, arrays)
@@ -504,10 +549,16 @@ def save_npz(path: Path, arrays: dict) -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", choices=("voxtral", "text"),
+                        help="regenerate only the Voxtral fixtures or only the text-LM ones (default: all)")
+    args = parser.parse_args()
     torch.set_num_threads(1)
     FIXTURES.mkdir(parents=True, exist_ok=True)
-    make_voxtral()
-    make_text_lms()
+    if args.only in (None, "voxtral"):
+        make_voxtral()
+    if args.only in (None, "text"):
+        make_text_lms()
     (FIXTURES / "versions.json").write_text(json.dumps(library_versions(), indent=2, sort_keys=True) + "\n")
     total = sum(f.stat().st_size for f in FIXTURES.rglob("*") if f.is_file())
     print(f"tests/fixtures total {total / 1e6:.2f} MB")

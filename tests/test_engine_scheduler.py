@@ -9,6 +9,7 @@ from jaxstream.engine.builders import build_text_core
 from jaxstream.engine.requests import SamplingParams
 from jaxstream.engine.residency import END_OF_STREAM, Status
 from jaxstream.engine.testing import ToyLM, toy_config, toy_next_token
+from jaxstream.errors import InvalidRequestError
 
 CFG = toy_config(vocab_size=97, window=16)
 
@@ -22,8 +23,15 @@ def core():
 
 @pytest.fixture(autouse=True)
 def back_to_baseline(core):
+    """Each test leaves the core at its baseline; sessions a failed test left behind are aborted either
+    way, so the next test starts clean instead of failing for this one."""
     yield
-    assert core.at_baseline(), "a session leaked pages, a slot or host memory"
+    leftover = list(core.sessions)
+    try:
+        assert core.at_baseline(), "a session leaked pages, a slot or host memory"
+    finally:
+        for request_id in leftover:
+            core.abort(request_id)
 
 
 def greedy(max_tokens, stop=None, **kw):
@@ -196,6 +204,20 @@ def test_reaching_max_model_len_ends_the_session(core):
     assert "a" not in core.sessions
 
 
+def test_any_of_several_eos_ids_ends_the_chunk(core):
+    """Llama 3 declares several EOS ids: any of them is a stop (finish_reason "stop", no stop_reason)."""
+    probe, _ = reference([([9, 8, 7], 5, None)])
+    saved, core.eos_token_ids = core.eos_token_ids, frozenset({CFG.vocab_size + 1, probe[0][2]})
+    sink = Collector()
+    try:
+        add(core, "a", [9, 8, 7], greedy(5), sink, first=True, resumable=False)
+        run(core)
+    finally:
+        core.eos_token_ids = saved
+    assert sink.chunks() == [probe[0][:3]] and probe[0][2] not in probe[0][:2]
+    assert (sink.items[-1].outputs[0].finish_reason, sink.items[-1].outputs[0].stop_reason) == ("stop", None)
+
+
 def test_preempted_session_recomputes_to_the_same_tokens(core):
     """Only one session's window fits: the later one is preempted (pages freed, KV recomputed)."""
     pool = core.cache.pools["text"]
@@ -303,3 +325,68 @@ def test_serving_never_compiles(core):
         jax.monitoring.unregister_event_duration_listener(listener)
         for slot in held:
             core.cache.release_slot(slot)
+
+
+# -- EngineConfig validation --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be an integer >= 1, got 0"),
+    (dict(max_sessions=0), "max_sessions must be an integer >= 1"),
+    (dict(max_sessions=2.0), "max_sessions must be an integer >= 1"),
+    (dict(page_size=True), "page_size must be an integer >= 1"),
+    (dict(encoder_page_size=0), "encoder_page_size must be an integer >= 1"),
+    (dict(num_pages=1), "num_pages must be an integer >= 2"),
+    (dict(encoder_num_pages=0), "encoder_num_pages must be an integer >= 2"),
+    (dict(max_model_len=0), "max_model_len must be an integer >= 1"),
+    (dict(host_offload_bytes=-1), "host_offload_bytes must be an integer >= 0"),
+    (dict(seed=0.5), "seed must be an integer"),
+    (dict(kv_memory_fraction=0.0), r"kv_memory_fraction must be a number in \(0, 1\]"),
+    (dict(kv_memory_fraction=1.2), r"kv_memory_fraction must be a number in \(0, 1\]"),
+    (dict(kv_memory_fraction=float("nan")), r"kv_memory_fraction must be a number in \(0, 1\]"),
+    (dict(max_queued_audio_seconds=0), "max_queued_audio_seconds must be a finite number > 0"),
+    (dict(max_queued_audio_seconds=float("inf")), "max_queued_audio_seconds must be a finite number > 0"),
+    (dict(batch_buckets=()), "batch_buckets must be a non-empty sequence of ints >= 1"),
+    (dict(batch_buckets=(4, 0)), "batch_buckets must be a non-empty sequence of ints >= 1"),
+    (dict(prefill_buckets=()), "prefill_buckets must be a non-empty sequence of"),
+    (dict(prefill_buckets=((2, 0),)), "prefill_buckets must be a non-empty sequence of"),
+    (dict(prefill_buckets=((2, 8, 1),)), "prefill_buckets must be a non-empty sequence of"),
+    (dict(prefill_buckets=(8,)), "prefill_buckets must be a non-empty sequence of"),
+    (dict(realtime_step_buckets=(1, -4)), "realtime_step_buckets must be a non-empty sequence of ints >= 1"),
+    (dict(realtime_prefill_buckets=((1, 0.5),)), "realtime_prefill_buckets must be a non-empty sequence of"),
+    (dict(default_delay_ms=100), "default_delay_ms: delay_ms must be a multiple of 80"),
+    (dict(dtype="int8"), "dtype must be a floating-point dtype name"),
+    (dict(dtype="float33"), "dtype must be a floating-point dtype name"),
+    (dict(attention_impl="cuda"), "attention_impl must be one of xla, pallas, pallas_tpu or None"),
+    (dict(compat="sglang"), "compat must be 'vllm' or 'strict'"),
+    (dict(tp_axis=None), "tp_axis must be a mesh axis name"),
+    (dict(mesh="4 devices"), "mesh must be a jax.sharding.Mesh with a 'tp' axis"),
+])
+def test_invalid_engine_config_raises(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_engine_config_buckets_become_tuples():
+    config = EngineConfig(batch_buckets=[1, 4], prefill_buckets=[[2, 8]], realtime_step_buckets=[1, 4])
+    assert (config.batch_buckets, config.prefill_buckets, config.realtime_step_buckets) == ((1, 4), ((2, 8),), (1, 4))
+    hash(config)
+
+
+def test_a_one_token_budget_still_serves_every_session():
+    """Decode rows cost one token and prefills split into budget-sized pieces: below the decode bucket
+    and the prefill chunk, every session still advances to the same tokens, one token per tick."""
+    config = EngineConfig(max_sessions=4, page_size=4, batch_buckets=(4,), prefill_buckets=((2, 8),),
+                          max_num_batched_tokens=1)
+    small = build_text_core(ToyLM(CFG), config)
+    prompts = {"a": list(range(1, 12)), "b": [5, 4, 3], "c": [60] * 9}
+    sinks = {rid: Collector() for rid in prompts}
+    for rid, prompt in prompts.items():
+        add(small, rid, prompt, greedy(4), sinks[rid], first=True, resumable=False)
+    ticks = 0
+    while small.has_work():
+        assert small.step()
+        ticks += 1
+    assert ticks == sum(len(prompt) + 4 - 1 for prompt in prompts.values())  # one token each
+    for rid, prompt in prompts.items():
+        assert sinks[rid].chunks() == reference([(prompt, 4, None)])[0]
+    assert small.at_baseline()

@@ -1,8 +1,12 @@
 """The engine over a real TextLM (the tiny Mistral fixture, sliding window 8): a plain request equals
 transformers' greedy `generate`; a streamed session equals one offline forward over its final interleaved
-context (conformance 24); tensor parallelism over 4 fake CPU devices gives the same tokens."""
+context (conformance 24); tensor parallelism over 4 fake CPU devices gives the same tokens. The tiny Llama
+(full attention over 256 positions) serves with a `max_model_len` below its window, and from a Hugging
+Face directory whose only tokenizer is a tokenizer.json, stopping at the EOS ids its config declares."""
 import asyncio
+import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -19,15 +23,20 @@ from jaxstream.engine.requests import SamplingParams, StreamingInput
 from jaxstream.models import TextLM, config_from_hf, contiguous_page_table, init_kv_cache, load_hf_weights
 
 FIXTURE = Path(__file__).parent / "fixtures" / "mistral_tiny"
+LLAMA = FIXTURE.parent / "llama_tiny"
 ENGINE_CFG = EngineConfig(max_sessions=4, page_size=4, batch_buckets=(4,), prefill_buckets=((2, 8),),
                           max_num_batched_tokens=64)
 
 
-def tiny_mistral():
-    cfg = config_from_hf(json.loads((FIXTURE / "config.json").read_text()))
+def tiny_lm(directory=FIXTURE):
+    cfg = config_from_hf(json.loads((directory / "config.json").read_text()))
     model = TextLM(cfg, rngs=nnx.Rngs(0))
-    load_hf_weights(model, load_file(FIXTURE / "model.safetensors"))
+    load_hf_weights(model, load_file(directory / "model.safetensors"))
     return model
+
+
+def tiny_mistral():
+    return tiny_lm(FIXTURE)
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +138,66 @@ async def test_tensor_parallel_over_four_devices_gives_identical_tokens(engine):
     finally:
         await sharded.shutdown()
     assert [[tokens for tokens, _ in s] for s in single] == [[tokens for tokens, _ in s] for s in multi]
+
+
+# -- the tiny Llama: max_model_len below the window; a tokenizer.json-only checkpoint ----------------------
+
+LLAMA_CFG = EngineConfig(max_sessions=1, page_size=16, batch_buckets=(1,), prefill_buckets=((1, 8),),
+                         max_num_batched_tokens=64)
+
+
+async def greedy_tokens(engine, prompt, max_tokens, request_id):
+    outputs = [out async for out in engine.generate(prompt, greedy(max_tokens), request_id=request_id)]
+    return [t for out in outputs for t in out.outputs[0].token_ids], outputs
+
+
+async def test_max_model_len_below_the_window_equals_transformers_generate():
+    reference = dict(np.load(LLAMA.parent / "llama_tiny_reference.npz"))
+    prompt = reference["prompt_ids"][0].tolist()
+    expected = reference["generate"][0, len(prompt):].tolist()
+    # 40 positions need 3 pages of 16 (a 48-position ring) where the model's window is 256.
+    config = dataclasses.replace(LLAMA_CFG, max_model_len=40)
+    window = config_from_hf(json.loads((LLAMA / "config.json").read_text())).attention_window
+    assert len(prompt) + len(expected) < config.max_model_len < window
+    async with AsyncEngine(tiny_lm(LLAMA), config=config) as engine:
+        assert engine.core.cache.specs["text"].pages_per_window == 3
+        tokens, _ = await greedy_tokens(engine, prompt, len(expected), "short")
+    assert tokens == expected
+
+
+def word_level_tokenizer(path: Path, vocab_size: int):
+    """A tokenizer.json with one word per id ("w<id>"): ids 0, 1, 2 are the special <unk>, <s>, </s>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tokenizer.save(str(path))
+
+
+async def test_tokenizer_json_checkpoint_stops_at_the_declared_eos_ids(tmp_path):
+    from jaxstream.models.tokenizers import HFTokenizer
+
+    reference = dict(np.load(LLAMA.parent / "llama_tiny_reference.npz"))
+    prompt = reference["prompt_ids"][0].tolist()
+    greedy_run = reference["generate"][0, len(prompt):].tolist()
+    directory = tmp_path / "llama"
+    shutil.copytree(LLAMA, directory)
+    word_level_tokenizer(directory / "tokenizer.json", 256)
+    # A list, as Llama 3 declares it, naming the run's third token; config.json names only 2.
+    stop = greedy_run[2]
+    assert 2 not in greedy_run[:3] and stop not in greedy_run[:2]
+    generation = json.loads((directory / "generation_config.json").read_text())
+    (directory / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [2, stop]}))
+    assert json.loads((directory / "config.json").read_text())["eos_token_id"] == 2
+
+    async with AsyncEngine.from_pretrained(directory, config=LLAMA_CFG) as engine:
+        assert isinstance(engine.tokenizer, HFTokenizer)
+        assert engine.core.eos_token_ids == {2, stop}
+        tokens, outputs = await greedy_tokens(engine, prompt, 20, "eos")
+        assert tokens == greedy_run[:3]
+        assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "stop"
+        assert "".join(out.outputs[0].text for out in outputs) == " ".join(f"w{t}" for t in tokens)
+        text_prompt = [out async for out in engine.generate("w5 w17", greedy(1), request_id="text")]
+        assert text_prompt[-1].prompt_token_ids == [1, 5, 17]  # BOS from config.json, then the words

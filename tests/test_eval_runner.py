@@ -1,12 +1,16 @@
-"""`jaxstream eval` end to end on espeak-ng speech, through the engine with the tiny Voxtral fixture model.
+"""`jaxstream eval` end to end on espeak-ng speech, through the engine with the embedded `tiny` model.
 
-The fixture model's weights are random, so its transcripts are noise: the checks are on the plumbing —
-the report's WER equals jiwer on the same normalized text, shards join into the full run, resume only runs
-what is missing, a corrupt or missing file is reported while the others are transcribed.
+The tiny model transcribes this speech (most words right, some wrong), so the checks are on real words:
+the report's WER equals jiwer on the same normalized text, each word's emission latency equals (emission
+position - reference word end) recomputed from the session's own events, shards join into the full run,
+resume only runs what is missing, a corrupt or missing file is reported while the others are transcribed.
 """
 import dataclasses
+import difflib
 import io
 import json
+import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -25,7 +29,8 @@ from jaxstream.evaluation import (
 )
 from jaxstream.models.audio import load_audio
 
-FIXTURE_MODEL = Path(__file__).parent / "fixtures" / "voxtral_tiny"
+MODEL = "tiny"  # the embedded model (models/assets/tiny)
+SLOT_S = 0.08  # one generated token per 80 ms of audio
 SENTENCES = {  # id -> text; speakers 19 and 26 as in LibriSpeech ids
     "19-198-0000": "the cat sat on the mat",
     "19-198-0001": "seven green apples",
@@ -34,6 +39,7 @@ SENTENCES = {  # id -> text; speakers 19 and 26 as in LibriSpeech ids
 }
 CORRUPT_ID, MISSING_ID = "26-495-0002", "26-495-0003"
 ESPEAK_RATE = 22050
+SAMPLING_RATE = 16000
 GAP_S = 0.12
 
 
@@ -80,7 +86,7 @@ def _words_manifest(root: Path) -> Path:
 
 
 def _eval(*args) -> int:
-    return cli.main(["eval", "--model", str(FIXTURE_MODEL), *map(str, args)])
+    return cli.main(["eval", "--model", MODEL, *map(str, args)])
 
 
 def test_eval_cli_report_matches_jiwer_and_lists_bad_audio(speech_corpus, tmp_path, capsys):
@@ -94,6 +100,10 @@ def test_eval_cli_report_matches_jiwer_and_lists_bad_audio(speech_corpus, tmp_pa
     assert "not found" in errors[MISSING_ID]
     done = [u for u in run["utterances"] if u["error"] is None]
     assert sorted(u["id"] for u in done) == sorted(SENTENCES)
+    assert all(u["hypothesis"].strip() for u in done)  # real words, some of them wrong
+    words = run["summary"]["words"]
+    assert words["reference"] == sum(len(text.split()) for text in SENTENCES.values())
+    assert words["hits"] >= words["reference"] / 2
     normalizer = EnglishTextNormalizer()  # the oracle: independent normalization of the raw texts
     references = [normalizer(SENTENCES[u["id"]].upper()) for u in done]
     hypotheses = [normalizer(u["hypothesis"]) for u in done]
@@ -114,14 +124,14 @@ async def engine():
     from jaxstream.engine.async_engine import AsyncEngine
     from jaxstream.engine.config import EngineConfig
 
-    engine = AsyncEngine.from_pretrained(str(FIXTURE_MODEL), config=EngineConfig(max_sessions=2))
+    engine = AsyncEngine.from_pretrained(MODEL, config=EngineConfig(max_sessions=2))
     async with engine:
         yield engine
 
 
 async def _evaluate(engine, corpus, *, delays=(None,), concurrency=2, realtime=False, limit=None, shard=None,
                     resume=None, save_to=None):
-    evaluation = Evaluation(corpus, model=str(FIXTURE_MODEL), delays=list(delays),
+    evaluation = Evaluation(corpus, model=MODEL, delays=list(delays),
                             options=RunOptions(concurrency=concurrency, realtime=realtime),
                             normalizer_name="english", limit=limit, shard=shard)
     if resume is not None:
@@ -145,6 +155,7 @@ async def test_shards_join_into_the_full_run_and_resume_runs_only_the_rest(engin
     # One session at a time, so every stream runs in the same batch bucket and decodes identically.
     full = await _evaluate(engine, corpus, concurrency=1)
     assert full["runs"][0]["summary"]["transcribed"] == len(SENTENCES)
+    assert all(_hypotheses(full).values())
     shards = [await _evaluate(engine, corpus, concurrency=1, shard=(i, 2)) for i in range(2)]
     merged = merge_reports(shards)
     assert _hypotheses(merged) == _hypotheses(full)
@@ -170,12 +181,147 @@ async def test_realtime_delay_sweep(engine, speech_corpus):
     shortest = sorted(corpus.utterances, key=lambda u: u.words[-1].end)[:2]  # paced runs take real time
     corpus = dataclasses.replace(corpus, utterances=tuple(shortest))
     report = await _evaluate(engine, corpus, delays=(240, 480), concurrency=2, realtime=True)
+    fast = await _evaluate(engine, corpus, delays=(240, 480), concurrency=2)
     assert [run["delay_ms"] for run in report["runs"]] == [240, 480]
-    for run in report["runs"]:
+    for run, fast_run in zip(report["runs"], fast["runs"]):
         assert run["summary"]["transcribed"] == 2
         assert run["streams"]["peak"] == 2 and run["streams"]["sustained"] is not None
         # Paced at real time: the run cannot end before the longest recording has been spoken.
         assert run["wall_seconds"] >= max(u["audio_seconds"] for u in run["utterances"])
+        assert sum(len(u["word_latencies_ms"]) for u in run["utterances"]) >= 4
+        same_text = 0
+        for utterance, fast_utterance in zip(run["utterances"], fast_run["utterances"]):
+            assert utterance["finalize_ms"] is not None and utterance["first_token_ms"] is not None
+            algorithmic, wall = utterance["word_latencies_ms"], utterance["word_latencies_wall_ms"]
+            assert len(wall) == len(algorithmic)
+            # A live listener cannot see a word before the audio it was emitted at has been spoken.
+            assert all(w >= a - 1000 * SLOT_S for a, w in zip(algorithmic, wall)), (algorithmic, wall)
+            # The algorithmic latency does not depend on how the audio was fed (one 80 ms step per dispatch
+            # here, many per dispatch when it is all queued), for the same transcript (batch shapes differ,
+            # so a near tie could in principle decode differently).
+            if utterance["hypothesis"] == fast_utterance["hypothesis"]:
+                same_text += 1
+                assert algorithmic == pytest.approx(fast_utterance["word_latencies_ms"], abs=1e-6)
+        assert same_text >= 1
+
+
+class _RecordingEngine:
+    """The engine as the runner sees it, keeping each transcription session's events and audio."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.tokenizer = engine.tokenizer
+        self.sessions: list[_RecordingSession] = []
+
+    async def start_transcription(self, **kwargs):
+        session = _RecordingSession(await self._engine.start_transcription(**kwargs))
+        self.sessions.append(session)
+        return session
+
+    def find(self, delay_ms: int, audio_seconds: float) -> "_RecordingSession":
+        (session,) = [s for s in self.sessions
+                      if s.delay_ms == delay_ms and s.samples == round(audio_seconds * SAMPLING_RATE)]
+        return session
+
+
+class _RecordingSession:
+    def __init__(self, session):
+        self._session = session
+        self.samples = 0
+        self.events: list = []
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+    async def append(self, pcm):
+        await self._session.append(pcm)
+        self.samples += pcm.size
+
+    def __aiter__(self):
+        self._iterator = self._session.__aiter__()
+        return self
+
+    async def __anext__(self):
+        event = await self._iterator.__anext__()
+        self.events.append(event)
+        return event
+
+
+def _match_key(word: str) -> str:
+    return re.sub(r"[^\w']", "", word.lower())
+
+
+def _expected_word_latencies(session: _RecordingSession, tokenizer, reference_words) -> list[float]:
+    """Emission position of each hypothesis word's last character - its reference word's end (seconds),
+    from the session's deltas: the n-th generated id was emitted at n * 80 ms + delay of audio (at most
+    the recording); hypothesis words are paired with reference words by difflib's matching blocks."""
+    from jaxstream.engine.transcription_session import TranscriptionDelta
+
+    duration = session.samples / SAMPLING_RATE
+    deltas = [event for event in session.events if isinstance(event, TranscriptionDelta)]
+    char_positions, generated = [], 0  # emission position of every non-space character, in order
+    for delta in deltas:
+        for token in delta.token_ids:
+            generated += 1
+            chars = sum(not c.isspace() for c in tokenizer.token_bytes(token).decode("utf-8", "replace"))
+            char_positions += [min(generated * SLOT_S + session.delay_ms / 1000, duration)] * chars
+    words = "".join(delta.text for delta in deltas).split()
+    assert len(char_positions) == sum(map(len, words))  # ASCII text: one character per byte
+    last_chars = np.cumsum([len(word) for word in words]) - 1
+    emitted = [(_match_key(word), char_positions[i]) for word, i in zip(words, last_chars)]
+    reference = [(_match_key(word.word), word.end) for word in reference_words]
+    matcher = difflib.SequenceMatcher(None, [k for k, _ in reference], [k for k, _ in emitted], autojunk=False)
+    return [emitted[block.b + k][1] - reference[block.a + k][1]
+            for block in matcher.get_matching_blocks() for k in range(block.size)]
+
+
+@pytest.fixture(scope="module")
+def heldout_corpus(tmp_path_factory) -> Path:
+    """Three utterances of `jaxstream synth`'s held-out set (sentences and voices the tiny model never
+    heard), with the word times its manifest records."""
+    from jaxstream.synth import CorpusSpec, generate_corpus
+
+    root = tmp_path_factory.mktemp("heldout")
+    generate_corpus(os.fspath(root), CorpusSpec(num_utterances=3, seed=2024, held_out=True, max_words=6))
+    return root
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_word_latencies_are_emission_minus_word_end(engine, heldout_corpus):
+    from jaxstream.engine.transcription_session import TranscriptionDone
+
+    corpus = read_corpus(heldout_corpus)
+    assert corpus.layout == "manifest" and all(u.words for u in corpus.utterances)
+    references = {u.id: u for u in corpus.utterances}
+    recorder = _RecordingEngine(engine)
+    # Two sessions batched together, each fed all its audio at once: the engine runs several 80 ms steps
+    # per dispatch and one delta carries all of them.
+    report = await _evaluate(recorder, corpus, delays=(240, 480), concurrency=2)
+    normalizer = EnglishTextNormalizer()
+    for run in report["runs"]:
+        delay_ms = run["delay_ms"]
+        assert run["summary"]["transcribed"] == len(references)
+        latencies, reference_texts, hypotheses = [], [], []
         for utterance in run["utterances"]:
-            assert utterance["finalize_ms"] is not None
-            assert len(utterance["word_latencies_wall_ms"]) == len(utterance["word_latencies_ms"])
+            session = recorder.find(delay_ms, utterance["audio_seconds"])
+            done = session.events[-1]
+            assert isinstance(done, TranscriptionDone)
+            assert utterance["hypothesis"] == done.text == "".join(e.text for e in session.events[:-1])
+            reference_words = references[utterance["id"]].words
+            expected = _expected_word_latencies(session, engine.tokenizer, reference_words)
+            assert len(expected) >= 0.75 * len(reference_words), (utterance["hypothesis"], reference_words)
+            assert utterance["word_latencies_ms"] == pytest.approx([1000 * v for v in expected], abs=1e-6)
+            # After the word's end (the model writes it `delay` later), but not long after.
+            assert all(0 < v < delay_ms + 500 for v in utterance["word_latencies_ms"]), utterance
+            assert 0 < utterance["first_token_ms"] <= 1000 * run["wall_seconds"]
+            latencies += utterance["word_latencies_ms"]
+            reference_texts.append(normalizer(references[utterance["id"]].text))
+            hypotheses.append(normalizer(done.text))
+        summary = run["summary"]
+        assert summary["wer"] == pytest.approx(jiwer.wer(reference_texts, hypotheses), abs=1e-12)
+        assert summary["wer"] <= 0.25
+        emission = summary["latency"]["word_emission_ms"]
+        assert emission["count"] == len(latencies)
+        assert emission["mean"] == pytest.approx(np.mean(latencies))
+        assert emission["max"] == pytest.approx(max(latencies))
+        assert summary["latency"]["first_token_ms"]["count"] == len(references)

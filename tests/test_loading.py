@@ -8,6 +8,7 @@ reference outputs (tests/make_reference_fixtures.py).
 import json
 import math
 import shutil
+import tempfile
 import tracemalloc
 from pathlib import Path
 
@@ -353,6 +354,45 @@ def one_line_error(source) -> str:
         loading.load_model(source)
     assert "\n" not in str(err.value)
     return str(err.value)
+
+
+def test_declared_token_ids_prefer_generation_config(tmp_path):
+    def declared(**files):
+        directory = Path(tempfile.mkdtemp(dir=tmp_path))
+        for name, content in files.items():
+            (directory / f"{name}.json").write_text(json.dumps(content))
+        return loading.declared_token_ids(directory)
+
+    # generation_config.json first (transformers' generate reads it), field by field, then config.json.
+    assert declared(generation_config={"eos_token_id": [128001, 128009]},
+                    config={"bos_token_id": 1, "eos_token_id": 2}) == (1, (128001, 128009))
+    assert declared(generation_config={"bos_token_id": 5, "eos_token_id": None},
+                    config={"bos_token_id": 1, "eos_token_id": 2}) == (5, (2,))
+    assert declared(config={"eos_token_id": 2}) == (None, (2,))
+    assert declared() == (None, ())
+    with pytest.raises(UserError, match="generation_config.json: eos_token_id must be a token id or a list"):
+        declared(generation_config={"eos_token_id": "</s>"})
+    with pytest.raises(UserError, match="config.json: bos_token_id must be a token id"):
+        declared(config={"bos_token_id": [1, 2]})
+
+
+def test_hf_checkpoint_with_only_tokenizer_json(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    directory = copy_fixture(FIXTURES / "llama_tiny", tmp_path / "llama")
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    generation = json.loads((directory / "generation_config.json").read_text())
+    (directory / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [2, 3]}))
+
+    loaded = loading.load_model(directory)
+    assert loaded.tokenizer_path == directory / "tokenizer.json"
+    tokenizer = loading.load_checkpoint_tokenizer(directory, loaded.tokenizer_path)
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (1, 2)  # the checkpoint's ids (the first EOS)
+    assert tokenizer.encode("hello") == [3]
+    assert loading.load_checkpoint_tokenizer(directory, None) is None
 
 
 def test_missing_files(tmp_path):

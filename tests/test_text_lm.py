@@ -31,7 +31,8 @@ def lm(request):
         return nnx.merge(graphdef, state)(*args, **kwargs)
 
     ref = dict(np.load(FIXTURES / f"{name}_tiny_reference.npz"))
-    return SimpleNamespace(name=name, cfg=cfg, state=state, ref=ref, step=jax.jit(forward, donate_argnums=(2,)))
+    return SimpleNamespace(name=name, cfg=cfg, graphdef=graphdef, state=state, ref=ref,
+                           step=jax.jit(forward, donate_argnums=(2,)))
 
 
 def fresh_ring(lm, num_sessions, rng):
@@ -99,6 +100,23 @@ def test_greedy_continuation_matches_generate(lm):
     generated = [int(np.argmax(row)) for row in step_logits]
     assert generated == list(expected)
     np.testing.assert_allclose(np.stack(step_logits), lm.ref["generate_logits"], atol=1e-4)
+
+
+def test_attention_window_view_equals_the_model_on_sequences_it_covers(lm):
+    """`with_attention_window(W)` (the engine's model when max_model_len < window) matches transformers
+    over W positions from a ring of W positions, shares the parameters and leaves the model as it was."""
+    window = 24
+    model = nnx.merge(lm.graphdef, lm.state)
+    capped = model.with_attention_window(window)
+    assert capped.cfg.attention_window == min(window, lm.cfg.attention_window)
+    assert model.cfg == lm.cfg and {layer.self_attn.window for layer in model.model.layers} == {
+        lm.cfg.attention_window}
+    assert capped.model.embed_tokens.embedding is model.model.embed_tokens.embedding  # not a copy
+    pages = -(-window // PAGE_SIZE)
+    cache = init_kv_cache(lm.cfg.num_layers, 1 + pages, lm.cfg.num_kv_heads, PAGE_SIZE, lm.cfg.head_dim)
+    table, zeros = jnp.arange(1, 1 + pages, dtype=jnp.int32)[None], jnp.zeros((1,), jnp.int32)
+    logits, _ = capped(jnp.asarray(lm.ref["input_ids"][:, :window]), cache, table, zeros, zeros + window)
+    np.testing.assert_allclose(np.asarray(logits), lm.ref["logits"][:, :window], atol=1e-4)
 
 
 def test_text_lm_rejects_bad_inputs():

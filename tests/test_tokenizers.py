@@ -13,6 +13,7 @@ import sentencepiece
 from mistral_common.tokens.tokenizers.tekken import Tekkenizer
 
 from jaxstream.models.tokenizers import (
+    HFTokenizer,
     SentencePieceTokenizer,
     TekkenTokenizer,
     load_tokenizer,
@@ -217,6 +218,65 @@ def test_sentencepiece_unknown_piece_maps_to_control_unk(tmp_path):
     assert tokenizer.decode(ids) == sp.decode([i for i in spm_ids if i != sp.unk_id()])
 
 
+# ------------------------------------------------------------------------------------- tokenizer.json
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer_dir(tmp_path_factory):
+    """A byte-level BPE tokenizer.json trained here on the UTF-8 texts (300 ids: 256 bytes, 41 merges, so
+    many characters span several tokens); ids 0..2 are the special <unk>, <s>, </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(UTF8_TEXTS, trainer)
+    directory = tmp_path_factory.mktemp("hf_tokenizer")
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def test_tokenizer_json_round_trips_and_streams_utf8(hf_tokenizer_dir):
+    tokenizer = load_tokenizer(hf_tokenizer_dir)
+    assert isinstance(tokenizer, HFTokenizer) and tokenizer.vocab_size == 300
+    assert [tokenizer.is_control(i) for i in (0, 1, 2, 3)] == [True, True, True, False]
+    held_back = 0
+    for text in UTF8_TEXTS:
+        ids = tokenizer.encode(text)
+        assert min(ids) > 2  # text ids only: no BOS / EOS added
+        assert tokenizer.decode(ids) == text
+        deltas, streamed = stream_decode(tokenizer, ids)
+        assert streamed == text
+        held_back += deltas[:-1].count("")  # a token that ends inside a character shows nothing yet
+        assert tokenizer.decode([1] + ids + [2]) == stream_decode(tokenizer, [1] + ids + [2])[1] == text
+    assert held_back > 0
+
+
+def test_tokenizer_json_flush_completes_a_cut_character(hf_tokenizer_dir):
+    tokenizer = load_tokenizer(hf_tokenizer_dir / "tokenizer.json")
+    ids = tokenizer.encode("ab😀")
+    cut = next(n for n in range(len(ids), 0, -1) if tokenizer.decode(ids[:n]).endswith("\ufffd"))
+    deltas, streamed = stream_decode(tokenizer, ids[:cut])
+    assert streamed == tokenizer.decode(ids[:cut]) and deltas[-1].endswith("\ufffd")
+
+
+def test_tokenizer_json_special_ids(hf_tokenizer_dir, tmp_path):
+    path = hf_tokenizer_dir / "tokenizer.json"
+    plain = HFTokenizer(path)
+    assert (plain.bos_id, plain.eos_id, plain.streaming_pad_id, plain.streaming_word_id) == (None,) * 4
+    (tmp_path / "tokenizer.json").write_bytes(path.read_bytes())
+    # tokenizer_config.json names them as strings or as AddedToken dicts; explicit ids win.
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>",
+                                                                "eos_token": {"content": "</s>"}}))
+    named = load_tokenizer(tmp_path)
+    assert (named.bos_id, named.eos_id) == (1, 2)
+    assert HFTokenizer(tmp_path / "tokenizer.json", eos_id=0).eos_id == 0
+    with pytest.raises(ValueError, match="outside the tokenizer's vocabulary"):
+        plain.decode([300])
+
+
 # ------------------------------------------------------------------------------------------ load_tokenizer
 
 
@@ -229,12 +289,14 @@ def test_load_tokenizer_picks_the_implementation(spm_dir, tmp_path):
     (both / "tokenizer.model").write_bytes((directory / "tokenizer.model").read_bytes())
     (both / "tekken.json").write_bytes(FIXTURE_TEKKEN.read_bytes())
     assert isinstance(load_tokenizer(both), TekkenTokenizer)
+    (both / "tokenizer.json").write_text("not read: the Voxtral-layout tokenizers come first")
+    assert isinstance(load_tokenizer(both), TekkenTokenizer)
 
 
 def test_load_tokenizer_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer not found"):
         load_tokenizer(tmp_path / "missing.json")
-    with pytest.raises(FileNotFoundError, match="expected one of tekken.json, tokenizer.model"):
+    with pytest.raises(FileNotFoundError, match="expected one of tekken.json, tokenizer.model, tokenizer.json"):
         load_tokenizer(tmp_path)
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("a b c")

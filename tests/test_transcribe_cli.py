@@ -54,3 +54,56 @@ def test_transcribe_bad_audio_is_one_line_error(tmp_path, capsys):
         assert message in err and str(path) in err and len(err.strip().splitlines()) == 1
     assert cli.main(["transcribe", str(not_audio), "--delay-ms", "100"]) == 2
     assert "--delay-ms 100" in capsys.readouterr().err
+
+
+SAMPLE_DIR = Path(__file__).resolve().parents[1] / "models" / "assets" / "samples"
+TINY_CONFIG = Path(__file__).resolve().parents[1] / "models" / "assets" / "tiny" / "jaxstream.json"
+TIME_TOLERANCE_S = 0.3
+
+
+def test_transcribe_tiny_model_words_and_timings(tmp_path, capsys):
+    """The embedded model (the default) on its bundled sample and two held-out `jaxstream synth` utterances:
+    the words are the transcript's, mostly the reference's, and each starts where the synthesizer put the
+    reference word (its manifest's word times), give or take TIME_TOLERANCE_S."""
+    import difflib
+
+    import jiwer
+
+    from jaxstream.synth import CorpusSpec, generate_corpus
+
+    records = generate_corpus(str(tmp_path / "heldout"),
+                              CorpusSpec(num_utterances=2, seed=2024, held_out=True, max_words=6))
+    sample = SAMPLE_DIR / "sample.wav"
+    paths = [sample] + [tmp_path / "heldout" / record["path"] for record in records]
+    assert cli.main(["transcribe", "--json", "--concurrency", "1", *map(str, paths)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(paths)
+    results = [json.loads(line) for line in lines]
+    default_delay_ms = json.loads(TINY_CONFIG.read_text())["config"]["default_delay_ms"]
+    for result, path in zip(results, paths):
+        assert result["file"] == str(path) and result["delay_ms"] == default_delay_ms
+        info = soundfile.info(path)
+        assert info.samplerate == 16000 and result["audio_seconds"] == pytest.approx(info.frames / 16000)
+        words = result["words"]
+        assert [w["word"] for w in words] == result["text"].split()
+        previous_end = 0.0
+        for word in words:  # in order, not overlapping, within the recording
+            assert previous_end <= word["start"] <= word["end"] <= result["audio_seconds"], words
+            previous_end = word["end"]
+
+    # The sample: the model misses one of its seven words (README).
+    reference = (SAMPLE_DIR / "sample.txt").read_text().split()
+    hypothesis = results[0]["text"].split()
+    assert jiwer.wer(" ".join(reference), " ".join(hypothesis)) <= 1 / len(reference)
+
+    for result, record in zip(results[1:], records):
+        reference_words = record["words"]
+        assert jiwer.wer(record["text"], result["text"]) <= 0.25, (record["text"], result["text"])
+        matcher = difflib.SequenceMatcher(None, [w["word"] for w in reference_words],
+                                          [w["word"] for w in result["words"]], autojunk=False)
+        pairs = [(reference_words[block.a + k], result["words"][block.b + k])
+                 for block in matcher.get_matching_blocks() for k in range(block.size)]
+        assert len(pairs) >= 0.75 * len(reference_words)
+        for expected, word in pairs:  # the delay is already taken off: times are of the audio
+            assert expected["start"] - TIME_TOLERANCE_S <= word["start"] <= expected["end"] + TIME_TOLERANCE_S, \
+                (expected, word)

@@ -1,5 +1,9 @@
 """VoxtralRealtime vs transformers fixtures (tests/make_reference_fixtures.py): offline forward, streaming
-audio_step/text_step with random chunking over shuffled paged rings, greedy generation, the 4B shape."""
+audio_step/text_step with random chunking over shuffled paged rings, greedy generation, the 4B shape.
+
+The fixture's decoder window (96) covers its whole streams, so that every position sees the prompt; the
+decoder's sliding window is checked against the fixture's narrow-window reference (same weights, window 16)."""
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -156,6 +160,53 @@ def test_streaming_random_chunks_match_offline_and_generate(vox, offline):
         error = np.abs(streamed - one_shot[s, prompt_len - 1 : slots]).max()
         print(f"delay {d}: streaming vs one-shot max |logits diff| = {error:.2e}")
         assert error <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def narrow(vox):
+    """The fixture's weights with the decoder window cut to the reference's `narrow_window` (16 < S = 91)."""
+    window = int(vox.ref["narrow_window"])
+    cfg = dataclasses.replace(vox.cfg, text=dataclasses.replace(vox.cfg.text, sliding_window=window))
+    model = nnx.eval_shape(lambda: VoxtralRealtime(cfg, rngs=nnx.Rngs(0)))
+    tensors = load_file(FIXTURES / "voxtral_tiny" / "model.safetensors")
+    load_hf_weights(model, tensors)
+    graphdef, state = nnx.split(model)
+    # The reference stores the post-final-norm output; the head is tied to the embedding.
+    expected = vox.ref["narrow_window_hidden_d6"][0] @ tensors["language_model.model.embed_tokens.weight"].T
+    slots = vox.ref["input_ids_d6"].shape[1]
+    assert window < slots and np.abs(expected[window:] - vox.ref["logits_d6"][0, window:]).max() > 0.1
+    return SimpleNamespace(cfg=cfg, graphdef=graphdef, state=state, window=window, expected=expected, slots=slots)
+
+
+def test_narrow_decoder_window_offline_matches_transformers(vox, narrow):
+    mel, ids = vox.ref["features_d6"][0].T[None], vox.ref["input_ids_d6"]
+    logits = method(narrow.graphdef, "offline_logits")(narrow.state, jnp.asarray(mel), jnp.asarray(ids, jnp.int32),
+                                                        jnp.asarray([6.0]))
+    np.testing.assert_allclose(np.asarray(logits)[0], narrow.expected, atol=1e-4)
+
+
+def test_narrow_decoder_window_streaming_wraps_the_ring(vox, narrow):
+    """Teacher-forced text_step over a shuffled 4-page ring that wraps ~6 times, two sessions with their own
+    random chunk sizes (0..4, garbage in the padding rows), audio embeddings from the reference adapter."""
+    rng, num_sessions, text = np.random.default_rng(1), 2, narrow.cfg.text
+    table, num_pages = shuffled_page_table(rng, num_sessions, narrow.window)
+    cache = init_kv_cache(text.num_layers, num_pages, text.num_kv_heads, PAGE_SIZE, text.head_dim)
+    text_step = method(narrow.graphdef, "text_step", donate=(4,))
+    ids, audio = vox.ref["input_ids_d6"][0], vox.ref["adapter_output_d6"][0]
+    written, chunk = [0] * num_sessions, 4
+    while min(written) < narrow.slots:
+        num_new = [min(int(rng.integers(0, chunk + 1)), narrow.slots - w) for w in written]
+        batch_ids = rng.integers(0, text.vocab_size, (num_sessions, chunk)).astype(np.int32)
+        batch_audio = rng.standard_normal((num_sessions, chunk, text.hidden_size)).astype(np.float32)
+        for s, (w, n) in enumerate(zip(written, num_new)):
+            batch_ids[s, :n], batch_audio[s, :n] = ids[w : w + n], audio[w : w + n]
+        logits, cache = text_step(narrow.state, jnp.asarray(batch_ids), jnp.asarray(batch_audio),
+                                  jnp.full((num_sessions,), 6.0), cache, table, jnp.asarray(written, jnp.int32),
+                                  jnp.asarray(num_new, jnp.int32))
+        logits = np.asarray(logits)
+        for s, (w, n) in enumerate(zip(written, num_new)):
+            np.testing.assert_allclose(logits[s, :n], narrow.expected[w : w + n], atol=1e-4)
+            written[s] += n
 
 
 def test_voxtral_mini_4b_parameter_count():

@@ -3,28 +3,48 @@ engine core whose device loop runs on its own thread.
 
 Threads: the asyncio side never touches scheduler state. It sends commands (closures) to the engine
 thread through a queue; the engine thread applies them between ticks, runs ticks while there is work,
-and posts outputs back to the event loop, one `call_soon_threadsafe` per tick.
+and posts outputs back to the event loop, one `call_soon_threadsafe` per tick. What the asyncio side may
+read is published by the engine thread: the `EngineMetrics` snapshot and each session's `AudioBacklog`
+counter.
+
+The contract a server needs: `start_transcription` answers `CapacityError` / `DrainingError` at once
+instead of waiting; `append` awaits under backpressure; `drain` stops admitting and lets sessions end;
+`healthy` turns False when the engine thread dies; `metrics()` is a thread-safe snapshot; every failure
+a caller sees is an `EngineError` with a stable `code` (jaxstream/errors.py).
 """
 import asyncio
 import dataclasses
+import logging
 import queue
 import threading
+import time
 import uuid
 
+from jaxstream.engine import metrics as engine_metrics
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.requests import RequestOutput, RequestOutputKind, SamplingParams, StreamingInput
 from jaxstream.engine.residency import END_OF_STREAM
-from jaxstream.engine.transcription_session import TranscriptionDone, TranscriptionSession
+from jaxstream.engine.transcription_session import (
+    SLOT_SECONDS, TranscriptionDone, TranscriptionSession, transcription_prompt,
+)
+from jaxstream.errors import (
+    CapacityError, DrainingError, EngineDeadError, EngineError, InvalidRequestError,
+)
+
+logger = logging.getLogger(__name__)
+_METRICS_PERIOD_S = 0.05  # how often a busy engine thread republishes its metrics snapshot
 
 
 class AsyncEngine:
     """Serves one model: a text LM through `generate`, or Voxtral Realtime through transcription sessions."""
 
-    def __init__(self, model, *, config: EngineConfig | None = None, tokenizer=None, eos_token_id=None):
+    def __init__(self, model, *, config: EngineConfig | None = None, tokenizer=None, eos_token_id=None,
+                 model_name: str = "jaxstream"):
         from jaxstream.engine import builders
         from jaxstream.models.config import VoxtralConfig
 
         self.config = config or EngineConfig()
+        self.model_name = model_name
         self.model_config = builders.model_config(model)
         self.tokenizer = tokenizer
         if isinstance(self.model_config, VoxtralConfig):
@@ -43,45 +63,106 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._outbox: list = []  # (loop, target, item) posted to the event loops after each tick
         self._stopping = False
+        self._draining = False
+        self.dead_reason: BaseException | None = None  # why the engine thread stopped, once it has
         self._idle_waiters: list = []  # (loop, future) resolved when the engine has nothing to do
-        self._live: set[str] = set()  # request / session ids whose stream has not ended (event-loop side)
+        # Request / session ids whose stream has not ended -> (loop, target): the event loops add and
+        # remove entries; the engine thread reads them once, when it stops, to end every stream.
+        self._live: dict[str, tuple] = {}
+        self._live_lock = threading.Lock()
+        self._metrics = engine_metrics.snapshot(self.core)
+        self._metrics_time = 0.0
         self._thread = threading.Thread(target=self._run, name="jaxstream-engine", daemon=True)
         self._thread.start()
 
     @classmethod
     def from_pretrained(cls, model_source, config: EngineConfig | None = None, *, dtype=None) -> "AsyncEngine":
-        """Loads a model (built-in name, local directory or hub id; models/loading.py) and starts an engine."""
+        """Loads a model (built-in name, local directory or hub id; models/loading.py) and starts an engine
+        that stops text generation at the EOS ids the checkpoint declares (else its tokenizer's)."""
         from jaxstream.engine import builders, sharding
-        from jaxstream.models.loading import load_model
-        from jaxstream.models.tokenizers import load_tokenizer
+        from jaxstream.models import loading
 
         config = config or EngineConfig()
         placement = sharding.Placement(config.mesh, config.tp_axis)
         rule = placement.param_sharding if config.mesh is not None else None
-        loaded = load_model(model_source, dtype=dtype or builders.engine_dtype(config), sharding=rule)
-        tokenizer = load_tokenizer(loaded.tokenizer_path) if loaded.tokenizer_path else None
-        return cls(loaded.model, config=config, tokenizer=tokenizer)
+        directory = loading.resolve_model_dir(model_source)
+        loaded = loading.load_model(directory, dtype=dtype or builders.engine_dtype(config), sharding=rule)
+        tokenizer = loading.load_checkpoint_tokenizer(directory, loaded.tokenizer_path)
+        _, eos_ids = loading.declared_token_ids(directory)
+        # No declared EOS: the engine takes the tokenizer's.
+        return cls(loaded.model, config=config, tokenizer=tokenizer, eos_token_id=eos_ids or None,
+                   model_name=str(model_source))
+
+    # -- state other threads read ---------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        """False once the engine is shut down or its thread died (`dead_reason` says why)."""
+        return self._thread.is_alive() and not self._stopping and self.dead_reason is None
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def default_delay_ms(self) -> int | None:
+        """The transcription delay of sessions started without one (None for text models)."""
+        if self.kind != "realtime":
+            return None
+        return int(self.config.default_delay_ms or self.model_config.default_delay_ms)
+
+    def metrics(self) -> engine_metrics.EngineMetrics:
+        """What the engine holds, as of its latest snapshot (at most ~50 ms old while busy; current when
+        idle). Safe to call from any thread."""
+        return self._metrics
+
+    @property
+    def max_live_sessions(self) -> int:
+        return self.config.max_live_sessions or self.config.max_sessions
 
     # -- engine thread --------------------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stopping:
+        try:
+            while not self._stopping:
+                self._drain_commands()
+                worked = False
+                if self.core.has_work():
+                    try:
+                        worked = self.core.step()
+                    except Exception as exc:  # noqa: BLE001 - an engine bug: end every session, keep serving
+                        logger.exception("engine tick failed; ending every session")
+                        self._fail_everything(exc)
+                now = time.monotonic()
+                if not worked or now - self._metrics_time > _METRICS_PERIOD_S:
+                    self._metrics, self._metrics_time = engine_metrics.snapshot(self.core), now
+                if self._idle_waiters and not self.core.has_work() and self._commands.empty():
+                    waiters, self._idle_waiters = self._idle_waiters, []
+                    self._outbox.extend((loop, _Resolve(future), None) for loop, future in waiters)
+                self._flush_outbox()
+                if not worked:
+                    self._wake.wait(timeout=0.05)
+                    self._wake.clear()
             self._drain_commands()
-            worked = False
-            if self.core.has_work():
-                try:
-                    worked = self.core.step()
-                except Exception as exc:  # noqa: BLE001 - an engine bug: end every session, keep serving
-                    self._fail_everything(exc)
-            if self._idle_waiters and not self.core.has_work() and self._commands.empty():
-                waiters, self._idle_waiters = self._idle_waiters, []
-                self._outbox.extend((loop, _Resolve(future), None) for loop, future in waiters)
+            ended = EngineDeadError("the engine was shut down")
+        except BaseException as exc:  # noqa: BLE001 - the thread is dying: say why to everyone waiting
+            logger.exception("the engine thread died")
+            ended = EngineDeadError(f"the engine thread died: {type(exc).__name__}: {exc}")
+            ended.__cause__ = exc
+            self.dead_reason = exc
+        self._end_everything(ended)
+
+    def _end_everything(self, error: EngineDeadError) -> None:
+        """The engine thread's last act: every session and every live stream (a `generate` whose input has
+        not produced its first chunk included) ends with `error`; idle waiters return."""
+        try:
+            self._fail_everything(error)
+            self._metrics = engine_metrics.snapshot(self.core)
+        finally:
+            with self._live_lock:
+                live = list(self._live.values())
+            self._outbox.extend((loop, target, error) for loop, target in live)
+            waiters, self._idle_waiters = self._idle_waiters, []
+            self._outbox.extend((loop, _Resolve(future), None) for loop, future in waiters)
             self._flush_outbox()
-            if not worked:
-                self._wake.wait(timeout=0.05)
-                self._wake.clear()
-        self._drain_commands()
-        self._fail_everything(RuntimeError("the engine was shut down"))
-        self._flush_outbox()
 
     def _drain_commands(self) -> None:
         while True:
@@ -102,10 +183,32 @@ class AsyncEngine:
 
     def _send(self, command, request_id: str | None = None) -> None:
         """Runs `command` on the engine thread before its next tick (commands run in order)."""
-        if self._stopping:
-            raise RuntimeError("the engine is shut down")
+        self._check_alive()
         self._commands.put((request_id, command))
         self._wake.set()
+
+    def _check_alive(self) -> None:
+        if not self.healthy:
+            reason = self.dead_reason
+            raise EngineDeadError("the engine is shut down" if reason is None else
+                                  f"the engine thread died: {type(reason).__name__}: {reason}")
+
+    def _register(self, request_id: str, target) -> None:
+        """Marks a stream live (ended by the engine thread if it stops). Raises if the id is taken."""
+        loop = asyncio.get_running_loop()
+        with self._live_lock:
+            if request_id in self._live:
+                raise InvalidRequestError(f"request id {request_id!r} is already running")
+            self._live[request_id] = (loop, target)
+
+    def _unregister(self, request_id: str) -> None:
+        with self._live_lock:
+            self._live.pop(request_id, None)
+
+    def _check_admitting(self) -> None:
+        self._check_alive()
+        if self._draining:
+            raise DrainingError("the engine is draining: it takes no new sessions")
 
     def _sink(self, target: asyncio.Queue):
         """A callable for the engine thread that hands items to `target` on the event loop."""
@@ -139,13 +242,12 @@ class AsyncEngine:
         params = sampling_params or SamplingParams()
         streaming = hasattr(prompt, "__aiter__")
         params.check_supported(streaming=streaming)
-        if request_id in self._live:
-            raise ValueError(f"request id {request_id!r} is already running")
+        self._check_admitting()
         ids = None if streaming else self._tokenize(prompt, first=True)
         outputs: asyncio.Queue = asyncio.Queue()
         sink = self._sink(outputs)
         feeder = None
-        self._live.add(request_id)
+        self._register(request_id, outputs)
         if streaming:
             feeder = asyncio.create_task(self._feed(prompt, request_id, params, sink, outputs))
         else:
@@ -170,7 +272,7 @@ class AsyncEngine:
                 if ended:
                     return
         finally:
-            self._live.discard(request_id)
+            self._unregister(request_id)
             if not ended:  # the consumer stopped early (cancel / aclose / break)
                 self._send_quietly(lambda: self.core.abort(request_id), request_id)
             if feeder is not None and not feeder.done():
@@ -189,7 +291,7 @@ class AsyncEngine:
                 if isinstance(chunk.prompt, dict) and "prompt_embeds" in chunk.prompt:
                     raise ValueError("prompt_embeds are not supported with streaming input")
                 ids = self._tokenize(chunk.prompt, first=first)
-                if request_id not in self._live:
+                if request_id not in self._live:  # read on the event loop, which alone changes it
                     return  # the session ended: nothing more is sent
                 is_first = first
                 self._send(lambda ids=ids, params=params, is_first=is_first: self.core.add_chunk(
@@ -215,7 +317,8 @@ class AsyncEngine:
             sink(exc)
 
     def _send_quietly(self, command, request_id: str | None = None) -> None:
-        if not self._stopping:
+        """`_send` for clean-up paths: a stopped engine has already ended every session."""
+        if self.healthy:
             self._send(command, request_id)
 
     def _tokenize(self, prompt, *, first: bool) -> list[int]:
@@ -226,7 +329,8 @@ class AsyncEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; pass token ids instead")
-            return ([self.tokenizer.bos_id] if first else []) + self.tokenizer.encode(prompt)
+            bos = [self.tokenizer.bos_id] if first and self.tokenizer.bos_id is not None else []
+            return bos + self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):
             return [int(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
         raise TypeError(f"unsupported prompt type {type(prompt).__name__}")
@@ -236,25 +340,46 @@ class AsyncEngine:
         self._send(lambda: self.core.abort(request_id), request_id)
 
     # -- transcription --------------------------------------------------------------------------------
-    async def start_transcription(self, delay_ms: int | None = None, session_id: str | None = None):
-        """A new realtime transcription session (see `jaxstream.transcription`)."""
+    async def start_transcription(self, delay_ms: int | None = None, *, session_id: str | None = None,
+                                  sample_rate: int = 16000) -> TranscriptionSession:
+        """A new realtime transcription session (see `jaxstream.transcription`) taking float PCM at
+        `sample_rate` Hz (resampled to 16 kHz as it streams).
+
+        Answers at once: `CapacityError` when `max_live_sessions` sessions are live, `DrainingError` while
+        draining, `EngineDeadError` after shutdown, `InvalidRequestError` for a bad delay or rate.
+        """
         from jaxstream.models.audio import StreamingLogMel, n_delay_from_ms
 
         if self.kind != "realtime":
-            raise ValueError("transcription needs a Voxtral Realtime model")
+            raise InvalidRequestError("transcription needs a Voxtral Realtime model")
+        self._check_admitting()
         cfg = self.model_config
-        delay_ms = delay_ms if delay_ms is not None else (self.config.default_delay_ms or cfg.default_delay_ms)
-        n_delay = n_delay_from_ms(delay_ms)
+        delay_ms = self.default_delay_ms if delay_ms is None else delay_ms
+        try:
+            n_delay = n_delay_from_ms(delay_ms)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        if isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or not 8000 <= sample_rate <= 192000:
+            raise InvalidRequestError(f"sample_rate must be an integer number of Hz in [8000, 192000], "
+                                      f"got {sample_rate!r}")
+        if len(self._live) >= self.max_live_sessions:
+            raise CapacityError(f"the engine holds {len(self._live)} sessions, its limit; try again later")
         session_id = session_id or uuid.uuid4().hex
-        if session_id in self._live:
-            raise ValueError(f"session id {session_id!r} is already running")
-        session = TranscriptionSession(self, session_id, int(delay_ms),
-                                       StreamingLogMel(n_delay, n_left_pad_tokens=cfg.n_left_pad_tokens))
-        prompt = [cfg.bos_id] + [cfg.streaming_pad_id] * (cfg.n_left_pad_tokens + n_delay)
-        sink = self._sink(_SessionEvents(session, self._live))
-        self._live.add(session_id)
-        self._send(lambda: self.core.add_session(session_id, n_delay=n_delay, delay_ms=int(delay_ms),
-                                                 prompt_ids=prompt, sink=sink), session_id)
+        max_slots = max(1, int(self.config.max_queued_audio_seconds / SLOT_SECONDS))
+        session = TranscriptionSession(_SessionLink(self, session_id), session_id, int(delay_ms),
+                                       StreamingLogMel(n_delay, n_left_pad_tokens=cfg.n_left_pad_tokens),
+                                       sample_rate=sample_rate, max_queued_slots=max_slots)
+        prompt = transcription_prompt(cfg, n_delay)
+        events = _SessionEvents(session, self)
+        self._register(session_id, events)
+        sink = self._sink(events)
+        try:
+            self._send(lambda: self.core.add_session(session_id, n_delay=n_delay, delay_ms=int(delay_ms),
+                                                     prompt_ids=prompt, sink=sink, backlog=session.backlog),
+                       session_id)
+        except EngineError:
+            self._unregister(session_id)
+            raise
         return session
 
     async def transcribe(self, pcm, delay_ms: int | None = None) -> TranscriptionDone:
@@ -267,33 +392,34 @@ class AsyncEngine:
             if isinstance(event, TranscriptionDone):
                 done = event
         if done is None:
-            raise RuntimeError("the transcription ended without a result")
+            raise EngineError("the transcription ended without a result")
         return done
-
-    def _check_backlog(self, session_id: str, num_samples: int) -> None:
-        queued_seconds = self.core.queued_slots(session_id) * 0.08 + num_samples / 16000
-        if queued_seconds > self.config.max_queued_audio_seconds:
-            raise BufferError(f"session {session_id}: more than {self.config.max_queued_audio_seconds:g} s of "
-                              "audio queued; the engine is behind (append more slowly)")
-
-    def _send_audio(self, session_id: str, mel_slots, num_samples: int, total_slots=None) -> None:
-        self._send(lambda: self.core.add_audio(session_id, mel_slots, num_samples, total_slots), session_id)
-
-    def _abort_transcription(self, session_id: str) -> None:
-        self._live.discard(session_id)
-        self._send_quietly(lambda: self.core.abort(session_id), session_id)
 
     async def wait_until_idle(self) -> None:
         """Returns once every command sent so far is applied and no session has work the engine could do
-        now (for tests, benchmarks and draining)."""
+        now (for tests, benchmarks and draining). Returns at once when the engine is stopped."""
+        if not self.healthy:
+            return
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._send(lambda: self._idle_waiters.append((loop, future)))
+        try:
+            self._send(lambda: self._idle_waiters.append((loop, future)))
+        except EngineDeadError:
+            return
         await future
 
     # -- lifecycle ------------------------------------------------------------------------------------
+    async def drain(self, timeout: float) -> bool:
+        """Stops admitting new sessions (`DrainingError`) and waits up to `timeout` seconds for the live
+        ones to end. Returns True when none is left; the caller decides what to do with the rest."""
+        self._draining = True
+        deadline = time.monotonic() + timeout
+        while self._live and self.healthy and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return not self._live
+
     async def shutdown(self) -> None:
-        """Stops the engine thread; sessions still running end with an error."""
+        """Stops the engine thread; sessions still running end with `EngineDeadError`."""
         await asyncio.to_thread(self.close)
 
     def close(self) -> None:
@@ -323,16 +449,34 @@ class _Resolve:
             self._future.set_result(None)
 
 
+class _SessionLink:
+    """What a `TranscriptionSession` may ask of its engine: commands for its own session id."""
+
+    def __init__(self, engine: AsyncEngine, session_id: str):
+        self._engine = engine
+        self._session_id = session_id
+
+    def send_audio(self, mel_slots, samples: float, total_slots: int | None = None) -> None:
+        engine, session_id = self._engine, self._session_id
+        engine._send(lambda: engine.core.add_audio(session_id, mel_slots, samples, total_slots), session_id)
+
+    def abort(self, reason: str) -> None:
+        engine, session_id = self._engine, self._session_id
+        engine._unregister(session_id)
+        logger.debug("transcription session %s aborted: %s", session_id, reason)
+        engine._send_quietly(lambda: engine.core.abort(session_id), session_id)
+
+
 class _SessionEvents:
     """Adapts a transcription session to the sink target interface and tracks its end."""
 
-    def __init__(self, session: TranscriptionSession, live: set):
+    def __init__(self, session: TranscriptionSession, engine: AsyncEngine):
         self._session = session
-        self._live = live
+        self._engine = engine
 
     def put_nowait(self, event) -> None:
         if event is None or isinstance(event, (BaseException, TranscriptionDone)):
-            self._live.discard(self._session.session_id)
+            self._engine._unregister(self._session.session_id)
         self._session._put(event)
 
 

@@ -27,10 +27,15 @@ def build_text_core(model, engine_cfg: EngineConfig, *, eos_token_id=None, detok
                     warm_up=True) -> TextScheduler:
     cfg = model_config(model)
     max_model_len = min(engine_cfg.max_model_len or cfg.max_positions, cfg.max_positions)
+    ring = min(cfg.attention_window, max_model_len)
+    if ring < cfg.attention_window:
+        # No session outgrows max_model_len, so attending over the ring alone is exact, and the kernel
+        # must not be asked for a window the ring does not hold.
+        model = model.with_attention_window(ring)
     spec = kv_cache.stack_spec(
         STACK, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-        page_size=engine_cfg.page_size, ring=min(cfg.attention_window, max_model_len),
-        num_pages=engine_cfg.num_pages, max_sessions=engine_cfg.max_sessions)
+        page_size=engine_cfg.page_size, ring=ring, num_pages=engine_cfg.num_pages,
+        max_sessions=engine_cfg.max_sessions)
     placement = sharding.Placement(engine_cfg.mesh, engine_cfg.tp_axis)
     [spec] = fit_pools([spec], engine_cfg, placement)
     check_pool(spec)

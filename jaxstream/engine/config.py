@@ -1,6 +1,10 @@
 """`EngineConfig`: the knobs of one engine instance (capacity, shape buckets, limits, placement)."""
 import dataclasses
+import math
+import numbers
 from typing import Any
+
+from jaxstream.errors import InvalidRequestError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,13 +21,19 @@ class EngineConfig:
       dropping its KV (its context is recomputed on resume); a transcription session cannot be recomputed
       (its audio is gone), so a new one waits until a session ends or host memory frees up.
     * When the page pool runs out, parked sessions are evicted first; if none is parked, the most recently
-      admitted running text session is preempted (its KV is recomputed later, vLLM's rule), and a
-      transcription session waits for pages (a stream whose audio keeps arriving then falls behind).
+      admitted running text session is preempted (its KV is recomputed later, vLLM's rule). A
+      transcription session cannot recompute (its audio is gone), so its admission commits a whole window
+      of every pool to it: every admitted stream can always advance, and a stream that finds the pools
+      committed waits (after parked sessions are evicted) until one ends.
+    * `max_live_sessions` (default `max_sessions`) bounds the transcription sessions the engine accepts at
+      once, running, parked or evicted: `start_transcription` beyond it raises `CapacityError` at once
+      instead of queueing a stream nobody computes.
     * `max_model_len` caps the cumulative context of a text session: reaching it ends the *session* with
       finish reason `length` (vLLM leaves this undefined). Transcription streams have no length limit:
       both attention rings wrap, so memory per stream is bounded by the windows.
     * `max_queued_audio_seconds` bounds the audio a transcription session may have queued but not yet
-      processed; an append beyond it raises `BufferError` (backpressure instead of unbounded memory).
+      processed (counted from the caller's side, so audio still in the command queue counts); an append
+      beyond it awaits until the engine catches up (or raises `BacklogError` with `wait=False`).
     """
 
     max_sessions: int = 64
@@ -55,18 +65,33 @@ class EngineConfig:
     tp_axis: str = "tp"
     # "vllm": a stream closed while parked just ends; "strict": it ends with an empty finished output.
     compat: str = "vllm"
+    max_live_sessions: int | None = None  # transcription sessions accepted at once; None: max_sessions
 
     def __post_init__(self):
-        if self.max_sessions < 1:
-            raise ValueError("max_sessions must be >= 1")
-        if self.page_size < 1 or self.encoder_page_size < 1:
-            raise ValueError("page sizes must be >= 1")
+        """Rejects, with `InvalidRequestError`, every value the engine would misuse rather than fail on at
+        once (a token budget of 0, say, schedules nothing, forever); buckets become tuples of ints.
+
+        `max_num_batched_tokens` only needs to be >= 1: a tick with a smaller budget than its decode rows
+        or prefill chunk schedules fewer rows and splits the prefill, and every session still advances."""
+        for name in ("max_sessions", "page_size", "encoder_page_size", "max_num_batched_tokens"):
+            _check_int(self, name, minimum=1)
+        for name, minimum in (("num_pages", 2), ("encoder_num_pages", 2), ("max_model_len", 1),
+                              ("max_live_sessions", 1)):
+            if getattr(self, name) is not None:
+                _check_int(self, name, minimum=minimum)
+        _check_int(self, "host_offload_bytes", minimum=0)
+        _check_int(self, "seed")
+        _check_real(self, "kv_memory_fraction", lambda f: 0 < f <= 1, "a number in (0, 1]")
+        _check_real(self, "max_queued_audio_seconds", lambda s: 0 < s < math.inf, "a finite number > 0")
+        _set_buckets(self, "prefill_buckets", pairs=True)
+        _set_buckets(self, "realtime_step_buckets", pairs=False)
+        if self.batch_buckets is not None:
+            _set_buckets(self, "batch_buckets", pairs=False)
+        if self.realtime_prefill_buckets is not None:
+            _set_buckets(self, "realtime_prefill_buckets", pairs=True)
         if self.compat not in ("vllm", "strict"):
-            raise ValueError("compat must be 'vllm' or 'strict'")
-        if not self.prefill_buckets or not self.realtime_step_buckets:
-            raise ValueError("prefill_buckets and realtime_step_buckets must not be empty")
-        if any(rows < 1 or chunk < 1 for rows, chunk in self.prefill_buckets):
-            raise ValueError("prefill buckets must be positive (rows, chunk) pairs")
+            _fail("compat", self.compat, "'vllm' or 'strict'")
+        _check_choices(self)
 
     @property
     def decode_batch_buckets(self) -> tuple[int, ...]:
@@ -75,3 +100,69 @@ class EngineConfig:
         else:
             buckets = {4**i for i in range(12) if 4**i < self.max_sessions}
         return tuple(sorted(buckets | {self.max_sessions}))
+
+
+# -- validation helpers of `EngineConfig.__post_init__` ----------------------------------------------------
+
+def _fail(name: str, value, expected: str):
+    raise InvalidRequestError(f"EngineConfig.{name} must be {expected}, got {value!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_int(cfg: EngineConfig, name: str, *, minimum: int | None = None) -> None:
+    value = getattr(cfg, name)
+    if not _is_int(value) or (minimum is not None and value < minimum):
+        _fail(name, value, "an integer" + (f" >= {minimum}" if minimum is not None else ""))
+
+
+def _check_real(cfg: EngineConfig, name: str, valid, expected: str) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not valid(value):
+        _fail(name, value, expected)
+
+
+def _set_buckets(cfg: EngineConfig, name: str, *, pairs: bool) -> None:
+    """A non-empty sequence of positive ints (or of (rows, length) pairs of them), stored as tuples."""
+    value = getattr(cfg, name)
+    expected = "a non-empty sequence of " + ("(rows, length) pairs of ints >= 1" if pairs else "ints >= 1")
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not value:
+        _fail(name, value, expected)
+    buckets = []
+    for bucket in value:
+        parts = tuple(bucket) if pairs and isinstance(bucket, (list, tuple)) else (bucket,)
+        if len(parts) != (2 if pairs else 1) or not all(_is_int(part) and part >= 1 for part in parts):
+            _fail(name, value, expected)
+        buckets.append(tuple(int(part) for part in parts) if pairs else int(bucket))
+    object.__setattr__(cfg, name, tuple(buckets))
+
+
+def _check_choices(cfg: EngineConfig) -> None:
+    """The fields whose valid values another module owns (delays, dtypes, kernels, mesh axes)."""
+    if cfg.default_delay_ms is not None:
+        from jaxstream.models.audio import n_delay_from_ms
+
+        try:
+            n_delay_from_ms(cfg.default_delay_ms)
+        except ValueError as exc:
+            raise InvalidRequestError(f"EngineConfig.default_delay_ms: {exc}") from None
+    if cfg.dtype is not None:
+        import jax.numpy as jnp
+
+        try:
+            floating = jnp.issubdtype(jnp.dtype(cfg.dtype), jnp.floating)
+        except TypeError:
+            floating = False
+        if not floating:
+            _fail("dtype", cfg.dtype, "a floating-point dtype name (e.g. 'float32', 'bfloat16') or None")
+    if cfg.attention_impl is not None:
+        from jaxstream.tpu_kernels.ring_attention.api import IMPLEMENTATIONS
+
+        if cfg.attention_impl not in IMPLEMENTATIONS:
+            _fail("attention_impl", cfg.attention_impl, f"one of {', '.join(IMPLEMENTATIONS)} or None")
+    if not isinstance(cfg.tp_axis, str):
+        _fail("tp_axis", cfg.tp_axis, "a mesh axis name")
+    if cfg.mesh is not None and cfg.tp_axis not in getattr(cfg.mesh, "axis_names", ()):
+        _fail("mesh", cfg.mesh, f"a jax.sharding.Mesh with a {cfg.tp_axis!r} axis (tp_axis)")

@@ -1,7 +1,20 @@
 """Request-side types with vLLM's names: `SamplingParams`, `StreamingInput`, `RequestOutput`."""
 import dataclasses
 import enum
+import math
+import numbers
 from typing import Any
+
+import numpy as np
+
+from jaxstream.errors import InvalidRequestError
+
+# Bounds of the per-row arrays a batch carries to the device (int32 top-k, float32 temperature / top-p).
+_INT32_MAX = 2**31 - 1
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+# Seeds take any 64-bit value, signed or not (torch's `manual_seed` range, as vLLM); the engine reduces
+# them to the 32 bits its PRNG keys hold.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
 class RequestOutputKind(enum.Enum):
@@ -14,8 +27,9 @@ class RequestOutputKind(enum.Enum):
 class SamplingParams:
     """Per-chunk sampling and stopping parameters (vLLM's names and meanings).
 
-    `max_tokens=None` means `max_model_len - len(chunk prompt)`; `temperature=0` is greedy; `top_k <= 0`
-    and `top_p = 1` disable those filters; `seed` makes sampling reproducible per session.
+    `max_tokens=None` means `max_model_len - len(chunk prompt)`; `temperature=0` is greedy; `top_k` 0 or
+    -1 and `top_p = 1` disable those filters; `seed` makes sampling reproducible per session. Invalid
+    values raise `InvalidRequestError` here (`bool` is not accepted where a number is expected).
     """
 
     n: int = 1
@@ -33,29 +47,44 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        if self.stop_token_ids is not None:
-            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
+        """Checks every field and keeps plain Python values: anything the engine could not put in a batch
+        raises `InvalidRequestError` here, so one bad request fails alone instead of every request
+        dispatched with it."""
+        fields = {
+            "n": _int("n", self.n, 1),
+            "temperature": _float("temperature", self.temperature),
+            "top_p": _float("top_p", self.top_p),
+            "top_k": _int("top_k", self.top_k, -1, _INT32_MAX),
+            "seed": None if self.seed is None else _int("seed", self.seed, _SEED_MIN, _SEED_MAX),
+            "max_tokens": None if self.max_tokens is None else _int("max_tokens", self.max_tokens, 1),
+            "min_tokens": _int("min_tokens", self.min_tokens, 0),
+            "logprobs": None if self.logprobs is None else _int("logprobs", self.logprobs, 0),
+            "stop": _stop_strings(self.stop),
+            "stop_token_ids": _stop_token_ids(self.stop_token_ids),
+        }
+        if fields["temperature"] < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < fields["top_p"] <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if fields["max_tokens"] is not None and fields["min_tokens"] > fields["max_tokens"]:
+            raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise InvalidRequestError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
 
     def check_supported(self, *, streaming: bool) -> None:
-        """Raises ValueError for what jaxstream does not serve (vLLM rejects the same for streaming input)."""
+        """Raises InvalidRequestError for what jaxstream does not serve (vLLM rejects the same for streaming
+        input)."""
         if self.n != 1:
-            raise ValueError("n > 1 is not supported")
+            raise InvalidRequestError("n > 1 is not supported")
         if self.stop:
-            raise ValueError("stop strings are not supported; use stop_token_ids")
+            raise InvalidRequestError("stop strings are not supported; use stop_token_ids")
         if streaming and self.output_kind is RequestOutputKind.FINAL_ONLY:
-            raise ValueError("output_kind FINAL_ONLY is not supported with streaming input")
+            raise InvalidRequestError("output_kind FINAL_ONLY is not supported with streaming input")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,3 +114,37 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt: str | None = None
+
+
+def _int(name: str, value, minimum: int, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise InvalidRequestError(f"{name} must be {bound}, got {value}")
+    return int(value)
+
+
+def _float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidRequestError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
+        raise InvalidRequestError(f"{name} must be finite (and within float32), got {value}")
+    return float(value)
+
+
+def _stop_strings(stop) -> tuple[str, ...] | None:
+    if stop is None:
+        return None
+    stop = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(text, str) for text in stop):
+        raise InvalidRequestError(f"stop must be a string or a list of strings, got {stop!r}")
+    return tuple(stop)
+
+
+def _stop_token_ids(ids) -> tuple[int, ...] | None:
+    if ids is None:
+        return None
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise InvalidRequestError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+    return tuple(_int("stop_token_ids entry", token, 0, _INT32_MAX) for token in ids)

@@ -73,6 +73,11 @@ class Residency:
         self.tick = 0
         self.evictions = 0  # sessions moved off the device (to host memory or to recompute)
         self.tick_stats: collections.deque[TickStats] = collections.deque(maxlen=100_000)
+        self.ticks_recorded = 0  # every tick that did work, including those the deque has dropped
+
+    def record_tick(self, stats: TickStats) -> None:
+        self.tick_stats.append(stats)
+        self.ticks_recorded += 1
 
     def fetch(self, outputs):
         """Blocks on the device results of a tick; returns (host copies, seconds waited)."""

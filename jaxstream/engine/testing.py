@@ -10,6 +10,8 @@ last W positions, the current token included) is
 which `toy_next_token` computes in plain Python as the test oracle. Its logits fall off with the circular
 distance from that token, so temperature / top-k / top-p sampling have a non-trivial distribution.
 """
+import dataclasses
+
 import jax.numpy as jnp
 from flax import nnx
 
@@ -71,3 +73,9 @@ class ToyLM(nnx.Module):
         if logits_at is not None:
             logits = jnp.take_along_axis(logits, logits_at[:, None, None], axis=1)[:, 0]
         return logits, new_cache
+
+    def with_attention_window(self, window: int) -> "ToyLM":
+        """TextLM's contract (models/text_lm.py): the same parameters over at most `window` positions."""
+        view = nnx.merge(*nnx.split(self))
+        view.cfg = dataclasses.replace(self.cfg, sliding_window=min(window, self.cfg.attention_window))
+        return view

@@ -14,6 +14,7 @@ prefill bucket; both are dispatched before one host sync.
 """
 import collections
 import dataclasses
+import numbers
 import time
 
 from jaxstream.engine import steps
@@ -72,7 +73,10 @@ class TextScheduler(Residency):
         self.cfg = engine_cfg
         self.vocab_size = model_cfg.vocab_size
         self.max_model_len = max_model_len
-        self.eos_token_id = eos_token_id
+        # One id or several (Llama 3's generation_config stops at any of three).
+        if isinstance(eos_token_id, numbers.Integral):
+            eos_token_id = (eos_token_id,)
+        self.eos_token_ids = frozenset(int(token) for token in eos_token_id or ())
         self.detokenizer_factory = detokenizer_factory
         self.waiting: collections.deque[TextSession] = collections.deque()
         self.running: list[TextSession] = []
@@ -223,7 +227,7 @@ class TextScheduler(Residency):
                 except Exception as exc:  # noqa: BLE001 - isolate host-side failures to their session
                     self.fail(session, exc)
         rows = decode + prefill
-        self.tick_stats.append(TickStats(len(rows), sum(count for _, _, count in rows),
+        self.record_tick(TickStats(len(rows), sum(count for _, _, count in rows),
                                          time.perf_counter() - start, waited))
         return True
 
@@ -352,7 +356,7 @@ class TextScheduler(Residency):
         if produced < session.params.min_tokens:
             return None, None, False
         last = session.outputs[-1]
-        if not session.params.ignore_eos and last == self.eos_token_id:
+        if not session.params.ignore_eos and last in self.eos_token_ids:
             return "stop", None, False
         if session.params.stop_token_ids and last in session.params.stop_token_ids:
             return "stop", last, False

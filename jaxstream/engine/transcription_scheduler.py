@@ -20,15 +20,15 @@ import numpy as np
 from jaxstream.engine import steps
 from jaxstream.engine.residency import Residency, SessionBase, Status, TickStats, deliver
 from jaxstream.engine.transcription_session import (
-    TranscriptionDelta, TranscriptionDone, TranscriptionUsage, token_time, word_timings,
+    PROGRESS, TranscriptionDelta, TranscriptionDone, TranscriptionUsage, token_time, word_timings,
 )
-
-SAMPLE_RATE = 16000
+from jaxstream.models.audio import SAMPLING_RATE
 
 
 class RealtimeSession(SessionBase):
-    def __init__(self, request_id, sink, pages, *, n_delay: int, delay_ms: int, prompt_ids, decoder):
+    def __init__(self, request_id, sink, pages, *, n_delay: int, delay_ms: int, prompt_ids, decoder, backlog):
         super().__init__(request_id, sink, pages)
+        self.backlog = backlog  # transcription_session.AudioBacklog: this thread writes `consumed` only
         self.n_delay = n_delay
         self.delay_ms = delay_ms
         self.prompt_ids = list(prompt_ids)
@@ -36,7 +36,7 @@ class RealtimeSession(SessionBase):
         self.fed = 0  # decoder positions dispatched (= audio slots consumed)
         self.in_flight = 0  # dispatches whose tokens are not collected yet
         self.total_slots: int | None = None  # known once the input is finished
-        self.samples = 0  # real samples received
+        self.samples = 0.0  # real audio received, in 16 kHz samples
         self.generated: list[int] = []
         self.undelivered: list[int] = []  # ids not yet carried by a delta
         self.decoder = decoder
@@ -98,14 +98,14 @@ class RealtimeScheduler(Residency):
         self.cache.warm_up()
 
     # -- commands (engine thread) ---------------------------------------------------------------------
-    def add_session(self, request_id: str, *, n_delay: int, delay_ms: int, prompt_ids, sink) -> None:
+    def add_session(self, request_id: str, *, n_delay: int, delay_ms: int, prompt_ids, sink, backlog) -> None:
         session = RealtimeSession(request_id, sink, self.cache.new_pages(), n_delay=n_delay, delay_ms=delay_ms,
-                                  prompt_ids=prompt_ids, decoder=self.tokenizer.stream_decoder())
+                                  prompt_ids=prompt_ids, decoder=self.tokenizer.stream_decoder(), backlog=backlog)
         session.arrival = next(self._arrivals)
         self.sessions[request_id] = session
         self.touch(session)
 
-    def add_audio(self, request_id: str, mel_slots: np.ndarray, samples: int, total_slots=None) -> None:
+    def add_audio(self, request_id: str, mel_slots: np.ndarray, samples: float, total_slots=None) -> None:
         session = self.sessions.get(request_id)
         if session is None:
             return
@@ -128,10 +128,6 @@ class RealtimeScheduler(Residency):
         if session is not None:
             self.release(session)
             deliver(session, None)
-
-    def queued_slots(self, request_id: str) -> int:
-        session = self.sessions.get(request_id)
-        return len(session.mel) if session is not None else 0
 
     def has_work(self) -> bool:
         return bool(self._in_flight) or any(s.feedable() for s in self.sessions.values())
@@ -164,7 +160,7 @@ class RealtimeScheduler(Residency):
         if not previous and not dispatched:
             return False
         rows = [row for group, _ in previous for row in group]
-        self.tick_stats.append(TickStats(len(rows), sum(count for _, _, count in rows),
+        self.record_tick(TickStats(len(rows), sum(count for _, _, count in rows),
                                          time.perf_counter() - start, waited))
         return True
 
@@ -228,6 +224,24 @@ class RealtimeScheduler(Residency):
         buckets = self.cfg.realtime_step_buckets
         return max(buckets, key=lambda k: (sum(min(c, k) for c in counts) / (k + 1), k))
 
+    def admit(self, session: RealtimeSession) -> bool:
+        """Admission commits a whole window of every pool to the session (pages are still assigned as the
+        stream grows). A transcription session cannot give its KV back (its audio is gone), so without the
+        commitment two growing streams could each hold part of the pool and wait for each other forever;
+        with it, every resident stream can always reach its full window, and the rest wait their turn."""
+        if session.resident:
+            return True
+        while not self._window_fits():
+            if not self.evict_one_parked(protect=(session,)):
+                return False
+        return super().admit(session)
+
+    def _window_fits(self) -> bool:
+        """One more resident session's full windows fit beside those of the resident ones."""
+        resident = self.num_resident
+        return all((resident + 1) * spec.pages_per_window <= self.cache.pools[name].capacity
+                   for name, spec in self.cache.specs.items())
+
     def _place(self, session: RealtimeSession, count: int, scheduled: set) -> bool:
         """Admits the session and reserves pages for its next `count` slots (False: it waits)."""
         if not self.admit(session):
@@ -258,6 +272,9 @@ class RealtimeScheduler(Residency):
         for i, (session, start, count) in enumerate(rows):
             for k in range(count):
                 mel[i, k * frames : (k + 1) * frames] = session.mel.popleft()
+            session.backlog.consumed += count
+            if session.backlog.waiting:
+                deliver(session, PROGRESS)
             if with_tokens:
                 batch["token_ids"][i, :count] = session.prompt_ids[start : start + count]
         used = len(rows)
@@ -280,7 +297,7 @@ class RealtimeScheduler(Residency):
         ended = self.eos_id in new or self._input_consumed(session)
         if text:
             session.text += text
-            audio_seconds = min(token_time(len(session.generated) - 1), session.samples / SAMPLE_RATE)
+            audio_seconds = min(token_time(len(session.generated) - 1), session.samples / SAMPLING_RATE)
             deliver(session, TranscriptionDelta(text, session.undelivered, audio_seconds))
             session.undelivered = []
         if ended:
@@ -288,7 +305,7 @@ class RealtimeScheduler(Residency):
 
     def _done(self, session: RealtimeSession) -> None:
         tail = session.decoder.flush()
-        audio_seconds = session.samples / SAMPLE_RATE
+        audio_seconds = session.samples / SAMPLING_RATE
         if tail:
             session.text += tail
             deliver(session, TranscriptionDelta(tail, session.undelivered, audio_seconds))

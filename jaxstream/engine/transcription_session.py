@@ -13,6 +13,9 @@ import dataclasses
 
 import numpy as np
 
+from jaxstream.errors import BacklogError, EngineError, InvalidAudioError, SessionClosedError
+from jaxstream.models.audio import SAMPLING_RATE, AudioError
+
 SLOT_SECONDS = 0.08
 
 
@@ -48,6 +51,12 @@ class TranscriptionDone:
     words: list[WordTiming]
     usage: TranscriptionUsage
     delay_ms: int
+
+
+def transcription_prompt(model_cfg, n_delay: int) -> list[int]:
+    """The decoder prompt of a stream: BOS, then `[STREAMING_PAD]` for the 32 left-pad slots and the
+    `n_delay` delay slots (mistral-common's streaming prefix; spec voxtral_realtime.md §4)."""
+    return [model_cfg.bos_id] + [model_cfg.streaming_pad_id] * (model_cfg.n_left_pad_tokens + n_delay)
 
 
 def token_time(index: int) -> float:
@@ -92,72 +101,187 @@ def word_timings(token_ids, tokenizer, audio_seconds: float) -> list[WordTiming]
     return words
 
 
+class AudioBacklog:
+    """Slots of one session's audio handed to the engine but not yet computed, shared by two threads.
+
+    Each counter has one writer: `sent` and `waiting` the event loop, `consumed` the engine thread (when a
+    slot goes into a dispatched batch). Their difference counts audio still in the command queue too, which
+    the scheduler's own state cannot see. While `waiting` is set, the scheduler wakes the appender after
+    consuming (the `PROGRESS` event).
+    """
+
+    def __init__(self):
+        self.sent = 0
+        self.consumed = 0
+        self.waiting = False
+
+    @property
+    def queued(self) -> int:
+        return self.sent - self.consumed
+
+
+PROGRESS = object()  # delivered to a session's events when it consumed audio while an append waits
+
+
 class TranscriptionSession:
     """One realtime transcription stream. Feed it PCM with `append`, end it with `finish`, and iterate it
     for `TranscriptionDelta`s followed by one `TranscriptionDone` (an engine or input error is raised from
-    the iterator). Created by `AsyncEngine.start_transcription`."""
+    the iterator as an `EngineError`). Created by `AsyncEngine.start_transcription`.
 
-    def __init__(self, engine, session_id: str, delay_ms: int, front_end):
+    The front end (resampling and log-mel) runs in a worker thread, off the event loop; appends and
+    `finish` of one session run in call order.
+    """
+
+    def __init__(self, link, session_id: str, delay_ms: int, front_end, *, sample_rate: int = SAMPLING_RATE,
+                 max_queued_slots: int):
         self.session_id = session_id
         self.delay_ms = delay_ms
-        self._engine = engine
-        self._front = front_end  # models.audio.StreamingLogMel; used on the event-loop thread only
+        self.sample_rate = sample_rate
+        self._link = link  # the engine's `SessionLink`: sends commands, never touches scheduler state
+        self._front = front_end  # models.audio.StreamingLogMel
+        self._resampler = None
+        if sample_rate != SAMPLING_RATE:
+            import soxr
+
+            self._resampler = soxr.ResampleStream(sample_rate, SAMPLING_RATE, 1, dtype="float32", quality="HQ")
+        self.backlog = AudioBacklog()
+        self._max_queued_slots = max_queued_slots
+        self._room = asyncio.Event()  # set when the engine consumed audio or the session ended
+        self._order = asyncio.Lock()  # appends and finish reach the front end in call order
         self._events: asyncio.Queue = asyncio.Queue()
         self._closed = False  # finish() or abort() called
-        self._ended = False  # the iterator has returned its last event
+        self.outcome: str | BaseException | None = None  # "done", an abort reason, or the error; None while live
+        self._iterated = False  # the iterator has returned its last event
 
-    async def append(self, pcm: np.ndarray) -> None:
-        """Queues float32 mono 16 kHz PCM of any size. Raises on bad audio, after finish/abort, or when more
-        than `max_queued_audio_seconds` are waiting (backpressure). Audio that arrives after the model
-        ended the transcription on its own (end-of-text token) is ignored."""
-        if self._closed:
-            raise RuntimeError(f"transcription session {self.session_id} is finished; cannot append audio")
+    async def append(self, pcm: np.ndarray, *, wait: bool = True) -> None:
+        """Queues float mono PCM at the session's sample rate, of any size.
+
+        While more than `max_queued_audio_seconds` of this session's audio waits to be computed, it waits
+        for the engine to catch up (backpressure), or raises `BacklogError` with `wait=False`. Raises
+        `InvalidAudioError` for unusable audio, `SessionClosedError` after `finish`/`abort` or once the
+        session failed. Audio that arrives after the model ended the transcription on its own
+        (end-of-text token) is ignored.
+        """
+        if self._closed or (self.outcome is not None and self.outcome != "done"):
+            raise SessionClosedError(f"transcription session {self.session_id} is "
+                                     f"{self._describe_end()}; it takes no more audio")
         pcm = np.asarray(pcm)
         if pcm.ndim != 1 or not np.issubdtype(pcm.dtype, np.floating):
-            raise ValueError(f"pcm must be a 1-D float array of 16 kHz mono samples, got {pcm.dtype} "
-                             f"{pcm.shape}")
-        if self._ended:
+            raise InvalidAudioError(f"pcm must be a 1-D float array of mono samples, got {pcm.dtype} {pcm.shape}")
+        if self.outcome == "done":
             return
-        self._engine._check_backlog(self.session_id, pcm.size)
+        async with self._order:
+            try:
+                slots = await asyncio.to_thread(self._front_end_push, pcm)
+            except AudioError as exc:
+                raise InvalidAudioError(str(exc)) from None
+            await self._wait_for_room(len(slots), wait=wait)
+            if self.outcome is not None:
+                return  # ended (aborted, failed or the model finished) while this append waited
+            self.backlog.sent += len(slots)
+            self._link.send_audio(slots, pcm.size * SAMPLING_RATE / self.sample_rate)
+
+    def _front_end_push(self, pcm: np.ndarray) -> np.ndarray:
+        if self._resampler is not None:
+            pcm = self._resampler.resample_chunk(pcm.astype(np.float32))
         self._front.push(pcm)
-        self._engine._send_audio(self.session_id, self._front.take(), pcm.size)
+        return self._front.take()
+
+    async def _wait_for_room(self, slots: int, *, wait: bool) -> None:
+        """Returns once `slots` more fit under the backlog bound; a lone oversized append always fits."""
+        backlog = self.backlog
+        while backlog.queued and backlog.queued + slots > self._max_queued_slots and self.outcome is None:
+            if not wait:
+                raise BacklogError(f"session {self.session_id}: more than {self._max_queued_slots * SLOT_SECONDS:g} s "
+                                   "of audio queued; the engine is behind")
+            self._room.clear()
+            backlog.waiting = True  # set before the re-check above runs again: no wake-up is missed
+            if backlog.queued and backlog.queued + slots > self._max_queued_slots:
+                try:
+                    await asyncio.wait_for(self._room.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    pass  # re-check; the engine may be slow, and a wake-up is only a hint
+            backlog.waiting = False
 
     async def finish(self) -> None:
-        """End of the audio: right padding is added and the remaining text flushed."""
+        """End of the audio: right padding is added and the remaining text flushed. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._front.finish()
-        self._engine._send_audio(self.session_id, self._front.take(), 0, total_slots=self._front.total_slots)
+        async with self._order:
+            if self.outcome is not None:
+                return
+            slots = await asyncio.to_thread(self._front_end_finish)
+            self.backlog.sent += len(slots)
+            self._link.send_audio(slots, 0, total_slots=self._front.total_slots)
 
-    async def abort(self) -> None:
-        """Stops the session now; the iterator ends without a `TranscriptionDone`."""
-        if not self._ended:
-            self._closed = True
-            self._engine._abort_transcription(self.session_id)
+    def _front_end_finish(self) -> np.ndarray:
+        if self._resampler is not None:
+            self._front.push(self._resampler.resample_chunk(np.zeros(0, np.float32), last=True))
+        self._front.finish()
+        return self._front.take()
+
+    async def abort(self, reason: str = "aborted") -> None:
+        """Stops the session now and frees what it holds in the engine; the iterator ends without a
+        `TranscriptionDone`. `reason` is kept in `outcome`. Idempotent."""
+        self._abort_now(reason)
+
+    def _abort_now(self, reason: str) -> None:
+        self._closed = True
+        if self.outcome is None:
+            self.outcome = reason
+            self._room.set()
+            self._link.abort(reason)
+
+    def _describe_end(self) -> str:
+        if isinstance(self.outcome, BaseException):
+            return f"failed ({self.outcome})"
+        return "finished" if self.outcome in (None, "done") else f"ended ({self.outcome})"
 
     def _put(self, event) -> None:
+        """Called on the event loop with the engine's events (see `AsyncEngine`)."""
+        if event is PROGRESS:
+            self._room.set()
+            return
+        if self.outcome is None:
+            if isinstance(event, TranscriptionDone):
+                self.outcome = "done"
+            elif isinstance(event, BaseException):
+                self.outcome = event
+            elif event is None:
+                self.outcome = "aborted"
+        if self.outcome is not None:
+            self._room.set()
         self._events.put_nowait(event)
 
     def __aiter__(self):
         return self._iterate()
 
     async def _iterate(self):
+        if self._iterated:
+            return  # a finished session's events were all given out once
         try:
             while True:
                 event = await self._events.get()
                 if isinstance(event, BaseException):
-                    self._ended = True
-                    raise event
+                    self._iterated = True
+                    raise event if isinstance(event, EngineError) else _as_engine_error(event)
                 if event is None:  # aborted
-                    self._ended = True
+                    self._iterated = True
                     return
                 if isinstance(event, TranscriptionDone):
-                    self._ended = True
+                    self._iterated = True
                 yield event
-                if self._ended:
+                if self._iterated:
                     return
         finally:
-            if not self._ended:  # the consumer stopped listening before the end: free the session
-                self._engine._abort_transcription(self.session_id)
-            self._ended = True
+            if not self._iterated:  # the consumer stopped listening before the end: free the session
+                self._abort_now("consumer_stopped")
+            self._iterated = True
+
+
+def _as_engine_error(exc: BaseException) -> EngineError:
+    """An unexpected failure inside the engine, raised to the caller with a stable code."""
+    error = EngineError(f"the transcription failed: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error

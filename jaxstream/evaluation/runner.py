@@ -4,7 +4,7 @@ Every utterance is one `engine.start_transcription` session, so evaluation exerc
 real cross-session batching. Two ways to feed audio:
 
 - as fast as possible (default): the audio is appended in large pieces as soon as the engine takes them
-  (it pushes back with `BufferError` when too much is queued) — measures quality and throughput (RTFx);
+  (its `append` awaits while too much is queued) — measures quality and throughput (RTFx);
 - real time (`realtime=True`): 80 ms of audio is appended every 80 ms, each piece when its last sample
   would have been spoken — measures latency as a live user sees it, and whether the engine keeps up.
 
@@ -14,12 +14,14 @@ Clocks and latency definitions (milliseconds in the results):
   80 ms later, when it is complete).
 - `first_token_ms`: wall time from stream start to the first delta with text.
 - `finalize_ms`: wall time from `finish()` (end of audio) to the final result.
-- emission position of a delta: the real audio the model had consumed when it generated the delta's last
-  token. The model generates one token per 80 ms slot, `delay_ms` behind the audio it reads, so after `n`
-  generated ids (counted from the deltas' `token_ids`) it has read `n * 80 ms + delay` of audio (at most
-  the whole recording; the rest is the end-of-stream padding).
+- emission position of a token: the real audio the model had consumed when it generated the token. The
+  model generates one token per 80 ms slot, `delay_ms` behind the audio it reads, so after `n` generated ids
+  (counted from the deltas' `token_ids`) it has read `n * 80 ms + delay` of audio (at most the whole
+  recording; the rest is the end-of-stream padding). A delta's text is split back into its tokens' texts
+  (one delta carries every token of a multi-step dispatch, several when audio is queued), so a word's
+  emission position is that of the token carrying its last character, not of the delta's last token.
 - `word_latencies_ms` (needs corpus word times): emission position - reference word end: the algorithmic
-  latency (delay + waiting for the word's last token), identical at any load.
+  latency (delay + waiting for the word's last token), identical at any load and in either feeding mode.
 - `word_latencies_wall_ms` (real time only): wall time of the delta since stream start - reference word end:
   what a live listener sees, including batching and compute.
 - `max_lag_ms` (real time only): the largest (wall time since stream start - emission position) over the
@@ -51,7 +53,6 @@ REALTIME_CHUNK_SAMPLES = 1280  # 80 ms, one decoder step
 SLOT_SECONDS = REALTIME_CHUNK_SAMPLES / SAMPLING_RATE
 FAST_CHUNK_SAMPLES = 30 * SAMPLING_RATE
 REALTIME_LAG_LIMIT_S = 1.0
-_BACKPRESSURE_WAIT_S = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +158,8 @@ class StreamRecord:
     """What one transcription session produced, with the timings the metrics need."""
 
     done: object = None  # the session's TranscriptionDone
-    deltas: list = dataclasses.field(default_factory=list)  # (text, emission position s, wall s since start)
+    # (text, emission position s, wall s since start) per token with text (see `stream_audio`)
+    deltas: list = dataclasses.field(default_factory=list)
     first_token_s: float | None = None
     finalize_s: float | None = None
     max_lag_s: float | None = None
@@ -166,7 +168,11 @@ class StreamRecord:
 async def stream_audio(engine, pcm: np.ndarray, *, delay_ms: int | None = None, realtime: bool = False,
                        tracker: StreamTracker | None = None) -> StreamRecord:
     """Transcribes `pcm` in one session, fed in real time or as fast as the engine takes it (any length:
-    large pieces, waiting out the engine's backpressure), collecting deltas, timings and the final result."""
+    large pieces, waiting out the engine's backpressure), collecting deltas, timings and the final result.
+
+    `record.deltas` splits each delta's text into the texts of its tokens, each at its own emission position
+    (all at the delta's wall time); a delta whose tokens do not decode to its text (the final flush of an
+    incomplete character) stays whole, at the position of its last token."""
     from jaxstream.engine.transcription_session import TranscriptionDone
 
     loop = asyncio.get_running_loop()
@@ -174,6 +180,7 @@ async def stream_audio(engine, pcm: np.ndarray, *, delay_ms: int | None = None, 
     record = StreamRecord()
     duration = pcm.size / SAMPLING_RATE
     generated = 0  # ids generated so far: one per 80 ms slot, `delay_ms` behind the audio consumed
+    decoder = engine.tokenizer.stream_decoder()  # the session's detokenizer, replayed to split deltas by token
     start = loop.time()
     finish_time = None
 
@@ -187,7 +194,7 @@ async def stream_audio(engine, pcm: np.ndarray, *, delay_ms: int | None = None, 
                     await session.append(pcm[begin:end])
             else:
                 for begin in range(0, pcm.size, FAST_CHUNK_SAMPLES):
-                    await _append_when_accepted(session, pcm[begin:begin + FAST_CHUNK_SAMPLES])
+                    await session.append(pcm[begin:begin + FAST_CHUNK_SAMPLES])  # awaits under backpressure
             finish_time = loop.time()
             await session.finish()
         except Exception:
@@ -203,9 +210,16 @@ async def stream_audio(engine, pcm: np.ndarray, *, delay_ms: int | None = None, 
                 if finish_time is not None:  # else the model ended the text on its own before the audio did
                     record.finalize_s = wall + start - finish_time
                 break
-            generated += len(event.token_ids)
+            pieces = []  # (text, ids generated once it was)
+            for token in event.token_ids:
+                generated += 1
+                pieces.append((decoder.push(token), generated))
+            if "".join(text for text, _ in pieces) != event.text:
+                pieces = [(event.text, generated)]
+            for text, count in pieces:
+                if text:
+                    record.deltas.append((text, min(count * SLOT_SECONDS + session.delay_ms / 1000, duration), wall))
             position = min(generated * SLOT_SECONDS + session.delay_ms / 1000, duration)
-            record.deltas.append((event.text, position, wall))
             if record.first_token_s is None and event.text.strip():
                 record.first_token_s = wall
             if realtime:
@@ -229,15 +243,6 @@ async def stream_audio(engine, pcm: np.ndarray, *, delay_ms: int | None = None, 
     feeder.cancel()  # normally done already; still pacing only when the model ended the text early
     await asyncio.gather(feeder, return_exceptions=True)
     return record
-
-
-async def _append_when_accepted(session, pcm: np.ndarray) -> None:
-    while True:
-        try:
-            await session.append(pcm)
-            return
-        except BufferError:  # the engine's backpressure: too much audio queued, wait for it to drain
-            await asyncio.sleep(_BACKPRESSURE_WAIT_S)
 
 
 def _ms(seconds: float | None) -> float | None:

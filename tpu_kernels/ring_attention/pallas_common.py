@@ -149,7 +149,7 @@ def online_softmax_step(s, valid, v, carry):
     """One flash-attention update of (m [M,1], l [M,1], acc [M,D]) by scores s [M,N] and values v [N,D].
 
     Masked probabilities are forced to 0, so a fully masked block (or an empty session) leaves the state
-    unchanged and the output of a row with no visible key is 0, not NaN.
+    unchanged and the output of a row with no visible key is 0, not NaN, whatever the masked pages hold.
     """
     m, l, acc = carry
     s = jnp.where(valid, s, MASK_VALUE)
@@ -157,6 +157,10 @@ def online_softmax_step(s, valid, v, carry):
     alpha = jnp.exp(m - m_new)
     p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
     l_new = alpha * l + jnp.sum(p, axis=-1, keepdims=True)
+    # Masked keys can be stale page contents (another session's, or padding rows): 0 x NaN is NaN, so
+    # non-finite values are replaced rather than multiplied by their zero probability. (Mosaic tests
+    # finiteness of f32 only.)
+    v = jnp.where(jnp.isfinite(v.astype(jnp.float32)), v, jnp.zeros((), v.dtype))
     acc_new = alpha * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return m_new, l_new, acc_new
 

@@ -64,8 +64,9 @@ def round_to(x, dtype):
     return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
 
 
-def build(case, dtype, seed):
-    """Random inputs of `case`: the jnp arguments of ring_attention and the numpy history behind them."""
+def build(case, dtype, seed, garbage=None):
+    """Random inputs of `case`: the jnp arguments of ring_attention and the numpy history behind them.
+    `garbage` (e.g. NaN) fills every page entry never written and every padding row, instead of noise."""
     rng = np.random.default_rng(seed)
     sessions = len(case.lengths)
     lengths = np.asarray(case.lengths, np.int32)
@@ -86,6 +87,11 @@ def build(case, dtype, seed):
         page_table[s, :used] = physical[s * pages_per_window: s * pages_per_window + used]
     k_pool = round_to(rng.standard_normal((num_pages, heads, case.page_size, dim)), dtype)
     v_pool = round_to(rng.standard_normal((num_pages, heads, case.page_size, dim)), dtype)
+    if garbage is not None:
+        k_pool, v_pool = np.full_like(k_pool, garbage), np.full_like(v_pool, garbage)
+        k_history, v_history = k_history.copy(), v_history.copy()
+        padding = np.arange(history_len)[None, :] >= (lengths + num_new)[:, None]
+        k_history[padding], v_history[padding] = garbage, garbage
     start = np.zeros_like(lengths)
     k_pool = reference.write_positions(k_pool, page_table, k_history, start, lengths)
     v_pool = reference.write_positions(v_pool, page_table, v_history, start, lengths)
@@ -137,3 +143,20 @@ class RingAttentionTestBase:
                                                       history["lengths"], stop)
             np.testing.assert_array_equal(np.asarray(written.astype(jnp.float32)), expected_pool,
                                           err_msg=f"{name}_pages after the write")
+
+    @pytest.mark.parametrize("case_name", ["paged_prefill_wrap", "fixed_ring_decode"])
+    def test_stale_nan_never_reaches_the_output(self, case_name):
+        """NaN in every unwritten page entry, the null page and the padding rows (what a bad input once
+        left behind) must not change any output: masked entries are selected away, not multiplied by 0."""
+        dtype = self.dtypes[0]
+        case = CASES[case_name]
+        args, history = build(case, dtype, seed=zlib.crc32(case_name.encode()), garbage=np.nan)
+        out, _, _ = self.run(args, case.window, scale=case.scale)
+        expected = reference.dense_attention(history["q"], history["k_history"], history["v_history"],
+                                             history["lengths"], history["num_new"], window=case.window,
+                                             scale=case.scale)
+        out = np.asarray(out.astype(jnp.float32))
+        valid = np.arange(case.chunk)[None, :] < history["num_new"][:, None]
+        np.testing.assert_allclose(out[valid], expected[valid], atol=self.tolerance[dtype], rtol=self.tolerance[dtype])
+        empty = (history["lengths"] == 0) & (history["num_new"] == 0)
+        assert np.all(out[empty] == 0), "an empty session outputs zeros"

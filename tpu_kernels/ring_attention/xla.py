@@ -39,6 +39,9 @@ def ring_attention_xla(q, k_new, v_new, k_pages, v_pages, page_table, lengths, n
     query_pos = lengths[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [S, C]
     key_pos = jnp.concatenate([old_pos, query_pos], axis=1)
     key_valid = jnp.concatenate([old_pos >= 0, jnp.arange(chunk)[None, :] < num_new[:, None]], axis=1)
+    # Unwritten ring entries hold whatever an earlier session left in the page: a zero probability times
+    # a stale NaN is still NaN, so invalid values are replaced, not multiplied away.
+    values = jnp.where(key_valid[:, None, :, None], values, jnp.zeros((), values.dtype))
     qg = q.reshape(num_sessions, chunk, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
 
     blocks = []

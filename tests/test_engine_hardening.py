@@ -1,0 +1,193 @@
+"""Engine bugs found under stress, each reproduced here (issue engine-hardening): a page-pool deadlock
+between transcription streams, a bad input poisoning the KV pools for later sessions, a bypassable
+queued-audio bound, and the lifecycle calls that hung or were silently ignored around shutdown.
+"""
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from jaxstream.engine.async_engine import AsyncEngine
+from jaxstream.engine.config import EngineConfig
+from jaxstream.engine.requests import SamplingParams, StreamingInput
+from jaxstream.engine.testing import ToyLM, toy_config
+from jaxstream.errors import (
+    BacklogError, CapacityError, DrainingError, EngineDeadError, InvalidAudioError, InvalidRequestError,
+    SessionClosedError,
+)
+from jaxstream.models.audio import load_audio
+from jaxstream.models.loading import BUILTIN_MODELS
+
+SAMPLE = load_audio(BUILTIN_MODELS["tiny"].parent / "samples" / "sample.wav")
+SMALL = dict(batch_buckets=(2,), realtime_step_buckets=(1, 4), realtime_prefill_buckets=((2, 48),))
+
+
+def tiny_engine(**overrides) -> AsyncEngine:
+    return AsyncEngine.from_pretrained("tiny", EngineConfig(**{"max_sessions": 2, **SMALL, **overrides}))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = tiny_engine(max_queued_audio_seconds=3.0)
+    yield engine
+    engine.close()
+
+
+async def transcribe(session, audio):
+    await session.append(audio)
+    await session.finish()
+    return [event async for event in session][-1]
+
+
+def hold_engine_thread(engine: AsyncEngine) -> threading.Event:
+    """Blocks the engine thread inside a command until the returned event is set (tests only)."""
+    gate = threading.Event()
+    engine._send(gate.wait)  # noqa: SLF001 - the only way to make the engine fall behind on purpose
+    return gate
+
+
+async def test_two_streams_on_a_short_page_pool_both_finish():
+    """num_pages=7 holds one decoder window (4 pages of 16) plus 2: each stream used to take 3 pages and
+    wait for a 4th forever. Admission now commits a whole window, so the second stream waits its turn."""
+    engine = tiny_engine(page_size=16, num_pages=7)
+    try:
+        expected = (await engine.transcribe(SAMPLE)).token_ids
+        sessions = [await engine.start_transcription() for _ in range(2)]
+        done = await asyncio.wait_for(asyncio.gather(*(transcribe(s, SAMPLE) for s in sessions)), timeout=120)
+        assert [d.token_ids for d in done] == [expected, expected]
+        await asyncio.wait_for(engine.wait_until_idle(), timeout=30)
+        assert engine.core.at_baseline()
+    finally:
+        await engine.shutdown()
+
+
+async def test_out_of_range_audio_is_rejected_and_cannot_poison_later_sessions(engine):
+    expected = (await engine.transcribe(SAMPLE)).token_ids
+    session = await engine.start_transcription()
+    with pytest.raises(InvalidAudioError, match="magnitude"):
+        await session.append(np.full(16000, 1e200, np.float64))
+    with pytest.raises(InvalidAudioError):
+        await session.append(SAMPLE * 40000)  # PCM16-scaled floats
+    await session.abort()
+
+    # Whatever stale values free pages hold (NaN here, in every page of every pool, the null page too),
+    # a new session's output cannot change: attention selects masked entries away.
+    def poison():
+        state = engine.core.cache.state
+        state["stacks"] = {name: [(k * np.nan, v * np.nan) for k, v in layers]
+                           for name, layers in state["stacks"].items()}
+
+    engine._send(poison)  # noqa: SLF001 - writes the device state on the engine thread, between ticks
+    await engine.wait_until_idle()
+    assert (await engine.transcribe(SAMPLE)).token_ids == expected
+    engine._send(engine.core.cache.reset_state)  # noqa: SLF001 - leave clean pools for the next tests
+    await engine.wait_until_idle()
+
+
+async def test_queued_audio_bound_counts_audio_not_yet_applied(engine):
+    """With max_queued_audio_seconds=3 and the engine thread stalled, 1 s appends used to be accepted
+    without bound (the check read the scheduler's applied state, not the command queue)."""
+    session = await engine.start_transcription()
+    second = SAMPLE[:16000]
+    await session.append(SAMPLE[:48000])
+    await engine.wait_until_idle()
+    gate = hold_engine_thread(engine)
+    try:
+        with pytest.raises(BacklogError):
+            for _ in range(60):
+                await session.append(second, wait=False)
+        queued = session.backlog.queued
+        assert 2.0 <= queued * 0.08 <= 3.0
+        # The default waits for room instead of raising: it is still waiting while the engine is stalled.
+        waiting = asyncio.create_task(session.append(second))
+        await asyncio.sleep(0.3)
+        assert not waiting.done() and session.backlog.queued == queued
+    finally:
+        gate.set()
+    await asyncio.wait_for(waiting, timeout=30)
+    await session.abort()
+
+
+async def test_capacity_and_drain_answer_at_once():
+    engine = tiny_engine(max_live_sessions=1)
+    try:
+        first = await engine.start_transcription()
+        with pytest.raises(CapacityError):
+            await engine.start_transcription()
+        with pytest.raises(InvalidRequestError):
+            await engine.start_transcription(delay_ms=100)
+        with pytest.raises(InvalidRequestError):
+            await engine.start_transcription(sample_rate=1000)
+        draining = asyncio.create_task(engine.drain(timeout=30))
+        await asyncio.sleep(0.05)
+        with pytest.raises(DrainingError):
+            await engine.start_transcription()
+        assert (await transcribe(first, SAMPLE)).text  # a running session still finishes while draining
+        assert await draining
+        assert engine.metrics().sessions == 0
+    finally:
+        await engine.shutdown()
+    assert not engine.healthy
+
+
+async def test_resampled_input_gives_the_same_words(engine):
+    import soxr
+
+    expected = (await engine.transcribe(SAMPLE)).text
+    session = await engine.start_transcription(sample_rate=24000)
+    audio_24k = soxr.resample(SAMPLE, 16000, 24000)
+    for start in range(0, len(audio_24k), 1920):  # 80 ms pieces
+        await session.append(audio_24k[start:start + 1920])
+    await session.finish()
+    done = [event async for event in session][-1]
+    assert done.text == expected
+    assert abs(done.usage.audio_seconds - len(SAMPLE) / 16000) < 0.01
+
+
+async def test_lifecycle_calls_around_shutdown_never_hang():
+    engine = tiny_engine()
+    finished = await engine.start_transcription()
+    done = await transcribe(finished, SAMPLE)
+    assert [event async for event in finished] == []  # iterating a finished session again ends at once
+    assert done.text
+
+    cancelled = await engine.start_transcription()
+    await cancelled.append(SAMPLE[:20000])
+    listener = asyncio.create_task(anext(aiter(cancelled)))
+    await asyncio.sleep(0.05)
+    listener.cancel()  # the consumer walks away
+    await asyncio.gather(listener, return_exceptions=True)
+    with pytest.raises(SessionClosedError):
+        await cancelled.append(SAMPLE[:1000])  # used to be silently ignored
+
+    running = await engine.start_transcription()
+    await running.append(SAMPLE[:20000])
+    await engine.shutdown()
+    with pytest.raises(EngineDeadError):
+        [event async for event in running]
+    with pytest.raises(SessionClosedError):
+        await running.append(SAMPLE[:1000])  # after a failure at shutdown: an error, not silence
+    await asyncio.wait_for(engine.wait_until_idle(), timeout=5)  # used to hang forever
+    with pytest.raises(EngineDeadError):
+        await engine.start_transcription()
+    assert not engine._live  # noqa: SLF001 - the refused start left no id registered
+
+
+async def test_shutdown_ends_a_generate_whose_input_has_not_started():
+    engine = AsyncEngine(ToyLM(toy_config()),
+                         config=EngineConfig(max_sessions=2, batch_buckets=(2,), prefill_buckets=((2, 16),)))
+    never = asyncio.Event()
+
+    async def chunks():
+        await never.wait()  # the client has not sent its first chunk yet
+        yield StreamingInput([1, 2, 3], SamplingParams(max_tokens=2))
+
+    async def consume():
+        return [out async for out in engine.generate(chunks(), request_id="waiting")]
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.1)
+    await engine.shutdown()
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(task, timeout=10)
