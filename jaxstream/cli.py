@@ -5,17 +5,31 @@ Each command module exposes `register(subparsers)` (adds its parser, sets `func`
 """
 import argparse
 import importlib
+import logging
 import sys
 
 from threadpoolctl import threadpool_limits
 
+from jaxstream import __version__
 from jaxstream.errors import UserError
+
+DESCRIPTION = """\
+Realtime streaming speech-to-text on JAX (TPU, GPU or CPU): audio streams in, text streams back every 80 ms.
+Transcribe audio files, measure WER and latency on speech corpora, serve a realtime WebSocket API, convert
+checkpoints, benchmark the engine, and generate speech to train models. Models: the embedded `tiny` (the
+default), a checkpoint directory, or a Hugging Face id such as mistralai/Voxtral-Mini-4B-Realtime-2602."""
+EPILOG = """\
+example: jaxstream transcribe models/assets/samples/sample.wav
+Run `jaxstream COMMAND --help` for a command's options."""
 
 COMMANDS = ("serve", "transcribe", "eval", "convert", "bench", "train", "synth")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxstream", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="jaxstream", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"jaxstream {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help=_VERBOSE_HELP)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         try:
@@ -25,11 +39,29 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # that command is not part of this build
             raise
         module.register(subparsers)
+    for subparser in subparsers.choices.values():
+        # `jaxstream transcribe -v ...` as well as `jaxstream -v transcribe ...`; SUPPRESS keeps the top-level
+        # count when the subcommand is not given -v.
+        if "-v" not in subparser._option_string_actions:  # noqa: SLF001 - argparse has no public lookup
+            subparser.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS, help=_VERBOSE_HELP)
     return parser
+
+
+_VERBOSE_HELP = "log what the engine does to stderr: -v start-up, evictions, rejected input; -vv everything"
+
+
+def _configure_logging(verbosity: int) -> None:
+    """Quiet by default (only warnings and errors reach stderr). -v / -vv turn on jaxstream's own INFO / DEBUG
+    records, not those of the libraries underneath (orbax, absl), which would drown them."""
+    if not verbosity:
+        return
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jaxstream").setLevel(logging.INFO if verbosity == 1 else logging.DEBUG)
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    _configure_logging(getattr(args, "verbose", 0))
     try:
         # numpy's BLAS only multiplies small matrices here (the mel filterbank, on the host). Its worker
         # threads wait for cores that XLA's threads hold: beside a training step the filterbank product took

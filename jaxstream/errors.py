@@ -2,11 +2,16 @@
 
 `EngineError` subclasses carry a stable `code`: a server maps the code to its protocol's error (or close
 code, or HTTP status) without parsing messages. Codes are part of the interface; add, never rename.
+
+`UserError` is defined in `jaxstream.models.errors`, where the model loaders can raise it too, and re-exported
+here for everything above the models.
 """
+from jaxstream.models.errors import UserError
 
-
-class UserError(Exception):
-    """A mistake in what the user gave us (missing file, bad corpus, unsupported audio, offline hub id)."""
+__all__ = [
+    "BacklogError", "CapacityError", "DrainingError", "EngineDeadError", "EngineError", "InvalidAudioError",
+    "InvalidRequestError", "SessionClosedError", "UserError",
+]
 
 
 class EngineError(Exception):

@@ -23,6 +23,8 @@ WINDOW_SIZE = 400  # also n_fft
 NUM_MEL_BINS = 128
 GLOBAL_LOG_MEL_MAX = 1.5
 SAMPLES_PER_SLOT = 1280  # one decoder token = 80 ms
+SLOT_MS = SAMPLES_PER_SLOT * 1000 // SAMPLING_RATE
+SLOT_SECONDS = SAMPLES_PER_SLOT / SAMPLING_RATE
 MEL_FRAMES_PER_SLOT = SAMPLES_PER_SLOT // HOP_LENGTH
 N_LEFT_PAD_TOKENS = 32
 DEFAULT_DELAY_MS = 480
@@ -35,8 +37,9 @@ _HALF_WINDOW = WINDOW_SIZE // 2
 LOOK_AHEAD_SAMPLES = _HALF_WINDOW - HOP_LENGTH
 # Float PCM is nominally in [-1, 1]; resampling and gain can overshoot a little, so allow some headroom.
 MAX_SAMPLE_MAGNITUDE = 2.0
-_DELAY_STEP_MS = 80
-ALLOWED_DELAYS_MS = tuple(range(_DELAY_STEP_MS, 1201, _DELAY_STEP_MS)) + (2400,)
+# The transcription delays Voxtral Realtime was trained for, and how messages and help texts state them.
+ALLOWED_DELAYS_MS = tuple(range(SLOT_MS, 1201, SLOT_MS)) + (2400,)
+ALLOWED_DELAYS_TEXT = f"a multiple of {SLOT_MS} between {SLOT_MS} and 1200, or 2400"
 _FRAMES_PER_BLOCK = 4096  # bounds the float64 work arrays of the offline path (~13 MB per block)
 
 
@@ -125,15 +128,13 @@ def log_mel(audio, sampling_rate: int = SAMPLING_RATE, *, mel_filters: np.ndarra
 
 
 def n_delay_from_ms(delay_ms) -> int:
-    """Transcription delay in ms -> number of delay slots (480 ms -> 6). Allowed: 80..1200 in steps of 80, 2400."""
+    """Transcription delay in ms -> number of delay slots (480 ms -> 6): the one check of a delay, for every
+    caller. Allowed: `ALLOWED_DELAYS_MS`; anything else raises ValueError."""
     if isinstance(delay_ms, bool) or not isinstance(delay_ms, (int, float, np.integer, np.floating)):
         raise ValueError(f"delay_ms must be a number of milliseconds, got {delay_ms!r}")
     if delay_ms not in ALLOWED_DELAYS_MS:
-        raise ValueError(
-            f"delay_ms must be a multiple of {_DELAY_STEP_MS} between {_DELAY_STEP_MS} and 1200, or 2400; "
-            f"got {delay_ms}"
-        )
-    return int(delay_ms) // _DELAY_STEP_MS
+        raise ValueError(f"delay_ms must be {ALLOWED_DELAYS_TEXT}; got {delay_ms}")
+    return int(delay_ms) // SLOT_MS
 
 
 def prompt_length(n_delay: int, n_left_pad_tokens: int = N_LEFT_PAD_TOKENS) -> int:

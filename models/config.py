@@ -6,6 +6,8 @@ Parsed from Hugging Face `config.json` (model_type voxtral_realtime, mistral, ll
 import dataclasses
 from typing import Any
 
+from jaxstream.models.audio import DEFAULT_DELAY_MS, MEL_FRAMES_PER_SLOT, N_LEFT_PAD_TOKENS, SLOT_MS
+
 
 @dataclasses.dataclass(frozen=True)
 class TextConfig:
@@ -54,9 +56,9 @@ class VoxtralConfig:
     encoder: EncoderConfig
     text: TextConfig
     downsample_factor: int = 4  # encoder frames stacked into one decoder slot
-    mel_frames_per_token: int = 8  # 80 ms of 10 ms hops
-    n_left_pad_tokens: int = 32
-    default_delay_ms: int = 480
+    mel_frames_per_token: int = MEL_FRAMES_PER_SLOT  # 80 ms of 10 ms hops
+    n_left_pad_tokens: int = N_LEFT_PAD_TOKENS
+    default_delay_ms: int = DEFAULT_DELAY_MS
     bos_id: int = 1
     eos_id: int = 2
     streaming_pad_id: int = 32
@@ -133,13 +135,13 @@ def config_from_hf(cfg: dict[str, Any]) -> TextConfig | VoxtralConfig:
     )
     text_cfg = text_config_from_hf({**text, "tie_word_embeddings": text.get(
         "tie_word_embeddings", cfg.get("tie_word_embeddings", True))}, ada_t_cond_dim=32)
-    default_delay_tokens = cfg.get("default_num_delay_tokens", 6)
+    default_delay_tokens = cfg.get("default_num_delay_tokens", DEFAULT_DELAY_MS // SLOT_MS)
     return VoxtralConfig(
         encoder=encoder,
         text=text_cfg,
         downsample_factor=cfg.get("downsample_factor", 4),
-        mel_frames_per_token=cfg.get("audio_length_per_tok", 8),
-        default_delay_ms=80 * default_delay_tokens,
+        mel_frames_per_token=cfg.get("audio_length_per_tok", MEL_FRAMES_PER_SLOT),
+        default_delay_ms=SLOT_MS * default_delay_tokens,
     )
 
 

@@ -33,10 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
-from jaxstream.errors import UserError
 from jaxstream.models.config import (
     EncoderConfig, TextConfig, VoxtralConfig, config_from_hf, config_from_mistral_params,
 )
+from jaxstream.models.errors import UserError
 from jaxstream.models.hf_weights import CheckpointMismatchError, check_tensor_names, hf_name_map, ignorable_names
 from jaxstream.models.native_weights import (
     check_native_tensors, interleaved_to_half_split, native_to_hf_name, rope_permutation_heads,
@@ -425,6 +425,10 @@ def config_from_dict(data: dict[str, Any]) -> ModelConfig:
     raise ValueError(f"unknown configuration type {kind!r}")
 
 
+class CheckpointExistsError(UserError):
+    """The destination already holds a jaxstream checkpoint and `overwrite` was not given."""
+
+
 def check_destination(destination: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """The absolute checkpoint directory for `destination`, which must be missing, empty, or (with
     `overwrite`) a jaxstream checkpoint; anything else would lose the user's files."""
@@ -437,7 +441,7 @@ def check_destination(destination: str | os.PathLike, *, overwrite: bool = False
                 raise UserError(f"destination {directory} is not empty and not a jaxstream checkpoint; "
                                 "refusing to overwrite it")
             if not overwrite:
-                raise UserError(f"destination {directory} already holds a checkpoint (use --overwrite)")
+                raise CheckpointExistsError(f"destination {directory} already holds a checkpoint")
     elif not os.access(_existing_ancestor(directory), os.W_OK):
         raise UserError(f"cannot create destination {directory}: permission denied")
     return directory

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxstream.models.audio import ALLOWED_DELAYS_MS
+from jaxstream.models.audio import ALLOWED_DELAYS_MS, ALLOWED_DELAYS_TEXT, SLOT_MS
 from jaxstream.models.config import EncoderConfig, VoxtralConfig
 from jaxstream.models.layers import (
     Attention, RMSNorm, SwiGLU, chunk_positions, contiguous_page_table, init_kv_cache, rope_cos_sin,
@@ -28,8 +28,7 @@ CONV1_CONTEXT = 2
 CONV2_CONTEXT = 1
 CONV_STRIDE = 2
 T_COND_THETA = 10000.0
-SLOT_MS = 80  # one decoder slot
-# Delays the model was trained for, in 80 ms decoder slots (80..1200 ms in 80 ms steps, and 2400 ms).
+# Delays the model was trained for, in 80 ms decoder slots.
 SUPPORTED_DELAY_TOKENS = frozenset(ms // SLOT_MS for ms in ALLOWED_DELAYS_MS)
 
 
@@ -57,8 +56,8 @@ def check_delay_tokens(n_delay) -> None:
         return
     for value in values:
         if value not in SUPPORTED_DELAY_TOKENS:
-            raise ValueError(f"unsupported transcription delay of {value:g} slots ({SLOT_MS * value:g} ms); supported: "
-                             "80 to 1200 ms in 80 ms steps, or 2400 ms")
+            raise ValueError(f"unsupported transcription delay of {value:g} slots ({SLOT_MS * value:g} ms); "
+                             f"the delay in ms must be {ALLOWED_DELAYS_TEXT}")
 
 
 def _last_valid_frames(frames, end, count: int):

@@ -1,5 +1,9 @@
-"""The `jaxstream` dispatcher: what every command runs under."""
+"""The `jaxstream` dispatcher: what every command runs under, its help, and the layering it relies on."""
 import argparse
+import ast
+import logging
+import re
+from pathlib import Path
 
 import numpy as np  # noqa: F401  (loads numpy's BLAS, so threadpoolctl can see it)
 import pytest
@@ -28,3 +32,127 @@ def test_commands_run_with_single_threaded_blas(monkeypatch):
     monkeypatch.setattr(cli, "build_parser", probe_parser)
     assert cli.main([]) == 0
     assert seen == [{1}] and _blas_threads() == before
+
+
+def test_version_and_a_top_level_help_for_users(capsys):
+    from jaxstream import __version__
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"jaxstream {__version__}"
+    help_text = cli.build_parser().format_help()
+    assert "speech-to-text" in help_text and "jaxstream transcribe models/assets/samples/sample.wav" in help_text
+    assert "dispatcher" not in help_text and "module" not in help_text  # what it does, not how it is built
+
+
+# `serve` is being built by the serving work (jaxstream/commands/serve.py); its options are checked there.
+CHECKED_COMMANDS = ("transcribe", "eval", "convert", "bench", "synth", "train")
+
+
+@pytest.mark.parametrize("name", CHECKED_COMMANDS)
+def test_every_option_says_what_it_does_and_its_default_once(name):
+    parser = _subparser(name)
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public list
+        if action.option_strings:
+            assert action.help, f"jaxstream {name} {action.option_strings[0]} has no help"
+    text = parser.format_help()
+    assert "(default: None)" not in text and "(default: False)" not in text
+    for option_help in re.split(r"\n  (?=-)", text):
+        assert option_help.count("default") <= 1, option_help
+
+
+def test_report_help_names_the_files_eval_writes(tmp_path):
+    from jaxstream.evaluation.reports import companion_paths
+
+    help_text = " ".join(_subparser("eval").format_help().split())
+    assert "report.json -> report.md, report.csv" in help_text
+    assert [p.name for p in companion_paths(tmp_path / "report.json")] == ["report.md", "report.csv"]
+
+
+def test_verbose_turns_on_the_engine_logs_only_when_asked():
+    parser = cli.build_parser()
+    assert parser.parse_args(["transcribe", "a.wav"]).verbose == 0
+    assert parser.parse_args(["-v", "transcribe", "a.wav"]).verbose == 1
+    assert parser.parse_args(["transcribe", "-vv", "a.wav"]).verbose == 2
+    engine_logger = logging.getLogger("jaxstream")
+    assert not engine_logger.isEnabledFor(logging.INFO)  # quiet by default
+    level = engine_logger.level
+    try:
+        cli._configure_logging(1)
+        assert engine_logger.isEnabledFor(logging.INFO) and not engine_logger.isEnabledFor(logging.DEBUG)
+        assert not logging.getLogger("absl").isEnabledFor(logging.INFO)  # the libraries underneath stay quiet
+        cli._configure_logging(2)
+        assert engine_logger.isEnabledFor(logging.DEBUG)
+    finally:
+        engine_logger.setLevel(level)
+
+
+@pytest.mark.parametrize("command", [["transcribe", "a.wav"], ["eval", "corpus"], ["bench"]])
+def test_delay_errors_come_from_the_one_delay_check(command, capsys):
+    from jaxstream.models.audio import ALLOWED_DELAYS_TEXT
+
+    assert cli.main([*command, "--delay-ms", "100"]) == 2
+    err = capsys.readouterr().err
+    assert f"--delay-ms 100: the delay must be {ALLOWED_DELAYS_TEXT}" in err and len(err.strip().splitlines()) == 1
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    (action,) = [a for a in cli.build_parser()._actions if a.dest == "command"]  # noqa: SLF001
+    return action.choices[name]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _python_files(*folders: str):
+    return [path for folder in folders for path in sorted((ROOT / folder).rglob("*.py"))]
+
+
+def _imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_layers_import_only_downward():
+    """design.md: kernels know nothing of models, models nothing of the engine or the CLI, and the installed
+    package does not need pytest. `UserError` is the models layer's, re-exported by `jaxstream.errors`."""
+    from jaxstream import errors
+    from jaxstream.models import errors as model_errors
+
+    assert errors.UserError is model_errors.UserError
+    allowed = {"models": ("jaxstream.models", "jaxstream.tpu_kernels"), "tpu_kernels": ("jaxstream.tpu_kernels",)}
+    for folder, prefixes in allowed.items():
+        for path in _python_files(folder):
+            for module in _imported_modules(path):
+                if module.startswith("jaxstream"):
+                    assert module.startswith(prefixes), f"{path.relative_to(ROOT)} imports {module}"
+                assert module != "pytest", f"{path.relative_to(ROOT)} imports pytest"
+    for path in _python_files("models"):
+        assert "--overwrite" not in path.read_text(), f"{path.relative_to(ROOT)} words errors as CLI flags"
+
+
+# Owned by other work in progress; their remaining copies are listed in the polish issue's report.
+_NOT_YET_CHECKED = ("jaxstream/synth/", "jaxstream/training/", "jaxstream/commands/synth.py",
+                    "jaxstream/commands/train.py", "jaxstream/commands/serve.py")
+_AUDIO_CONSTANTS = {"SAMPLING_RATE", "SAMPLE_RATE", "SAMPLES_PER_SLOT", "SLOT_SECONDS", "SLOT_MS", "ALLOWED_DELAYS_MS"}
+
+
+def test_audio_constants_have_one_owner():
+    """The sample rate, the 80 ms slot and the delays are defined in models/audio.py and imported elsewhere."""
+    owner = ROOT / "models" / "audio.py"
+    for path in _python_files("jaxstream", "models"):
+        relative = path.relative_to(ROOT).as_posix()
+        if path == owner or relative.startswith(_NOT_YET_CHECKED):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign):
+                names = {target.id for target in node.targets if isinstance(target, ast.Name)}
+                assert not names & _AUDIO_CONSTANTS, f"{relative}:{node.lineno} redefines {names & _AUDIO_CONSTANTS}"
+            if isinstance(node, ast.Constant) and not isinstance(node.value, bool):
+                assert node.value not in (16000, 0.08), f"{relative}:{node.lineno}: {node.value!r} literal"

@@ -2,6 +2,8 @@
 deterministic toy model; the oracle is `toy_next_token` applied under vLLM's context rules."""
 import asyncio
 import dataclasses
+import logging
+import re
 
 import pytest
 
@@ -211,3 +213,79 @@ async def test_seeded_sampling_is_reproducible_and_top_k_one_is_greedy(engine):
     assert first == second
     top1 = await run(SamplingParams(temperature=2.0, top_k=1, max_tokens=12), "k1")
     assert top1 == continue_greedy([9, 8, 7], 12)
+
+
+# -- logging (quiet by default; `jaxstream -v` shows these) and failures that must reach the caller --------
+
+async def test_a_command_failing_before_its_session_exists_reaches_the_caller(engine, monkeypatch, caplog):
+    """The engine thread runs `add_chunk`; when it raises before creating the session, nothing in the core
+    can answer the request, so the caller used to wait forever with nothing logged."""
+    class Broken(Exception):
+        pass
+
+    def add_chunk(*args, **kwargs):
+        raise Broken("no pages")
+
+    monkeypatch.setattr(engine.core, "add_chunk", add_chunk)
+    with caplog.at_level(logging.ERROR, logger="jaxstream"), pytest.raises(Broken, match="no pages"):
+        await asyncio.wait_for(_drain(engine.generate([1, 2], greedy(3), request_id="orphan")), timeout=30)
+    (record,) = [r for r in caplog.records if "before its session existed" in r.getMessage()]
+    assert "orphan" in record.getMessage() and isinstance(record.exc_info[1], Broken)
+
+
+async def test_a_failed_dispatch_is_logged_with_its_exception(engine, monkeypatch, caplog):
+    def run(key, batch):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.core.programs, "run", run)
+    with caplog.at_level(logging.ERROR, logger="jaxstream"), pytest.raises(RuntimeError, match="device lost"):
+        await asyncio.wait_for(_drain(engine.generate([1, 2], greedy(3), request_id="dispatch")), timeout=30)
+    (record,) = [r for r in caplog.records if "dispatch failed" in r.getMessage()]
+    assert str(record.exc_info[1]) == "device lost"
+
+
+async def test_rejected_requests_and_evictions_are_logged(engine, caplog):
+    caplog.set_level(logging.INFO, logger="jaxstream")
+    with pytest.raises(ValueError):
+        await _drain(engine.generate([1], SamplingParams(n=2), request_id="two"))
+    assert any("request rejected (invalid_request): n > 1" in r.getMessage() for r in caplog.records)
+
+    # Five sessions parked with their KV on an engine of four slots: admitting the fifth evicts one.
+    release, parked = asyncio.Event(), asyncio.Queue()
+
+    async def session(index):
+        async def inputs():
+            yield StreamingInput([index + 1, 2], greedy(1))
+            await release.wait()
+
+        async for out in engine.generate(inputs(), request_id=f"parked{index}"):
+            if out.outputs[0].finish_reason:
+                parked.put_nowait(index)
+
+    tasks = []
+    for index in range(5):
+        tasks.append(asyncio.create_task(session(index)))
+        await asyncio.wait_for(parked.get(), timeout=30)
+    release.set()
+    await asyncio.gather(*tasks)
+    assert any(r.getMessage().startswith("evicted parked session parked0 to host memory") for r in caplog.records)
+
+
+def test_start_up_logs_what_it_compiled(caplog):
+    with caplog.at_level(logging.DEBUG, logger="jaxstream"):
+        AsyncEngine(ToyLM(CFG), config=EngineConfig(max_sessions=1, prefill_buckets=((1, 4),))).close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(re.fullmatch(r"compiled program \('text', 1, 4\) in \d+\.\d\d s", m) for m in messages)
+    assert any(m.startswith("compiled 2 step programs in ") for m in messages)
+
+
+def test_event_times_are_milliseconds():
+    """35 slots of 80 ms are 2.8 s, which float arithmetic makes 2.8000000000000003."""
+    from jaxstream.engine.transcription_session import to_ms, token_time
+
+    assert 35 * 0.08 != 2.8 and token_time(34) == 2.8 and repr(token_time(34)) == "2.8"
+    assert to_ms(1.23456) == 1.235
+
+
+async def _drain(stream) -> list:
+    return [out async for out in stream]

@@ -147,6 +147,58 @@ def test_unknown_layout_missing_corpus_and_duplicates(tmp_path):
         read_corpus(manifest)
 
 
+def _transcribe_json_lines(path, audio_names):
+    """What `jaxstream transcribe --json a.wav ... > path` writes: the model's hypotheses, no references."""
+    path.write_text("".join(json.dumps({"file": name, "text": "what the model heard", "token_ids": [33, 1980],
+                                        "words": [], "audio_seconds": 0.2, "delay_ms": 480}) + "\n"
+                            for name in audio_names))
+
+
+def test_transcribe_output_is_never_taken_as_a_manifest(tmp_path):
+    """A `transcribe --json` file beside the audio once became the manifest: the model's hypotheses were the
+    references and WER was 0.00 %. Detection skips files without a reference text column and says why."""
+    for name in ("a", "b"):
+        _write_audio(tmp_path / f"{name}.wav")
+    hypotheses = tmp_path / "hypotheses.jsonl"
+    _transcribe_json_lines(hypotheses, ["a.wav", "b.wav"])
+    with pytest.raises(UserError, match=r"cannot tell the layout.*hypotheses.jsonl \(`jaxstream transcribe --json` "
+                                        r"output"):
+        read_corpus(tmp_path)
+    with pytest.raises(UserError, match=r"hypotheses.jsonl:1: this is `jaxstream transcribe --json` output"):
+        read_corpus(hypotheses)
+    with pytest.raises(UserError, match=r"expected exactly one JSONL or CSV manifest .* found none"):
+        read_corpus(tmp_path, layout="manifest")
+
+    for name, text in (("a", "first words"), ("b", "second words")):  # now a folder corpus: .txt references
+        (tmp_path / f"{name}.txt").write_text(text)
+    corpus = read_corpus(tmp_path)
+    assert (corpus.layout, corpus.source, corpus.detected) == ("folder", str(tmp_path), True)
+    assert [u.text for u in corpus.utterances] == ["first words", "second words"]
+
+    manifest = tmp_path / "manifest.jsonl"  # the real manifest wins over the hypotheses beside it
+    manifest.write_text("".join(json.dumps({"audio": f"{n}.wav", "text": f"{n} reference"}) + "\n" for n in "ab"))
+    corpus = read_corpus(tmp_path)
+    assert (corpus.layout, corpus.source) == ("manifest", str(manifest))
+    assert [u.text for u in corpus.utterances] == ["a reference", "b reference"]
+    (tmp_path / "other.csv").write_text("path,sentence\na.wav,again\n")
+    with pytest.raises(UserError, match="several manifests .*manifest.jsonl, other.csv"):
+        read_corpus(tmp_path)
+
+
+def test_folder_with_a_csv_manifest(tmp_path):
+    """README: CSV manifests work like JSONL ones, given as the file or as the folder holding it."""
+    for name in ("x1", "x2"):
+        _write_audio(tmp_path / "audio" / f"{name}.flac")
+    manifest = tmp_path / "manifest.csv"
+    manifest.write_text("audio_filepath,transcript,speaker\naudio/x1.flac,one two,s1\naudio/x2.flac,three,s2\n")
+    expected = [(f"audio/{n}.flac", str(tmp_path / "audio" / f"{n}.flac"), text, speaker)
+                for n, text, speaker in (("x1", "one two", "s1"), ("x2", "three", "s2"))]
+    for source, layout in ((tmp_path, None), (tmp_path, "manifest"), (manifest, None)):
+        corpus = read_corpus(source, layout)
+        assert (corpus.layout, corpus.source, corpus.detected) == ("manifest", str(manifest), layout is None)
+        assert _expected(corpus.utterances) == expected
+
+
 def test_shards_partition_the_limited_selection():
     items = [f"utt{i:03d}" for i in range(23)]
     full = select_utterances(items, limit=17)

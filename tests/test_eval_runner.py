@@ -5,6 +5,7 @@ the report's WER equals jiwer on the same normalized text, each word's emission 
 position - reference word end) recomputed from the session's own events, shards join into the full run,
 resume only runs what is missing, a corrupt or missing file is reported while the others are transcribed.
 """
+import csv
 import dataclasses
 import difflib
 import io
@@ -117,6 +118,33 @@ def test_eval_cli_report_matches_jiwer_and_lists_bad_audio(speech_corpus, tmp_pa
     out = capsys.readouterr().out
     assert f"{100 * run['summary']['wer']:.2f}" in out
     assert report_path.with_suffix(".md").exists() and report_path.with_suffix(".csv").exists()
+
+
+def test_eval_cli_names_its_manifest_says_why_utterances_failed_and_the_delay_used(tmp_path, capsys):
+    """A folder with a CSV manifest (and `transcribe --json` hypotheses beside it, which must not be taken for
+    references): eval says which file it read, lists each failed utterance with its reason on stderr, and its
+    table and CSV show the delay the engine used (the model's default), not "default" or an empty cell."""
+    sample = Path(__file__).resolve().parents[1] / "models" / "assets" / "samples" / "sample.wav"
+    shutil.copy(sample, tmp_path / "sample.wav")
+    reference = (sample.parent / "sample.txt").read_text().strip()
+    manifest = tmp_path / "manifest.csv"
+    manifest.write_text(f"id,audio,text\nsample,sample.wav,{reference}\ngone,missing.wav,never spoken\n")
+    (tmp_path / "out.jsonl").write_text(json.dumps({"file": "sample.wav", "text": reference, "token_ids": [1],
+                                                    "words": [], "audio_seconds": 3.5, "delay_ms": 480}) + "\n")
+    report_path = tmp_path / "report.json"
+    assert _eval(tmp_path, "--concurrency", 1, "--report", report_path) == 0
+    captured = capsys.readouterr()
+    assert f"manifest layout (detected), read from {manifest}" in captured.err
+    assert "1 utterance(s) failed at 480 ms:\n  gone: " in captured.err
+    failure = captured.err.split("  gone: ")[1].splitlines()[0]
+    assert "missing.wav" in failure and "not found" in failure
+    assert f"report: {report_path}, {tmp_path / 'report.md'}, {tmp_path / 'report.csv'}" in captured.err
+    header, rule, row = captured.out.strip().splitlines()[:3]
+    assert header.split()[:2] == ["delay", "ms"] and row.split()[:3] == ["480", "1", "1"]
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "report.csv").read_text())))
+    assert [(r["id"], r["delay_ms"]) for r in rows] == [("gone", "480"), ("sample", "480")]
+    (run,) = load_report(report_path)["runs"]
+    assert run["delay_ms"] == 480 and run["summary"]["wer"] > 0  # scored against the manifest, not itself
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -15,8 +15,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxstream.tpu_kernels import ring_attention
 from jaxstream.tpu_kernels.ring_attention import api, pallas_common, reference
-from jaxstream.tpu_kernels.ring_attention.test_base import (ACCELERATOR_TOLERANCE, CASES, Case,
-                                                             RingAttentionTestBase, build)
+
+from ring_attention_base import ACCELERATOR_TOLERANCE, CASES, Case, RingAttentionTestBase, build
 
 BACKEND = jax.default_backend()
 

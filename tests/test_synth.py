@@ -1,5 +1,7 @@
 """Synthetic corpus generator: number words, espeak-ng word boundaries, edited voices, layout, held-out split,
-CLI."""
+CLI; sentence corpora: espeak-ng / Festival / flite sentences and their word times, phone lines, microphone
+bands and rooms, held-out sets. Festival and flite tests skip where they are not installed (CI has espeak-ng)."""
+import dataclasses
 import json
 import os
 import shutil
@@ -12,7 +14,8 @@ from jaxstream.synth import (
     HELD_OUT_VARIANTS, TRAIN_VARIANTS, CorpusSpec, SentenceSampler, VoiceSpec, generate_corpus,
     is_held_out_sentence, number_words, read_manifest, synthesize_words,
 )
-from jaxstream.synth.espeak import _run_espeak
+from jaxstream.synth.engines import Spoken
+from jaxstream.synth.espeak import _run_espeak, _trim
 from jaxstream.synth.voices import random_voice_edits
 
 needs_espeak = pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng not installed")
@@ -144,3 +147,187 @@ def test_synth_cli_explains_an_espeak_ng_without_a_data_directory(tmp_path, monk
         voices.system_data_dir.cache_clear()
     error = capsys.readouterr().err.strip()
     assert error.count("\n") == 0 and "voices/!v" in error and "no data line" in error
+
+
+# ---- sentence corpora (v2): engines, timings, phone lines, held-out sets ----
+
+needs_festival = pytest.mark.skipif(shutil.which("festival") is None, reason="festival not installed")
+needs_flite = pytest.mark.skipif(shutil.which("flite") is None, reason="flite not installed")
+
+
+def _check_word_spans(spoken, num_words):
+    """Timings against the audio itself: ordered, inside the audio, each word (or group of words spoken as
+    one) holds sound, and no sound lies before the first word or after the last (the synthesizers emit
+    digital silence there)."""
+    audio, rate = spoken.audio, 16000
+    assert len(spoken.words) == num_words
+    level = 0.02 * np.abs(audio).max()
+    previous = 0.0
+    groups = [span for k, span in enumerate(spoken.words) if k == 0 or span != spoken.words[k - 1]]  # "in the"
+    for start, end in groups:
+        assert previous <= start + 1e-6 and start < end <= audio.size / rate + 1e-6
+        previous = end
+        assert np.abs(audio[int(start * rate) : int(end * rate)]).max() > level
+    first, last = spoken.words[0][0], spoken.words[-1][1]
+    assert np.abs(audio[: max(int(first * rate) - 160, 0)]).max(initial=0) < level  # 10 ms of slack
+    assert np.abs(audio[int(last * rate) + 160 :]).max(initial=0) < level
+
+
+@needs_espeak
+def test_espeak_sentence_is_the_command_line_audio_with_word_times():
+    from jaxstream.synth.engines import speak_espeak
+
+    # Oracle for the audio: the espeak-ng command line speaking the same text in the same voice (m3 has no
+    # random breath or flutter), both trimmed of silence.
+    words = "please turn off the lights in the kitchen".split()
+    voice = VoiceSpec("en-gb-x-rp", "m3", speed_wpm=150, pitch=45)
+    spoken = speak_espeak(words, voice)
+    reference = _run_espeak(voice, " ".join(words), ssml=False)
+    np.testing.assert_allclose(_trim(spoken.audio), _trim(reference), atol=1e-3)
+    _check_word_spans(spoken, len(words))
+    # "in the" is one espeak-ng word group: both words share its times; the others are distinct.
+    assert len(set(spoken.words)) >= len(words) - 1
+    # An edited variant reaches the library too (it reads the private data folder's voices).
+    edited = speak_espeak(words, dataclasses.replace(voice, edits=("pitch 160 240",)))
+    assert edited is not None
+    size = min(edited.audio.size, spoken.audio.size)
+    assert np.abs(edited.audio[:size] - spoken.audio[:size]).max() > 0.1
+
+
+@needs_festival
+def test_festival_sentence_word_times_and_possessives():
+    from jaxstream.synth.engines import FestivalVoice, speak_festival
+
+    words = "the book's cover was torn at nine o'clock".split()
+    spoken = speak_festival(words, FestivalVoice(duration_stretch=1.1, f0_mean=140))
+    assert spoken is not None
+    _check_word_spans(spoken, len(words))
+    slower = speak_festival(words, FestivalVoice(duration_stretch=1.4))
+    assert slower.words[-1][1] > 1.15 * spoken.words[-1][1]
+
+
+def test_flite_speakers_are_never_festival_training_voices():
+    from jaxstream.synth.engines import FLITE_SPEAKER_VOICES, FestivalVoice
+
+    for name in FLITE_SPEAKER_VOICES:
+        with pytest.raises(ValueError, match="flite"):
+            FestivalVoice(name=name)
+    with pytest.raises(ValueError, match="held-out engine"):
+        CorpusSpec(num_utterances=1, text="sentences", engines=(("espeak", 0.5), ("flite", 0.5)))
+
+
+@needs_flite
+def test_flite_speaks_each_held_out_voice():
+    from jaxstream.synth.engines import FLITE_VOICES, speak_flite
+
+    for voice in FLITE_VOICES:
+        audio = speak_flite("turn off the lights", voice)
+        assert audio.dtype == np.float32 and 0.5 < audio.size / 16000 < 3 and np.abs(audio).max() > 0.05
+
+
+def _tone(hz, seconds=1.0, rate=16000):
+    return (0.5 * np.sin(2 * np.pi * hz * np.arange(int(seconds * rate)) / rate)).astype(np.float32)
+
+
+def _amplitude(audio, hz, rate=16000):
+    """The amplitude of the `hz` component (oracle: the DFT at that bin, away from the edges)."""
+    middle = audio[rate // 4 : -rate // 4]
+    bins = np.fft.rfft(middle * np.hanning(middle.size))
+    freqs = np.fft.rfftfreq(middle.size, 1 / rate)
+    return 2 * np.abs(bins[np.argmin(np.abs(freqs - hz))]) / np.hanning(middle.size).sum()
+
+
+def test_telephone_keeps_the_voice_band_only():
+    from jaxstream.synth import augment
+
+    rng = np.random.default_rng(0)
+    for hz, passes in ((1000, True), (2500, True), (100, False), (5000, False), (7000, False)):
+        line = augment.telephone(_tone(hz), np.random.default_rng(1))
+        assert line.size == 16000
+        ratio = _amplitude(line, hz) / max(_amplitude(augment.telephone(_tone(1000), np.random.default_rng(1)), 1000),
+                                           1e-9)
+        assert (ratio > 0.7) if passes else (ratio < 0.05), (hz, ratio)
+    narrow = augment.telephone(_tone(1000), rng, at_8khz=True)
+    assert narrow.size == 8000 and narrow.dtype == np.float32
+
+
+def test_mu_law_has_256_levels_and_relative_error():
+    from jaxstream.synth.augment import mu_law
+
+    signal = np.linspace(-1, 1, 100001).astype(np.float32)
+    coded = mu_law(signal)
+    assert len(np.unique(coded)) <= 256
+    loud = np.abs(signal) > 0.05
+    assert np.max(np.abs(coded - signal)[loud] / np.abs(signal)[loud]) < 0.07  # companding: relative steps
+
+
+def test_band_limit_and_room_response():
+    from jaxstream.synth import augment
+
+    limited = augment.band_limit(_tone(200) + _tone(2000) + _tone(7500), 300, 4000)
+    assert _amplitude(limited, 2000) > 0.45 and _amplitude(limited, 200) < 0.25 and _amplitude(limited, 7500) < 0.01
+    rng = np.random.default_rng(3)
+    response = augment.room_impulse_response(rng, rt60_s=0.4)
+    assert response.size == 6400 and np.argmax(np.abs(response)) == 0
+    assert np.sum(response[3200:] ** 2) < np.sum(response[:3200] ** 2)  # it decays
+    audio = rng.standard_normal(5000).astype(np.float32)
+    np.testing.assert_allclose(augment.convolve(audio, response), np.convolve(audio, response)[:5000], atol=1e-4)
+
+
+@pytest.fixture
+def tiny_pools(monkeypatch):
+    """Sentence pools without the Debian packages (CI): a handful of sentences per kind."""
+    from jaxstream.synth import sentences
+
+    pools = {"examples": ("the cat sat on the mat", "she fed three cats every day"),
+             "definitions": ("a member of the genus canis",), "fortunes": ("never eat more than you can lift",),
+             "held-out": ("look before you leap", "she walked quietly into the room", "a penny saved is a penny earned")}
+    monkeypatch.setattr(sentences, "sentence_pools", lambda: pools)
+    monkeypatch.setattr(sentences, "_held_out_set", lambda: frozenset(pools["held-out"]))
+    return pools
+
+
+@needs_espeak
+def test_sentence_corpus_timings_follow_the_audio(tmp_path, tiny_pools):
+    spec = CorpusSpec(num_utterances=3, seed=4, text="sentences", augment_strength=0.0, voice_edit_fraction=0.0)
+    records = generate_corpus(os.fspath(tmp_path), spec)
+    for record in records:
+        audio, rate = soundfile.read(tmp_path / record["path"], dtype="float32")
+        assert rate == 16000 and record["engine"] == "espeak"
+        assert [w["word"] for w in record["words"]] == record["text"].split()
+        spans = [(w["start"], w["end"]) for w in record["words"]]
+        _check_word_spans(Spoken(audio, spans), len(spans))
+        assert record["voice"].split("+")[1] not in HELD_OUT_VARIANTS
+
+
+@needs_espeak
+def test_held_out_sets_share_sentences_and_the_phone_set_is_8khz(tmp_path, tiny_pools):
+    plain = generate_corpus(os.fspath(tmp_path / "a"), CorpusSpec(3, seed=1, held_out=True, text="sentences"))
+    phone = generate_corpus(os.fspath(tmp_path / "c"), CorpusSpec(3, seed=1, held_out=True, text="sentences",
+                                                                  telephone=1.0))
+    assert sorted(r["text"] for r in plain) == sorted(tiny_pools["held-out"])
+    assert [(r["id"], r["text"], r["voice"]) for r in plain] == [(r["id"], r["text"], r["voice"]) for r in phone]
+    for record in phone:
+        assert record["telephone"] and soundfile.info(tmp_path / "c" / record["path"]).samplerate == 8000
+        assert record["voice"].split("+")[1] in HELD_OUT_VARIANTS
+    if shutil.which("flite"):
+        flite = generate_corpus(os.fspath(tmp_path / "b"), CorpusSpec(3, seed=1, held_out=True, text="sentences",
+                                                                      engines=(("flite", 1.0),)))
+        assert sorted(r["text"] for r in flite) == sorted(r["text"] for r in plain)
+        assert all(r["engine"] == "flite" and r["words"] == [] for r in flite)
+
+
+@needs_espeak
+def test_synth_cli_sentence_options(tmp_path, tiny_pools, capsys):
+    from jaxstream.cli import main
+
+    assert main(["synth", os.fspath(tmp_path / "x"), "--text", "sentences", "--engines", "flite"]) == 2
+    assert main(["synth", os.fspath(tmp_path / "x"), "--text", "sentences", "--engines", "espeak:0"]) == 2
+    assert main(["synth", os.fspath(tmp_path / "x"), "--text", "sentences", "--engines", "mbrola"]) == 2
+    assert main(["synth", os.fspath(tmp_path / "x"), "--telephone", "0.5"]) == 2  # needs --text sentences
+    errors = capsys.readouterr().err.splitlines()
+    assert "flite is the held-out engine" in errors[0] and "share must be positive" in errors[1]
+    out = tmp_path / "phone"
+    assert main(["synth", os.fspath(out), "--num", "2", "--text", "sentences", "--held-out", "--telephone", "1",
+                 "--workers", "1"]) == 0
+    assert all(json.loads(line)["telephone"] for line in (out / "manifest.jsonl").read_text().splitlines())

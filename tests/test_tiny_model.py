@@ -46,3 +46,20 @@ def test_tiny_preset_reproduces_the_shipped_architecture():
     shipped = inspect_checkpoint(resolve_model_dir("tiny")).config
     recipe = load_train_config(resolve_config_path("tiny"))
     assert with_vocab_size(recipe, shipped.text.vocab_size).model == shipped
+
+
+def test_v2_recipe_is_a_subword_model_with_room_for_a_sentence():
+    """configs/tiny_v2.toml, the recipe in training (models/assets/tiny/MODEL_CARD.md, "v2 in progress"): it
+    replaces configs/tiny.toml, and the test above then compares the shipped model with it, once v2 ships."""
+    from jaxstream.commands.train import resolve_config_path
+    from jaxstream.models import audio as front_end
+    from jaxstream.training import load_train_config
+
+    recipe = load_train_config(resolve_config_path("tiny_v2"))
+    assert recipe.spm_model_type == "bpe" and 2000 <= recipe.spm_vocab_size <= 4000
+    # A 20-word sentence at espeak-ng's slowest training rate (125 words a minute) is 9.6 s: the decoder sees it
+    # whole, with the 480 ms default delay.
+    slot_seconds = front_end.SAMPLES_PER_SLOT / front_end.SAMPLING_RATE
+    assert recipe.model.text.sliding_window * slot_seconds >= 20 / 125 * 60 + 0.48
+    assert recipe.optimizer.ctc_weight > 0 and recipe.optimizer.aligned_piece_weight > 0
+    assert recipe.optimizer.cooldown_steps > 0  # warmup-stable-decay: the end can move until the cooldown

@@ -456,3 +456,75 @@ def test_spelling_init_makes_alike_words_start_alike(tmp_path):
     np.testing.assert_array_equal(initialised[others], embedding[others])  # controls and byte pieces untouched
     expected = spelling.spelling_vectors(found, 256, seed=0) * np.linalg.norm(embedding[ids], axis=1).mean()
     np.testing.assert_allclose(initialised[ids], expected, rtol=1e-5)
+
+
+def test_bpe_tokenizer_spells_any_word_and_round_trips_any_text(tmp_path):
+    # The v2 recipe's tokenizer (configs/tiny_v2.toml): subwords learnt from sentences, byte fallback for the rest.
+    from jaxstream.training.spm import train_sentencepiece
+
+    sentences = ["can you turn off the lights in the kitchen before you go to bed",
+                 "the meeting is on march third at ten thirty", "she walked quietly into the room",
+                 "a penny saved is a penny earned", "he was brought out of retirement temporarily"] * 20
+    path = tmp_path / "bpe.model"
+    train_sentencepiece(sentences, os.fspath(path), 400, model_type="bpe")
+    bpe = SentencePieceTokenizer(path)
+    assert bpe.vocab_size <= 1000 + 400
+    for text in ["turn off the kitchen lights", "zyzzogeton quixotically", "naïve café ünïcode 日本", "o'clock"]:
+        ids = bpe.encode(text)
+        assert all(1000 <= token < bpe.vocab_size for token in ids)
+        assert bpe.decode(ids) == text  # no unknown pieces: unseen characters are bytes
+    # Seen words are whole pieces; unseen ones are spelled with several.
+    assert len(bpe.encode("kitchen")) == 1 and len(bpe.encode("zyzzogeton")) > 2
+    # Each word encoded alone (how training lays out the stream, data.word_pieces) is its pieces in a sentence.
+    words = "she turned quietly into the kitchen".split()
+    assert sum(data.word_pieces(bpe, words), []) == bpe.encode(" ".join(words))
+
+
+def test_words_spoken_as_one_group_are_laid_out_one_after_the_other():
+    # espeak-ng speaks "in the" as one word (synth/engines.py): both words end at the same time, and the
+    # second's marker and pieces follow the first's on the next free slots.
+    n_delay = 6
+    ends = [0.5, 1.0, 1.0]
+    pieces = [[1100], [1101, 1102], [1103]]
+    tokens, used = targets.stream_tokens(ends, pieces, n_delay, 120)
+    first = targets.word_end_slot(1.0) + n_delay + 1
+    ids = targets.StreamTokens()
+    assert list(tokens[first : first + 5]) == [ids.word, 1101, 1102, ids.word, 1103] and used == first + 5
+
+
+def test_train_refuses_a_corpus_without_word_timings(corpus, tmp_path):
+    from jaxstream.errors import UserError
+    from jaxstream.training import load_train_config, train
+
+    corpus_dir, records = corpus
+    flite_like = tmp_path / "flite"
+    shutil.copytree(corpus_dir, flite_like)
+    (flite_like / "manifest.jsonl").write_text(
+        "".join(json.dumps({**record, "words": [], "engine": "flite"}) + "\n" for record in records))
+    (tmp_path / "tiny.toml").write_text(TINY_TOML)
+    with pytest.raises(UserError, match="no word timings"):
+        train(load_train_config(tmp_path / "tiny.toml"), os.fspath(flite_like), os.fspath(tmp_path / "run"),
+              progress=False)
+
+
+def test_several_corpora_pool_their_utterances(corpus, tmp_path):
+    from jaxstream.training.loop import read_corpora
+
+    corpus_dir, records = corpus
+    other = tmp_path / "other"
+    shutil.copytree(corpus_dir, other)
+    pooled = read_corpora([corpus_dir, os.fspath(other)])
+    assert len(pooled) == 2 * len(records)
+    for record in pooled:
+        assert os.path.isfile(record["path"]) and record["path"].startswith((corpus_dir, os.fspath(other)))
+
+
+def test_a_failing_batch_loader_stops_training_instead_of_hanging(corpus, tokenizer):
+    corpus_dir, records = corpus
+    broken = [{**record, "path": "missing.flac"} for record in records]
+    stream = data.BatchStream(corpus_dir, broken, tokenizer, batch_size=2, delays_slots=(6,), seed=0)
+    try:
+        with pytest.raises(RuntimeError, match="batch loader failed"):
+            next(stream)
+    finally:
+        stream.close()

@@ -48,7 +48,8 @@ def test_transcribe_bad_audio_is_one_line_error(tmp_path, capsys):
     not_audio = tmp_path / "notes.wav"
     not_audio.write_text("this is not a wav file")
     for path, message in [(tmp_path / "missing.wav", "audio file not found"),
-                          (not_audio, "unsupported or unreadable audio")]:
+                          (not_audio, "unsupported or unreadable audio"),
+                          (tmp_path, "is a directory, not an audio file")]:
         assert cli.main(["transcribe", "--model", str(FIXTURE_MODEL), str(path)]) == 2
         err = capsys.readouterr().err
         assert message in err and str(path) in err and len(err.strip().splitlines()) == 1
@@ -90,6 +91,8 @@ def test_transcribe_tiny_model_words_and_timings(tmp_path, capsys):
         for word in words:  # in order, not overlapping, within the recording
             assert previous_end <= word["start"] <= word["end"] <= result["audio_seconds"], words
             previous_end = word["end"]
+            # Milliseconds, as JSON shows them: 1.92, never 1.9200000000000002.
+            assert all(repr(round(word[key], 3)) == repr(word[key]) for key in ("start", "end")), word
 
     # The sample: the model misses one of its seven words (README).
     reference = (SAMPLE_DIR / "sample.txt").read_text().split()

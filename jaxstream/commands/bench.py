@@ -1,31 +1,44 @@
 """`jaxstream bench`: concurrent realtime transcription streams through the engine (step-time percentiles,
 streams sustainable at real time, tokens/s, host overhead per tick, memory-bound floor)."""
-import argparse
 import json
 
+from jaxstream.commands.transcribe import checked_delay_ms, model_source
 from jaxstream.errors import UserError
 
 
 def register(subparsers) -> None:
+    from jaxstream.models.audio import ALLOWED_DELAYS_TEXT
+
     parser = subparsers.add_parser(
-        "bench", help="engine benchmark: N concurrent realtime transcription streams",
-        description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        "bench", help="engine benchmark: N concurrent realtime transcription streams", description=__doc__)
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", help="model source (built-in name, directory or hub id)")
-    source.add_argument("--config", help="random-weight model shape: voxtral-4b, tiny, or a training TOML")
-    parser.add_argument("--random-weights", action="store_true", help="required with --config")
-    parser.add_argument("--streams", default="16", help="comma-separated stream counts to run, e.g. 16,64,256")
-    parser.add_argument("--seconds", type=float, default=10.0, help="audio per stream")
+    source.add_argument("--model", help="model name, directory or Hugging Face id (default: the embedded tiny "
+                        "model)")
+    source.add_argument("--config", metavar="SHAPE", help="benchmark a model of this shape with random weights "
+                        "instead: voxtral-4b, tiny, or a training TOML (needs --random-weights)")
+    parser.add_argument("--random-weights", action="store_true", help="confirm that --config builds random "
+                        "weights: the timings are real, the transcripts meaningless")
+    parser.add_argument("--streams", default="16", metavar="N[,N...]",
+                        help="concurrent stream counts, one run each, e.g. 16,64,256 (default: 16)")
+    parser.add_argument("--seconds", type=float, default=10.0, metavar="S",
+                        help="seconds of audio per stream (default: 10)")
     parser.add_argument("--fast", action="store_true", help="feed all audio at once instead of at real time")
-    parser.add_argument("--delay-ms", type=int, default=None, help="transcription delay (default: the model's)")
-    parser.add_argument("--page-size", type=int, default=64, help="decoder KV positions per page")
-    parser.add_argument("--encoder-page-size", type=int, default=64, help="encoder KV frames per page")
-    parser.add_argument("--steps-per-dispatch", default="1,4", help="realtime step buckets (catch-up)")
-    parser.add_argument("--batch-buckets", default=None,
-                        help="decode batch buckets to compile (default: the --streams values)")
-    parser.add_argument("--dtype", default=None, help="compute and KV dtype (default: bf16 on accelerators)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print one JSON object per run")
+    parser.add_argument("--delay-ms", type=int, default=None, metavar="MS",
+                        help=f"transcription delay in ms, {ALLOWED_DELAYS_TEXT} (default: the model's)")
+    parser.add_argument("--page-size", type=int, default=64, metavar="N",
+                        help="decoder KV positions per page (default: 64)")
+    parser.add_argument("--encoder-page-size", type=int, default=64, metavar="N",
+                        help="encoder KV frames per page (default: 64)")
+    parser.add_argument("--steps-per-dispatch", default="1,4", metavar="K[,K...]",
+                        help="80 ms steps one dispatch may run per stream when audio is queued (catch-up); each "
+                        "value is compiled (default: 1,4)")
+    parser.add_argument("--batch-buckets", default=None, metavar="N[,N...]",
+                        help="decode batch sizes to compile (default: the --streams values)")
+    parser.add_argument("--dtype", default=None, help="compute and KV dtype, e.g. bfloat16 (default: float32 on "
+                        "CPU, bfloat16 on accelerators)")
+    parser.add_argument("--seed", type=int, default=0, metavar="N",
+                        help="seed of the synthetic audio and of --random-weights (default: 0)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per run instead of text")
     parser.set_defaults(func=run)
 
 
@@ -51,6 +64,7 @@ def run(args) -> int:
         raise UserError("--random-weights needs --config (voxtral-4b, tiny or a training TOML)")
     if args.seconds <= 0:
         raise UserError("--seconds must be positive")
+    checked_delay_ms(args.delay_ms)
     return asyncio.run(_run(args, counts, steps, buckets))
 
 
@@ -70,7 +84,7 @@ async def _run(args, counts, steps, buckets) -> int:
         config = _pools_for(config, model.cfg, args.seconds, max_streams)
         engine = AsyncEngine(model, config=config, tokenizer=tokenizer)
     else:
-        engine = AsyncEngine.from_pretrained(args.model or "tiny", config=config)
+        engine = AsyncEngine.from_pretrained(model_source(args.model), config=config)
     if engine.kind != "realtime":
         raise UserError("jaxstream bench runs realtime transcription streams: it needs a Voxtral Realtime model")
     try:
@@ -92,7 +106,13 @@ def _pools_for(config, model_cfg, seconds: float, streams: int):
     import dataclasses
     import math
 
-    slots = math.ceil(seconds / 0.08) + model_cfg.n_left_pad_tokens + 2 * 30 + 11  # prompt + flush, any delay
+    from jaxstream.models.audio import (
+        ALLOWED_DELAYS_MS, SAMPLES_PER_SLOT, SLOT_SECONDS, n_delay_from_ms, prompt_length, right_pad_samples,
+    )
+
+    longest = n_delay_from_ms(max(ALLOWED_DELAYS_MS))  # the prompt and the end padding grow with the delay
+    slots = (math.ceil(seconds / SLOT_SECONDS) + prompt_length(longest, model_cfg.n_left_pad_tokens)
+             + right_pad_samples(0, longest) // SAMPLES_PER_SLOT)
     frames = slots * model_cfg.downsample_factor
     dec = math.ceil(min(slots, model_cfg.text.attention_window) / config.page_size) + 1
     enc = math.ceil(min(frames, model_cfg.encoder.sliding_window) / config.encoder_page_size) + 1

@@ -29,7 +29,10 @@ def run(args: argparse.Namespace) -> int:
     from jaxstream.models.layers import num_parameters
 
     source = loading.resolve_model_dir(args.src)
-    destination = loading.check_destination(args.dst, overwrite=args.overwrite)
+    try:
+        destination = loading.check_destination(args.dst, overwrite=args.overwrite)
+    except loading.CheckpointExistsError as exc:
+        raise UserError(f"{exc} (use --overwrite to replace it)") from None
     if destination == source.resolve():
         raise UserError("SRC and DST are the same directory")
     info = loading.inspect_checkpoint(source)

@@ -6,16 +6,20 @@
 
 Every utterance streams through the engine's realtime sessions, N at a time. `--report PATH` writes the
 JSON report (schema in `jaxstream.evaluation.reports`) plus PATH with `.md` and `.csv` suffixes, and keeps
-it up to date while the run goes, so `--resume` after an interruption runs only what is missing.
+it up to date while the run goes, so `--resume` after an interruption runs only what is missing. Failed
+utterances (unreadable audio, say) are listed on stderr with their reasons, and in the report.
 """
 import sys
 
-from jaxstream.commands.transcribe import model_source
+from jaxstream.commands.transcribe import checked_delay_ms, model_source
 from jaxstream.errors import UserError
+
+_ERRORS_SHOWN = 5  # failed utterances listed on stderr; the report has them all
 
 
 def register(subparsers) -> None:
     from jaxstream.evaluation import LAYOUTS, NORMALIZERS
+    from jaxstream.models.audio import ALLOWED_DELAYS_TEXT
 
     parser = subparsers.add_parser(
         "eval", help="evaluate a model on an audio corpus (WER, CER, latency, RTFx)",
@@ -31,14 +35,17 @@ def register(subparsers) -> None:
     parser.add_argument("--shard", default=None, metavar="i/N",
                         help="evaluate the i-th of N deterministic parts (merge the reports with --merge)")
     parser.add_argument("--delay-ms", default=None, metavar="MS[,MS...]",
-                        help="transcription delay(s); a comma list sweeps them (default: the model's)")
+                        help=f"transcription delay(s) in ms, each {ALLOWED_DELAYS_TEXT}; a comma list sweeps "
+                        "them (default: the model's, 480 for tiny)")
     parser.add_argument("--realtime", action="store_true",
                         help="append 80 ms of audio every 80 ms (latency as a live user sees it)")
     parser.add_argument("--normalizer", default="english", choices=NORMALIZERS,
                         help="text normalizer applied to both sides: english (default, Whisper's "
                         "EnglishTextNormalizer), basic (other languages) or none")
     parser.add_argument("--report", default=None, metavar="PATH",
-                        help="write the JSON report here (and PATH.md, PATH.csv)")
+                        help="write the JSON report to PATH, a Markdown summary and a per-utterance CSV beside it "
+                        "(PATH with .md and .csv suffixes: report.json -> report.md, report.csv), updated while "
+                        "the run goes")
     parser.add_argument("--resume", action="store_true", help="continue the run recorded in --report")
     parser.add_argument("--merge", nargs="+", default=None, metavar="REPORT",
                         help="join the reports of the shards of one corpus instead of running")
@@ -81,16 +88,20 @@ def run(args) -> int:
 def _plan(args):
     from jaxstream.evaluation import Evaluation, RunOptions, parse_shard, read_corpus
 
-    delays = _parse_delays(args.delay_ms)
     shard = None if args.shard is None else parse_shard(args.shard)
+    requested = _parse_delays(args.delay_ms)
     corpus = read_corpus(args.corpus, args.layout)
-    evaluation = Evaluation(corpus, model=model_source(args.model), delays=delays,
+    how = "detected" if corpus.detected else "--layout"
+    print(f"corpus {corpus.path}: {corpus.layout} layout ({how}), read from {corpus.source}", file=sys.stderr)
+    model = model_source(args.model)
+    default_delay = _default_delay_ms(model)  # also checks, before any loading, that the model transcribes
+    delays = requested or [default_delay]
+    evaluation = Evaluation(corpus, model=model, delays=delays,
                             options=RunOptions(concurrency=args.concurrency, realtime=args.realtime),
                             normalizer_name=args.normalizer, limit=args.limit, shard=shard)
     excluded = evaluation.corpus["excluded"]
     note = f" ({len(excluded)} with an empty reference excluded)" if excluded else ""
-    print(f"corpus {corpus.path}: {corpus.layout} layout, {len(corpus.utterances)} utterances; evaluating "
-          f"{len(evaluation.utterances)}{note}", file=sys.stderr)
+    print(f"{len(corpus.utterances)} utterances; evaluating {len(evaluation.utterances)}{note}", file=sys.stderr)
     for warning in corpus.warnings[:5]:
         print(f"  {warning}", file=sys.stderr)
     if len(corpus.warnings) > 5:
@@ -130,29 +141,56 @@ def _run(evaluation, args, save) -> None:
 
 def _finish(report: dict, report_path: str | None) -> None:
     from jaxstream.evaluation import format_table, write_reports
+    from jaxstream.evaluation.reports import companion_paths
 
     print(format_table(report))
+    _print_errors(report)
     if report_path is not None:
         write_reports(report, report_path)
-        print(f"report: {report_path} (+ .md, .csv)", file=sys.stderr)
+        print(f"report: {', '.join(map(str, (report_path, *companion_paths(report_path))))}", file=sys.stderr)
 
 
-def _parse_delays(text: str | None) -> list[int | None]:
+def _print_errors(report: dict) -> None:
+    """Why utterances failed, on stderr: the table only counts them."""
+    for run in report["runs"]:
+        errors = run["errors"]
+        if not errors:
+            continue
+        delay = "the default delay" if run["delay_ms"] is None else f"{run['delay_ms']} ms"
+        print(f"{len(errors)} utterance(s) failed at {delay}:", file=sys.stderr)
+        for error in errors[:_ERRORS_SHOWN]:
+            print(f"  {error['id']}: {error['error']}", file=sys.stderr)
+        if len(errors) > _ERRORS_SHOWN:
+            print(f"  ... and {len(errors) - _ERRORS_SHOWN} more (the report lists them all)", file=sys.stderr)
+
+
+def _parse_delays(text: str | None) -> list[int]:
+    """The delays of `--delay-ms`, in order, without repeats; none when it is not given."""
     if text is None:
-        return [None]
-    from jaxstream.models.audio import ALLOWED_DELAYS_MS
-
+        return []
     delays = []
     for item in text.split(","):
         try:
             delay = int(item.strip())
         except ValueError:
             raise UserError(f"--delay-ms takes milliseconds, e.g. 480 or 240,480,960; got {text!r}") from None
-        if delay not in ALLOWED_DELAYS_MS:
-            raise UserError(f"--delay-ms {delay}: the delay must be a multiple of 80 in 80..1200, or 2400")
+        delay = checked_delay_ms(delay)
         if delay not in delays:
             delays.append(delay)
     return delays
+
+
+def _default_delay_ms(model: str) -> int:
+    """The delay the engine uses for `model` when none is asked for, from the checkpoint's configuration
+    (no weights read), so that reports and tables name the delay used instead of "default"."""
+    from jaxstream.models import loading
+    from jaxstream.models.config import VoxtralConfig
+
+    config = loading.inspect_checkpoint(loading.resolve_model_dir(model)).config
+    if not isinstance(config, VoxtralConfig):
+        raise UserError(f"model {model!r} is a text model; jaxstream eval needs a speech-to-text (Voxtral "
+                        "Realtime) model")
+    return config.default_delay_ms
 
 
 def _positive_int(text: str) -> int:

@@ -1,4 +1,5 @@
-"""`jaxstream synth OUT`: a synthetic speech corpus (espeak-ng) in LibriSpeech layout with word timings."""
+"""`jaxstream synth OUT`: a synthetic speech corpus (espeak-ng, Festival, flite) in LibriSpeech layout with word
+timings."""
 import argparse
 import os
 import shutil
@@ -16,8 +17,21 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--held-out", action="store_true",
                         help="draw from the held-out pools: sentences and voice variants training never uses")
-    parser.add_argument("--min-words", type=int, default=3)
-    parser.add_argument("--max-words", type=int, default=7)
+    parser.add_argument("--text", choices=("words", "sentences"), default="words",
+                        help="words: random sequences from the packaged word list, each word spoken alone (the "
+                             "shipped tiny model's corpus; the default); sentences: natural sentences from "
+                             "WordNet and fortune files, spoken whole (apt-get install wordnet-base fortunes "
+                             "fortunes-min), held out by source with --held-out")
+    parser.add_argument("--engines", default="espeak", metavar="NAME[:SHARE],...",
+                        help="--text sentences: synthesizers and their shares, e.g. espeak:0.75,festival:0.25 "
+                             "(default espeak). espeak = espeak-ng's English accents and voice variants; "
+                             "festival = Festival's ked_diphone (apt-get install festival festvox-kdlpc16k); "
+                             "flite = flite's kal16/slt/rms/awb, held-out sets only (apt-get install flite)")
+    parser.add_argument("--telephone", type=float, default=0.0, metavar="FRACTION",
+                        help="--text sentences: share of utterances sent over a simulated phone line (300-3400 "
+                             "Hz, 8 kHz, mu-law); a --held-out corpus writes them as 8 kHz files (default 0)")
+    parser.add_argument("--min-words", type=int, default=3, help="--text words: shortest sentence (default 3)")
+    parser.add_argument("--max-words", type=int, default=7, help="--text words: longest sentence (default 7)")
     parser.add_argument("--augment", type=float, default=1.0, metavar="STRENGTH",
                         help="augmentation strength: 0 = clean, 1 = default (speed, reverb, noise, gain)")
     parser.add_argument("--voice-edits", type=float, default=0.5, metavar="FRACTION",
@@ -29,7 +43,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxstream.synth import CorpusSpec, generate_corpus
-    from jaxstream.synth.voices import NOT_INSTALLED, system_data_dir
+    from jaxstream.synth.voices import system_data_dir
 
     if args.num < 1:
         raise UserError(f"--num must be at least 1, got {args.num}")
@@ -37,19 +51,64 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"need 1 <= --min-words <= --max-words, got {args.min_words} and {args.max_words}")
     if not 0 <= args.voice_edits <= 1:
         raise UserError(f"--voice-edits must be between 0 and 1, got {args.voice_edits}")
-    if shutil.which("espeak-ng") is None:
-        raise UserError(NOT_INSTALLED)
-    if args.voice_edits and not args.held_out:
+    engines = _parse_engines(args.engines)
+    if args.text == "words" and engines != (("espeak", 1.0),):
+        raise UserError("--engines needs --text sentences (word-list corpora are espeak-ng only)")
+    if "flite" in dict(engines) and not args.held_out:
+        raise UserError("flite is the held-out engine: use it with --held-out only")
+    if not 0 <= args.telephone <= 1:
+        raise UserError(f"--telephone must be between 0 and 1, got {args.telephone}")
+    if args.telephone and args.text == "words":
+        raise UserError("--telephone needs --text sentences")
+    needed = {name for name, _ in engines} | ({"espeak"} if "festival" in dict(engines) else set())
+    for name in sorted(needed):
+        if shutil.which(_BINARIES[name]) is None:
+            raise UserError(_MISSING[name])
+    if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
+        raise UserError(f"output {args.out} exists and is not an empty directory")
+    if args.text == "sentences":
+        from jaxstream.synth.sentences import sentence_pools
+
+        try:
+            sentence_pools()
+        except RuntimeError as error:
+            raise UserError(str(error)) from error
+    if args.voice_edits and not args.held_out and "espeak" in needed:
         try:
             system_data_dir()  # edited voices are written beside a copy of it
         except RuntimeError as error:
             raise UserError(str(error)) from error
-    if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
-        raise UserError(f"output {args.out} exists and is not an empty directory")
     spec = CorpusSpec(num_utterances=args.num, seed=args.seed, held_out=args.held_out, min_words=args.min_words,
                       max_words=args.max_words, augment_strength=args.augment,
-                      voice_edit_fraction=args.voice_edits)
+                      voice_edit_fraction=args.voice_edits, text=args.text, engines=engines,
+                      telephone=args.telephone)
     records = generate_corpus(args.out, spec, workers=max(args.workers, 1), progress=True)
     hours = sum(record["duration"] for record in records) / 3600
     print(f"wrote {len(records)} utterances ({hours:.2f} h) to {args.out}")
     return 0
+
+
+# espeak-ng also speaks the rare sentence that Festival splits into other words than the transcript's.
+_BINARIES = {"espeak": "espeak-ng", "festival": "festival", "flite": "flite"}
+_MISSING = {"espeak": "espeak-ng is not installed (Debian/Ubuntu: apt-get install espeak-ng)",
+            "festival": "festival is not installed (Debian/Ubuntu: apt-get install festival festvox-kdlpc16k)",
+            "flite": "flite is not installed (Debian/Ubuntu: apt-get install flite)"}
+
+
+def _parse_engines(text: str) -> tuple[tuple[str, float], ...]:
+    """"espeak:0.75,festival:0.25" -> (("espeak", 0.75), ("festival", 0.25)); a missing share is 1."""
+    engines = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, share = item.partition(":")
+        if name not in _BINARIES:
+            raise UserError(f"--engines: unknown engine {name!r} (choose from {', '.join(_BINARIES)})")
+        try:
+            value = float(share) if share else 1.0
+        except ValueError:
+            raise UserError(f"--engines: {item!r}: the share must be a number") from None
+        if value <= 0:
+            raise UserError(f"--engines: {item!r}: the share must be positive")
+        engines.append((name, value))
+    if not engines or len({name for name, _ in engines}) != len(engines):
+        raise UserError(f"--engines: need each engine at most once, got {text!r}")
+    return tuple(engines)

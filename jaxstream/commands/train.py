@@ -13,7 +13,8 @@ def register(subparsers) -> None:
                     "model to OUT/model and the best held-out one to OUT/best (jaxstream checkpoints).")
     parser.add_argument("--config", default="tiny",
                         help="recipe TOML: a path or a preset name in jaxstream.configs (default: tiny)")
-    parser.add_argument("--corpus", required=True, help="training corpus written by `jaxstream synth`")
+    parser.add_argument("--corpus", required=True, nargs="+", metavar="DIR",
+                        help="training corpus written by `jaxstream synth`, or several (their utterances pooled)")
     parser.add_argument("--eval-corpus", help="held-out corpus for the periodic WER (jaxstream synth --held-out)")
     parser.add_argument("--out", required=True, help="run directory (checkpoints, tokenizer, exported models)")
     parser.add_argument("--init-from", metavar="MODEL|RUN",
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from jaxstream.training import load_train_config, train
     from jaxstream.training.config import with_total_steps
 
-    for corpus in filter(None, (args.corpus, args.eval_corpus)):
+    for corpus in filter(None, (*args.corpus, args.eval_corpus)):
         if not os.path.isfile(os.path.join(corpus, MANIFEST_NAME)):
             raise UserError(f"{corpus} has no {MANIFEST_NAME}: generate it with `jaxstream synth`")
     if args.steps is not None and args.steps < 1:

@@ -14,13 +14,16 @@ from jaxstream.errors import UserError
 
 
 def register(subparsers) -> None:
+    from jaxstream.models.audio import ALLOWED_DELAYS_TEXT
+
     parser = subparsers.add_parser("transcribe", help="transcribe audio files",
                                    description=__doc__.split("\n\n")[0])
     parser.add_argument("audio", nargs="+", metavar="AUDIO", help="audio files (wav, flac, ogg, mp3, ...)")
     parser.add_argument("--model", default=None, help="model name, directory or Hugging Face id (default: the "
                         "embedded tiny model)")
     parser.add_argument("--delay-ms", type=int, default=None, metavar="MS",
-                        help="transcription delay, a multiple of 80 in 80..1200 or 2400 (default: the model's)")
+                        help=f"transcription delay in ms, {ALLOWED_DELAYS_TEXT} (default: the model's, 480 for "
+                        "tiny)")
     parser.add_argument("--json", action="store_true", help="one JSON object per file")
     parser.add_argument("--concurrency", type=int, default=8, metavar="N",
                         help="files transcribed at once (default 8)")
@@ -30,12 +33,9 @@ def register(subparsers) -> None:
 def run(args) -> int:
     import asyncio
 
-    from jaxstream.models.audio import ALLOWED_DELAYS_MS
-
     if args.concurrency < 1:
         raise UserError(f"--concurrency must be at least 1, got {args.concurrency}")
-    if args.delay_ms is not None and args.delay_ms not in ALLOWED_DELAYS_MS:
-        raise UserError(f"--delay-ms {args.delay_ms}: the delay must be a multiple of 80 in 80..1200, or 2400")
+    checked_delay_ms(args.delay_ms)
     for path in args.audio:
         _check_audio_file(path)  # before loading the model, so a typo fails in a second
     asyncio.run(_transcribe_all(args))
@@ -70,6 +70,19 @@ async def _transcribe_all(args) -> None:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def checked_delay_ms(delay_ms: int | None) -> int | None:
+    """`--delay-ms` as given, after the front end's check of what the model supports (None: the default)."""
+    if delay_ms is None:
+        return None
+    from jaxstream.models.audio import ALLOWED_DELAYS_TEXT, n_delay_from_ms
+
+    try:
+        n_delay_from_ms(delay_ms)
+    except ValueError:
+        raise UserError(f"--delay-ms {delay_ms}: the delay must be {ALLOWED_DELAYS_TEXT}") from None
+    return delay_ms
+
+
 def model_source(model: str | None) -> str:
     """`--model`, or the built-in default model when none is given."""
     if model is not None:
@@ -97,6 +110,9 @@ def _print_result(path: str, num_samples: int, done, as_json: bool, several: boo
 def _check_audio_file(path: str) -> None:
     import soundfile
 
+    if os.path.isdir(path):
+        raise UserError(f"{path} is a directory, not an audio file: give its files (a shell glob such as "
+                        f"{os.path.join(path, '*.wav')}), or evaluate a corpus folder with `jaxstream eval`")
     if not os.path.isfile(path):
         raise UserError(f"audio file not found: {path}")
     try:

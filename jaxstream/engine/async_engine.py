@@ -24,12 +24,11 @@ from jaxstream.engine import metrics as engine_metrics
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.requests import RequestOutput, RequestOutputKind, SamplingParams, StreamingInput
 from jaxstream.engine.residency import END_OF_STREAM
-from jaxstream.engine.transcription_session import (
-    SLOT_SECONDS, TranscriptionDone, TranscriptionSession, transcription_prompt,
-)
+from jaxstream.engine.transcription_session import TranscriptionDone, TranscriptionSession, transcription_prompt
 from jaxstream.errors import (
     CapacityError, DrainingError, EngineDeadError, EngineError, InvalidRequestError,
 )
+from jaxstream.models.audio import SAMPLING_RATE, SLOT_SECONDS
 
 logger = logging.getLogger(__name__)
 _METRICS_PERIOD_S = 0.05  # how often a busy engine thread republishes its metrics snapshot
@@ -78,7 +77,12 @@ class AsyncEngine:
     @classmethod
     def from_pretrained(cls, model_source, config: EngineConfig | None = None, *, dtype=None) -> "AsyncEngine":
         """Loads a model (built-in name, local directory or hub id; models/loading.py) and starts an engine
-        that stops text generation at the EOS ids the checkpoint declares (else its tokenizer's)."""
+        that stops text generation at the EOS ids the checkpoint declares (else its tokenizer's).
+
+        Returns once every program is compiled. The default `EngineConfig` serves 64 sessions and compiles
+        14 programs (about 20 s for the tiny model on a 2-core CPU); `EngineConfig(max_sessions=1)`
+        compiles 4 (about 6 s) and is the one for a script transcribing one stream at a time (see
+        `EngineConfig`, "Start-up cost")."""
         from jaxstream.engine import builders, sharding
         from jaxstream.models import loading
 
@@ -167,7 +171,7 @@ class AsyncEngine:
     def _drain_commands(self) -> None:
         while True:
             try:
-                request_id, command = self._commands.get_nowait()
+                request_id, command, sink = self._commands.get_nowait()
             except queue.Empty:
                 return
             try:
@@ -175,16 +179,24 @@ class AsyncEngine:
             except Exception as exc:  # noqa: BLE001 - a command that raises ends its own session only
                 session = self.core.sessions.get(request_id)
                 if session is not None:
+                    logger.error("a command of session %s failed; ending the session", request_id, exc_info=exc)
                     self.core.fail(session, exc)
+                    continue
+                # It failed before creating its session: nothing in the core will ever answer the caller,
+                # who would wait forever unless the error goes straight to its sink.
+                logger.error("a command for %s failed before its session existed", request_id, exc_info=exc)
+                if sink is not None:
+                    sink(exc)
 
     def _fail_everything(self, exc: BaseException) -> None:
         for session in list(self.core.sessions.values()):
             self.core.fail(session, exc)
 
-    def _send(self, command, request_id: str | None = None) -> None:
-        """Runs `command` on the engine thread before its next tick (commands run in order)."""
+    def _send(self, command, request_id: str | None = None, sink=None) -> None:
+        """Runs `command` on the engine thread before its next tick (commands run in order). If it raises,
+        its session ends with the error; with no session, the error goes to `sink` (the caller's)."""
         self._check_alive()
-        self._commands.put((request_id, command))
+        self._commands.put((request_id, command, sink))
         self._wake.set()
 
     def _check_alive(self) -> None:
@@ -198,7 +210,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         with self._live_lock:
             if request_id in self._live:
-                raise InvalidRequestError(f"request id {request_id!r} is already running")
+                raise _rejected(InvalidRequestError(f"request id {request_id!r} is already running"))
             self._live[request_id] = (loop, target)
 
     def _unregister(self, request_id: str) -> None:
@@ -208,7 +220,7 @@ class AsyncEngine:
     def _check_admitting(self) -> None:
         self._check_alive()
         if self._draining:
-            raise DrainingError("the engine is draining: it takes no new sessions")
+            raise _rejected(DrainingError("the engine is draining: it takes no new sessions"))
 
     def _sink(self, target: asyncio.Queue):
         """A callable for the engine thread that hands items to `target` on the event loop."""
@@ -241,7 +253,10 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         params = sampling_params or SamplingParams()
         streaming = hasattr(prompt, "__aiter__")
-        params.check_supported(streaming=streaming)
+        try:
+            params.check_supported(streaming=streaming)
+        except EngineError as exc:
+            raise _rejected(exc) from None
         self._check_admitting()
         ids = None if streaming else self._tokenize(prompt, first=True)
         outputs: asyncio.Queue = asyncio.Queue()
@@ -252,7 +267,7 @@ class AsyncEngine:
             feeder = asyncio.create_task(self._feed(prompt, request_id, params, sink, outputs))
         else:
             self._send(lambda: self.core.add_chunk(request_id, ids, params, first=True, resumable=False, sink=sink),
-                       request_id)
+                       request_id, sink)
         ended = False
         try:
             while True:
@@ -295,7 +310,7 @@ class AsyncEngine:
                     return  # the session ended: nothing more is sent
                 is_first = first
                 self._send(lambda ids=ids, params=params, is_first=is_first: self.core.add_chunk(
-                    request_id, ids, params, first=is_first, resumable=True, sink=sink), request_id)
+                    request_id, ids, params, first=is_first, resumable=True, sink=sink), request_id, sink)
                 first = False
             if first:
                 outputs.put_nowait(END_OF_STREAM)  # zero chunks: no engine request at all
@@ -307,7 +322,7 @@ class AsyncEngine:
             if first:
                 outputs.put_nowait(exc)
             else:
-                self._send_quietly(lambda error=exc: self._fail_request(request_id, error, sink), request_id)
+                self._send_quietly(lambda error=exc: self._fail_request(request_id, error, sink), request_id, sink)
 
     def _fail_request(self, request_id, exc, sink) -> None:
         session = self.core.sessions.get(request_id)
@@ -316,10 +331,10 @@ class AsyncEngine:
         else:
             sink(exc)
 
-    def _send_quietly(self, command, request_id: str | None = None) -> None:
+    def _send_quietly(self, command, request_id: str | None = None, sink=None) -> None:
         """`_send` for clean-up paths: a stopped engine has already ended every session."""
         if self.healthy:
-            self._send(command, request_id)
+            self._send(command, request_id, sink)
 
     def _tokenize(self, prompt, *, first: bool) -> list[int]:
         if isinstance(prompt, dict):
@@ -341,7 +356,7 @@ class AsyncEngine:
 
     # -- transcription --------------------------------------------------------------------------------
     async def start_transcription(self, delay_ms: int | None = None, *, session_id: str | None = None,
-                                  sample_rate: int = 16000) -> TranscriptionSession:
+                                  sample_rate: int = SAMPLING_RATE) -> TranscriptionSession:
         """A new realtime transcription session (see `jaxstream.transcription`) taking float PCM at
         `sample_rate` Hz (resampled to 16 kHz as it streams).
 
@@ -351,19 +366,19 @@ class AsyncEngine:
         from jaxstream.models.audio import StreamingLogMel, n_delay_from_ms
 
         if self.kind != "realtime":
-            raise InvalidRequestError("transcription needs a Voxtral Realtime model")
+            raise _rejected(InvalidRequestError("transcription needs a Voxtral Realtime model"))
         self._check_admitting()
         cfg = self.model_config
         delay_ms = self.default_delay_ms if delay_ms is None else delay_ms
         try:
             n_delay = n_delay_from_ms(delay_ms)
         except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from None
+            raise _rejected(InvalidRequestError(str(exc))) from None
         if isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or not 8000 <= sample_rate <= 192000:
-            raise InvalidRequestError(f"sample_rate must be an integer number of Hz in [8000, 192000], "
-                                      f"got {sample_rate!r}")
+            raise _rejected(InvalidRequestError(f"sample_rate must be an integer number of Hz in [8000, 192000], "
+                                                f"got {sample_rate!r}"))
         if len(self._live) >= self.max_live_sessions:
-            raise CapacityError(f"the engine holds {len(self._live)} sessions, its limit; try again later")
+            raise _rejected(CapacityError(f"the engine holds {len(self._live)} sessions, its limit; try again later"))
         session_id = session_id or uuid.uuid4().hex
         max_slots = max(1, int(self.config.max_queued_audio_seconds / SLOT_SECONDS))
         session = TranscriptionSession(_SessionLink(self, session_id), session_id, int(delay_ms),
@@ -376,7 +391,7 @@ class AsyncEngine:
         try:
             self._send(lambda: self.core.add_session(session_id, n_delay=n_delay, delay_ms=int(delay_ms),
                                                      prompt_ids=prompt, sink=sink, backlog=session.backlog),
-                       session_id)
+                       session_id, sink)
         except EngineError:
             self._unregister(session_id)
             raise
@@ -433,6 +448,12 @@ class AsyncEngine:
 
     async def __aexit__(self, *exc_info) -> None:
         await self.shutdown()
+
+
+def _rejected(error: EngineError) -> EngineError:
+    """Logs a request the engine turns away (at INFO: the caller gets the error itself)."""
+    logger.info("request rejected (%s): %s", error.code, error)
+    return error
 
 
 def _put_all(batch) -> None:

@@ -14,10 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxstream.engine.async_engine import AsyncEngine
+from jaxstream.models.audio import SAMPLES_PER_SLOT, SLOT_SECONDS
 from jaxstream.models.tokenizers import NUM_CONTROL_IDS, Tokenizer
-
-SAMPLES_PER_SLOT = 1280
-SLOT_SECONDS = 0.08
 
 
 class SyntheticTokenizer(Tokenizer):

@@ -1,5 +1,7 @@
 """Builds an engine core (device cache + compiled programs + scheduler) for a model."""
 import dataclasses
+import logging
+import time
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +10,8 @@ from jaxstream.engine import kv_cache, sharding, steps
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.text_scheduler import STACK, TextScheduler
 from jaxstream.models.config import TextConfig, VoxtralConfig
+
+logger = logging.getLogger(__name__)
 
 
 def model_config(model) -> TextConfig | VoxtralConfig:
@@ -46,8 +50,17 @@ def build_text_core(model, engine_cfg: EngineConfig, *, eos_token_id=None, detok
     scheduler = TextScheduler(programs, engine_cfg, cfg, max_model_len=max_model_len, eos_token_id=eos_token_id,
                               detokenizer_factory=detokenizer_factory)
     if warm_up:
-        scheduler.warm_up()
+        _warm_up(scheduler)
     return scheduler
+
+
+def _warm_up(scheduler) -> None:
+    """Compiles every program the scheduler can dispatch, and logs what start-up cost."""
+    start = time.perf_counter()
+    scheduler.warm_up()
+    logger.info("compiled %d step programs in %.1f s (decode batch buckets %s; the EngineConfig docstring says "
+                "which settings compile fewer)", len(scheduler.programs), time.perf_counter() - start,
+                scheduler.cfg.decode_batch_buckets)
 
 
 def fit_pools(specs: list[kv_cache.StackSpec], engine_cfg: EngineConfig, placement) -> list[kv_cache.StackSpec]:
@@ -116,5 +129,5 @@ def build_realtime_core(model, engine_cfg: EngineConfig, tokenizer, *, warm_up=T
         buckets = tuple(sorted({(min(rows, engine_cfg.max_sessions), chunk) for rows in (1, 8)}))
     scheduler = RealtimeScheduler(programs, engine_cfg, cfg, tokenizer, prefill_buckets=buckets)
     if warm_up:
-        scheduler.warm_up()
+        _warm_up(scheduler)
     return scheduler

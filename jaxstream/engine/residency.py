@@ -11,12 +11,14 @@ import collections
 import dataclasses
 import enum
 import itertools
+import logging
 import time
 
 import jax
 
 from jaxstream.engine.kv_cache import DeviceCache
 
+logger = logging.getLogger(__name__)
 END_OF_STREAM = object()  # delivered to a sink when a stream ends without a final output
 
 
@@ -114,11 +116,17 @@ class Residency:
         if self.host_bytes + nbytes <= self.host_offload_bytes:
             session.offloaded, session.offloaded_bytes = self.cache.offload(session.slot, session.pages)
             self.host_bytes += session.offloaded_bytes
+            logger.info("evicted parked session %s to host memory (%d bytes; %d held there in all)",
+                        session.request_id, session.offloaded_bytes, self.host_bytes)
         elif self.can_drop_kv:
             self.cache.release_pages(session.pages)
             self.cache.release_slot(session.slot)
             self._dropped_kv(session)
+            logger.info("evicted parked session %s by dropping its KV (host memory full): recomputed on its next "
+                        "input", session.request_id)
         else:
+            logger.debug("parked session %s stays on the device: host memory is full and it cannot recompute",
+                         session.request_id)
             return False
         session.slot = None
         self.evictions += 1
@@ -194,10 +202,12 @@ class Residency:
     def dispatch_failed(self, sessions, error: BaseException) -> None:
         """A dispatch raised: its sessions end with the error; if the donated device state was consumed,
         every resident session lost its KV and ends too, and the state is rebuilt for new sessions."""
+        logger.error("a dispatch failed; ending its %d session(s)", len(sessions), exc_info=error)
         for session in sessions:
             if session.request_id in self.sessions:
                 self.fail(session, error)
         if self.cache.state_lost():
+            logger.error("the failed dispatch consumed the device state: ending every resident session")
             for session in [s for s in self.sessions.values() if s.resident]:
                 self.fail(session, error)
             self.cache.reset_state()
@@ -211,4 +221,4 @@ def deliver(session: SessionBase, item) -> None:
     try:
         session.sink(item)
     except Exception:  # noqa: BLE001 - the consumer's problem, isolated to its session
-        pass
+        logger.exception("session %s: handing it an output failed", session.request_id)

@@ -6,6 +6,8 @@ its result. Every (program, batch bucket) pair is lowered and compiled at start-
 compiled executables, so serving cannot recompile.
 """
 import functools
+import logging
+import time
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,8 @@ from flax import nnx
 
 from jaxstream.engine import sampling
 from jaxstream.models.voxtral import ConvState
+
+logger = logging.getLogger(__name__)
 
 
 class Programs:
@@ -30,6 +34,7 @@ class Programs:
 
     def compile(self, key, step, batch) -> None:
         """Compiles `step(model, state, batch) -> (outputs, state)` for the shapes of `batch` (numpy)."""
+        start = time.perf_counter()
         param_sh, state_sh, batch_sh = self._shardings
         kwargs = {}
         if state_sh is not None:
@@ -37,9 +42,13 @@ class Programs:
             kwargs = dict(in_shardings=(param_sh, state_sh, batch_tree), out_shardings=(batch_sh, state_sh))
         jitted = jax.jit(functools.partial(_merged_step, step, self.graphdef), donate_argnums=(1,), **kwargs)
         self._compiled[key] = jitted.lower(self.params, self.cache.state, batch).compile()
+        logger.debug("compiled program %s in %.2f s", key, time.perf_counter() - start)
 
     def __contains__(self, key) -> bool:
         return key in self._compiled
+
+    def __len__(self) -> int:
+        return len(self._compiled)
 
     def run(self, key, batch):
         """Dispatches one compiled program (asynchronously) and rebinds the donated state."""

@@ -14,6 +14,7 @@ prefill bucket; both are dispatched before one host sync.
 """
 import collections
 import dataclasses
+import logging
 import numbers
 import time
 
@@ -21,6 +22,7 @@ from jaxstream.engine import steps
 from jaxstream.engine.requests import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
 from jaxstream.engine.residency import END_OF_STREAM, Residency, SessionBase, Status, TickStats, deliver
 
+logger = logging.getLogger(__name__)
 STACK = "text"
 _MASK32 = 0xFFFFFFFF
 
@@ -112,6 +114,7 @@ class TextScheduler(Residency):
         try:
             update = ChunkUpdate(self._validated(prompt_ids), params)
         except ValueError as exc:
+            logger.info("request %s: chunk rejected: %s", request_id, exc)
             self.fail(session, exc)
             return
         if created or session.status is Status.PARKED:
@@ -225,6 +228,7 @@ class TextScheduler(Residency):
                     self._advance(session, start_pos + count, int(fetched["tokens"][i]),
                                   float(fetched["logprobs"][i]))
                 except Exception as exc:  # noqa: BLE001 - isolate host-side failures to their session
+                    logger.exception("request %s: processing its token failed; ending it", session.request_id)
                     self.fail(session, exc)
         rows = decode + prefill
         self.record_tick(TickStats(len(rows), sum(count for _, _, count in rows),

@@ -13,6 +13,7 @@ bounded memory; RoPE positions are absolute and exact (models/layers.py).
 """
 import collections
 import itertools
+import logging
 import time
 
 import numpy as np
@@ -20,9 +21,11 @@ import numpy as np
 from jaxstream.engine import steps
 from jaxstream.engine.residency import Residency, SessionBase, Status, TickStats, deliver
 from jaxstream.engine.transcription_session import (
-    PROGRESS, TranscriptionDelta, TranscriptionDone, TranscriptionUsage, token_time, word_timings,
+    PROGRESS, TranscriptionDelta, TranscriptionDone, TranscriptionUsage, to_ms, token_time, word_timings,
 )
 from jaxstream.models.audio import SAMPLING_RATE
+
+logger = logging.getLogger(__name__)
 
 
 class RealtimeSession(SessionBase):
@@ -182,6 +185,7 @@ class RealtimeScheduler(Residency):
                 try:
                     self._advance(session, start + count, out["tokens"][i])
                 except Exception as exc:  # noqa: BLE001 - isolate host-side failures to their session
+                    logger.exception("session %s: streaming its tokens failed; ending it", session.request_id)
                     self.fail(session, exc)
         return waited
 
@@ -297,7 +301,7 @@ class RealtimeScheduler(Residency):
         ended = self.eos_id in new or self._input_consumed(session)
         if text:
             session.text += text
-            audio_seconds = min(token_time(len(session.generated) - 1), session.samples / SAMPLING_RATE)
+            audio_seconds = to_ms(min(token_time(len(session.generated) - 1), session.samples / SAMPLING_RATE))
             deliver(session, TranscriptionDelta(text, session.undelivered, audio_seconds))
             session.undelivered = []
         if ended:
@@ -308,7 +312,7 @@ class RealtimeScheduler(Residency):
         audio_seconds = session.samples / SAMPLING_RATE
         if tail:
             session.text += tail
-            deliver(session, TranscriptionDelta(tail, session.undelivered, audio_seconds))
+            deliver(session, TranscriptionDelta(tail, session.undelivered, to_ms(audio_seconds)))
         usage = TranscriptionUsage(audio_seconds, session.prompt_len, len(session.generated))
         words = word_timings(session.generated, self.tokenizer, audio_seconds)
         done = TranscriptionDone(session.text, list(session.generated), words, usage, session.delay_ms)

@@ -6,17 +6,18 @@ audio slot `n_delay` slots late, so the i-th generated token (0-based) describes
 `(i + 1) * 80 ms`: its decoder slot is `prompt_len + i = 33 + n_delay + i`, minus the 32 padding slots
 and the delay. Word timings use that mapping: a word starts at its `[STREAMING_WORD]` marker (or at its
 first text token when no marker precedes it) and ends 80 ms after its last text token, clamped to the
-audio received.
+audio received. Every time in the events is rounded to the millisecond.
 """
 import asyncio
 import dataclasses
+import logging
 
 import numpy as np
 
 from jaxstream.errors import BacklogError, EngineError, InvalidAudioError, SessionClosedError
-from jaxstream.models.audio import SAMPLING_RATE, AudioError
+from jaxstream.models.audio import SAMPLING_RATE, SLOT_SECONDS, AudioError
 
-SLOT_SECONDS = 0.08
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +60,15 @@ def transcription_prompt(model_cfg, n_delay: int) -> list[int]:
     return [model_cfg.bos_id] + [model_cfg.streaming_pad_id] * (model_cfg.n_left_pad_tokens + n_delay)
 
 
+def to_ms(seconds: float) -> float:
+    """Seconds rounded to the millisecond, as the events report times (a product such as 35 * 0.08 is
+    2.8000000000000003 in floating point, which would otherwise reach every JSON client)."""
+    return round(seconds, 3)
+
+
 def token_time(index: int) -> float:
     """Real-audio time (s) the `index`-th generated token describes (delay already taken off)."""
-    return (index + 1) * SLOT_SECONDS
+    return to_ms((index + 1) * SLOT_SECONDS)
 
 
 def word_timings(token_ids, tokenizer, audio_seconds: float) -> list[WordTiming]:
@@ -77,7 +84,7 @@ def word_timings(token_ids, tokenizer, audio_seconds: float) -> list[WordTiming]
         text = tokenizer.decode(current).strip()
         if text:
             end = min(max(last_time + SLOT_SECONDS, start), audio_seconds)
-            words.append(WordTiming(text, round(min(start, end), 3), round(end, 3)))
+            words.append(WordTiming(text, to_ms(min(start, end)), to_ms(end)))
         current, start = [], None
 
     for index, token in enumerate(token_ids):
@@ -167,19 +174,24 @@ class TranscriptionSession:
                                      f"{self._describe_end()}; it takes no more audio")
         pcm = np.asarray(pcm)
         if pcm.ndim != 1 or not np.issubdtype(pcm.dtype, np.floating):
-            raise InvalidAudioError(f"pcm must be a 1-D float array of mono samples, got {pcm.dtype} {pcm.shape}")
+            raise self._rejected(InvalidAudioError(
+                f"pcm must be a 1-D float array of mono samples, got {pcm.dtype} {pcm.shape}"))
         if self.outcome == "done":
             return
         async with self._order:
             try:
                 slots = await asyncio.to_thread(self._front_end_push, pcm)
             except AudioError as exc:
-                raise InvalidAudioError(str(exc)) from None
+                raise self._rejected(InvalidAudioError(str(exc))) from None
             await self._wait_for_room(len(slots), wait=wait)
             if self.outcome is not None:
                 return  # ended (aborted, failed or the model finished) while this append waited
             self.backlog.sent += len(slots)
             self._link.send_audio(slots, pcm.size * SAMPLING_RATE / self.sample_rate)
+
+    def _rejected(self, error: EngineError) -> EngineError:
+        logger.info("transcription session %s: audio rejected (%s): %s", self.session_id, error.code, error)
+        return error
 
     def _front_end_push(self, pcm: np.ndarray) -> np.ndarray:
         if self._resampler is not None:
@@ -192,8 +204,9 @@ class TranscriptionSession:
         backlog = self.backlog
         while backlog.queued and backlog.queued + slots > self._max_queued_slots and self.outcome is None:
             if not wait:
-                raise BacklogError(f"session {self.session_id}: more than {self._max_queued_slots * SLOT_SECONDS:g} s "
-                                   "of audio queued; the engine is behind")
+                raise self._rejected(BacklogError(f"session {self.session_id}: more than "
+                                                  f"{self._max_queued_slots * SLOT_SECONDS:g} s of audio queued; "
+                                                  "the engine is behind"))
             self._room.clear()
             backlog.waiting = True  # set before the re-check above runs again: no wake-up is missed
             if backlog.queued and backlog.queued + slots > self._max_queued_slots:

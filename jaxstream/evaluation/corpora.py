@@ -5,12 +5,14 @@ Layouts (`read_corpus(path, layout=None)` picks one when `layout` is None):
 - `librispeech`: `<speaker>/<chapter>/<speaker>-<chapter>-<utt>.flac` with one `<speaker>-<chapter>.trans.txt`
   per chapter, lines `ID TRANSCRIPT`; the audio sits next to its transcript file. Speaker = the first
   dash-separated field of the id.
-- `manifest`: a JSONL, CSV or TSV file (or a directory holding exactly one `*.jsonl`), one utterance per
-  row. Columns (first match wins): audio `audio_filepath | audio_path | audio | path | file | wav`; text
-  `text | transcript | transcription | sentence | normalized_text`; optional `id | utterance_id`,
-  `speaker | speaker_id | client_id`, `duration`, and `words` (a list of `{"word", "start", "end"}` in
-  seconds; a JSON string in CSV/TSV). Relative audio paths are relative to the manifest's folder. This is
-  the format `jaxstream synth` writes (`manifest.jsonl`, with exact word timings).
+- `manifest`: a JSONL, CSV or TSV file (or a directory holding exactly one `*.jsonl` or `*.csv` manifest),
+  one utterance per row. Columns (first match wins): audio `audio_filepath | audio_path | audio | path |
+  file | wav`; reference text `text | transcript | transcription | sentence | normalized_text`; optional
+  `id | utterance_id`, `speaker | speaker_id | client_id`, `duration`, and `words` (a list of `{"word",
+  "start", "end"}` in seconds; a JSON string in CSV/TSV). Relative audio paths are relative to the
+  manifest's folder. This is the format `jaxstream synth` writes (`manifest.jsonl`, with exact word
+  timings). Rows with `token_ids` are `jaxstream transcribe --json` output, whose `text` is the model's
+  hypothesis: such a file is never read as a manifest (it would score the model against itself).
 - `commonvoice`: a Common Voice language folder (`clips/*.mp3` + `test.tsv`) or one of its TSV files
   (`dev.tsv`, ...), columns `client_id, path, sentence, ...`; speaker = `client_id`.
 - `fleurs`: a FLEURS language folder (`test.tsv` + `audio/test/*.wav`) or one of its TSV files; rows
@@ -18,10 +20,12 @@ Layouts (`read_corpus(path, layout=None)` picks one when `layout` is None):
   num_samples, gender`. The raw transcription is the reference (the normalizer does the rest).
 - `folder`: audio files (`.wav .flac .ogg .opus .mp3`) each with a same-name `.txt` transcript.
 
-Auto-detection of a directory tries, in order: a single root `*.jsonl` manifest, LibriSpeech transcripts,
-Common Voice, FLEURS, then a folder of audio + `.txt`. Readers never open audio: a missing or unreadable
-file becomes an error entry of the evaluation run instead of stopping it. Utterances come back sorted by
-id, which is what makes `--shard` deterministic across processes and hosts.
+Auto-detection of a directory tries, in order: a root `*.jsonl` / `*.csv` manifest (a file whose first row
+has an audio and a reference text column; several such files are an error), LibriSpeech transcripts,
+Common Voice, FLEURS, then a folder of audio + `.txt`. `Corpus.source` names the file (or folder) the
+utterances were read from. Readers never open audio: a missing or unreadable file becomes an error entry
+of the evaluation run instead of stopping it. Utterances come back sorted by id, which is what makes
+`--shard` deterministic across processes and hosts.
 """
 import csv
 import dataclasses
@@ -30,6 +34,7 @@ from pathlib import Path
 
 from jaxstream.engine.transcription_session import WordTiming
 from jaxstream.errors import UserError
+from jaxstream.models.audio import SAMPLING_RATE
 
 LAYOUTS = ("librispeech", "manifest", "commonvoice", "fleurs", "folder")
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".opus", ".mp3")
@@ -39,6 +44,8 @@ _AUDIO_KEYS = ("audio_filepath", "audio_path", "audio", "path", "file", "wav")
 _TEXT_KEYS = ("text", "transcript", "transcription", "sentence", "normalized_text")
 _ID_KEYS = ("id", "utterance_id")
 _SPEAKER_KEYS = ("speaker", "speaker_id", "client_id")
+_HYPOTHESIS_KEYS = ("token_ids",)  # `jaxstream transcribe --json` rows: their `text` is the model's output
+_ROOT_MANIFEST_PATTERNS = ("*.jsonl", "*.csv")
 _FLEURS_COLUMNS = 7
 _COMMONVOICE_COLUMNS = {"path", "sentence"}
 
@@ -59,6 +66,8 @@ class Corpus:
     layout: str
     utterances: tuple[Utterance, ...]
     warnings: tuple[str, ...] = ()  # things skipped while reading (audio without a transcript, ...)
+    source: str = ""  # the manifest / TSV file the utterances came from, or the tree's folder
+    detected: bool = False  # the layout was detected, not given
 
 
 def read_corpus(path: str | Path, layout: str | None = None) -> Corpus:
@@ -66,31 +75,37 @@ def read_corpus(path: str | Path, layout: str | None = None) -> Corpus:
     root = Path(path)
     if not root.exists():
         raise UserError(f"corpus not found: {root}")
-    if layout is None:
+    detected = layout is None
+    if detected:
         layout = detect_layout(root)
     elif layout not in LAYOUTS:
         raise UserError(f"unknown corpus layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
     reader = {"librispeech": _read_librispeech, "manifest": _read_manifest, "commonvoice": _read_commonvoice,
               "fleurs": _read_fleurs, "folder": _read_folder}[layout]
-    utterances, warnings = reader(root)
+    utterances, warnings, source = reader(root)
     if not utterances:
         raise UserError(f"no utterances found in {root} (read as the {layout} layout)")
     utterances = sorted(utterances, key=lambda u: u.id)
     for previous, current in zip(utterances, utterances[1:]):
         if previous.id == current.id:
             raise UserError(f"duplicate utterance id {current.id!r} in {root}")
-    return Corpus(str(root), layout, tuple(utterances), tuple(warnings))
+    return Corpus(str(root), layout, tuple(utterances), tuple(warnings), str(source), detected)
 
 
 def detect_layout(root: Path) -> str:
     """The layout of a corpus directory or file; a UserError naming the accepted layouts otherwise."""
+    not_taken = ""  # why files that look like manifests were not taken as one
     if root.is_file():
         if root.suffix in (".jsonl", ".json", ".csv"):
             return "manifest"
         if root.suffix == ".tsv":
             return _tsv_layout(root)
     elif root.is_dir():
-        if len(_root_manifests(root)) == 1:
+        manifests, rejected = _root_manifests(root)
+        if len(manifests) > 1:
+            raise UserError(f"{root} holds several manifests ({', '.join(p.name for p in manifests)}): pass the "
+                            "one to evaluate as CORPUS, or --layout to read another layout")
+        if manifests:
             return "manifest"
         if next(root.rglob("*.trans.txt"), None) is not None:
             return "librispeech"
@@ -102,10 +117,11 @@ def detect_layout(root: Path) -> str:
                 return "fleurs"
         if any(_transcript_of(audio).is_file() for audio in _audio_files(root)):
             return "folder"
+        not_taken = "".join(f"; not a manifest: {problem}" for problem in rejected)
     raise UserError(
         f"cannot tell the layout of corpus {root}: expected a LibriSpeech tree (*.trans.txt), a JSONL/CSV/TSV "
         "manifest, a Common Voice folder (clips/ + test.tsv), a FLEURS folder (test.tsv + audio/test/) or "
-        "audio files with same-name .txt transcripts (or pass --layout)"
+        f"audio files with same-name .txt transcripts (or pass --layout){not_taken}"
     )
 
 
@@ -150,14 +166,17 @@ def _read_librispeech(root: Path):
                 raise UserError(f"{transcript}:{line_number}: expected 'ID TRANSCRIPT', got {line.strip()!r}")
             audio = audio_by_id.get(utterance_id, transcript.parent / f"{utterance_id}.flac")
             utterances.append(Utterance(utterance_id, str(audio), text.strip(), speaker=utterance_id.split("-")[0]))
-    return utterances, []
+    return utterances, [], root
 
 
 def _read_manifest(root: Path):
     if root.is_dir():
-        manifests = _root_manifests(root)
+        manifests, rejected = _root_manifests(root)
         if len(manifests) != 1:
-            raise UserError(f"expected exactly one *.jsonl manifest in {root}, found {len(manifests)}")
+            found = ", ".join(p.name for p in manifests) or "none"
+            not_taken = "".join(f"; not a manifest: {problem}" for problem in rejected)
+            raise UserError(f"expected exactly one JSONL or CSV manifest (rows with an audio and a text column) in "
+                            f"{root}, found {found}{not_taken}")
         root = manifests[0]
     if root.suffix in (".jsonl", ".json"):
         rows = []
@@ -172,13 +191,16 @@ def _read_manifest(root: Path):
         reader = csv.DictReader(_read_text(root).splitlines(), delimiter=delimiter)
         rows = [(line_number, row) for line_number, row in enumerate(reader, 2)]
     utterances = [_manifest_utterance(root, line_number, row) for line_number, row in rows]
-    return utterances, []
+    return utterances, [], root
 
 
 def _manifest_utterance(manifest: Path, line_number: int, row) -> Utterance:
     where = f"{manifest}:{line_number}"
     if not isinstance(row, dict):
         raise UserError(f"{where}: expected a JSON object per line")
+    if any(key in row for key in _HYPOTHESIS_KEYS):
+        raise UserError(f"{where}: this is `jaxstream transcribe --json` output; its text is a model's hypothesis, "
+                        "not a reference transcript")
     audio = _first_value(row, _AUDIO_KEYS)
     if isinstance(audio, dict):  # Hugging Face datasets style {"path": ..., "sampling_rate": ...}
         audio = audio.get("path")
@@ -225,7 +247,7 @@ def _read_commonvoice(root: Path):
         Utterance(row["path"], str(clips / row["path"]), row["sentence"] or "", speaker=row.get("client_id") or None)
         for row in rows
     ]
-    return utterances, []
+    return utterances, [], tsv
 
 
 def _read_fleurs(root: Path):
@@ -242,10 +264,10 @@ def _read_fleurs(root: Path):
             raise UserError(f"{tsv}:{line_number}: expected {_FLEURS_COLUMNS} tab-separated FLEURS fields, "
                             f"got {len(fields)}")
         _, file_name, raw_transcription, _, _, num_samples, _ = fields
-        duration = int(num_samples) / 16000 if num_samples.isdigit() else None
+        duration = int(num_samples) / SAMPLING_RATE if num_samples.isdigit() else None
         utterances.append(Utterance(Path(file_name).stem, str(audio_dir / file_name), raw_transcription,
                                     duration=duration))
-    return utterances, []
+    return utterances, [], tsv
 
 
 def _read_folder(root: Path):
@@ -259,7 +281,7 @@ def _read_folder(root: Path):
             utterances.append(Utterance(relative, str(audio), " ".join(_read_text(transcript).split())))
         else:
             warnings.append(f"skipped {audio}: no transcript {transcript.name}")
-    return utterances, warnings
+    return utterances, warnings, root
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -276,8 +298,42 @@ def _tsv_layout(tsv: Path) -> str:
     return "manifest"
 
 
-def _root_manifests(root: Path) -> list[Path]:
-    return sorted(root.glob("*.jsonl"))
+def _root_manifests(root: Path) -> tuple[list[Path], list[str]]:
+    """The manifests at the top of a corpus folder, and why the other `*.jsonl` / `*.csv` files there are not.
+
+    A JSON-lines or CSV file lying beside the audio is often something else: `jaxstream transcribe --json`
+    output (its `text` is the model's hypothesis), an eval report's CSV, a log. Taking one of those as the
+    manifest would score the model against itself, so a file counts only when its first row names an audio
+    column and a reference text column."""
+    manifests, rejected = [], []
+    for path in sorted(p for pattern in _ROOT_MANIFEST_PATTERNS for p in root.glob(pattern)):
+        problem = _manifest_problem(path)
+        if problem is None:
+            manifests.append(path)
+        else:
+            rejected.append(f"{path.name} ({problem})")
+    return manifests, rejected
+
+
+def _manifest_problem(path: Path) -> str | None:
+    """Why the first row of a JSONL / CSV file does not make it a manifest; None when it does."""
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as handle:
+            if path.suffix == ".csv":
+                columns = set(next(csv.reader(handle), []))
+            else:
+                first = next((line for line in handle if line.strip()), "")
+                row = json.loads(first) if first else {}
+                columns = {key for key, value in row.items() if value is not None} if isinstance(row, dict) else set()
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, csv.Error) as exc:
+        return f"unreadable: {exc}"
+    if columns & set(_HYPOTHESIS_KEYS):
+        return "`jaxstream transcribe --json` output: model hypotheses, no reference text"
+    if not columns & set(_AUDIO_KEYS):
+        return "no audio column"
+    if not columns & set(_TEXT_KEYS):
+        return "no reference text column"
+    return None
 
 
 def _audio_files(root: Path, recursive: bool = True) -> list[Path]:

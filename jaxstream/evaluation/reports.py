@@ -85,7 +85,7 @@ def build_report(*, model: str, corpus: dict, settings: dict, runs: list[dict]) 
     }
 
 
-def _companion_paths(json_path: str | os.PathLike) -> tuple[Path, Path]:
+def companion_paths(json_path: str | os.PathLike) -> tuple[Path, Path]:
     """The Markdown and CSV files written next to a JSON report: `report.json` -> `report.md`, `report.csv`."""
     path = Path(json_path)
     return path.with_suffix(".md"), path.with_suffix(".csv")
@@ -93,7 +93,7 @@ def _companion_paths(json_path: str | os.PathLike) -> tuple[Path, Path]:
 
 def write_reports(report: dict, json_path: str | os.PathLike) -> None:
     """Writes the JSON report and its Markdown and CSV companions, each atomically (never half-written)."""
-    markdown_path, csv_path = _companion_paths(json_path)
+    markdown_path, csv_path = companion_paths(json_path)
     _write_atomic(Path(json_path), json.dumps(report, indent=1, ensure_ascii=False) + "\n")
     _write_atomic(markdown_path, format_markdown(report))
     _write_atomic(csv_path, format_csv(report))

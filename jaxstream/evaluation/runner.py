@@ -47,10 +47,9 @@ from jaxstream.evaluation.metrics import (
     UtteranceResult, emitted_words, is_scored_reference, make_normalizer, score, word_emission_latencies,
 )
 from jaxstream.evaluation.reports import build_report, check_compatible, combine_streams, run_entry, run_results
+from jaxstream.models.audio import SAMPLES_PER_SLOT, SAMPLING_RATE, SLOT_SECONDS
 
-SAMPLING_RATE = 16000
-REALTIME_CHUNK_SAMPLES = 1280  # 80 ms, one decoder step
-SLOT_SECONDS = REALTIME_CHUNK_SAMPLES / SAMPLING_RATE
+REALTIME_CHUNK_SAMPLES = SAMPLES_PER_SLOT  # 80 ms, one decoder step
 FAST_CHUNK_SAMPLES = 30 * SAMPLING_RATE
 REALTIME_LAG_LIMIT_S = 1.0
 

@@ -1,11 +1,13 @@
-"""Synthetic corpus generation: LibriSpeech layout + a JSONL manifest with exact word timings.
+"""Synthetic corpus generation: LibriSpeech layout + a JSONL manifest with word timings.
 
-Layout under OUT: `<speaker>/<chapter>/<speaker>-<chapter>-<utt>.flac` (16 kHz mono) with one
-`<speaker>-<chapter>.trans.txt` per chapter (lines `ID UPPERCASE TRANSCRIPT`), and `manifest.jsonl`
-with one object per utterance: id, path (relative to OUT), text, words [{word, start, end}] in seconds,
-duration, voice, speed_wpm, pitch, and voice_edits when the variant's voice file was edited. Speaker = the
-voice variant, chapter = the accent. Every utterance is a pure function of (seed, index), so corpora are
-reproducible and can be generated in parallel.
+Layout under OUT: `<speaker>/<chapter>/<speaker>-<chapter>-<utt>.flac` (16 kHz mono; 8 kHz for held-out
+phone-line sets) with one `<speaker>-<chapter>.trans.txt` per chapter (lines `ID UPPERCASE TRANSCRIPT`), and
+`manifest.jsonl` with one object per utterance: id, path (relative to OUT), text, words [{word, start, end}]
+in seconds (empty for flite, whose sets are only scored), duration, voice, the voice's settings, and for
+sentence corpora engine and telephone. Two kinds of text: word-list corpora (`text="words"`, the shipped
+model's: each word spoken alone by espeak-ng, so its boundaries are exact; speaker = variant, chapter =
+accent) and sentence corpora (`text="sentences"`, `spoken.py`). Every utterance is a pure function of
+(seed, index), so corpora are reproducible and can be generated in parallel.
 """
 import dataclasses
 import json
@@ -17,7 +19,7 @@ import numpy as np
 import soundfile
 
 from jaxstream.synth import augment as augmentation
-from jaxstream.synth import voices
+from jaxstream.synth import sentences, spoken, voices
 from jaxstream.synth.espeak import ACCENTS, HELD_OUT_VARIANTS, SAMPLING_RATE, TRAIN_VARIANTS, VoiceSpec, synthesize_words
 from jaxstream.synth.words import SentenceSampler
 
@@ -35,6 +37,25 @@ class CorpusSpec:
     speed_wpm: tuple[int, int] = (125, 200)
     pitch: tuple[int, int] = (25, 75)
     voice_edit_fraction: float = 0.5  # share of utterances with an edited variant (synth/voices.py); never held out
+    # "words": random word sequences, each word spoken alone (the shipped model's corpus); "sentences":
+    # natural sentences spoken whole (synth/sentences.py, synth/spoken.py); the fields below apply to these.
+    text: str = "words"
+    engines: tuple[tuple[str, float], ...] = (("espeak", 1.0),)  # (engine, share) of spoken.ENGINES
+    telephone: float = 0.0  # share of utterances over a phone line (held-out ones written at 8 kHz)
+
+    def __post_init__(self):
+        if self.text not in ("words", "sentences"):
+            raise ValueError(f"text must be 'words' or 'sentences', got {self.text!r}")
+        unknown = [name for name, _ in self.engines if name not in spoken.ENGINES]
+        if unknown or not self.engines or any(share <= 0 for _, share in self.engines):
+            raise ValueError(f"engines must be (name, share > 0) pairs with names in {spoken.ENGINES}, "
+                             f"got {self.engines}")
+        if self.text == "words" and self.engines != (("espeak", 1.0),):
+            raise ValueError("word-list corpora are espeak-ng only")
+        if not self.held_out and "flite" in dict(self.engines):
+            raise ValueError("flite is the held-out engine: training corpora never use it")
+        if not 0.0 <= self.telephone <= 1.0:
+            raise ValueError(f"telephone must be a share between 0 and 1, got {self.telephone}")
 
     @property
     def edits_voices(self) -> bool:
@@ -57,8 +78,10 @@ def _speaker_chapter(spec: CorpusSpec, voice: VoiceSpec) -> tuple[int, int]:
     return speaker, ACCENTS.index(voice.accent)
 
 
-def make_utterance(spec: CorpusSpec, index: int) -> tuple[dict, np.ndarray]:
-    """The manifest record (path not set) and 16 kHz audio of utterance `index` of the corpus."""
+def make_utterance(spec: CorpusSpec, index: int) -> tuple[dict, np.ndarray, int]:
+    """The manifest record (path not set), audio and its sampling rate of utterance `index` of the corpus."""
+    if spec.text == "sentences":
+        return spoken.make_sentence_utterance(spec, index)
     rng = np.random.default_rng([spec.seed, index, int(spec.held_out)])
     variants = HELD_OUT_VARIANTS if spec.held_out else TRAIN_VARIANTS
     voice = VoiceSpec(
@@ -91,16 +114,16 @@ def make_utterance(spec: CorpusSpec, index: int) -> tuple[dict, np.ndarray]:
     }
     if voice.edits:
         record["voice_edits"] = list(voice.edits)
-    return record, audio
+    return record, audio, SAMPLING_RATE
 
 
 def _write_one(args: tuple[str, CorpusSpec, int]) -> dict:
     out_dir, spec, index = args
-    record, audio = make_utterance(spec, index)
+    record, audio, rate = make_utterance(spec, index)
     speaker, chapter, _ = record["id"].split("-")
     relative = os.path.join(speaker, chapter, record["id"] + ".flac")
     os.makedirs(os.path.join(out_dir, speaker, chapter), exist_ok=True)
-    soundfile.write(os.path.join(out_dir, relative), audio, SAMPLING_RATE, format="FLAC")
+    soundfile.write(os.path.join(out_dir, relative), np.clip(audio, -1.0, 1.0), rate, format="FLAC")
     return {"path": relative, **record}
 
 
@@ -108,8 +131,13 @@ def generate_corpus(out_dir: str, spec: CorpusSpec, *, workers: int = 1, progres
     """Writes the corpus under `out_dir`; returns the manifest records (sorted by id)."""
     os.makedirs(out_dir, exist_ok=True)
     jobs = [(out_dir, spec, index) for index in range(spec.num_utterances)]
-    if spec.edits_voices:
-        voices.private_data_path()  # before forking, so every worker writes its variants into one folder
+    # Before forking, so that every worker shares them: one espeak-ng data folder for the edited variants
+    # (and the library's voices), and the sentence pools (seconds to build).
+    speaks_espeak = spec.text == "sentences" and bool({"espeak", "festival"} & set(dict(spec.engines)))
+    if spec.edits_voices or speaks_espeak:
+        voices.private_data_path()
+    if spec.text == "sentences":
+        sentences.sentence_pools()
     if workers > 1:
         with multiprocessing.get_context("fork").Pool(workers) as pool:
             results = pool.imap_unordered(_write_one, jobs, chunksize=8)

@@ -66,7 +66,8 @@ def system_data_dir() -> str:
 @functools.cache
 def private_data_path() -> str:
     """A process-wide espeak-ng `--path` whose data directory links to the system's, except for its own
-    (initially empty) variant folder. Made once; workers forked after the first call share it."""
+    variant folder (links to the system's variants, plus the edited ones while they are in use). Made once;
+    workers forked after the first call share it."""
     system = system_data_dir()
     root = tempfile.mkdtemp(prefix="jaxstream-espeak-")
     atexit.register(shutil.rmtree, root, ignore_errors=True)
@@ -78,6 +79,9 @@ def private_data_path() -> str:
     for entry in os.listdir(os.path.join(system, "voices")):
         if entry != "!v":
             os.symlink(os.path.join(system, "voices", entry), os.path.join(data, "voices", entry))
+    # The system's variants too: libespeak-ng (engines.py) reads every voice from this one data path.
+    for entry in os.listdir(os.path.join(system, "voices", "!v")):
+        os.symlink(os.path.join(system, "voices", "!v", entry), os.path.join(root, _VARIANT_DIR, entry))
     return root
 
 

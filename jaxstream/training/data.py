@@ -162,20 +162,28 @@ class BatchStream:
         return vtlp.warped_mel_filters(float(self.rng.uniform(*self.vtlp_range)))
 
     def _fill(self) -> None:
-        while not self._stop.is_set():
-            batch = self._make()
+        try:
             while not self._stop.is_set():
-                try:
-                    self._queue.put(batch, timeout=0.5)
-                    break
-                except queue.Full:
-                    continue
+                self._put(self._make())
+        except Exception as error:  # handed to the consumer: a dead loader must not leave training waiting
+            self._put(error)
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
 
     def __iter__(self) -> Iterator[Batch]:
         return self
 
     def __next__(self) -> Batch:
-        return self._queue.get()
+        batch = self._queue.get()
+        if isinstance(batch, Exception):
+            raise RuntimeError(f"the training batch loader failed: {batch}") from batch
+        return batch
 
     def close(self) -> None:
         self._stop.set()

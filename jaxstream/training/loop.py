@@ -57,8 +57,13 @@ class RunPaths:
 
 
 def ensure_tokenizer(paths: RunPaths, records: list[dict], vocab_size: int, model_type: str) -> SentencePieceTokenizer:
+    """The run's tokenizer, trained on the corpus transcripts on the first run. A "word" model also gets the
+    packaged word list, so every word of a word-list corpus has its piece; subword models (BPE, unigram)
+    spell any word, and byte fallback covers any character."""
     if not paths.tokenizer.is_file():
-        texts = [record["text"] for record in records] + sorted(SentenceSampler().vocabulary)
+        texts = [record["text"] for record in records]
+        if model_type == "word":
+            texts += sorted(SentenceSampler().vocabulary)
         train_sentencepiece(texts, os.fspath(paths.tokenizer), vocab_size, model_type)
     return SentencePieceTokenizer(paths.tokenizer)
 
@@ -109,9 +114,16 @@ def evaluate(graphdef, params, tokenizer, corpus_dir: str, records: list[dict], 
     return word_error_rate([r["text"] for r in records], hypotheses), hypotheses
 
 
-def train(cfg: TrainConfig, corpus_dir: str, out_dir: str, *, eval_corpus_dir: str | None = None,
+def read_corpora(corpus_dirs: list[str]) -> list[dict]:
+    """The manifest records of several corpora, pooled, each path made to include its corpus folder."""
+    return [{**record, "path": os.path.join(corpus_dir, record["path"])}
+            for corpus_dir in corpus_dirs for record in read_manifest(corpus_dir)]
+
+
+def train(cfg: TrainConfig, corpus_dir: str | list[str], out_dir: str, *, eval_corpus_dir: str | None = None,
           steps: int | None = None, init_from: str | None = None, progress: bool = True) -> dict:
-    """Trains (or resumes) a run; returns the final metrics. `steps` overrides the recipe's total;
+    """Trains (or resumes) a run; returns the final metrics. `corpus_dir` is a corpus folder or a list of
+    them (pooled; a resumed run may be given more than it started with). `steps` overrides the recipe's total;
     `init_from` (a model name or directory, or an earlier run's directory) starts from that model's weights
     and tokenizer instead of a fresh initialisation, with a fresh optimizer and schedule (fine-tuning)."""
     import orbax.checkpoint as ocp
@@ -121,7 +133,11 @@ def train(cfg: TrainConfig, corpus_dir: str, out_dir: str, *, eval_corpus_dir: s
         cfg = with_total_steps(cfg, steps)  # before any work: the override must fit the schedule
     paths = RunPaths(Path(out_dir).resolve())
     paths.out.mkdir(parents=True, exist_ok=True)
-    records = read_manifest(corpus_dir)
+    records = read_corpora([corpus_dir] if isinstance(corpus_dir, str) else list(corpus_dir))
+    untimed = sum(1 for record in records if not record["words"])
+    if untimed:
+        raise UserError(f"{corpus_dir}: {untimed} utterances have no word timings (flite sets are for evaluation "
+                        f"only); training needs `jaxstream synth` corpora from espeak-ng or Festival")
     initial = load_initial_model(init_from, paths) if init_from else None
     tokenizer = ensure_tokenizer(paths, records, cfg.spm_vocab_size, cfg.spm_model_type)
     cfg = with_vocab_size(cfg, tokenizer.vocab_size)
@@ -162,7 +178,8 @@ def train(cfg: TrainConfig, corpus_dir: str, out_dir: str, *, eval_corpus_dir: s
     eval_records = read_manifest(eval_corpus_dir)[: cfg.eval_utterances] if eval_corpus_dir else []
     best_wer = _best_wer(paths)
     delays = tuple(front_end.n_delay_from_ms(ms) for ms in cfg.delays_ms)
-    stream = BatchStream(corpus_dir, records, tokenizer, batch_size=cfg.batch_size, delays_slots=delays,
+    # Each record's path names its corpus folder (read_corpora).
+    stream = BatchStream("", records, tokenizer, batch_size=cfg.batch_size, delays_slots=delays,
                          seed=cfg.seed * 1_000_003 + start, vtlp_range=cfg.vtlp_range,
                          ctc_labels=lexicon.ctc_labels if lexicon else None)
     metrics: dict = {}

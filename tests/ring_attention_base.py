@@ -1,4 +1,6 @@
-"""Shared parametrised tests of `ring_attention`; each implementation subclasses `RingAttentionTestBase`.
+"""Shared parametrised tests of `ring_attention`; each implementation subclasses `RingAttentionTestBase`
+(tests/test_ring_attention.py). It lives with the tests, not in the kernel package, so that installing
+jaxstream needs no pytest.
 
 Every case builds a batch of sessions with an explicit random K/V history, fills a page pool from it with
 the numpy layout rule (`reference.write_positions`), runs one `ring_attention` call and checks the output

@@ -1,0 +1,305 @@
+"""The aiohttp application of `jaxstream serve`: routes, engine start-up, health, drain.
+
+Routes (specs/realtime_protocols.md §0):
+
+    GET /v1/realtime                       WebSocket, vLLM realtime protocol (vllm_realtime.py), or OpenAI's
+                                           transcription dialect when the client asks (realtime_dialects.py)
+    GET /invocations-bidirectional-stream  WebSocket, the same protocol for SageMaker (binary = UTF-8 JSON)
+    GET /v1/models                         OpenAI's model list: the id session.update accepts
+    GET /health, /healthz, /ping           200 when ready, 503 while loading, draining or dead (no auth)
+    GET /metrics                           Prometheus text (no auth, as vLLM)
+
+The engine is either given (tests, embedding: the caller owns it) or built by `engine_factory` on a daemon
+thread after the app starts, so /health answers 503 while every bucket compiles; the app then owns it:
+draining drains it, cleanup shuts it down.
+
+Another protocol joins by adding a route whose handler calls `run_websocket` with its own protocol class;
+auth, limits, metrics and draining apply to it unchanged.
+"""
+import asyncio
+import logging
+import threading
+import time
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from jaxstream.serving import demo, openai_realtime, realtime_dialects
+from jaxstream.serving.auth import OPEN_PATHS, auth_middleware
+from jaxstream.serving.config import ServerConfig
+from jaxstream.serving.http_sessions import add_streaming_input_routes
+from jaxstream.serving.http_transcriptions import add_transcription_routes
+from jaxstream.serving.limits import (
+    CLOSE_CAPACITY, CLOSE_GOING_AWAY, CLOSE_INTERNAL_ERROR, CLOSE_TRY_AGAIN_LATER, Breach,
+)
+from jaxstream.serving.metrics import ServerMetrics
+from jaxstream.serving.vllm_realtime import BINARY_AS_TEXT, BINARY_CLOSE, BINARY_ERROR, VllmRealtime
+from jaxstream.serving.websocket import run_websocket
+
+logger = logging.getLogger(__name__)
+
+_TICK_SAMPLE_S = 1.0  # how often engine tick durations are copied into the histogram
+_FLUSH_RESERVE_S = 5.0  # of the drain deadline, kept to flush utterances the server finishes itself
+_CLOSE_WAIT_S = 10.0  # after the deadline, for sockets to finish closing
+
+
+class ServerState:
+    """What the routes share: config, engine, metrics, open connections, drain state."""
+
+    def __init__(self, config: ServerConfig, engine=None):
+        self.config = config
+        self.owns_engine = engine is None  # built by the app's engine_factory
+        self.metrics = ServerMetrics()
+        self.engine = None
+        self.load_error: BaseException | None = None
+        self.ready = asyncio.Event()
+        self.draining = False
+        self.connections: set = set()
+        self._connections_changed = asyncio.Event()
+        self.created = int(time.time())
+        if engine is not None:
+            self._attach(engine)
+
+    def _attach(self, engine) -> None:
+        if engine.kind != "realtime":
+            raise ValueError(f"jaxstream serve needs a realtime speech model; {engine.model_name!r} is a "
+                             f"{engine.kind} model")
+        self.engine = engine
+        self.metrics.attach_engine(engine)
+        self.ready.set()
+
+    # -- facts the protocols ask for ------------------------------------------------------------------
+    @property
+    def model_id(self) -> str:
+        return self.config.served_model_name or str(self.engine.model_name)
+
+    def serves_model(self, model: str, *, allow_empty: bool) -> bool:
+        return model == self.model_id or (allow_empty and model == "")
+
+    @property
+    def allowed_delays_ms(self) -> tuple[int, ...]:
+        from jaxstream.models.audio import ALLOWED_DELAYS_MS
+
+        return ALLOWED_DELAYS_MS
+
+    @property
+    def max_connections(self) -> int:
+        cap = self.config.limits.max_connections
+        return cap if cap is not None else 2 * self.engine.config.max_sessions
+
+    def drain_breach(self) -> Breach:
+        return Breach("server_draining", CLOSE_GOING_AWAY, None, "server shutting down")
+
+    # -- admission ------------------------------------------------------------------------------------
+    def admit(self, conn) -> Breach | None:
+        """None when `conn` may stay (it is then counted), else why it is refused."""
+        if self.draining:
+            return Breach("refused_draining", CLOSE_GOING_AWAY, "draining",
+                          "The server is shutting down; connect to another replica")
+        if self.engine is None:
+            return Breach("refused_loading", CLOSE_TRY_AGAIN_LATER, "not_ready",
+                          "The model is still loading; retry shortly")
+        if not self.engine.healthy:
+            return Breach("refused_engine_dead", CLOSE_INTERNAL_ERROR, "engine_dead", "The engine is not running")
+        if len(self.connections) >= self.max_connections:
+            return Breach("refused_capacity", CLOSE_CAPACITY, "capacity",
+                          f"The server is at its limit of {self.max_connections} connections; retry later")
+        self.connections.add(conn)
+        return None
+
+    def forget(self, conn) -> None:
+        self.connections.discard(conn)
+        self._connections_changed.set()
+
+    async def wait_connections_closed(self, deadline: float) -> bool:
+        """Waits until no connection is open or the loop time reaches `deadline`."""
+        loop = asyncio.get_running_loop()
+        while self.connections and loop.time() < deadline:
+            self._connections_changed.clear()
+            try:
+                async with asyncio.timeout(deadline - loop.time()):
+                    await self._connections_changed.wait()
+            except TimeoutError:
+                break
+        return not self.connections
+
+    def health(self) -> tuple[int, dict]:
+        if self.load_error is not None:
+            return 503, {"status": "failed", "error": str(self.load_error)}
+        if self.engine is None:
+            return 503, {"status": "loading"}
+        if self.draining:
+            return 503, {"status": "draining"}
+        if not self.engine.healthy:
+            return 503, {"status": "engine_dead"}
+        return 200, {"status": "ok", "model": self.model_id}
+
+
+SERVER = web.AppKey("jaxstream_server", ServerState)
+
+
+def create_app(config: ServerConfig | None = None, *, engine=None, engine_factory=None) -> web.Application:
+    """The server app over `engine`, or over the engine `engine_factory()` builds (the app then owns it
+    and shuts it down on cleanup). Exactly one of the two."""
+    if (engine is None) == (engine_factory is None):
+        raise ValueError("give exactly one of engine or engine_factory")
+    config = config or ServerConfig()
+    # Only health and models are plain HTTP here; bodies stay small.
+    # The demo page and its assets hold no secret: a browser loads them first, then asks for the key.
+    app = web.Application(middlewares=[auth_middleware(config.api_keys, OPEN_PATHS | demo.PUBLIC_PATHS)],
+                          client_max_size=64 << 10)
+    state = ServerState(config, engine)
+    app[SERVER] = state
+    app.router.add_get("/v1/realtime", _realtime)
+    app.router.add_get("/invocations-bidirectional-stream", _sagemaker)
+    app.router.add_get("/v1/models", _models)
+    for path in ("/health", "/healthz", "/ping"):
+        app.router.add_get(path, _health)
+    app.router.add_get("/metrics", _metrics)
+    demo.add_demo_routes(app)
+    add_transcription_routes(app)
+    add_streaming_input_routes(app)
+    app.cleanup_ctx.append(_lifecycle(engine_factory))
+    # aiohttp waits for open handlers after on_shutdown and before cleanup: sockets still open then (no
+    # SIGTERM drain ran) are closed here, at once.
+    app.on_shutdown.append(lambda app: drain(app, timeout=0.0))
+    return app
+
+
+def _lifecycle(engine_factory):
+    async def lifecycle(app: web.Application):
+        state = app[SERVER]
+        loading = None
+        if engine_factory is not None:
+            loading = asyncio.create_task(_load_engine(state, engine_factory))
+        sampler = asyncio.create_task(_sample_ticks(state))
+        yield
+        sampler.cancel()
+        if loading is not None:
+            loading.cancel()
+            await asyncio.gather(loading, return_exceptions=True)
+            if state.engine is not None:
+                await state.engine.shutdown()
+
+    return lifecycle
+
+
+async def _load_engine(state: ServerState, factory) -> None:
+    """Builds the engine (loading + compiling every bucket) on a daemon thread: to_thread's executor
+    threads are joined at exit, which would make Ctrl-C wait for the compiler."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def build():
+        try:
+            result = factory()
+        except BaseException as exc:  # noqa: BLE001 - handed to the event loop
+            loop.call_soon_threadsafe(_settle, future, None, exc)
+        else:
+            loop.call_soon_threadsafe(_settle, future, result, None)
+
+    threading.Thread(target=build, name="jaxstream-engine-build", daemon=True).start()
+    try:
+        engine = await future
+        try:
+            state._attach(engine)  # noqa: SLF001 - the app owns its state
+        except ValueError:
+            await engine.shutdown()  # not a model this server can serve
+            raise
+        logger.info("engine ready: %s", state.model_id)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - reported by /health and by `jaxstream serve`
+        state.load_error = exc
+        state.ready.set()
+        logger.error("loading the model failed: %s", exc)
+
+
+def _settle(future: asyncio.Future, result, error) -> None:
+    if future.cancelled():
+        if result is not None:
+            result.close()  # nobody waits for this engine any more
+    elif error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+async def _sample_ticks(state: ServerState) -> None:
+    while True:
+        await asyncio.sleep(_TICK_SAMPLE_S)
+        if state.engine is not None:
+            state.metrics.observe_ticks()
+
+
+async def drain(app: web.Application, timeout: float | None = None) -> bool:
+    """Graceful shutdown of the sessions (SIGTERM): admit nothing new; close idle connections now; give
+    running utterances until the deadline (the last few seconds of it after the server finished them
+    itself, so their `transcription.done` still goes out); then abort what remains and close every socket
+    with 1001. Returns True when no utterance had to be cut off."""
+    state = app[SERVER]
+    timeout = state.config.drain_timeout_s if timeout is None else timeout
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    state.draining = True
+    engine_drain = None
+    if state.owns_engine and state.engine is not None and timeout > 0:
+        engine_drain = asyncio.create_task(state.engine.drain(timeout))
+    if state.connections:
+        logger.info("draining %d connection(s), deadline %.1f s", len(state.connections), timeout)
+    for conn in list(state.connections):
+        if not conn.protocol.busy():
+            conn.stop(state.drain_breach())
+    if timeout > 0:
+        await state.wait_connections_closed(deadline - min(_FLUSH_RESERVE_S, timeout / 2))
+        for conn in list(state.connections):
+            await conn.protocol.finish_for_drain()
+        await state.wait_connections_closed(deadline)
+    cut_off = [conn for conn in state.connections if conn.protocol.busy()]
+    for conn in list(state.connections):
+        conn.stop(Breach("drain_deadline", CLOSE_GOING_AWAY, "server_shutdown",
+                         "The server shut down before the transcription finished")
+                  if conn in cut_off else state.drain_breach())
+    await state.wait_connections_closed(loop.time() + _CLOSE_WAIT_S)
+    engine_clean = await engine_drain if engine_drain is not None else True
+    return not cut_off and engine_clean
+
+
+# -- handlers -----------------------------------------------------------------------------------------
+async def _realtime(request: web.Request) -> web.StreamResponse:
+    state = request.app[SERVER]
+    dialect = realtime_dialects.handshake_dialect(request)
+    if dialect is not None:
+        return await run_websocket(request, state, "/v1/realtime", lambda conn: openai_realtime.OpenAiRealtime(
+            conn, state, beta=dialect == "beta"))
+    if state.config.vllm_compat:  # exactly vLLM: no switch on an OpenAI-shaped first event
+        return await run_websocket(request, state, "/v1/realtime",
+                                   lambda conn: VllmRealtime(conn, state, binary_frames=BINARY_CLOSE))
+    return await run_websocket(request, state, "/v1/realtime", lambda conn: realtime_dialects.DialectSwitch(
+        conn, state, lambda tap: VllmRealtime(tap, state, binary_frames=BINARY_ERROR)))
+
+
+async def _sagemaker(request: web.Request) -> web.StreamResponse:
+    state = request.app[SERVER]
+    return await run_websocket(request, state, "/invocations-bidirectional-stream",
+                               lambda conn: VllmRealtime(conn, state, binary_frames=BINARY_AS_TEXT))
+
+
+async def _health(request: web.Request) -> web.Response:
+    status, body = request.app[SERVER].health()
+    return web.json_response(body, status=status)
+
+
+async def _models(request: web.Request) -> web.Response:
+    state = request.app[SERVER]
+    if state.engine is None:
+        return web.json_response({"error": {"message": "The model is still loading", "type": "unavailable",
+                                            "code": "not_ready"}}, status=503)
+    return web.json_response({"object": "list", "data": [{
+        "id": state.model_id, "object": "model", "created": state.created, "owned_by": "jaxstream",
+        "root": str(state.engine.model_name), "parent": None}]})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[SERVER].metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

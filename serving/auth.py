@@ -1,0 +1,76 @@
+"""API-key check for every route except health and metrics, before any WebSocket upgrade.
+
+A key is accepted as `Authorization: Bearer K` (OpenAI and vLLM clients), `X-API-Key: K` or `?api_key=K`
+(the `/ws` conventions; browsers cannot set headers on a WebSocket). A failure is HTTP 401 before the
+upgrade, as vLLM does, so a WebSocket client sees it as a refused handshake. Keys are compared in
+constant time.
+"""
+import hmac
+import logging
+import os
+from pathlib import Path
+
+from aiohttp import web
+
+from jaxstream.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+# Liveness probes (load balancers, SageMaker, Kubernetes) and Prometheus scrapers carry no key; vLLM
+# leaves /health and /metrics open too.
+OPEN_PATHS = frozenset({"/health", "/healthz", "/ping", "/metrics"})
+
+
+def load_api_keys(cli_key: str | None = None, key_file: str | None = None, environ=os.environ) -> tuple[str, ...]:
+    """The accepted keys: `--api-key`, else every non-empty line of `--api-key-file`, else
+    $JAXSTREAM_API_KEY. Empty: no auth."""
+    if cli_key is not None and key_file is not None:
+        raise UserError("give --api-key or --api-key-file, not both")
+    if cli_key is not None:
+        keys = [cli_key]
+    elif key_file is not None:
+        try:
+            keys = Path(key_file).read_text().splitlines()
+        except OSError as exc:
+            raise UserError(f"cannot read --api-key-file {key_file}: {exc.strerror or exc}") from None
+    else:
+        keys = [environ.get("JAXSTREAM_API_KEY", "")]
+    keys = tuple(k.strip() for k in keys if k.strip())
+    if (cli_key is not None or key_file is not None) and not keys:
+        raise UserError("the API key is empty")
+    return keys
+
+
+def presented_key(request: web.Request) -> str | None:
+    authorization = request.headers.get("Authorization", "")
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return request.headers.get("X-API-Key") or request.query.get("api_key") or None
+
+
+def is_authorized(request: web.Request, keys: tuple[str, ...]) -> bool:
+    if not keys:
+        return True
+    key = presented_key(request)
+    if key is None:
+        return False
+    given = key.encode()
+    # Compare against every key (no early exit) so the timing does not say which key nearly matched.
+    return sum(hmac.compare_digest(given, k.encode()) for k in keys) > 0
+
+
+def auth_middleware(keys: tuple[str, ...], open_paths=OPEN_PATHS):
+    """Refuses every request but those to `open_paths` without a valid key (401 before any upgrade)."""
+    @web.middleware
+    async def check_api_key(request: web.Request, handler):
+        if keys and request.path not in open_paths and not is_authorized(request, keys):
+            logger.info("refused %s %s from %s: missing or wrong API key", request.method, request.path,
+                        request.remote)
+            return web.json_response(
+                {"error": {"message": "Missing or invalid API key", "type": "authentication_error",
+                           "code": "invalid_api_key"}},
+                status=401, headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return check_api_key

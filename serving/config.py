@@ -1,0 +1,101 @@
+"""`ServerConfig` and the server TOML (`jaxstream serve --config FILE_OR_PRESET`).
+
+The TOML has up to four tables, each optional; command-line flags override it:
+
+    model = "tiny"            # top level: what to serve
+    [server]   host, port, compat, served_model_name, drain_timeout_s
+    [limits]   any field of serving.limits.Limits
+    [engine]   any EngineConfig field with a plain value (max_sessions, default_delay_ms, buckets, ...)
+
+API keys are not read from it (a config file is often committed); use --api-key-file or $JAXSTREAM_API_KEY.
+"""
+import dataclasses
+import importlib.resources
+import tomllib
+from pathlib import Path
+
+from jaxstream.errors import UserError
+from jaxstream.serving.limits import Limits
+
+COMPAT_MODES = ("strict", "vllm")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    # The model id clients name in session.update and see in /v1/models; None: the engine's source string.
+    served_model_name: str | None = None
+    # "strict": the protocol fixes of specs/realtime_protocols.md [B]; "vllm": vLLM 0.33's behaviour where a
+    # fix would change what a client sees.
+    compat: str = "strict"
+    drain_timeout_s: float = 30.0  # SIGTERM: time running utterances get before their sockets close
+    limits: Limits = dataclasses.field(default_factory=Limits)
+
+    def __post_init__(self):
+        if self.compat not in COMPAT_MODES:
+            raise ValueError(f"compat must be one of {', '.join(COMPAT_MODES)}, got {self.compat!r}")
+        if not self.drain_timeout_s > 0:
+            raise ValueError("drain_timeout_s must be positive")
+
+    @property
+    def vllm_compat(self) -> bool:
+        return self.compat == "vllm"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerFile:
+    """A parsed server TOML: keyword arguments for each config, to be overridden by flags."""
+
+    model: str | None
+    server: dict
+    limits: dict
+    engine: dict
+
+
+def load_server_file(name: str) -> ServerFile:
+    """Reads a server TOML from a path or a preset name in jaxstream.configs; UserError on any mistake."""
+    path = Path(name)
+    if path.is_file():
+        text, source = path.read_text(), str(path)
+    else:
+        preset = importlib.resources.files("jaxstream.configs").joinpath(
+            name if name.endswith(".toml") else f"{name}.toml")
+        if not preset.is_file():
+            raise UserError(f"config {name!r} is neither a file nor a preset in jaxstream.configs")
+        text, source = preset.read_text(), f"preset {name}"
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{source}: {exc}") from None
+    unknown = set(data) - {"model", "server", "limits", "engine"}
+    if unknown:
+        raise UserError(f"{source}: unknown key(s) {', '.join(sorted(unknown))}; expected model, [server], "
+                        "[limits], [engine]")
+    from jaxstream.engine.config import EngineConfig
+
+    server = _table(data, "server", {"host", "port", "compat", "served_model_name", "drain_timeout_s"}, source)
+    limits = _table(data, "limits", {f.name for f in dataclasses.fields(Limits)}, source)
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"mesh", "compat"}
+    engine = {key: _tuples(value) for key, value in _table(data, "engine", engine_fields, source).items()}
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise UserError(f"{source}: model must be a string")
+    return ServerFile(model, server, limits, engine)
+
+
+def _table(data: dict, name: str, allowed: set, source: str) -> dict:
+    table = data.get(name, {})
+    if not isinstance(table, dict):
+        raise UserError(f"{source}: {name} must be a table ([{name}])")
+    unknown = set(table) - allowed
+    if unknown:
+        raise UserError(f"{source}: unknown key(s) in [{name}]: {', '.join(sorted(unknown))}; allowed: "
+                        f"{', '.join(sorted(allowed))}")
+    return dict(table)
+
+
+def _tuples(value):
+    """TOML arrays -> tuples (EngineConfig is frozen and hashable; its buckets are tuples)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value

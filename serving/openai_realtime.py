@@ -1,0 +1,567 @@
+"""OpenAI's realtime transcription dialect on `GET /v1/realtime` (specs/realtime_protocols.md §4), GA shape
+(`session.update` with `session.type: "transcription"`) and beta shape (`transcription_session.update`).
+
+Which connections speak it: realtime_dialects.py.
+
+Turns: the audio between two commits is one item, and each item is its own engine session (fresh
+context, like one vLLM utterance). An item opens with the first audio after the previous commit, so its
+deltas stream while the client still speaks; a commit sends `input_audio_buffer.committed`, ends the
+item's audio and the next append already opens the next item (turns pipeline), while the committed one
+finishes with `...transcription.completed` and `conversation.item.done`. With `turn_detection` the
+server commits itself (serving/vad.py): an item opens at `speech_started` with `prefix_padding_ms` of the
+audio before it and is committed at `speech_stopped`; audio outside speech is not transcribed.
+
+jaxstream choices where OpenAI's behaviour does not carry over:
+
+- `transcription.delay` (gpt-realtime-whisper's names) -> the engine's transcription delay:
+  minimal 160 ms, low 320 ms, medium 480 ms, high 960 ms, xhigh 2400 ms; absent or null: the engine's
+  default. Longer delays see more right context and make fewer errors, at that much more latency.
+- `language`, `prompt` and `noise_reduction` are validated and echoed but do not condition the model
+  (Voxtral Realtime transcribes with a fixed prompt); `include` (logprobs) is accepted and answered
+  with `include: []`, the effective setting.
+- `turn_detection` is null (manual commits) until the client asks for VAD.
+- `conversation.item.added` (beta: `conversation.item.created`) is sent when the item opens, before its
+  first delta; `input_audio_buffer.clear` drops the open item, which then ends with
+  `conversation.item.done` status "incomplete".
+- An item shorter than MIN_COMMIT_MS cannot be committed (`input_audio_buffer_commit_empty`; the audio
+  stays in the open item).
+- `audio/pcm` takes only `rate: 24000`, as OpenAI; G.711 is 8 kHz. The engine resamples either.
+"""
+import asyncio
+import json
+import logging
+import secrets
+import time
+
+import numpy as np
+
+from jaxstream.engine.transcription_session import TranscriptionDelta, TranscriptionDone
+from jaxstream.errors import EngineError
+from jaxstream.models.audio import SLOT_SECONDS
+from jaxstream.serving.audio_codecs import AudioDecodeError, decode_g711_base64, decode_pcm16_base64
+from jaxstream.serving.vad import SEMANTIC_SILENCE_MS, SpeechDetector, VadConfig
+from jaxstream.serving.websocket import ConnectionClosed
+
+logger = logging.getLogger(__name__)
+
+DELAY_MS = {"minimal": 160, "low": 320, "medium": 480, "high": 960, "xhigh": 2400}
+MIN_COMMIT_MS = 100  # OpenAI's minimum committed buffer
+FORMAT_RATES = {"audio/pcm": 24000, "audio/pcmu": 8000, "audio/pcma": 8000}
+BETA_FORMATS = {"pcm16": "audio/pcm", "g711_ulaw": "audio/pcmu", "g711_alaw": "audio/pcma"}
+NOISE_REDUCTION = ("near_field", "far_field")
+
+
+class ClientError(Exception):
+    """A client mistake answered with an `error` event (invalid_request_error); the socket stays open."""
+
+    def __init__(self, code: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
+
+
+class _Item:
+    """One turn: its engine session and the task turning engine events into wire events."""
+
+    def __init__(self, item_id: str, previous_item_id: str | None, session):
+        self.id = item_id
+        self.previous_item_id = previous_item_id
+        self.session = session
+        self.samples = 0  # at the input rate
+        self.first_audio_at: float | None = None  # for the first-delta latency metric
+        self.committed_at: float | None = None
+        self.pump: asyncio.Task | None = None
+
+
+class OpenAiRealtime:
+    """The dialect on one connection (see the module docstring); built per connection by the app."""
+
+    def __init__(self, conn, server, *, beta: bool = False):
+        self.conn = conn
+        self.server = server
+        self.beta = beta
+        self.limits = server.config.limits
+        self.session_id = f"sess_{secrets.token_hex(12)}"
+        self.format = "audio/pcm"
+        self.transcription = {"model": server.model_id, "language": None, "prompt": "", "delay": None}
+        self.noise_reduction: str | None = None
+        self.turn_detection: dict | None = None
+        self.detector: SpeechDetector | None = None
+        self.open: _Item | None = None  # the item audio goes to now
+        self.last_item_id: str | None = None
+        self.stream_samples = 0  # input-rate samples appended on this connection (the VAD's clock)
+        self.prefix = np.zeros(0, np.float32)  # VAD: recent audio outside speech, for prefix_padding_ms
+        self.idle_from = 0  # VAD: where the current stretch without speech began, in samples
+        self._lock = asyncio.Lock()  # one state transition at a time (reader vs. event pumps)
+        self._items: dict[str, _Item] = {}  # every item whose engine session is not over
+        self._pumps: set[asyncio.Task] = set()
+        self._handlers = {
+            "session.update": self._on_update,
+            "transcription_session.update": self._on_update,
+            "input_audio_buffer.append": self._on_append,
+            "input_audio_buffer.commit": self._on_commit,
+            "input_audio_buffer.clear": self._on_clear,
+        }
+
+    @property
+    def rate(self) -> int:
+        return FORMAT_RATES[self.format]
+
+    # -- protocol interface (serving.websocket) --------------------------------------------------------
+    async def run(self, first_frame: str | None = None) -> None:
+        """`first_frame`: the event that switched the connection to this dialect, answered first."""
+        await self._send("transcription_session.created" if self.beta else "session.created",
+                         session=self._session_object(self.beta))
+        if first_frame is not None:
+            async with self._lock:
+                await self._handle(first_frame)
+        # A binary frame is read as UTF-8 JSON: the dialect has no binary events to confuse it with.
+        async for _, data in self.conn.frames():
+            async with self._lock:
+                await self._handle(data)
+            if self.server.draining and not self.busy():
+                self.conn.stop(self.server.drain_breach())
+
+    def busy(self) -> bool:
+        return bool(self._pumps) or (self.open is not None and self.open.samples > 0)
+
+    async def finish_for_drain(self) -> None:
+        async with self._lock:
+            item = self.open
+            if item is not None:
+                if item.samples * 1000 >= MIN_COMMIT_MS * self.rate:
+                    await self._commit(item)
+                else:
+                    await self._drop_open()
+            if not self.busy():
+                self.conn.stop(self.server.drain_breach())
+
+    async def release(self) -> None:
+        if self.detector is not None:
+            self.detector.close()
+        items, self._items = list(self._items.values()), {}  # before the pumps end and forget them
+        pumps = list(self._pumps)
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        for item in items:
+            await item.session.abort(reason="client_disconnected")
+            self.server.metrics.utterances.labels(outcome="aborted").inc()
+        self.open = None
+
+    def error_event(self, code: str, message: str, *, param: str | None = None, event_id: str | None = None,
+                    server_side: bool = True) -> dict:
+        return {"type": "error", "event_id": _event_id(), "error": {
+            "type": "server_error" if server_side else "invalid_request_error", "code": code,
+            "message": message, "param": param, "event_id": event_id}}
+
+    # -- client events --------------------------------------------------------------------------------
+    async def _handle(self, data) -> None:
+        event_id = None
+        try:
+            try:
+                event = json.loads(data)
+            except (ValueError, RecursionError, UnicodeDecodeError):
+                raise ClientError("invalid_json", "The event is not valid JSON") from None
+            if not isinstance(event, dict):
+                raise ClientError("invalid_event", "Each event must be a JSON object with a type field")
+            event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
+            kind = event.get("type")
+            if not isinstance(kind, str):
+                raise ClientError("invalid_event", "Missing required field: type", "type")
+            handler = self._handlers.get(kind)
+            if handler is None:
+                raise ClientError("unsupported_event", f"{_shown(kind)} is not supported in a transcription "
+                                  "session", "type")
+            await handler(event)
+        except ClientError as exc:
+            await self._error(exc.code, exc.message, exc.param, event_id, server_side=False)
+        except EngineError as exc:
+            await self._error(exc.code, str(exc), None, event_id, server_side=True)
+        except ConnectionClosed:
+            raise
+        except Exception:  # noqa: BLE001 - a bug must not cost the client its socket
+            logger.exception("%s: error handling an event", self.conn.id)
+            await self._error("processing_error", "Internal error while handling the event", None, event_id)
+
+    async def _on_update(self, event: dict) -> None:
+        beta = event["type"] == "transcription_session.update"
+        session = event.get("session")
+        if not isinstance(session, dict):
+            raise ClientError("invalid_event", "Missing required field: session", "session")
+        if beta:
+            fields = {"format": ("input_audio_format", session),
+                      "transcription": ("input_audio_transcription", session),
+                      "turn_detection": ("turn_detection", session),
+                      "noise_reduction": ("input_audio_noise_reduction", session)}
+        else:
+            if session.get("type", "transcription") != "transcription":
+                raise ClientError("invalid_value", "Only session.type \"transcription\" is served here",
+                                  "session.type")
+            audio = _object(session, "audio", "session.audio")
+            audio_in = _object(audio, "input", "session.audio.input")
+            fields = {name: (name, audio_in) for name in ("format", "transcription", "turn_detection",
+                                                          "noise_reduction")}
+        # Everything is checked before anything changes: a rejected update leaves the session as it was.
+        changes = {}
+        for name, (key, holder) in fields.items():
+            if key in holder:
+                param = f"session.{key}" if beta else f"session.audio.input.{key}"
+                changes[name] = getattr(self, f"_parse_{name}")(holder[key], param, beta)
+        if "include" in session and not (isinstance(session["include"], list) or session["include"] is None):
+            raise ClientError("invalid_type", "include must be a list of strings", "session.include")
+        # The format and the VAD decide where audio goes: they change only between items.
+        moved = [name for name in ("format", "turn_detection") if changes.get(name, getattr(self, name))
+                 != getattr(self, name)]
+        if moved and self.open is not None:
+            raise ClientError("invalid_request", f"{moved[0]} cannot change while the input buffer holds audio: "
+                              "commit or clear it first", f"session.{moved[0]}")
+        self.format = changes.get("format", self.format)
+        self.transcription.update(changes.get("transcription", {}))
+        self.noise_reduction = changes.get("noise_reduction", self.noise_reduction)
+        self.turn_detection = changes.get("turn_detection", self.turn_detection)
+        if moved:
+            self._restart_vad()
+        await self._send("transcription_session.updated" if beta else "session.updated",
+                         session=self._session_object(beta))
+
+    def _parse_format(self, value, param: str, beta: bool) -> str:
+        if beta:
+            if value not in BETA_FORMATS:
+                raise ClientError("invalid_value", f"input_audio_format must be one of {', '.join(BETA_FORMATS)}",
+                                  param)
+            return BETA_FORMATS[value]
+        if not isinstance(value, dict) or value.get("type") not in FORMAT_RATES:
+            raise ClientError("invalid_value", f"format.type must be one of {', '.join(FORMAT_RATES)}", param)
+        rate = value.get("rate", FORMAT_RATES[value["type"]])
+        if rate != FORMAT_RATES[value["type"]] or isinstance(rate, bool):
+            raise ClientError("invalid_value", f"{value['type']} is served at {FORMAT_RATES[value['type']]} Hz "
+                              f"only, got {_shown(rate)}", f"{param}.rate")
+        return value["type"]
+
+    def _parse_transcription(self, value, param: str, beta: bool) -> dict:
+        if value is None:
+            return {"model": self.server.model_id, "language": None, "prompt": "", "delay": None}
+        if not isinstance(value, dict):
+            raise ClientError("invalid_type", "transcription must be an object", param)
+        changes = {}
+        if "model" in value:
+            model = value["model"]
+            if not isinstance(model, str) or not self.server.serves_model(model, allow_empty=False):
+                raise ClientError("model_not_found", f"The model `{_shown(model)}` does not exist; this server "
+                                  f"serves `{self.server.model_id}`", f"{param}.model")
+            changes["model"] = model
+        for key in ("language", "prompt"):
+            if key in value:
+                if value[key] is not None and not isinstance(value[key], str):
+                    raise ClientError("invalid_type", f"{key} must be a string", f"{param}.{key}")
+                changes[key] = value[key]
+        if "delay" in value:
+            if value["delay"] is not None and value["delay"] not in DELAY_MS:
+                raise ClientError("invalid_value", f"delay must be one of {', '.join(DELAY_MS)}", f"{param}.delay")
+            changes["delay"] = value["delay"]
+        return changes
+
+    def _parse_turn_detection(self, value, param: str, beta: bool) -> dict | None:
+        if value is None:
+            return None
+        if not isinstance(value, dict) or value.get("type") not in ("server_vad", "semantic_vad"):
+            raise ClientError("invalid_value", "turn_detection.type must be server_vad or semantic_vad", param)
+        if value["type"] == "semantic_vad":
+            eagerness = value.get("eagerness", "auto")
+            if eagerness not in SEMANTIC_SILENCE_MS:
+                raise ClientError("invalid_value", f"eagerness must be one of {', '.join(SEMANTIC_SILENCE_MS)}",
+                                  f"{param}.eagerness")
+            return {"type": "semantic_vad", "eagerness": eagerness}
+        config = VadConfig()
+        checks = {"threshold": (0.0, 1.0), "prefix_padding_ms": (0, 10_000), "silence_duration_ms": (0, 10_000),
+                  "idle_timeout_ms": (5_000, 30_000)}  # OpenAI's idle_timeout_ms range
+        result = {"type": "server_vad"}
+        for key, (low, high) in checks.items():
+            number = value.get(key, getattr(config, key))
+            if number is not None and (isinstance(number, bool) or not isinstance(number, (int, float))
+                                       or not low <= number <= high):
+                raise ClientError("invalid_value", f"{key} must be a number in [{low}, {high}]", f"{param}.{key}")
+            result[key] = number
+        return result
+
+    def _parse_noise_reduction(self, value, param: str, beta: bool) -> str | None:
+        if value is None:
+            return None
+        if not isinstance(value, dict) or value.get("type") not in NOISE_REDUCTION:
+            raise ClientError("invalid_value", "noise_reduction.type must be near_field or far_field", param)
+        return value["type"]
+
+    async def _on_append(self, event: dict) -> None:
+        audio = event.get("audio")
+        if not isinstance(audio, str):
+            raise ClientError("invalid_event", "Missing required field: audio (a base64 string)", "audio")
+        max_samples = int(self.limits.max_append_seconds * self.rate)
+        try:
+            if self.format == "audio/pcm":
+                pcm = decode_pcm16_base64(audio, max_samples=max_samples)
+            else:
+                pcm = decode_g711_base64(audio, self.format.removeprefix("audio/"), max_samples=max_samples)
+        except AudioDecodeError as exc:
+            raise ClientError("invalid_audio", f"Invalid audio data: {exc}", "audio") from None
+        seconds = pcm.size / self.rate
+        if self.conn.audio_seconds + seconds > self.limits.max_audio_seconds:
+            raise ClientError("audio_limit_exceeded", f"This connection reached its limit of "
+                              f"{self.limits.max_audio_seconds:g} s of audio; open a new one")
+        self.conn.audio_seconds += seconds
+        self.server.metrics.audio_seconds.inc(seconds)
+        start, self.stream_samples = self.stream_samples, self.stream_samples + pcm.size  # even if feeding fails
+        if self.detector is None:
+            await self._feed(self.open or await self._open_item(), pcm)
+        else:
+            await self._detect(pcm, start)
+
+    async def _on_commit(self, event: dict) -> None:
+        item = self.open
+        if item is None or item.samples * 1000 < MIN_COMMIT_MS * self.rate:
+            held = 0 if item is None else item.samples * 1000 // self.rate
+            raise ClientError("input_audio_buffer_commit_empty", f"Error committing input audio buffer: buffer "
+                              f"too small. Expected at least {MIN_COMMIT_MS}ms of audio, but buffer only has "
+                              f"{held}ms of audio.")
+        await self._commit(item)
+
+    async def _on_clear(self, event: dict) -> None:
+        await self._drop_open()
+        self.prefix = self.prefix[:0]
+        await self._send("input_audio_buffer.cleared")
+
+    # -- server VAD -----------------------------------------------------------------------------------
+    def _restart_vad(self) -> None:
+        if self.detector is not None:
+            self.detector.close()
+            self.detector = None
+        settings = self.turn_detection
+        if settings is None:
+            return
+        if settings["type"] == "semantic_vad":
+            config = VadConfig(silence_duration_ms=SEMANTIC_SILENCE_MS[settings["eagerness"]])
+        else:
+            config = VadConfig(settings["threshold"], int(settings["prefix_padding_ms"]),
+                               int(settings["silence_duration_ms"]), settings["idle_timeout_ms"])
+        self.detector = SpeechDetector(config, self.rate)
+        self.idle_from = self.stream_samples
+
+    async def _detect(self, pcm: np.ndarray, start: int) -> None:
+        """Splits `pcm` (from sample `start` of the stream) at the detector's events: speech goes to the
+        open item, the rest to the prefix. Silero runs inline on the event loop: about 0.6 ms per 32 ms
+        window, 2% of a core per live stream, less than a thread hop per append would cost."""
+        detector, cursor = self.detector, 0
+        for vad_event in detector.push(pcm):
+            at = min(max(vad_event.sample - start, cursor), pcm.size)
+            if vad_event.kind == "started":
+                self._keep_prefix(pcm[cursor:at])
+                item_id = _item_id()
+                await self._send("input_audio_buffer.speech_started", item_id=item_id,
+                                 audio_start_ms=self._ms(vad_event.sample))
+                item = await self._open_item(item_id)
+                await self._feed(item, self.prefix)
+                self.prefix = self.prefix[:0]
+            else:
+                item = self.open
+                if item is not None:
+                    await self._feed(item, pcm[cursor:at])
+                await self._send("input_audio_buffer.speech_stopped", audio_end_ms=self._ms(vad_event.sample),
+                                 item_id=item.id if item is not None else None)
+                if item is not None:
+                    await self._commit(item)
+                self.idle_from = vad_event.sample
+            cursor = at
+        if detector.in_speech:  # a manual commit during speech leaves no item open: the rest is a new one
+            await self._feed(self.open or await self._open_item(), pcm[cursor:])
+            return
+        self._keep_prefix(pcm[cursor:])
+        timeout_ms = detector.config.idle_timeout_ms
+        end = start + pcm.size
+        if timeout_ms and (end - self.idle_from) * 1000 >= timeout_ms * self.rate:
+            # OpenAI commits the (silent) buffer when nobody spoke for idle_timeout_ms.
+            item = await self._open_item()
+            await self._send("input_audio_buffer.timeout_triggered", item_id=item.id,
+                             audio_start_ms=self._ms(self.idle_from), audio_end_ms=self._ms(end))
+            await self._feed(item, self.prefix)
+            self.prefix = self.prefix[:0]
+            await self._commit(item)
+            self.idle_from = end
+
+    def _keep_prefix(self, pcm: np.ndarray) -> None:
+        keep = self.detector.config.prefix_padding_ms * self.rate // 1000
+        self.prefix = np.concatenate([self.prefix, pcm])[-keep:] if keep else self.prefix[:0]
+
+    def _ms(self, sample: int) -> int:
+        return sample * 1000 // self.rate
+
+    # -- items ----------------------------------------------------------------------------------------
+    async def _open_item(self, item_id: str | None = None) -> _Item:
+        if self.server.draining:
+            raise ClientError("draining", "The server is shutting down and starts no new transcription")
+        delay = self.transcription["delay"]
+        session = await _start_session(self.server.engine, DELAY_MS[delay] if delay else None, self.rate)
+        item = _Item(item_id or _item_id(), self.last_item_id, session)
+        self.last_item_id = item.id
+        self.open = item
+        self._items[item.id] = item
+        self.conn.utterances += 1
+        # The pump exists before anything is sent (a failed send must leave nothing half-built); it cannot
+        # send a delta before `added`, as the session has no audio yet.
+        item.pump = asyncio.create_task(self._pump(item), name=f"{self.conn.id}-{item.id}")
+        self._pumps.add(item.pump)
+        item.pump.add_done_callback(self._pump_done)
+        await self._send("conversation.item.created" if self.beta else "conversation.item.added",
+                         previous_item_id=item.previous_item_id, item=self._item_object(item, "in_progress", None))
+        return item
+
+    def _pump_done(self, task: asyncio.Task) -> None:
+        self._pumps.discard(task)
+        if self.server.draining and not self.busy():  # the last transcription of a draining server is out
+            self.conn.stop(self.server.drain_breach())
+
+    async def _feed(self, item: _Item, pcm: np.ndarray) -> None:
+        if pcm.size == 0:
+            return
+        if item.first_audio_at is None:
+            item.first_audio_at = time.monotonic()
+        try:
+            await item.session.append(pcm)  # waits while the engine has too much audio queued
+        except EngineError:
+            await self._drop_open()
+            raise
+        item.samples += pcm.size
+
+    async def _commit(self, item: _Item) -> None:
+        item.committed_at = time.monotonic()
+        if self.open is item:
+            self.open = None
+        await self._send("input_audio_buffer.committed", item_id=item.id, previous_item_id=item.previous_item_id)
+        await item.session.finish()
+
+    async def _drop_open(self) -> None:
+        """Aborts the open item (clear, or an audio failure): it ends as "incomplete", without a transcript."""
+        item, self.open = self.open, None
+        if item is None:
+            return
+        self._items.pop(item.id, None)
+        item.pump.cancel()
+        await asyncio.gather(item.pump, return_exceptions=True)
+        await item.session.abort(reason="cleared")
+        self.server.metrics.utterances.labels(outcome="aborted").inc()
+        if not self.beta:
+            await self._send("conversation.item.done", previous_item_id=item.previous_item_id,
+                             item=self._item_object(item, "incomplete", None))
+
+    async def _pump(self, item: _Item) -> None:
+        """Engine events -> wire events, for one item."""
+        metrics = self.server.metrics
+        done = None
+        try:
+            async for event in item.session:
+                if isinstance(event, TranscriptionDelta) and event.text:
+                    if item.first_audio_at is not None:
+                        metrics.first_delta.observe(time.monotonic() - item.first_audio_at)
+                        item.first_audio_at = None
+                    await self._send("conversation.item.input_audio_transcription.delta", item_id=item.id,
+                                     content_index=0, delta=event.text)
+                elif isinstance(event, TranscriptionDone):
+                    done = event
+            if done is None:
+                raise EngineError("The transcription ended without a result")
+        except ConnectionClosed:
+            return
+        except Exception as exc:  # noqa: BLE001 - EngineError by contract; anything else is a bug, same answer
+            if not isinstance(exc, EngineError):
+                logger.exception("%s: the engine's event stream failed", self.conn.id)
+            code = getattr(exc, "code", None) or "processing_error"
+            metrics.utterances.labels(outcome="error").inc()
+            self.conn.count_error(code)
+            await self._send("conversation.item.input_audio_transcription.failed", item_id=item.id, content_index=0,
+                             error={"type": "server_error", "code": code, "message": str(exc) or type(exc).__name__,
+                                    "param": None})
+        else:
+            if item.committed_at is not None:
+                metrics.finalize.observe(time.monotonic() - item.committed_at)
+            metrics.utterances.labels(outcome="done").inc()
+            audio_tokens = round(done.usage.audio_seconds / SLOT_SECONDS)
+            text_tokens, output = done.usage.prompt_tokens, done.usage.output_tokens
+            await self._send("conversation.item.input_audio_transcription.completed", item_id=item.id,
+                             content_index=0, transcript=done.text, usage={
+                                 "type": "tokens", "input_tokens": text_tokens + audio_tokens,
+                                 "output_tokens": output, "total_tokens": text_tokens + audio_tokens + output,
+                                 "input_token_details": {"text_tokens": text_tokens, "audio_tokens": audio_tokens}})
+            if not self.beta:
+                await self._send("conversation.item.done", previous_item_id=item.previous_item_id,
+                                 item=self._item_object(item, "completed", done.text))
+        finally:
+            self._items.pop(item.id, None)
+            if self.open is item:  # the engine ended it before a commit (too long, or failed): audio moves on
+                self.open = None
+
+    # -- wire objects ---------------------------------------------------------------------------------
+    def _session_object(self, beta: bool) -> dict:
+        transcription = dict(self.transcription)
+        noise = {"type": self.noise_reduction} if self.noise_reduction else None
+        if beta:
+            transcription.pop("delay")
+            return {"id": self.session_id, "object": "realtime.transcription_session",
+                    "input_audio_format": {v: k for k, v in BETA_FORMATS.items()}[self.format],
+                    "input_audio_transcription": transcription, "turn_detection": self.turn_detection,
+                    "input_audio_noise_reduction": noise, "include": []}
+        audio_format = {"type": self.format}
+        if self.format == "audio/pcm":
+            audio_format["rate"] = self.rate
+        return {"id": self.session_id, "object": "realtime.transcription_session", "type": "transcription",
+                "audio": {"input": {"format": audio_format, "noise_reduction": noise,
+                                    "transcription": transcription, "turn_detection": self.turn_detection}},
+                "include": []}
+
+    @staticmethod
+    def _item_object(item: _Item, status: str, transcript: str | None) -> dict:
+        return {"id": item.id, "object": "realtime.item", "type": "message", "status": status, "role": "user",
+                "content": [{"type": "input_audio", "transcript": transcript}]}
+
+    async def _send(self, kind: str, **fields) -> None:
+        await self.conn.send({"type": kind, "event_id": _event_id(), **fields})
+
+    async def _error(self, code: str, message: str, param: str | None, event_id: str | None, *,
+                     server_side: bool = True) -> None:
+        self.conn.count_error(code)
+        await self.conn.send(self.error_event(code, message, param=param, event_id=event_id,
+                                              server_side=server_side))
+
+
+def _object(holder: dict, key: str, param: str) -> dict:
+    value = holder.get(key, {})
+    if not isinstance(value, dict):
+        raise ClientError("invalid_type", f"{param} must be an object", param)
+    return value
+
+
+def _event_id() -> str:
+    return f"event_{secrets.token_hex(12)}"
+
+
+def _item_id() -> str:
+    return f"item_{secrets.token_hex(12)}"
+
+
+def _shown(value, limit: int = 64) -> str:
+    """A client's value echoed in an error message, cut short (a frame may hold megabytes)."""
+    text = str(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+async def _start_session(engine, delay_ms, sample_rate):
+    """`engine.start_transcription`, safe against cancellation: a session the engine creates after the
+    connection was torn down is aborted, never left holding engine capacity."""
+    task = asyncio.ensure_future(engine.start_transcription(delay_ms, sample_rate=sample_rate))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_abort_orphan)
+        raise
+
+
+def _abort_orphan(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is None:
+        asyncio.ensure_future(task.result().abort(reason="client_disconnected"))

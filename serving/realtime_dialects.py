@@ -1,0 +1,94 @@
+"""Which dialect a `/v1/realtime` connection speaks (specs/realtime_protocols.md §4.2): OpenAI's
+transcription dialect (openai_realtime.py) or vLLM's protocol (vllm_realtime.py).
+
+OpenAI's when the handshake has `?intent=transcription`, a `model=` query or an `OpenAI-Beta` header
+(beta shape); else vLLM's, unless the first client event has the OpenAI shape (`DialectSwitch`). The
+`realtime` WebSocket subprotocol of browser clients is not negotiated (serving.websocket offers none).
+"""
+import json
+
+from jaxstream.serving.openai_realtime import OpenAiRealtime
+
+
+def handshake_dialect(request) -> str | None:
+    """"openai" or "beta" when the handshake asks for OpenAI's dialect (spec §4.2), else None."""
+    if request.headers.get("OpenAI-Beta", "").strip().startswith("realtime"):
+        return "beta"
+    if request.query.get("intent") == "transcription" or "model" in request.query:
+        return "openai"
+    return None
+
+
+def openai_shaped(frame: str) -> bool:
+    """Whether a first client event is OpenAI's (spec §4.2): `transcription_session.update`, or a
+    `session.update` carrying a `session` object (vLLM's has a flat `model`)."""
+    try:
+        event = json.loads(frame)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(event, dict) and (event.get("type") == "transcription_session.update" or (
+        event.get("type") == "session.update" and isinstance(event.get("session"), dict)))
+
+
+class DialectSwitch:
+    """`/v1/realtime` without an OpenAI handshake: vLLM's protocol, unless the first client event has the
+    OpenAI shape; then the connection switches to OpenAiRealtime (its `session.created` follows vLLM's,
+    which went out at connect) and that event is answered in the OpenAI dialect. The websocket runner
+    sees this object as the protocol; it forwards to whichever dialect is active."""
+
+    def __init__(self, conn, server, make_vllm):
+        self.conn = conn
+        self.server = server
+        self.active = make_vllm(_FirstFrameTap(conn))
+
+    async def run(self) -> None:
+        try:
+            await self.active.run()
+        except _Switch as switch:
+            await self.active.release()  # nothing runs yet: this was the connection's first event
+            self.active = OpenAiRealtime(self.conn, self.server, beta=False)
+            await self.active.run(first_frame=switch.frame)
+
+    def busy(self) -> bool:
+        return self.active.busy()
+
+    async def finish_for_drain(self) -> None:
+        await self.active.finish_for_drain()
+
+    async def release(self) -> None:
+        await self.active.release()
+
+    def error_event(self, code: str, message: str) -> dict:
+        return self.active.error_event(code, message)
+
+
+class _Switch(Exception):
+    def __init__(self, frame: str):
+        super().__init__("the client speaks the OpenAI dialect")
+        self.frame = frame
+
+
+class _FirstFrameTap:
+    """The connection as the vLLM protocol sees it: everything is the connection's (attributes are read
+    and written through), except that an OpenAI-shaped first frame raises _Switch out of its `run`."""
+
+    def __init__(self, conn):
+        object.__setattr__(self, "_conn", conn)
+
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._conn, name, value)
+
+    async def frames(self):
+        frames = self._conn.frames()
+        try:
+            first = True
+            async for kind, data in frames:
+                if first and kind == "text" and openai_shaped(data):
+                    raise _Switch(data)
+                first = False
+                yield kind, data
+        finally:
+            await frames.aclose()

@@ -1,0 +1,159 @@
+"""Server-sent events, shared by every streaming HTTP response (specs/realtime_protocols.md §8).
+
+A producer (an engine session's pump) appends JSON events to an `EventLog`; `stream_log` writes them to one
+client as `id: n` + `data: {...}` frames and ends with `data: [DONE]`. The log, not the response, owns the
+events, so a Mode B client that drops its stream can come back with `Last-Event-ID` and get the rest from
+the log's bounded replay buffer.
+
+Headers stop every layer between us and the client from buffering (`X-Accel-Buffering: no` for nginx, no
+compression). While nothing is produced a `: keepalive` comment goes out, so idle proxies keep the
+connection open and a client that went away is noticed. A stream that produced nothing within
+`first_event_timeout_s` ends with an `error` event (the source advises clients to give up after 10-15 s;
+the server does it for them and frees the engine).
+"""
+import asyncio
+import collections
+import json
+import logging
+
+from aiohttp import web
+
+logger = logging.getLogger(__name__)
+
+DONE = "[DONE]"
+KEEPALIVE_S = 10.0
+FIRST_EVENT_TIMEOUT_S = 15.0
+_DISCONNECT_POLL_S = 0.25  # aiohttp does not cancel handlers on disconnect: the transport is polled
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive",
+               "X-Accel-Buffering": "no"}
+
+
+class ReplayGone(Exception):
+    """The events after the client's Last-Event-ID are no longer buffered."""
+
+
+class EventLog:
+    """Events of one output stream, numbered from 1, the newest `capacity` kept for replay. `close()`
+    appends the `[DONE]` sentinel; nothing is appended after it."""
+
+    def __init__(self, capacity: int = 1024):
+        self._events: collections.deque = collections.deque(maxlen=capacity)  # (id, data)
+        self.last_id = 0
+        self.closed = False
+        self._changed = asyncio.Event()
+
+    def append(self, data: dict | str) -> int:
+        if self.closed:
+            raise RuntimeError("the event log is closed")
+        self.last_id += 1
+        self._events.append((self.last_id, data))
+        self._changed.set()
+        return self.last_id
+
+    def close(self) -> None:
+        if not self.closed:
+            self.append(DONE)
+            self.closed = True
+
+    def after(self, last_id: int) -> list[tuple[int, dict | str]]:
+        """Events with an id above `last_id`; ReplayGone when some of them already left the buffer."""
+        oldest = self._events[0][0] if self._events else self.last_id + 1
+        if last_id + 1 < oldest:
+            raise ReplayGone(f"events {last_id + 1}..{oldest - 1} are no longer buffered")
+        return [(i, data) for i, data in self._events if i > last_id]
+
+    async def wait(self, last_id: int, timeout: float) -> None:
+        """Returns once an event above `last_id` exists, or after `timeout` seconds."""
+        while self.last_id <= last_id:
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout)
+            except TimeoutError:
+                return
+
+
+def frame(event_id: int | None, data: dict | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    # A JSON dump has no newline; a text sentinel might, and every line of it needs its own `data:`.
+    body = "".join(f"data: {line}\n" for line in text.split("\n"))
+    return f"{head}{body}\n".encode()
+
+
+async def _end_with_error(response: web.StreamResponse, after: int, error: dict) -> None:
+    """An error event and `[DONE]` outside the log. They repeat the last delivered id, so a client that
+    reconnects with it still gets every logged event once."""
+    await response.write(frame(after, error))
+    await response.write(frame(after, DONE))
+
+
+def error_payload(message: str, code: str, error_type: str = "server_error") -> dict:
+    return {"type": "error", "error": {"message": message, "type": error_type, "code": code}}
+
+
+def last_event_id(request: web.Request) -> int:
+    """The client's `Last-Event-ID` (0 when absent); ValueError when it is not a number."""
+    raw = request.headers.get("Last-Event-ID", "").strip() or request.query.get("last_event_id", "")
+    if not raw:
+        return 0
+    if not raw.isdigit():
+        raise ValueError(f"Last-Event-ID must be a non-negative integer, got {raw[:32]!r}")
+    return int(raw)
+
+
+def client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def stream_log(request: web.Request, log: EventLog, *, after: int = 0, keepalive_s: float = KEEPALIVE_S,
+                     first_event_timeout_s: float | None = FIRST_EVENT_TIMEOUT_S) -> tuple[web.StreamResponse, bool]:
+    """Writes `log`'s events above `after` to the client until `[DONE]`. Returns the response (for the
+    handler to return) and True when the client got the whole stream; False when it went away first or the
+    first-event timeout ended it (the caller then decides whether the producer is cancelled). A replay gap
+    is answered with an `error` event."""
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+    return response, await _write_events(request, response, log, after, keepalive_s, first_event_timeout_s)
+
+
+async def _write_events(request, response, log, after, keepalive_s, first_event_timeout_s) -> bool:
+    loop = asyncio.get_running_loop()
+    started = last_write = loop.time()
+    sent_any = False
+    try:
+        while True:
+            try:
+                pending = log.after(after)
+            except ReplayGone as exc:
+                await _end_with_error(response, after, error_payload(str(exc), "replay_unavailable",
+                                                                     "invalid_request_error"))
+                return False
+            for event_id, data in pending:
+                await response.write(frame(event_id, data))
+                after, sent_any, last_write = event_id, True, loop.time()
+                if data == DONE:
+                    await response.write_eof()
+                    return True
+            if log.closed and after >= log.last_id:  # resumed after the end: nothing is left to send
+                await response.write_eof()
+                return True
+            now = loop.time()
+            if not sent_any and first_event_timeout_s is not None and now - started >= first_event_timeout_s:
+                logger.info("SSE %s: nothing produced in %.0f s, ending the stream", request.path,
+                            first_event_timeout_s)
+                await _end_with_error(response, after, error_payload(
+                    f"No output within {first_event_timeout_s:g} s", "first_token_timeout"))
+                return False
+            if client_gone(request):
+                return False
+            if now - last_write >= keepalive_s:
+                await response.write(b": keepalive\n\n")
+                last_write = now
+            wait = min(_DISCONNECT_POLL_S, keepalive_s - (now - last_write))
+            if not sent_any and first_event_timeout_s is not None:
+                wait = min(wait, started + first_event_timeout_s - now)
+            await log.wait(after, max(0.0, wait))
+    except ConnectionError:
+        logger.info("SSE %s: client went away", request.path)
+        return False

@@ -1,0 +1,433 @@
+"use strict";
+// The demo page: microphone or a dropped file -> 16 kHz PCM16 -> /v1/realtime (vLLM's realtime protocol,
+// specs/realtime_protocols.md §1) -> live transcript. One WebSocket per utterance: session.created,
+// session.update{model, transcription_delay_ms}, commit{}, appends every 80 ms, commit{final: true}, then
+// deltas and one transcription.done; the socket is closed after it.
+
+const SAMPLE_RATE = 16000;
+const CHUNK = 1280; // 80 ms: what the worklet posts, and the file streamer's step
+const KEY_STORAGE = "jaxstream-api-key"; // sessionStorage: the key lives as long as the tab
+
+const $ = (id) => document.getElementById(id);
+const ui = {
+  model: $("model"), keyPanel: $("key-panel"), key: $("api-key"), keyMessage: $("key-message"),
+  start: $("start"), stop: $("stop"), delay: $("delay"), level: $("level"), file: $("file"), drop: $("drop"),
+  status: $("status"), transcript: $("transcript"),
+  statDelay: $("stat-delay"), statFirst: $("stat-first"), statWord: $("stat-word"), statFinal: $("stat-final"),
+  statAudio: $("stat-audio"),
+};
+
+// Server error codes (error events, or the close that follows a refusal) in words a user can act on.
+const ERROR_TEXT = {
+  capacity: "The server is busy: every transcription slot is in use. Try again in a moment.",
+  not_ready: "The model is still loading. Try again in a moment.",
+  draining: "The server is shutting down and takes no new transcription.",
+  server_draining: "The server is shutting down.",
+  engine_dead: "The server's engine has stopped; it needs a restart.",
+  idle_timeout: "The connection was idle for too long and was closed.",
+};
+const CLOSE_TEXT = {
+  1001: ERROR_TEXT.server_draining, 1013: ERROR_TEXT.not_ready, 4000: ERROR_TEXT.idle_timeout,
+  4002: ERROR_TEXT.capacity, 4003: "The connection reached the server's maximum duration.",
+};
+
+let apiKey = sessionStorage.getItem(KEY_STORAGE) || "";
+let modelId = null;
+let audioContext = null;
+let active = null; // {utterance, stop()} while a microphone or file stream runs
+
+function setStatus(text, kind = "info") {
+  ui.status.textContent = text;
+  ui.status.className = `status ${kind}`;
+}
+
+function setRunning(running) {
+  ui.start.disabled = running || modelId === null;
+  ui.file.disabled = running || modelId === null;
+  ui.delay.disabled = running;
+  ui.stop.disabled = !running;
+  ui.drop.classList.toggle("disabled", running || modelId === null);
+}
+
+// -- server: the model id (session.update needs it) and the API key ------------------------------------
+async function connectServer() {
+  let response;
+  try {
+    response = await fetch("/v1/models", { headers: apiKey ? { Authorization: `Bearer ${apiKey}` } : {} });
+  } catch (err) {
+    setStatus("The server cannot be reached.", "error");
+    return;
+  }
+  if (response.status === 401) {
+    askForKey(apiKey ? "The server refused this API key." : "This server needs an API key: enter it to start.");
+    return;
+  }
+  if (response.status === 503) {
+    setStatus(ERROR_TEXT.not_ready);
+    setTimeout(connectServer, 2000);
+    return;
+  }
+  if (!response.ok) {
+    setStatus(`The server answered ${response.status} to /v1/models.`, "error");
+    return;
+  }
+  modelId = (await response.json()).data[0].id;
+  ui.model.textContent = `model ${modelId}`;
+  ui.keyPanel.hidden = true;
+  setRunning(false);
+  setStatus("Ready: press Start and speak, or drop an audio file.");
+}
+
+function askForKey(message) {
+  modelId = null;
+  setRunning(false);
+  ui.keyPanel.hidden = false;
+  ui.keyMessage.textContent = message;
+  ui.model.textContent = "API key needed";
+  setStatus(message, "error");
+  ui.key.focus();
+}
+
+ui.keyPanel.addEventListener("submit", (event) => {
+  event.preventDefault();
+  apiKey = ui.key.value.trim();
+  sessionStorage.setItem(KEY_STORAGE, apiKey);
+  connectServer();
+});
+
+// -- one utterance on one WebSocket -------------------------------------------------------------------
+class Utterance {
+  constructor(label) {
+    this.paragraph = document.createElement("p");
+    this.paragraph.className = "partial";
+    this.paragraph.dataset.source = label;
+    ui.transcript.append(this.paragraph);
+    this.text = "";
+    this.sent = []; // [samples sent so far, time] per append: when each moment of audio left the page
+    this.samples = 0;
+    this.textArrivals = []; // [words in the text so far, time] per delta
+    this.finalSent = false;
+    this.finalAt = null;
+    this.ended = false;
+    this.onEnded = () => {};
+    this.stats = { first: null, word: null, final: null };
+    for (const stat of [ui.statFirst, ui.statWord, ui.statFinal, ui.statAudio]) stat.textContent = "–";
+  }
+
+  // Resolves once the session is set up and audio may be sent; rejects with a user-readable Error.
+  open(delayMs) {
+    const scheme = location.protocol === "https:" ? "wss" : "ws";
+    // Browsers cannot set headers on a WebSocket: the key goes in the query, which the server accepts.
+    const query = apiKey ? `?api_key=${encodeURIComponent(apiKey)}` : "";
+    this.ws = new WebSocket(`${scheme}://${location.host}/v1/realtime${query}`);
+    ui.statDelay.textContent = delayMs ? `${delayMs} ms` : "server default";
+    return new Promise((resolve, reject) => {
+      this.ws.onmessage = (message) => {
+        const event = JSON.parse(message.data);
+        if (event.type === "session.created") {
+          const update = { type: "session.update", model: modelId };
+          if (delayMs) update.transcription_delay_ms = delayMs;
+          this.ws.send(JSON.stringify(update));
+          this.ws.send(JSON.stringify({ type: "input_audio_buffer.commit" }));
+          resolve();
+        } else if (event.type === "error") {
+          reject(new Error(ERROR_TEXT[event.code] || `${event.code}: ${event.error}`));
+        }
+        this.handle(event);
+      };
+      this.ws.onclose = (close) => {
+        // Before session.created a close is a refusal: at capacity, loading, or the handshake failed.
+        reject(new Error(CLOSE_TEXT[close.code] || "The server refused the connection."));
+        this.closed(close);
+      };
+    });
+  }
+
+  handle(event) {
+    if (this.ended) return;
+    const now = performance.now();
+    if (event.type === "session.updated") {
+      ui.statDelay.textContent = `${event.session.transcription_delay_ms} ms`;
+    } else if (event.type === "transcription.delta") {
+      if (this.stats.first === null && this.sent.length) this.stats.first = now - this.sent[0][1];
+      this.text += event.delta;
+      this.textArrivals.push([countWords(this.text), now]);
+      this.paragraph.textContent = this.text;
+      this.showStats();
+    } else if (event.type === "transcription.done") {
+      if (this.finalAt !== null) this.stats.final = now - this.finalAt;
+      this.text = event.text;
+      this.showFinal(event.words || []);
+      this.end(null);
+    } else if (event.type === "error") {
+      this.end(ERROR_TEXT[event.code] || `Server error ${event.code}: ${event.error}`);
+    }
+  }
+
+  closed(close) {
+    if (!this.ended) {
+      this.end(CLOSE_TEXT[close.code] || `The connection closed before the transcript was complete (${close.code}).`);
+    }
+  }
+
+  send(pcm16) {
+    if (this.ended || this.finalSent || this.ws.readyState !== WebSocket.OPEN) return;
+    this.ws.send(JSON.stringify({ type: "input_audio_buffer.append", audio: base64(pcm16) }));
+    this.samples += pcm16.length;
+    this.sent.push([this.samples, performance.now()]);
+    ui.statAudio.textContent = `${(this.samples / SAMPLE_RATE).toFixed(1)} s`;
+  }
+
+  finish() {
+    if (this.ended || this.finalSent) return;
+    this.finalSent = true;
+    if (this.samples === 0) {
+      this.end("No audio was captured.");
+      return;
+    }
+    this.finalAt = performance.now();
+    this.ws.send(JSON.stringify({ type: "input_audio_buffer.commit", final: true }));
+    setStatus("Finishing the transcript…");
+  }
+
+  end(error) {
+    this.ended = true;
+    this.paragraph.classList.remove("partial");
+    if (!this.text) this.paragraph.remove();
+    if (this.ws.readyState <= WebSocket.OPEN) this.ws.close(1000);
+    this.onEnded(error);
+  }
+
+  showFinal(words) {
+    this.paragraph.className = "final";
+    this.paragraph.textContent = "";
+    if (words.length === 0) {
+      this.paragraph.textContent = this.text;
+    } else {
+      for (const word of words) {
+        const span = document.createElement("span");
+        span.textContent = word.word;
+        span.title = `${word.start.toFixed(2)}–${word.end.toFixed(2)} s`;
+        this.paragraph.append(span, " ");
+      }
+      this.stats.word = medianWordLatency(words, this.textArrivals, this.sent);
+    }
+    this.showStats();
+  }
+
+  showStats() {
+    const ms = (value) => (value === null ? "–" : `${Math.round(value)} ms`);
+    ui.statFirst.textContent = ms(this.stats.first);
+    ui.statWord.textContent = ms(this.stats.word);
+    ui.statFinal.textContent = ms(this.stats.final);
+  }
+}
+
+function countWords(text) {
+  const trimmed = text.trim();
+  return trimmed ? trimmed.split(/\s+/).length : 0;
+}
+
+// Word latency as `jaxstream eval` defines it: from the moment the audio at a word's end left the page to
+// the arrival of the delta that carried the word. Only meaningful for audio sent at real time.
+function medianWordLatency(words, arrivals, sent) {
+  const latencies = [];
+  words.forEach((word, index) => {
+    const arrival = arrivals.find(([count]) => count > index);
+    const spoken = sent.find(([samples]) => samples >= word.end * SAMPLE_RATE);
+    if (arrival && spoken) latencies.push(arrival[1] - spoken[1]);
+  });
+  if (latencies.length === 0) return null;
+  latencies.sort((a, b) => a - b);
+  return latencies[Math.floor(latencies.length / 2)];
+}
+
+// PCM16 bytes -> base64. Typed arrays use the platform's byte order, little-endian wherever browsers run,
+// which is the wire format.
+function base64(pcm16) {
+  const bytes = new Uint8Array(pcm16.buffer, pcm16.byteOffset, pcm16.byteLength);
+  let binary = "";
+  for (let i = 0; i < bytes.length; i += 0x8000) {
+    binary += String.fromCharCode.apply(null, bytes.subarray(i, i + 0x8000));
+  }
+  return btoa(binary);
+}
+
+function showLevel(peak) {
+  const db = 20 * Math.log10(Math.max(peak, 1e-4)); // -80 dB .. 0 dB
+  ui.level.style.width = `${Math.max(0, Math.min(100, ((db + 60) / 60) * 100))}%`;
+}
+
+// -- audio: one context for capture and playback, created on the first click (autoplay rules) ----------
+async function ensureAudio() {
+  if (audioContext === null) {
+    audioContext = new AudioContext();
+    await audioContext.audioWorklet.addModule("/static/pcm16-worklet.js");
+  }
+  await audioContext.resume();
+  return audioContext;
+}
+
+function microphoneError(err) {
+  switch (err && err.name) {
+    case "NotAllowedError":
+    case "SecurityError":
+      return "Microphone access was denied. Allow the microphone for this site (the icon at the left of " +
+        "the address bar) and press Start again.";
+    case "NotFoundError":
+    case "OverconstrainedError":
+      return "No microphone was found. Connect one and press Start again.";
+    case "NotReadableError":
+      return "The microphone is in use by another application or cannot be opened.";
+    default:
+      return `The microphone could not be opened: ${err && err.message ? err.message : err}`;
+  }
+}
+
+async function run(label, prepare) {
+  // prepare(utterance) starts the audio source and returns its stop function; the utterance sends audio.
+  const delayMs = Number(ui.delay.value) || null;
+  setRunning(true);
+  const utterance = new Utterance(label);
+  try {
+    const ended = new Promise((resolve) => { utterance.onEnded = resolve; });
+    setStatus("Connecting…");
+    await utterance.open(delayMs);
+    const stop = await prepare(utterance);
+    active = { utterance, stop };
+    const error = await ended;
+    stop();
+    if (error) setStatus(error, error === ERROR_TEXT.capacity ? "busy" : "error");
+    else setStatus("Done. Press Start for another utterance, or drop a file.");
+  } catch (err) {
+    if (!utterance.ended) utterance.end(null);
+    setStatus(err.message, err.message === ERROR_TEXT.capacity ? "busy" : "error");
+  } finally {
+    active = null;
+    showLevel(0);
+    setRunning(false);
+  }
+}
+
+ui.start.addEventListener("click", async () => {
+  if (!navigator.mediaDevices || !navigator.mediaDevices.getUserMedia) {
+    setStatus("This browser only gives the microphone to https:// pages and to localhost. Open the page " +
+      "over https, or through an SSH tunnel to localhost.", "error");
+    return;
+  }
+  let stream;
+  try {
+    const context = await ensureAudio();
+    stream = await navigator.mediaDevices.getUserMedia({
+      // Raw audio: the model was trained on it; echo cancellation and noise suppression distort speech.
+      audio: { channelCount: 1, echoCancellation: false, noiseSuppression: false, autoGainControl: false },
+    });
+    await run("microphone", async (utterance) => {
+      const source = context.createMediaStreamSource(stream);
+      const worklet = new AudioWorkletNode(context, "pcm16-capture", { channelCount: 1, channelCountMode: "explicit" });
+      const mute = context.createGain();
+      mute.gain.value = 0; // the destination pulls the graph; nothing is played back
+      source.connect(worklet).connect(mute).connect(context.destination);
+      worklet.port.onmessage = (message) => {
+        utterance.send(new Int16Array(message.data.pcm));
+        showLevel(message.data.peak);
+      };
+      stream.getAudioTracks()[0].onended = () => utterance.finish(); // microphone unplugged
+      setStatus("Listening… press Stop when you are done.", "live");
+      return () => {
+        worklet.port.onmessage = null;
+        source.disconnect();
+        worklet.disconnect();
+        stream.getTracks().forEach((track) => track.stop());
+      };
+    });
+  } catch (err) {
+    setStatus(microphoneError(err), "error");
+  } finally {
+    if (stream) stream.getTracks().forEach((track) => track.stop());
+  }
+});
+
+ui.stop.addEventListener("click", () => {
+  if (active) {
+    active.stop();
+    active.utterance.finish();
+  }
+});
+
+// -- a file, streamed at real time --------------------------------------------------------------------
+async function streamFile(file) {
+  if (active || modelId === null) return;
+  const context = await ensureAudio();
+  let decoded;
+  try {
+    decoded = await context.decodeAudioData(await file.arrayBuffer());
+  } catch (err) {
+    setStatus(`${file.name}: this browser cannot decode the file as audio.`, "error");
+    return;
+  }
+  // The browser's resampler, offline: mono 16 kHz float.
+  const offline = new OfflineAudioContext(1, Math.ceil(decoded.duration * SAMPLE_RATE), SAMPLE_RATE);
+  const source = offline.createBufferSource();
+  source.buffer = decoded;
+  source.connect(offline.destination);
+  source.start();
+  const pcm = (await offline.startRendering()).getChannelData(0);
+
+  await run(file.name, async (utterance) => {
+    const player = context.createBufferSource();
+    player.buffer = decoded;
+    player.connect(context.destination);
+    let stopped = false;
+    setStatus(`Streaming ${file.name} (${decoded.duration.toFixed(1)} s) at real time…`, "live");
+    const started = performance.now();
+    player.start();
+    (async () => {
+      for (let begin = 0; begin < pcm.length && !stopped; begin += CHUNK) {
+        const end = Math.min(begin + CHUNK, pcm.length);
+        // Each chunk leaves once its last sample has been "spoken", as from a microphone.
+        const wait = started + (end / SAMPLE_RATE) * 1000 - performance.now();
+        if (wait > 0) await new Promise((resolve) => setTimeout(resolve, wait));
+        if (stopped) break;
+        const chunk = new Int16Array(end - begin);
+        let peak = 0;
+        for (let i = begin; i < end; i++) {
+          const x = Math.max(-1, Math.min(1, pcm[i]));
+          peak = Math.max(peak, Math.abs(x));
+          chunk[i - begin] = Math.round(x * 32767);
+        }
+        utterance.send(chunk);
+        showLevel(peak);
+      }
+      showLevel(0);
+      utterance.finish();
+    })();
+    return () => {
+      stopped = true;
+      try { player.stop(); } catch (err) { /* already ended */ }
+    };
+  });
+}
+
+ui.file.addEventListener("change", () => {
+  if (ui.file.files.length) streamFile(ui.file.files[0]);
+  ui.file.value = ""; // the same file may be chosen again
+});
+ui.drop.addEventListener("dragover", (event) => {
+  event.preventDefault();
+  ui.drop.classList.add("over");
+});
+ui.drop.addEventListener("dragleave", () => ui.drop.classList.remove("over"));
+ui.drop.addEventListener("drop", (event) => {
+  event.preventDefault();
+  ui.drop.classList.remove("over");
+  if (event.dataTransfer.files.length) streamFile(event.dataTransfer.files[0]);
+});
+
+// -- start-up -----------------------------------------------------------------------------------------
+for (const ms of ui.delay.dataset.delays.split(",").filter(Boolean)) {
+  ui.delay.append(new Option(`${ms} ms`, ms));
+}
+ui.key.value = apiKey;
+setRunning(false);
+connectServer();

@@ -1,0 +1,393 @@
+"""vLLM's realtime protocol (`GET /v1/realtime`; SageMaker's `/invocations-bidirectional-stream` too) over
+the engine's transcription sessions. Wire reference: specs/realtime_protocols.md §1-§3, §6.
+
+One connection holds at most one running utterance (one engine session): `commit{}` starts it,
+`append`s feed it, `commit{final: true}` ends its audio, and the server sends `transcription.delta`s and
+one `transcription.done`. Then the next utterance may start on the same socket.
+
+Where vLLM 0.33 silently misbehaves, the default ("strict") mode answers instead ([B] items); with
+`compat="vllm"` a client sees what vLLM would send:
+
+| situation                         | strict                                  | vllm                    |
+|-----------------------------------|-----------------------------------------|-------------------------|
+| valid session.update              | `session.updated`                       | nothing                 |
+| `"model": ""`                     | `model_not_found`                       | accepted                |
+| base64 with junk characters       | `invalid_audio`                         | junk dropped, decoded   |
+| commit{} while an utterance runs  | `generation_in_progress`                | ignored                 |
+| commit{} after final, before done | queued: starts when `done` is sent      | ignored                 |
+| append after final, before done   | kept for the next utterance             | dropped                 |
+| final with no utterance running   | `no_active_generation` (nothing else)   | ignored                 |
+| final with no audio (empty commit)| `input_audio_buffer_commit_empty`       | empty `done`            |
+| binary frame                      | `invalid_frame`, socket kept            | socket closed (1003)    |
+| `transcription.done` extras       | `words`, `usage.audio_seconds`          | none                    |
+| engine error in a generation      | the engine's code (`engine_dead`, ...)  | `processing_error`      |
+
+Neither mode reproduces vLLM's bugs: a stray `final` never poisons the next utterance, and deltas are never
+empty (the engine streams text only). On the SageMaker route binary frames are UTF-8 JSON.
+"""
+import asyncio
+import json
+import logging
+import secrets
+import time
+
+import numpy as np
+
+from jaxstream.engine.transcription_session import TranscriptionDelta, TranscriptionDone
+from jaxstream.errors import EngineError
+from jaxstream.models.audio import SAMPLING_RATE  # the protocol's audio rate, never negotiated
+from jaxstream.serving.audio_codecs import AudioDecodeError, decode_pcm16_base64
+from jaxstream.serving.limits import CLOSE_UNSUPPORTED_DATA, Breach
+from jaxstream.serving.websocket import ConnectionClosed
+
+logger = logging.getLogger(__name__)
+
+MODEL_NOT_VALIDATED = ("Model not validated. Make sure to validate the model by sending a session.update "
+                       "event.")
+
+# How binary frames are treated: an error (strict /v1/realtime), a close (vLLM), or text (SageMaker).
+BINARY_ERROR, BINARY_CLOSE, BINARY_AS_TEXT = "error", "close", "text"
+
+
+class ProtocolError(Exception):
+    """A client mistake answered with an `error` event; the socket stays open."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class _Utterance:
+    """One engine transcription session and its timings."""
+
+    def __init__(self, session):
+        self.session = session
+        self.samples = 0
+        self.finalizing = False  # the final commit was received (no more audio for this one)
+        self.failed = False  # an error was already reported for it (report once)
+        self.first_audio_at: float | None = None
+        self.final_at: float | None = None
+        self.first_delta_seen = False
+        self.pump: asyncio.Task | None = None
+
+
+class VllmRealtime:
+    """The protocol on one connection (see the module docstring); built per connection by the app."""
+
+    def __init__(self, conn, server, *, binary_frames: str):
+        self.conn = conn
+        self.server = server
+        self.compat = server.config.vllm_compat
+        self.binary_frames = binary_frames
+        self.limits = server.config.limits
+        self.session_id = f"sess-{secrets.token_hex(8)}"
+        self.validated = False
+        self.delay_ms: int | None = None  # None: the engine's default
+        self.pending: list[np.ndarray] = []  # audio appended while no utterance runs
+        self.pending_samples = 0
+        self.utterance: _Utterance | None = None
+        self.next_commit = False  # strict: commit{} received during finalisation, starts at done
+        self.next_final = False  # ... and its final commit too
+        self.discarding = False  # strict: the engine ended the utterance early; drop audio until a commit
+        self._lock = asyncio.Lock()  # one state transition at a time (reader vs. event pumps)
+        self._pumps: set[asyncio.Task] = set()
+        self._handlers = {
+            "session.update": self._on_update,
+            "input_audio_buffer.append": self._on_append,
+            "input_audio_buffer.commit": self._on_commit,
+        }
+
+    # -- protocol interface (serving.websocket) --------------------------------------------------------
+    async def run(self) -> None:
+        await self.conn.send({"type": "session.created", "id": self.session_id, "created": int(time.time())})
+        async for kind, data in self.conn.frames():
+            if kind == "binary":
+                if self.binary_frames == BINARY_CLOSE:
+                    self.conn.stop(Breach("binary_frame", CLOSE_UNSUPPORTED_DATA, None,
+                                          "binary frames are not supported"))
+                    return
+                if self.binary_frames == BINARY_ERROR:
+                    await self._error("invalid_frame", "Binary frames are not supported: send each event as "
+                                      "a JSON text frame")
+                    continue
+                try:
+                    data = data.decode("utf-8")
+                except UnicodeDecodeError:
+                    await self._error("invalid_json", "Invalid JSON" if self.compat
+                                      else "Invalid JSON: the binary frame is not UTF-8 text")
+                    continue
+            async with self._lock:
+                await self._handle(data)
+            if self.server.draining and not self.busy():
+                self.conn.stop(self.server.drain_breach())
+
+    def busy(self) -> bool:
+        return self.utterance is not None or self.next_commit
+
+    async def finish_for_drain(self) -> None:
+        async with self._lock:
+            self.next_commit = self.next_final = False
+            utterance = self.utterance
+            if utterance is not None and not utterance.finalizing:
+                try:
+                    await self._finalize(utterance)
+                except (ProtocolError, EngineError) as exc:
+                    logger.info("%s: finishing the utterance for the drain: %s", self.conn.id, exc)
+            if not self.busy():  # nothing was running, or it was empty and dropped
+                self.conn.stop(self.server.drain_breach())
+
+    async def release(self) -> None:
+        self.pending.clear()
+        pumps = list(self._pumps)
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        utterance, self.utterance = self.utterance, None
+        if utterance is not None:
+            utterance.failed = True
+            await utterance.session.abort(reason="client_disconnected")
+            self.server.metrics.utterances.labels(outcome="aborted").inc()
+
+    def error_event(self, code: str, message: str) -> dict:
+        return {"type": "error", "error": message, "code": code}
+
+    # -- client events --------------------------------------------------------------------------------
+    async def _handle(self, text: str) -> None:
+        try:
+            event = json.loads(text)
+        except (ValueError, RecursionError):
+            await self._error("invalid_json", "Invalid JSON")
+            return
+        try:
+            if not isinstance(event, dict):
+                raise ProtocolError("processing_error", "Each event must be a JSON object with a type field")
+            kind = event.get("type")
+            handler = self._handlers.get(kind) if isinstance(kind, str) else None
+            if handler is None:
+                raise ProtocolError("unknown_event", f"Unknown event type: {_shown(kind)}")
+            await handler(event)
+        except ProtocolError as exc:
+            await self._error(exc.code, exc.message)
+        except EngineError as exc:
+            await self._error(exc.code, str(exc))
+        except ConnectionClosed:
+            raise
+        except Exception:  # noqa: BLE001 - a bug must not cost the client its socket (vLLM does the same)
+            logger.exception("%s: error handling an event", self.conn.id)
+            await self._error("processing_error", "Internal error while handling the event")
+
+    async def _on_update(self, event: dict) -> None:
+        model = event.get("model")
+        if model is None:
+            raise ProtocolError("invalid_event", "Missing required field: model")
+        if not isinstance(model, str) or not self.server.serves_model(model, allow_empty=self.compat):
+            raise ProtocolError("model_not_found", f"The model `{_shown(model)}` does not exist.")
+        delay = event.get("transcription_delay_ms")
+        if delay is not None:
+            allowed = self.server.allowed_delays_ms
+            if isinstance(delay, bool) or not isinstance(delay, int) or delay not in allowed:
+                raise ProtocolError("invalid_request", f"transcription_delay_ms must be one of "
+                                    f"{', '.join(map(str, allowed))}, got {_shown(delay)}")
+            self.delay_ms = delay
+        self.validated = True
+        if not self.compat:
+            await self.conn.send({"type": "session.updated", "session": {
+                "id": self.session_id, "model": self.server.model_id,
+                "transcription_delay_ms": self.delay_ms or self.server.engine.default_delay_ms}})
+
+    async def _on_append(self, event: dict) -> None:
+        if "audio" not in event:
+            raise ProtocolError("processing_error", "Missing required field: audio")
+        if not isinstance(event["audio"], str):
+            raise ProtocolError("processing_error", "Field audio must be a base64 string")
+        try:
+            pcm = decode_pcm16_base64(event["audio"], strict=not self.compat,
+                                      max_samples=int(self.limits.max_append_seconds * SAMPLING_RATE))
+        except AudioDecodeError as exc:
+            logger.debug("%s: invalid audio: %s", self.conn.id, exc)
+            raise ProtocolError("invalid_audio", "Invalid audio data" if self.compat
+                                else f"Invalid audio data: {exc}") from None
+        seconds = pcm.size / SAMPLING_RATE
+        if self.conn.audio_seconds + seconds > self.limits.max_audio_seconds:
+            raise ProtocolError("audio_limit_exceeded", f"This connection reached its limit of "
+                                f"{self.limits.max_audio_seconds:g} s of audio; open a new one")
+        utterance = self.utterance
+        if utterance is not None and not utterance.finalizing:
+            await self._feed(utterance, pcm)
+        elif (utterance is not None and self.compat) or self.discarding:
+            pass  # vLLM drains audio sent between final and done; strict drops audio the engine won't use
+        else:
+            if self.pending_samples + pcm.size > self.limits.max_pending_seconds * SAMPLING_RATE:
+                raise ProtocolError("audio_limit_exceeded", f"More than {self.limits.max_pending_seconds:g} s "
+                                    "of audio appended while no transcription runs; send "
+                                    "input_audio_buffer.commit to start one")
+            self.pending.append(pcm)
+            self.pending_samples += pcm.size
+        self.conn.audio_seconds += seconds
+        self.server.metrics.audio_seconds.inc(seconds)
+
+    async def _on_commit(self, event: dict) -> None:
+        if not self.validated:
+            raise ProtocolError("model_not_validated", MODEL_NOT_VALIDATED)
+        final = event.get("final", False)
+        if not isinstance(final, bool):
+            raise ProtocolError("processing_error", f"Field final must be a boolean, got {_shown(final)}")
+        utterance = self.utterance
+        if not final:
+            self.discarding = False
+            if utterance is None:
+                await self._start()
+            elif self.compat:
+                logger.debug("%s: commit ignored, a generation is running (vLLM behaviour)", self.conn.id)
+            elif not utterance.finalizing or self.next_commit:
+                raise ProtocolError("generation_in_progress", "A transcription is already running: send "
+                                    "input_audio_buffer.commit with final=true and wait for transcription.done")
+            else:
+                self.next_commit = True
+        elif utterance is not None and not utterance.finalizing:
+            await self._finalize(utterance)
+        elif self.next_commit and not self.next_final:
+            self.next_final = True
+        elif self.discarding:
+            self.discarding = False  # the engine had already ended this utterance and sent its done
+        elif not self.compat:
+            raise ProtocolError("no_active_generation", "No transcription is running: send "
+                                "input_audio_buffer.commit without final to start one")
+
+    # -- utterances -----------------------------------------------------------------------------------
+    async def _start(self) -> None:
+        if self.server.draining:
+            raise ProtocolError("draining", "The server is shutting down and starts no new transcription")
+        session = await _start_session(self.server.engine, self.delay_ms)
+        utterance = _Utterance(session)
+        self.utterance = utterance
+        self.conn.utterances += 1
+        utterance.pump = asyncio.create_task(self._pump(utterance), name=f"{self.conn.id}-events")
+        self._pumps.add(utterance.pump)
+        utterance.pump.add_done_callback(self._pumps.discard)
+        pending, self.pending, self.pending_samples = self.pending, [], 0
+        for pcm in pending:
+            await self._feed(utterance, pcm)
+
+    async def _feed(self, utterance: _Utterance, pcm: np.ndarray) -> None:
+        if utterance.first_audio_at is None:
+            utterance.first_audio_at = time.monotonic()
+        try:
+            await utterance.session.append(pcm)  # waits while the engine has too much audio queued
+        except EngineError:
+            reported = utterance.failed  # the event pump may have reported the same failure already
+            utterance.failed = True
+            await self._drop(utterance, outcome=None if reported else "error")
+            if not reported:
+                raise
+            return
+        utterance.samples += pcm.size
+
+    async def _finalize(self, utterance: _Utterance) -> None:
+        utterance.finalizing = True
+        if utterance.samples == 0 and not self.compat:
+            utterance.failed = True
+            await self._drop(utterance, outcome="empty")
+            raise ProtocolError("input_audio_buffer_commit_empty", "Cannot finalise an empty transcription: no "
+                                "audio was appended since input_audio_buffer.commit")
+        utterance.final_at = time.monotonic()
+        await utterance.session.finish()
+
+    async def _drop(self, utterance: _Utterance, *, outcome: str | None) -> None:
+        """Ends `utterance` without a done (the caller reports why; outcome None: counted already)."""
+        if self.utterance is utterance:
+            self.utterance = None
+        await utterance.session.abort(reason=outcome or "error")
+        if outcome is not None:
+            self.server.metrics.utterances.labels(outcome=outcome).inc()
+
+    async def _pump(self, utterance: _Utterance) -> None:
+        """Engine events -> wire events, for one utterance; then the next queued utterance starts."""
+        metrics = self.server.metrics
+        finished = False
+        try:
+            async for event in utterance.session:
+                if isinstance(event, TranscriptionDelta):
+                    if not utterance.first_delta_seen and utterance.first_audio_at is not None:
+                        utterance.first_delta_seen = True
+                        metrics.first_delta.observe(time.monotonic() - utterance.first_audio_at)
+                    await self.conn.send({"type": "transcription.delta", "delta": event.text})
+                elif isinstance(event, TranscriptionDone):
+                    if utterance.final_at is not None:
+                        metrics.finalize.observe(time.monotonic() - utterance.final_at)
+                    await self.conn.send(self._done_event(event))
+                    finished = True
+                    metrics.utterances.labels(outcome="done").inc()
+        except ConnectionClosed:
+            return
+        except Exception as exc:  # noqa: BLE001 - EngineError by contract; anything else is a bug, same answer
+            if isinstance(exc, EngineError):
+                logger.warning("%s: transcription failed: %s", self.conn.id, exc)
+                code, message = exc.code, str(exc) or type(exc).__name__
+            else:
+                logger.exception("%s: the engine's event stream failed", self.conn.id)
+                code, message = "processing_error", "Internal error in the transcription"
+            if not utterance.failed:
+                utterance.failed = True
+                metrics.utterances.labels(outcome="error").inc()
+                await self._error("processing_error" if self.compat else code, message)
+        if not finished and not utterance.failed:  # ended with neither a result nor an error: say so
+            utterance.failed = True
+            metrics.utterances.labels(outcome="error").inc()
+            await self._error("processing_error", "The transcription ended without a result")
+        async with self._lock:
+            await self._ended(utterance, early=finished and not utterance.finalizing)
+
+    async def _ended(self, utterance: _Utterance, *, early: bool) -> None:
+        if self.utterance is not utterance:
+            return  # already dropped (empty commit, append failure) or released
+        self.utterance = None
+        self.discarding = early and not self.compat
+        if self.server.draining:
+            self.conn.stop(self.server.drain_breach())
+            return
+        if self.next_commit:
+            final, self.next_commit, self.next_final = self.next_final, False, False
+            try:
+                await self._start()
+                if final:
+                    await self._finalize(self.utterance)
+            except (ProtocolError, EngineError) as exc:
+                await self._error(getattr(exc, "code", "processing_error"), str(exc))
+
+    def _done_event(self, done: TranscriptionDone) -> dict:
+        prompt, completion = done.usage.prompt_tokens, done.usage.output_tokens
+        usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
+                 "prompt_tokens_details": None, "completion_tokens_details": None}  # vLLM's UsageInfo order
+        event = {"type": "transcription.done", "text": done.text, "usage": usage}
+        if not self.compat:
+            usage["audio_seconds"] = done.usage.audio_seconds
+            event["words"] = [{"word": w.word, "start": w.start, "end": w.end} for w in done.words]
+        return event
+
+    async def _error(self, code: str, message: str) -> None:
+        self.conn.count_error(code)
+        await self.conn.send(self.error_event(code, message))
+
+
+def _shown(value, limit: int = 64) -> str:
+    """A client's value echoed in an error message, cut short (a frame may hold megabytes)."""
+    text = str(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+async def _start_session(engine, delay_ms):
+    """`engine.start_transcription`, safe against cancellation: a session the engine creates after the
+    connection was torn down is aborted, never left holding engine capacity."""
+    task = asyncio.ensure_future(engine.start_transcription(delay_ms))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_abort_orphan)
+        raise
+
+
+def _abort_orphan(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is None:
+        asyncio.ensure_future(task.result().abort(reason="client_disconnected"))

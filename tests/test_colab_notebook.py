@@ -1,0 +1,103 @@
+"""colab/jaxstream_realtime.ipynb, executed headless as CI runs it: a fresh kernel, CPU, no network (so the
+install and Hub cells skip themselves and the notebook falls back to the embedded model), the bundled sample.
+Parameters are injected papermill-style after the cell tagged `parameters`; a last cell reports what the
+notebook produced."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+nbclient = pytest.importorskip("nbclient")
+nbformat = pytest.importorskip("nbformat")
+
+pytestmark = pytest.mark.slow
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "colab" / "jaxstream_realtime.ipynb"
+SAMPLE_TEXT = Path(__file__).resolve().parents[1] / "models" / "assets" / "samples" / "sample.txt"
+
+PARAMETERS = 'AUDIO_FILE = ""\nDELAY_MS = 480\n'  # MODEL_ID stays the Hub's: being offline must be detected
+REPORT = """
+import json
+print("NOTEBOOK_RESULT " + json.dumps({
+    "model": MODEL, "backend": BACKEND, "text": result.text,
+    "words": [[w.word, w.start, w.end] for w in result.words],
+    "plotted_words": [t.get_text() for t in waveform_ax.texts],
+    "wer": summary["wer"], "eval_model": json.loads(report_path.read_text())["model"],
+}))
+"""
+
+
+def test_committed_notebook_has_no_outputs():
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    nbformat.validate(notebook)
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    assert code and all(not cell.outputs and cell.execution_count is None for cell in code)
+    assert sum("parameters" in cell.metadata.get("tags", []) for cell in code) == 1
+
+
+def cell_text(cell) -> str:
+    parts = []
+    for output in cell.get("outputs", []):
+        if output.output_type == "stream":
+            parts.append(output.text)
+        elif "data" in output:
+            parts.append(output.data.get("text/html", "") or output.data.get("text/plain", ""))
+        elif output.output_type == "error":
+            parts.append("\n".join(output.traceback))
+    return "\n".join(parts)
+
+
+def test_notebook_transcribes_the_sample_on_cpu_with_the_embedded_model(tmp_path, monkeypatch):
+    from jaxstream.evaluation import make_normalizer
+    from jaxstream.evaluation.metrics import word_counts
+
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    at = next(i for i, cell in enumerate(notebook.cells) if "parameters" in cell.metadata.get("tags", []))
+    injected = nbformat.v4.new_code_cell(PARAMETERS, metadata={"tags": ["injected-parameters"]})
+    notebook.cells.insert(at + 1, injected)
+    notebook.cells.append(nbformat.v4.new_code_cell(REPORT))
+
+    # The kernel inherits this environment: offline as CI, one CPU device (not the test suite's four), a
+    # fresh compilation cache, matplotlib's inline backend (Jupyter's and Colab's) whatever the shell chose.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "xla-cache"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.delenv("MPLBACKEND", raising=False)
+    client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    try:
+        client.execute()
+    except nbclient.exceptions.CellExecutionError as exc:
+        pytest.fail(f"the notebook failed:\n{exc}")
+    finally:
+        nbformat.write(notebook, tmp_path / "executed.ipynb")
+        artifacts = os.environ.get("JAXSTREAM_TEST_ARTIFACTS")
+        if artifacts:
+            os.makedirs(artifacts, exist_ok=True)
+            nbformat.write(notebook, os.path.join(artifacts, "jaxstream_realtime.executed.ipynb"))
+
+    text = "\n".join(cell_text(cell) for cell in notebook.cells if cell.cell_type == "code")
+    assert "already installed: skipping the install" in text
+    assert "Skipping the Hub login: offline (CI or HF_HUB_OFFLINE=1)." in text
+    assert ("Using the embedded model instead of mistralai/Voxtral-Mini-4B-Realtime-2602: this machine is "
+            "offline") in text
+    assert "on CPU" in text and "needs Colab" in text  # the hardware report and the microphone fallback
+    line = next(line for line in text.splitlines() if line.startswith("NOTEBOOK_RESULT "))
+    result = json.loads(line.removeprefix("NOTEBOOK_RESULT "))
+    assert result["model"] == "tiny" and result["backend"] == "cpu" and result["eval_model"] == "tiny"
+
+    normalize = make_normalizer("english")
+    reference = SAMPLE_TEXT.read_text().strip()
+    hits, substitutions, deletions, insertions = word_counts(normalize(reference), normalize(result["text"]))
+    errors = substitutions + deletions + insertions
+    assert errors <= 2, (reference, result["text"])  # the embedded model misses one of the seven words
+    assert result["wer"] <= 2 / 7
+    # The live transcript box ends with the final text, and every timed word is labelled on the waveform.
+    assert result["text"] in cell_text(next(c for c in notebook.cells if "stream_pcm(audio" in c.source))
+    assert result["plotted_words"] == [word for word, _, _ in result["words"]]
+    assert all(0 <= start < end <= 3.6 for _, start, end in result["words"])
+    plot_cell = next(c for c in notebook.cells if "plot_words(audio" in c.source)
+    assert any("image/png" in output.get("data", {}) for output in plot_cell.outputs)

@@ -1,0 +1,276 @@
+"""The browser demo at `GET /` (serving/demo.py, serving/static/): its routes over HTTP, then the page in
+headless Chromium with a fake microphone playing the bundled speech sample, against a real server over
+loopback. A screenshot of the page with its transcript is saved as a test artifact (tmp_path, and
+$JAXSTREAM_TEST_ARTIFACTS when set).
+
+The browser tests need Debian's `chromium` and `chromium-driver` (`.ci/run` installs them) and are skipped
+without them."""
+import base64
+import contextlib
+import os
+import shutil
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+
+from jaxstream.serving.config import ServerConfig
+from jaxstream.serving.demo import PUBLIC_PATHS
+from jaxstream.serving.limits import Limits
+from jaxstream.serving.testing import RealtimeClient, ServerThread, sample_audio, shared_engine
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "demo-key"
+REFERENCE = "away kitchen treatment up hear effects float"  # models/assets/samples/sample.txt
+WAIT_S = 90  # generous: two cores are shared with the engine thread and the browser
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return shared_engine()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    server = ServerThread(engine, ServerConfig(api_keys=(API_KEY,)))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def speech_wav(tmp_path_factory):
+    """The sample as a 16-bit wav for Chromium's fake microphone, which loops it: a second of silence
+    first, and two after, so one pass is a clean utterance."""
+    pcm = sample_audio()
+    silence = np.zeros(16000, np.float32)
+    path = tmp_path_factory.mktemp("audio") / "speech.wav"
+    soundfile.write(path, np.concatenate([silence, pcm, silence, silence]), 16000, subtype="PCM_16")
+    return path
+
+
+def http_get(url: str):
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.status, response.headers, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers, exc.read().decode()
+
+
+# -- routes -------------------------------------------------------------------------------------------
+def test_page_and_assets_are_served_without_the_key(server):
+    status, headers, page = http_get(server.url("/", scheme="http"))
+    assert status == 200 and headers["Content-Type"].startswith("text/html")
+    assert "__DELAYS__" not in page and 'data-delays="80,160,240,' in page and ",2400\"" in page
+    assert "connect-src 'self'" in headers["Content-Security-Policy"]
+    for path in PUBLIC_PATHS - {"/"}:
+        status, headers, body = http_get(server.url(path, scheme="http"))
+        assert status == 200 and body, path
+        kind = "text/css" if path.endswith(".css") else "javascript"
+        assert kind in headers["Content-Type"], (path, headers["Content-Type"])
+    # Everything else still needs the key.
+    assert http_get(server.url("/v1/models", scheme="http"))[0] == 401
+    assert http_get(server.url("/static/../demo.py", scheme="http"))[0] in (401, 404)
+
+
+def test_package_data_ships_the_page():
+    from importlib.resources import files
+
+    static = files("jaxstream.serving").joinpath("static")
+    assert {"index.html", *(path.rsplit("/", 1)[1] for path in PUBLIC_PATHS - {"/"})} <= {
+        entry.name for entry in static.iterdir()}
+
+
+# -- the page in Chromium -----------------------------------------------------------------------------
+@contextlib.contextmanager
+def chromium(profile, microphone: str):
+    """Headless Chromium with a fake microphone: `microphone` is a wav to play (looped), or "deny"."""
+    chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
+    if chromium is None or driver_path is None:
+        pytest.skip("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
+    webdriver = pytest.importorskip("selenium.webdriver")
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--disable-dev-shm-usage", "--window-size=1000,860", "--autoplay-policy=no-user-gesture-required",
+             "--use-fake-device-for-media-stream", f"--user-data-dir={profile}"]
+    if microphone == "deny":
+        flags.append("--use-fake-ui-for-media-stream=deny")  # as if the user refused the prompt
+    else:
+        flags += ["--use-fake-ui-for-media-stream", f"--use-file-for-fake-audio-capture={microphone}"]
+    for flag in flags:
+        options.add_argument(flag)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SE_OFFLINE", "true")  # never let Selenium Manager look for a driver online
+        driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture(scope="module")
+def browser(speech_wav, tmp_path_factory):
+    with chromium(tmp_path_factory.mktemp("chromium-profile"), str(speech_wav)) as driver:
+        yield driver
+
+
+def wait_for(driver, condition, timeout=WAIT_S):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        return WebDriverWait(driver, timeout, poll_frequency=0.1).until(lambda d: condition())
+    except Exception:
+        status = driver.find_element("id", "status").text
+        transcript = driver.find_element("id", "transcript").text
+        logs = "\n".join(str(entry) for entry in driver.get_log("browser"))
+        raise AssertionError(f"timed out; status {status!r}, transcript {transcript!r}\n{logs}") from None
+
+
+def text_of(driver, element_id):
+    return driver.find_element("id", element_id).text
+
+
+def reference_words_in(text: str) -> int:
+    return len(set(REFERENCE.split()) & set(text.lower().split()))
+
+
+def open_page(driver, url, *, key=None):
+    """Loads the page and waits until it is ready; enters `key` when the page asks for one."""
+    driver.get(url)
+    start, panel = driver.find_element("id", "start"), driver.find_element("id", "key-panel")
+    wait_for(driver, lambda: start.is_enabled() or panel.is_displayed())
+    if panel.is_displayed():
+        assert key is not None, text_of(driver, "status")
+        assert "needs an API key" in text_of(driver, "status")
+        driver.find_element("id", "api-key").send_keys(key)
+        driver.find_element("css selector", "#key-panel button").click()
+    wait_for(driver, start.is_enabled)
+
+
+def save_screenshot(driver, tmp_path, name):
+    path = tmp_path / name
+    driver.save_screenshot(str(path))
+    artifacts = os.environ.get("JAXSTREAM_TEST_ARTIFACTS")
+    if artifacts:
+        os.makedirs(artifacts, exist_ok=True)
+        shutil.copy(path, os.path.join(artifacts, name))
+    return path
+
+
+def test_microphone_transcript_appears_live_behind_the_api_key(browser, server, tmp_path):
+    browser.get(server.url("/", scheme="http"))
+    browser.execute_script("sessionStorage.clear()")  # the page must ask for the key
+    open_page(browser, server.url("/", scheme="http"), key=API_KEY)
+    assert not browser.find_element("id", "key-panel").is_displayed()
+    assert server.state.model_id in text_of(browser, "model")
+    browser.find_element("css selector", "#delay option[value='480']").click()
+    browser.find_element("id", "start").click()
+    # Partial text shows while the microphone still runs, then Stop gives the final transcript.
+    wait_for(browser, lambda: browser.find_element("id", "level").size["width"] > 0)  # the meter moves
+    wait_for(browser, lambda: reference_words_in(text_of(browser, "transcript")) >= 5)
+    assert browser.find_elements("css selector", "#transcript p.partial")
+    assert "Listening" in text_of(browser, "status")
+    save_screenshot(browser, tmp_path, "demo_page_live.png")
+    browser.find_element("id", "stop").click()
+    wait_for(browser, lambda: browser.find_elements("css selector", "#transcript p.final"))
+    final = text_of(browser, "transcript")
+    assert reference_words_in(final) >= 4, final
+    assert text_of(browser, "stat-delay") == "480 ms"
+    assert text_of(browser, "stat-first").endswith(" ms") and text_of(browser, "stat-final").endswith(" ms")
+    save_screenshot(browser, tmp_path, "demo_page.png")
+
+
+def test_a_dropped_file_streams_at_real_time(browser, server, speech_wav):
+    open_page(browser, server.url("/", scheme="http"), key=API_KEY)
+    browser.find_element("id", "file").send_keys(str(speech_wav))
+    wait_for(browser, lambda: "Streaming speech.wav" in text_of(browser, "status"))
+    started = browser.execute_script("return performance.now()")
+    wait_for(browser, lambda: "Done" in text_of(browser, "status"))
+    elapsed = (browser.execute_script("return performance.now()") - started) / 1000
+    seconds = soundfile.info(speech_wav).duration
+    assert elapsed > seconds - 1.0  # paced at real time, not sent at once
+    paragraphs = browser.find_elements("css selector", "#transcript p.final")
+    assert paragraphs[-1].get_attribute("data-source") == "speech.wav"
+    assert reference_words_in(paragraphs[-1].text) >= 4, paragraphs[-1].text
+    assert text_of(browser, "stat-audio") == f"{seconds:.1f} s"
+
+
+def test_a_denied_microphone_is_explained(server, tmp_path):
+    with chromium(tmp_path / "profile", "deny") as browser:
+        open_page(browser, server.url("/", scheme="http"), key=API_KEY)
+        browser.find_element("id", "start").click()
+        wait_for(browser, lambda: "denied" in text_of(browser, "status"), timeout=30)
+        assert "Allow the microphone" in text_of(browser, "status")
+        assert "error" in browser.find_element("id", "status").get_attribute("class")
+        assert browser.find_element("id", "start").is_enabled()  # ready to try again
+
+
+def test_a_busy_server_is_explained(browser, engine):
+    busy = ServerThread(engine, ServerConfig(limits=Limits(max_connections=1)))
+    try:
+        holder = busy.call(RealtimeClient.connect(busy.url()))  # takes the only connection
+        try:
+            open_page(browser, busy.url("/", scheme="http"))
+            browser.find_element("id", "start").click()
+            wait_for(browser, lambda: "busy" in text_of(browser, "status"))
+            assert "busy" in browser.find_element("id", "status").get_attribute("class")
+            assert browser.find_element("id", "start").is_enabled()
+        finally:
+            busy.call(holder.close())
+    finally:
+        busy.close()
+
+
+def test_no_session_is_left_behind(server, engine):
+    from jaxstream.serving.testing import wait_engine_baseline
+
+    server.call(wait_engine_baseline(engine, timeout=10))
+    assert not server.state.connections
+
+
+def notebook_microphone_js() -> str:
+    """MIC_JS, the browser half of the Colab notebook's live microphone (colab/jaxstream_realtime.ipynb)."""
+    import ast
+    import json
+
+    notebook = json.loads((Path(__file__).resolve().parents[1] / "colab" / "jaxstream_realtime.ipynb").read_text())
+    for cell in notebook["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "code" and "MIC_JS = " in source:
+            tree = compile(source, "<cell>", "exec", flags=ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+            for node in tree.body:
+                if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "MIC_JS":
+                    return ast.literal_eval(node.value)
+    raise AssertionError("no MIC_JS in the notebook")
+
+
+def test_the_notebooks_microphone_capture_in_chromium(browser, server, engine):
+    """What Colab's eval_js would run: start() with the page's worklet, take() until 10.5 s of PCM16 arrived;
+    that audio transcribes to the sample's words. Run on a page of the server without the demo's CSP (Colab's
+    output frame has none; the notebook loads the worklet from a Blob URL)."""
+    browser.get(server.url("/no-such-page", scheme="http"))  # same secure origin, no page script
+    worklet = (Path(__file__).resolve().parents[1] / "serving" / "static" / "pcm16-worklet.js").read_text()
+    browser.execute_script(notebook_microphone_js())
+    browser.set_script_timeout(30)
+    started = browser.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "jaxstreamMic.start(arguments[0]).then(() => done('ok'), (err) => done(String(err)));", worklet)
+    assert started == "ok"
+    pieces = []
+    # The fake microphone may start anywhere in the looped 6.5 s wav: 10.5 s hold one whole utterance.
+    while sum(piece.size for piece in pieces) < 10.5 * 16000:
+        reply = browser.execute_async_script(
+            "const done = arguments[arguments.length - 1]; jaxstreamMic.take().then(done);")
+        assert not reply["stopped"]
+        pieces.append(np.frombuffer(base64.b64decode(reply["audio"]), "<i2").astype(np.float32) / 32768.0)
+    browser.execute_script("jaxstreamMic.stop()")
+    pcm = np.concatenate(pieces)
+    assert np.abs(pcm).max() > 0.1  # speech, not silence
+    done = server.call(engine.transcribe(pcm))
+    assert reference_words_in(done.text) >= 4, done.text

@@ -1,0 +1,176 @@
+"""`jaxstream serve` as a user runs it (a subprocess: 503 while compiling, ready line, API key from the
+environment, SIGTERM drain), its configuration errors, and the server's small pure pieces (audio
+decoding, API keys, config files)."""
+import asyncio
+import base64
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+import websockets
+
+from jaxstream.cli import main
+from jaxstream.errors import UserError
+from jaxstream.serving.audio_codecs import AudioDecodeError, decode_pcm16_base64, encode_pcm16_base64
+from jaxstream.serving.auth import load_api_keys
+from jaxstream.serving.config import ServerConfig, load_server_file
+from jaxstream.serving.limits import Limits
+from jaxstream.serving.testing import RealtimeClient, sample_audio
+
+SMALL_ENGINE = """
+[engine]
+max_sessions = 2
+batch_buckets = [2]
+realtime_step_buckets = [1]
+realtime_prefill_buckets = [[2, 40]]
+"""
+
+
+class Lines:
+    """A subprocess's stdout, line by line, with timeouts."""
+
+    def __init__(self, stream):
+        self._lines: queue.Queue = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+
+    def _pump(self, stream):
+        for line in stream:
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no line with {text!r} after {timeout:g} s; saw {self.seen}") from None
+            if line is None:
+                raise AssertionError(f"the server exited before printing {text!r}; saw {self.seen}")
+            self.seen.append(line)
+            if text in line:
+                return line
+
+
+@pytest.mark.slow
+async def test_serve_reports_ready_after_compiling_and_drains_on_sigterm(tmp_path):
+    config = tmp_path / "server.toml"
+    config.write_text(SMALL_ENGINE)
+    env = {**os.environ, "JAXSTREAM_API_KEY": "s3cret", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "jaxstream", "serve", "--host", "127.0.0.1", "--port", "0", "--config", str(config),
+         "--drain-timeout", "20", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines = Lines(process.stdout)
+        listening = lines.wait_for("listening on http://", 60)
+        base = listening.split("listening on ")[1].split(";")[0]
+        ws_url = base.replace("http://", "ws://") + "/v1/realtime"
+        key = {"Authorization": "Bearer s3cret"}
+        async with aiohttp.ClientSession() as http:
+            async with http.get(base + "/health") as response:
+                assert response.status == 503 and (await response.json())["status"] == "loading"
+            lines.wait_for("ready: ", 180)
+            lines.wait_for("try: python examples/realtime_client.py", 5)
+            async with http.get(base + "/health") as response:
+                assert response.status == 200
+            async with http.get(base + "/v1/models") as response:
+                assert response.status == 401
+            async with http.get(base + "/v1/models", headers=key) as response:
+                model = (await response.json())["data"][0]["id"]
+        with pytest.raises(websockets.InvalidStatus):
+            await websockets.connect(ws_url)
+        client = await RealtimeClient.connect(ws_url, additional_headers=key)
+        await client.update(model)
+        assert (await client.event())["type"] == "session.updated"
+        audio = sample_audio()
+        await client.commit()
+        await client.append(audio[:20000])
+        await asyncio.sleep(0.3)  # the server holds the running utterance when the signal comes
+        process.send_signal(signal.SIGTERM)
+        lines.wait_for("draining", 10)
+        await client.append(audio[20000:])
+        await client.commit(final=True)
+        done = (await client.until("transcription.done"))[-1]
+        assert "kitchen" in done["text"]
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            await client.event(10)
+        assert closed.value.rcvd.code == 1001
+        assert process.wait(30) == 0
+        lines.wait_for("stopped", 5)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--delay-ms", "100"], "--delay-ms 100"),
+    (["serve", "--config", "no-such-config"], "neither a file nor a preset"),
+    (["serve", "--api-key", ""], "API key is empty"),
+    (["serve", "--idle-timeout", "0"], "idle_timeout_s must be positive"),
+    (["serve", "--compat", "vllm", "--port", "70000"], "not a port number"),
+])
+def test_configuration_mistakes_are_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and err.startswith("jaxstream serve: error:")
+
+
+def test_server_toml(tmp_path):
+    preset = load_server_file("server")
+    assert preset.server["port"] == 8000 and preset.engine["max_sessions"] == 64
+    assert Limits(**preset.limits) == Limits() and ServerConfig(**preset.server).compat == "strict"
+    path = tmp_path / "s.toml"
+    path.write_text('model = "tiny"\n[engine]\nrealtime_prefill_buckets = [[2, 40]]\n')
+    parsed = load_server_file(str(path))
+    assert parsed.model == "tiny" and parsed.engine == {"realtime_prefill_buckets": ((2, 40),)}
+    for text, message in (("[limits]\nidle = 3\n", "unknown key(s) in [limits]: idle"),
+                          ("api_key = 'x'\n", "unknown key(s) api_key"), ("[server\n", "s.toml")):
+        path.write_text(text)
+        with pytest.raises(UserError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+            load_server_file(str(path))
+
+
+def test_api_keys(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("one\n\n  two  \n")
+    assert load_api_keys(key_file=str(keys)) == ("one", "two")
+    assert load_api_keys("k", environ={"JAXSTREAM_API_KEY": "env"}) == ("k",)
+    assert load_api_keys(environ={"JAXSTREAM_API_KEY": "env"}) == ("env",)
+    assert load_api_keys(environ={}) == ()
+    with pytest.raises(UserError, match="cannot read"):
+        load_api_keys(key_file=str(tmp_path / "missing"))
+
+
+def test_pcm16_base64_decoding_is_strict():
+    pcm = np.array([0.0, 0.5, -0.5, -1.0], np.float32)
+    encoded = encode_pcm16_base64(pcm)
+    np.testing.assert_array_equal(decode_pcm16_base64(encoded, max_samples=4), pcm)
+    wrapped = base64.encodebytes(base64.b64decode(encoded)).decode()  # MIME line breaks are fine
+    np.testing.assert_array_equal(decode_pcm16_base64(wrapped, max_samples=4), pcm)
+    for bad, reason in (("", "empty"), ("AAA", "base64"), ("AAAA*AAAA", "base64"), ("AAAA", "even"),
+                        ("-_AA", "base64"), (encoded, "longer than 3")):
+        with pytest.raises(AudioDecodeError, match=reason):
+            decode_pcm16_base64(bad, max_samples=3)
+    assert decode_pcm16_base64("AAAA*AAAA", max_samples=4, strict=False).size == 3  # vLLM's lax decoding
+    with pytest.raises(AudioDecodeError, match="longer than"):  # refused before decoding anything
+        decode_pcm16_base64("A" * 4_000_000, max_samples=1000)
+
+
+def test_limits_are_checked():
+    with pytest.raises(ValueError, match="max_message_bytes"):
+        Limits(max_append_seconds=600)
+    with pytest.raises(ValueError, match="positive"):
+        Limits(max_connections=0)
+    with pytest.raises(ValueError, match="compat"):
+        ServerConfig(compat="openai")
+

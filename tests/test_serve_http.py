@@ -1,0 +1,338 @@
+"""The HTTP routes of `jaxstream serve`, driven over loopback by real clients: OpenAI's
+`/v1/audio/transcriptions` with the official `openai` SDK and `curl -N`, the SSE conventions of
+specs/realtime_protocols.md §8 (sse.py), and the Mode B streaming-input sessions of §7.2 with aiohttp."""
+import asyncio
+import io
+import json
+import subprocess
+
+import aiohttp
+import numpy as np
+import openai
+import pytest
+import soundfile
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from jaxstream.serving import sse
+from jaxstream.serving.audio_codecs import encode_pcm16_base64
+from jaxstream.serving.config import ServerConfig
+from jaxstream.serving.http_sessions import STREAMING_INPUT
+from jaxstream.serving.testing import ServerThread, sample_audio, shared_engine, wait_engine_baseline
+
+pytestmark = pytest.mark.slow
+
+SESSIONS = "/v1/streaming_input/sessions"
+CHUNK = 8000  # 0.5 s
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return shared_engine()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    server = ServerThread(engine)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def model(server):
+    return server.state.model_id
+
+
+@pytest.fixture(scope="module")
+def audio():
+    return sample_audio()
+
+
+@pytest.fixture(scope="module")
+def wav(audio):
+    buffer = io.BytesIO()
+    soundfile.write(buffer, audio, 16000, format="WAV", subtype="PCM_16")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def reference(engine, audio):
+    """engine.transcribe of the sample as the server receives it (PCM16, as in the wav and the chunks)."""
+    pcm16 = np.round(np.clip(audio, -1, 1 - 2 ** -15) * 32768).astype(np.int16).astype(np.float32) / 32768
+    return asyncio.run(engine.transcribe(pcm16))
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(autouse=True)
+async def engine_returns_to_baseline(engine):
+    yield
+    await wait_engine_baseline(engine)
+
+
+# -- /v1/audio/transcriptions with the openai SDK ----------------------------------------------------------
+def test_sdk_json_and_text(client, model, wav, reference):
+    result = client.audio.transcriptions.create(model=model, file=("sample.wav", wav))
+    assert result.text == reference.text and result.text
+    text = client.audio.transcriptions.create(model=model, file=("sample.wav", wav), response_format="text")
+    assert text.strip() == reference.text
+
+
+def test_sdk_verbose_json_with_words_and_subtitles(client, model, wav, reference):
+    result = client.audio.transcriptions.create(model=model, file=("sample.wav", wav),
+                                                response_format="verbose_json",
+                                                timestamp_granularities=["word", "segment"])
+    assert result.text == reference.text and result.duration == pytest.approx(reference.usage.audio_seconds)
+    assert [w.word for w in result.words] == [w.word for w in reference.words]
+    assert all(0 <= w.start <= w.end <= result.duration for w in result.words)
+    assert " ".join(s.text for s in result.segments) == " ".join(w.word for w in reference.words)
+    srt = client.audio.transcriptions.create(model=model, file=("sample.wav", wav), response_format="srt")
+    assert srt.startswith("1\n00:00:0") and " --> " in srt and "," in srt.splitlines()[1]
+    vtt = client.audio.transcriptions.create(model=model, file=("sample.wav", wav), response_format="vtt")
+    assert vtt.startswith("WEBVTT\n\n00:00:0") and "." in vtt.splitlines()[2]
+
+
+def test_sdk_stream(client, model, wav, reference):
+    events = list(client.audio.transcriptions.create(model=model, file=("sample.wav", wav), stream=True))
+    assert [e.type for e in events[:-1]] == ["transcript.text.delta"] * (len(events) - 1)
+    done = events[-1]
+    assert done.type == "transcript.text.done" and done.text == reference.text
+    assert "".join(e.delta for e in events[:-1]) == reference.text
+    assert done.usage.output_tokens == reference.usage.output_tokens
+
+
+@pytest.mark.parametrize("kwargs, error, code", [
+    ({"model": "no-such-model"}, openai.NotFoundError, "model_not_found"),
+    ({"response_format": "xml"}, openai.BadRequestError, "invalid_request"),
+    ({"response_format": "srt", "stream": True}, openai.BadRequestError, "invalid_request"),
+    ({"file": ("noise.wav", b"RIFF not really audio")}, openai.BadRequestError, "invalid_audio"),
+])
+def test_sdk_errors_in_openai_shape(client, model, wav, kwargs, error, code):
+    kwargs = {"model": model, "file": ("sample.wav", wav), **kwargs}
+    with pytest.raises(error) as raised:
+        client.audio.transcriptions.create(**kwargs)
+    assert raised.value.body["code"] == code and raised.value.body["message"]
+
+
+def test_api_key_is_required(engine, wav):
+    server = ServerThread(engine, ServerConfig(api_keys=("secret",)))
+    try:
+        base = server.url("/v1", "http")
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).audio.transcriptions.create(
+                model=server.state.model_id, file=("sample.wav", wav))
+        good = openai.OpenAI(base_url=base, api_key="secret", max_retries=0)
+        assert good.audio.transcriptions.create(model=server.state.model_id, file=("sample.wav", wav)).text
+    finally:
+        server.close()
+
+
+def test_curl_stream_headers_ids_and_done(server, model, wav, tmp_path, reference):
+    path = tmp_path / "sample.wav"
+    path.write_bytes(wav)
+    out = subprocess.run(["curl", "-sS", "-N", "-i", server.url("/v1/audio/transcriptions", "http"),
+                          "-F", f"file=@{path}", "-F", f"model={model}", "-F", "stream=true"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    head, _, body = out.replace("\r\n", "\n").partition("\n\n")
+    headers = {line.split(":", 1)[0].lower(): line.split(":", 1)[1].strip() for line in head.splitlines()[1:]}
+    assert headers["content-type"].startswith("text/event-stream")
+    assert headers["cache-control"] == "no-cache" and headers["x-accel-buffering"] == "no"
+    assert "content-encoding" not in headers
+    events = parse_sse(body)
+    assert [i for i, _ in events] == list(range(1, len(events) + 1))  # an id on every event, in order
+    assert events[-1][1] == "[DONE]" and events[-2][1]["text"] == reference.text
+
+
+# -- SSE behaviour ------------------------------------------------------------------------------------------
+def parse_sse(text: str) -> list[tuple[int | None, object]]:
+    """(id, data) of each event; data parsed as JSON unless it is [DONE]. Comments are skipped."""
+    events = []
+    for block in text.split("\n\n"):
+        fields = [line.split(": ", 1) for line in block.splitlines() if line and not line.startswith(":")]
+        if not fields:
+            continue
+        found = dict(fields)
+        data = found["data"]
+        events.append((int(found["id"]) if "id" in found else None, data if data == "[DONE]" else json.loads(data)))
+    return events
+
+
+async def read_sse(response, count: int | None = None) -> tuple[list, str]:
+    """Reads events (all of them, or the first `count`) from an aiohttp response; also the raw text."""
+    raw, events = "", []
+    async for line in response.content:
+        raw += line.decode()
+        if raw.endswith("\n\n"):
+            events = parse_sse(raw)
+            if count is not None and len(events) >= count:
+                break
+    return parse_sse(raw), raw
+
+
+async def test_stream_log_keepalive_first_event_timeout_and_replay_gap():
+    log = sse.EventLog(capacity=2)
+
+    async def handler(request):
+        timeout = float(request.query.get("timeout", "0")) or None
+        response, _ = await sse.stream_log(request, log, after=sse.last_event_id(request), keepalive_s=0.1,
+                                           first_event_timeout_s=timeout)
+        return response
+
+    app = web.Application()
+    app.router.add_get("/", handler)
+    test_server = TestServer(app, host="127.0.0.1")
+    await test_server.start_server()
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(test_server.make_url("/?timeout=0.4")) as response:
+                events, raw = await read_sse(response)
+            assert ": keepalive\n\n" in raw
+            assert events[0][1]["error"]["code"] == "first_token_timeout" and events[-1][1] == "[DONE]"
+            for n in range(3):
+                log.append({"n": n})
+            log.close()  # ids 1..4; the buffer keeps 3 and 4
+            async with http.get(test_server.make_url("/"), headers={"Last-Event-ID": "2"}) as response:
+                assert (await read_sse(response))[0] == [(3, {"n": 2}), (4, "[DONE]")]
+            async with http.get(test_server.make_url("/"), headers={"Last-Event-ID": "1"}) as response:
+                events, _ = await read_sse(response)
+            assert events[0][0] == 1 and events[0][1]["error"]["code"] == "replay_unavailable"
+    finally:
+        await test_server.close()
+
+
+async def test_client_disconnect_aborts_the_engine_session(server, model, audio):
+    long = np.tile(audio, 8)  # 28 s: still transcribing when the client leaves after its first event
+    buffer = io.BytesIO()
+    soundfile.write(buffer, long, 16000, format="WAV")
+    aborted = server.state.metrics.utterances.labels(outcome="aborted")
+    before = aborted._value.get()
+    form = aiohttp.FormData()
+    form.add_field("file", buffer.getvalue(), filename="long.wav")
+    form.add_field("model", model)
+    form.add_field("stream", "true")
+    async with aiohttp.ClientSession() as http:
+        async with http.post(server.url("/v1/audio/transcriptions", "http"), data=form) as response:
+            assert response.status == 200
+            events, _ = await read_sse(response, count=1)
+            assert events[0][1]["type"] == "transcript.text.delta"
+            response.close()  # drops the connection (leaving the context would read the stream to its end)
+    await wait_engine_baseline(server.state.engine, timeout=10)
+    assert aborted._value.get() == before + 1
+
+
+# -- Mode B streaming-input sessions ------------------------------------------------------------------------
+def chunks_of(pcm: np.ndarray) -> list[dict]:
+    pieces = [pcm[i:i + CHUNK] for i in range(0, pcm.size, CHUNK)]
+    return [{"sequence_id": n, "modality": "audio", "payload": encode_pcm16_base64(piece),
+             "end_of_input": n == len(pieces) - 1} for n, piece in enumerate(pieces)]
+
+
+async def call(http, server, method, path, **kwargs):
+    async with http.request(method, server.url(path, "http"), **kwargs) as response:
+        return response.status, await response.json()
+
+
+async def test_out_of_order_and_duplicate_chunks_give_engine_transcribe_result(server, model, audio, reference):
+    chunks = chunks_of(audio)
+    order = [1, 0, 3, 3, 2] + list(range(4, len(chunks)))  # 1 and 3 wait for a gap; 3 twice
+    async with aiohttp.ClientSession() as http:
+        status, created = await call(http, server, "POST", SESSIONS, json={"model": model, "modality": "audio"})
+        assert status == 201 and created["expires_in"] > 0
+        base = f"{SESSIONS}/{created['session_id']}"
+        answers = [await call(http, server, "POST", base + "/chunks", json=chunks[n]) for n in order]
+        assert answers[0] == (202, {**answers[0][1], "started": False, "held": [1]})
+        assert answers[1][1]["started"] and answers[1][1]["next_sequence_id"] == 2
+        assert answers[3][0] == 200 and answers[3][1]["duplicate"]
+        assert answers[4][1]["next_sequence_id"] == 4
+        status, result = await call(http, server, "GET", base + "/result")
+        assert status == 200 and result["text"] == reference.text
+        assert [w["word"] for w in result["words"]] == [w.word for w in reference.words]
+        again = await call(http, server, "POST", base + "/finish")
+        assert again[0] == 200 and again[1]["state"] == "finished"  # finish after end_of_input: no effect
+        late = await call(http, server, "POST", base + "/chunks", json={**chunks[0], "sequence_id": 99})
+        assert late[0] == 409 and late[1]["error"]["code"] == "input_finished"
+
+
+async def test_resumed_event_stream_yields_every_event_once(server, model, audio, reference):
+    async with aiohttp.ClientSession() as http:
+        _, created = await call(http, server, "POST", SESSIONS, json={"model": model, "stream": True,
+                                                                      "chunk": chunks_of(audio)[0]})
+        base = server.url(f"{SESSIONS}/{created['session_id']}", "http")
+        async with http.get(base + "/events") as response:
+            assert response.headers["Cache-Control"] == "no-cache"
+            for chunk in chunks_of(audio)[1:]:
+                assert (await call(http, server, "POST", f"{SESSIONS}/{created['session_id']}/chunks",
+                                   json=chunk))[0] == 202
+            first, _ = await read_sse(response, count=2)
+            response.close()  # the stream drops
+        first = first[:2]
+        async with http.get(base + "/events", headers={"Last-Event-ID": str(first[-1][0])}) as response:
+            rest, _ = await read_sse(response)
+    events = first + rest
+    assert [i for i, _ in events] == list(range(1, len(events) + 1))
+    assert events[-1][1] == "[DONE]" and events[-2][1]["text"] == reference.text
+    assert "".join(data["delta"] for _, data in events[:-2]) == reference.text
+
+
+async def test_payload_cap_closes_the_session_and_frees_the_engine(server, engine, model, audio, monkeypatch):
+    monkeypatch.setattr(server.app[STREAMING_INPUT], "max_payload_bytes", 3 * 2 * CHUNK)
+    chunks = chunks_of(audio)
+    async with aiohttp.ClientSession() as http:
+        _, created = await call(http, server, "POST", SESSIONS, json={"model": model})
+        base = f"{SESSIONS}/{created['session_id']}"
+        statuses = [(await call(http, server, "POST", base + "/chunks", json=chunk))[0] for chunk in chunks[:3]]
+        assert statuses == [202, 202, 202] and engine.metrics().sessions == 1
+        status, body = await call(http, server, "POST", base + "/chunks", json=chunks[3])
+        assert status == 413 and body["error"]["code"] == "payload_too_large"
+        await wait_engine_baseline(engine)
+        assert (await call(http, server, "POST", base + "/chunks", json=chunks[4]))[0] == 410
+        assert (await call(http, server, "GET", base + "/result"))[0] == 410
+
+
+async def test_session_errors_and_idle_timeout(server, model, audio, monkeypatch):
+    chunk = chunks_of(audio)[0]
+    async with aiohttp.ClientSession() as http:
+        assert (await call(http, server, "POST", SESSIONS + "/nope/chunks", json=chunk))[0] == 404
+        assert (await call(http, server, "POST", SESSIONS, json={"model": "other"}))[0] == 404
+        for body in ({"start_policy": "on_end_only"}, {"modality": "video"}, {"stream": "yes"}):
+            assert (await call(http, server, "POST", SESSIONS, json=body))[0] == 422
+        _, created = await call(http, server, "POST", SESSIONS, json={"model": model})
+        base = f"{SESSIONS}/{created['session_id']}"
+        for bad in ({"sequence_id": -1, "payload": chunk["payload"]}, {"sequence_id": 0, "payload": "%%"},
+                    {"sequence_id": 0, "payload": chunk["payload"], "modality": "text"}):
+            assert (await call(http, server, "POST", base + "/chunks", json=bad))[0] == 422
+        assert (await call(http, server, "POST", base + "/chunks", json=chunk))[0] == 202
+        conflict = await call(http, server, "POST", base + "/chunks", json={**chunk, "end_of_input": True})
+        assert conflict[0] == 409 and conflict[1]["error"]["code"] == "sequence_conflict"
+        assert (await call(http, server, "GET", base + "/result"))[0] == 409
+        assert (await call(http, server, "GET", base + "/events"))[0] == 409  # created without stream
+        monkeypatch.setattr(server.app[STREAMING_INPUT], "session_timeout_s", 0.3)
+        await asyncio.sleep(1.2)
+        status, body = await call(http, server, "POST", base + "/chunks", json={**chunk, "sequence_id": 1})
+        assert status == 410 and body["error"]["code"] == "session_expired"
+
+
+async def test_finish_without_audio_and_abandoned_stream(server, engine, model, audio, monkeypatch):
+    async with aiohttp.ClientSession() as http:
+        _, created = await call(http, server, "POST", SESSIONS, json={"model": model})
+        base = f"{SESSIONS}/{created['session_id']}"
+        status, body = await call(http, server, "POST", base + "/finish")
+        assert status == 422 and body["error"]["code"] == "no_audio"
+        monkeypatch.setattr(server.app[STREAMING_INPUT], "resume_grace_s", 0.3)
+        monkeypatch.setattr(server.app[STREAMING_INPUT], "keepalive_s", 0.1)
+        _, created = await call(http, server, "POST", SESSIONS, json={"model": model, "stream": True,
+                                                                      "chunk": chunks_of(audio)[0]})
+        base = f"{SESSIONS}/{created['session_id']}"
+        async with http.get(server.url(base + "/events", "http")) as response:
+            await response.content.readany()
+            response.close()  # and nobody comes back: the session and its engine session go
+        for _ in range(100):
+            status, body = await call(http, server, "GET", base + "/result")  # 409 while the input is open
+            if status == 410:
+                break
+            await asyncio.sleep(0.1)
+        assert status == 410 and "not resumed" in body["error"]["message"]
+        await wait_engine_baseline(engine)

@@ -1,0 +1,389 @@
+"""The server under load and abuse, over loopback with real `websockets` clients: 32 concurrent streams get
+exactly their own transcripts, disconnects at every protocol point free the engine, a real-time client's
+first delta arrives within delay + 300 ms, silence gaps, engine capacity, backpressure, slow readers, and
+the graceful drain."""
+import asyncio
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+import websockets
+
+from jaxstream.engine.transcription_session import TranscriptionDelta
+from jaxstream.models.audio import SAMPLES_PER_SLOT, SAMPLING_RATE
+from jaxstream.serving.app import drain
+from jaxstream.serving.config import ServerConfig
+from jaxstream.serving.limits import Limits
+from jaxstream.serving.testing import (
+    RealtimeClient, ServerThread, sample_audio, shared_engine, stream_utterance,
+    wait_engine_baseline,
+)
+from jaxstream.serving.websocket import Connection, ConnectionClosed
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return shared_engine()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    server = ServerThread(engine, ServerConfig(limits=Limits(max_connections=64)))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def model(server):
+    return server.state.model_id
+
+
+@pytest.fixture(scope="module")
+def audio():
+    return sample_audio()
+
+
+@pytest.fixture(scope="module")
+def full_text(engine, audio):
+    """engine.transcribe's text for the whole sample."""
+    async def run():
+        return (await engine.transcribe(audio)).text
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(autouse=True)
+async def engine_returns_to_baseline(engine):
+    yield
+    await wait_engine_baseline(engine)
+    assert engine.healthy
+
+
+async def connected(server, model):
+    client = await RealtimeClient.connect(server.url())
+    await client.update(model)
+    assert (await client.event())["type"] == "session.updated"
+    return client
+
+
+def stream_audios(audio, count):
+    """`count` different recordings cut and joined from the sample (1.5 to 5 s each)."""
+    rng = np.random.default_rng(0)
+    audios = []
+    for i in range(count):
+        start = int(rng.integers(0, 16000))
+        piece = audio[start:start + int(rng.integers(24000, audio.size - start + 1))]
+        audios.append(np.concatenate([piece, audio[: 8000 * (i % 3)]]) if i % 2 else piece)
+    return audios
+
+
+async def test_32_concurrent_streams_each_get_exactly_their_own_transcript(server, model, engine, audio):
+    audios = stream_audios(audio, 32)
+    expected = [done.text for done in await asyncio.gather(*(engine.transcribe(pcm) for pcm in audios))]
+    assert len(set(expected)) > 8  # the streams really differ
+
+    async def one(pcm):
+        client = await connected(server, model)
+        try:
+            return await stream_utterance(client, pcm, chunk=2 * SAMPLES_PER_SLOT, realtime=True)
+        finally:
+            await client.close()
+
+    results = await asyncio.gather(*(one(pcm) for pcm in audios))
+    for result, text in zip(results, expected):
+        assert result["done"]["text"] == text
+        assert "".join(delta for delta, _ in result["deltas"]) == text
+
+
+# -- disconnects at every protocol point leave the engine at baseline --------------------------------------
+async def _cut(client, how):
+    if how == "close":
+        await client.close()
+    else:  # abnormal: the TCP connection vanishes without a closing handshake (vLLM #34532)
+        client.ws.transport.abort()
+
+
+@pytest.mark.parametrize("how", ["close", "abort"])
+@pytest.mark.parametrize("point", ["before_update", "after_commit", "mid_append", "after_final", "before_done"])
+async def test_disconnect_frees_the_engine(server, model, engine, audio, point, how):
+    client = await RealtimeClient.connect(server.url())
+    if point != "before_update":
+        await client.update(model)
+        await client.until("session.updated")
+        await client.commit()
+    if point in ("mid_append", "after_final", "before_done"):
+        for begin in range(0, 24000, 4000):
+            await client.append(audio[begin:begin + 4000])
+    if point == "mid_append":  # a large frame still in flight when the connection goes
+        await client.send({"type": "input_audio_buffer.append", "audio": "AAAA" * 200_000})
+    if point in ("after_final", "before_done"):
+        await client.commit(final=True)
+    if point == "before_done":
+        assert (await client.event())["type"] == "transcription.delta"
+    if point in ("after_commit", "mid_append"):
+        await asyncio.sleep(0.2)  # let the engine take the session (parked waiting for audio, or running)
+    await _cut(client, how)
+    seconds = await wait_engine_baseline(engine, timeout=5)
+    assert seconds < 1.5, f"the engine released the session {seconds:.2f} s after the disconnect"
+    for _ in range(200):
+        if not server.state.connections:
+            break
+        await asyncio.sleep(0.01)
+    assert not server.state.connections and engine.healthy
+
+
+async def test_the_engine_serves_after_the_disconnects(server, model, audio, full_text):
+    client = await connected(server, model)
+    result = await stream_utterance(client, audio)
+    assert result["done"]["text"] == full_text
+    await client.close()
+
+
+# -- latency and timing ---------------------------------------------------------------------------------------
+async def test_realtime_client_gets_its_first_delta_within_delay_plus_300_ms(server, model, engine, audio):
+    """80 ms chunks, each sent when its last sample would have been spoken. Latency of the first delta =
+    its arrival - the moment the audio it describes had been sent (the delta's `audio_seconds`, from an
+    offline run of the same audio); the model itself adds `delay` to that."""
+    session = await engine.start_transcription()
+    await session.append(audio)
+    await session.finish()
+    events = [event async for event in session]
+    first = next(e for e in events if isinstance(e, TranscriptionDelta))
+    client = await connected(server, model)
+    result = await stream_utterance(client, audio, chunk=SAMPLES_PER_SLOT, realtime=True)
+    await client.close()
+    text, arrival = result["deltas"][0]
+    assert text == first.text
+    delay = engine.default_delay_ms / 1000
+    latency = arrival - first.audio_seconds
+    assert latency <= delay + 0.3, f"first delta {latency * 1000:.0f} ms after its audio (delay {delay * 1000:.0f})"
+    assert result["final_to_done"] <= delay + 1.0  # conformance 44 (vLLM #33962)
+
+
+async def test_silence_gap_mid_utterance_then_transcription_resumes(server, model, audio, full_text):
+    """vLLM #35863: a session idle longer than the engine's wait loop went silent for good."""
+    client = await connected(server, model)
+    await client.commit()
+    await client.append(audio[:20000])
+    await asyncio.sleep(1.0)  # 20 times the engine thread's idle wait
+    await client.append(audio[20000:])
+    await client.commit(final=True)
+    events = await client.until("transcription.done", timeout=30)
+    assert events[-1]["text"] == full_text
+    assert len(events) > 2
+    await client.close()
+
+
+async def test_engine_capacity_is_an_error_and_a_retry_works(server, model, engine, audio):
+    clients = [await connected(server, model) for _ in range(engine.config.max_sessions + 1)]
+    for client in clients:
+        await client.commit()
+    extra = clients[-1]
+    event = await extra.event()
+    assert event["type"] == "error" and event["code"] == "capacity"
+    await clients[0].close()
+    await wait_for(lambda: engine.metrics().sessions < engine.config.max_sessions)
+    result = await stream_utterance(extra, audio[:20000])
+    assert result["done"]["text"]
+    for client in clients[1:]:
+        await client.close()
+
+
+async def wait_for(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+# -- bounded memory -------------------------------------------------------------------------------------------
+async def test_a_fast_writer_meets_backpressure_and_loses_nothing(server, model, engine, audio):
+    """7 s of audio in 1 s appends, as fast as the socket takes them: the engine queues at most 5 s
+    (TEST_ENGINE_CONFIG), the server stops reading meanwhile, and the transcript is the offline one."""
+    long = np.concatenate([audio] * 2)
+    client = await connected(server, model)
+    result = await stream_utterance(client, long, chunk=SAMPLING_RATE)
+    assert result["done"]["text"] == (await engine.transcribe(long)).text
+    await client.close()
+
+
+class _StuckSocket:
+    """A WebSocket whose peer never reads: every send waits forever."""
+
+    close_code = None
+
+    async def send_str(self, _):
+        await asyncio.Event().wait()
+
+
+class _Server:
+    def __init__(self, limits):
+        from jaxstream.serving.metrics import ServerMetrics
+
+        self.config = ServerConfig(limits=limits)
+        self.metrics = ServerMetrics()
+
+
+class _Request:
+    remote = "127.0.0.1"
+
+
+async def test_a_client_that_stops_reading_is_closed_not_buffered():
+    conn = Connection(_StuckSocket(), _Request(), "/v1/realtime", _Server(Limits(send_timeout_s=0.2)))
+    started = time.monotonic()
+    with pytest.raises(ConnectionClosed):
+        await conn.send({"type": "transcription.delta", "delta": "x"})
+    assert time.monotonic() - started < 2 and conn.breach.outcome == "slow_reader" and conn.breach.close_code == 1008
+    with pytest.raises(ConnectionClosed):  # nothing more is queued for it
+        await conn.send({"type": "transcription.delta", "delta": "y"})
+
+
+# -- drain ----------------------------------------------------------------------------------------------------
+def start_drain(server, timeout):
+    return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(drain(server.app, timeout), server.loop))
+
+
+async def closed_code(client, timeout=10):
+    with pytest.raises(websockets.ConnectionClosed) as closed:
+        while True:
+            await client.event(timeout)
+    return closed.value.rcvd.code, closed.value.rcvd.reason
+
+
+async def test_drain_closes_idle_sockets_refuses_new_ones_and_lets_utterances_finish(engine, audio, full_text):
+    server = ServerThread(engine)
+    try:
+        model = server.state.model_id
+        idle = await connected(server, model)
+        busy = await connected(server, model)
+        await busy.commit()
+        await busy.append(audio[:20000])
+        await wait_for(lambda: sum(conn.protocol.busy() for conn in list(server.state.connections)) == 1)
+        draining = start_drain(server, 8.0)
+        assert await closed_code(idle) == (1001, "server shutting down")
+        async with aiohttp.ClientSession() as http, http.get(server.url("/health", "http")) as response:
+            assert response.status == 503 and (await response.json())["status"] == "draining"
+        late = await RealtimeClient.connect(server.url())
+        assert late.created["code"] == "draining" and (await closed_code(late))[0] == 1001
+        await busy.append(audio[20000:])  # the running utterance goes on
+        await busy.commit(final=True)
+        events = await busy.until("transcription.done")
+        assert events[-1]["text"] == full_text
+        assert await closed_code(busy) == (1001, "server shutting down")
+        assert await draining is True
+    finally:
+        server.close()
+
+
+async def test_drain_deadline_finishes_running_utterances_itself(engine, audio, full_text):
+    server = ServerThread(engine)
+    try:
+        client = await connected(server, server.state.model_id)
+        await client.commit()
+        await client.append(audio)  # ... and never sends final
+        await wait_for(lambda: any(conn.protocol.busy() for conn in list(server.state.connections)))
+        started = time.monotonic()
+        draining = start_drain(server, 3.0)
+        done = (await client.until("transcription.done"))[-1]
+        assert done["text"] == full_text
+        assert (await closed_code(client))[0] == 1001
+        assert await draining is True and time.monotonic() - started < 4.0
+    finally:
+        server.close()
+
+
+async def test_drain_deadline_cuts_off_what_is_still_running(engine, audio):
+    server = ServerThread(engine)
+    try:
+        client = await connected(server, server.state.model_id)
+        await client.commit()
+        await client.append(audio[:8000])
+        await wait_for(lambda: any(conn.protocol.busy() for conn in list(server.state.connections)))
+        assert await start_drain(server, 0.0) is False  # no time at all: the utterance is cut off
+        event = await client.event(10)
+        assert event["type"] == "error" and event["code"] == "server_shutdown"
+        assert (await closed_code(client))[0] == 1001
+    finally:
+        server.close()
+
+
+# -- an engine that dies --------------------------------------------------------------------------------------
+class _DyingEngine:
+    """The engine contract's surface, with a `die()` that fails every stream as a dead engine thread does."""
+
+    kind = "realtime"
+    model_name = "dying"
+    default_delay_ms = 480
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(max_sessions=4)
+        self.healthy = True
+        self.streams: list[asyncio.Queue] = []
+
+    def metrics(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(sessions=0, waiting=0, running=0, parked=0, evicted=0, max_sessions=4,
+                               pages_used={}, pages_total={}, ticks=0, recent_tick_seconds=())
+
+    async def start_transcription(self, delay_ms=None):
+        from jaxstream.errors import EngineDeadError
+
+        if not self.healthy:
+            raise EngineDeadError("the engine thread died")
+        engine, events = self, asyncio.Queue()
+        self.streams.append(events)
+
+        class Session:
+            async def append(self, pcm):
+                if not engine.healthy:
+                    raise EngineDeadError("the engine thread died")
+
+            async def finish(self):
+                pass
+
+            async def abort(self, reason="aborted"):
+                events.put_nowait(None)
+
+            def __aiter__(self):
+                return self
+
+            async def __anext__(self):
+                event = await events.get()
+                raise StopAsyncIteration if event is None else event
+
+        return Session()
+
+    async def die(self):
+        from jaxstream.errors import EngineDeadError
+
+        self.healthy = False
+        for events in self.streams:
+            events.put_nowait(EngineDeadError("the engine thread died"))
+
+
+async def test_a_dead_engine_fails_its_streams_and_health_but_the_server_answers(audio):
+    engine = _DyingEngine()
+    server = ServerThread(engine)
+    try:
+        client = await connected(server, "dying")
+        await client.commit()
+        await client.append(audio[:4000])
+        await wait_for(lambda: engine.streams)
+        server.call(engine.die())
+        event = await client.event()
+        assert event["type"] == "error" and event["code"] == "engine_dead"
+        await client.commit()  # the socket still answers; a new utterance is refused with the same code
+        assert (await client.event())["code"] == "engine_dead"
+        async with aiohttp.ClientSession() as http, http.get(server.url("/health", "http")) as response:
+            assert response.status == 503 and (await response.json())["status"] == "engine_dead"
+        late = await RealtimeClient.connect(server.url())
+        assert late.created["code"] == "engine_dead" and (await closed_code(late))[0] == 1011
+        await client.close()
+    finally:
+        server.close()
