@@ -93,8 +93,6 @@ class StreamingInputSessions:
     resume_grace_s = 30.0  # a dropped event stream is kept this long for a Last-Event-ID resume
     max_payload_bytes = 256 << 20  # PCM per session: about 2 h 20 min of 16 kHz audio
     max_held_chunks = 256  # out-of-order chunks waiting for a gap
-    # A peer that half-closes leaves the transport open; the next keepalive write is what notices it.
-    keepalive_s = sse.KEEPALIVE_S
 
     def __init__(self, state):
         self.server = state
@@ -374,13 +372,13 @@ async def _events(request: web.Request, registry: StreamingInputSessions) -> web
     except ValueError as exc:
         raise RequestError(422, "invalid_last_event_id", str(exc)) from None
     session.listeners += 1
+    complete = False
     try:
         # No first-event timeout: the client paces the input, so a quiet stream is not a stuck engine.
-        response, complete = await sse.stream_log(request, session.log, after=after,
-                                                  keepalive_s=registry.keepalive_s, first_event_timeout_s=None)
-    finally:
+        response, complete = await sse.stream_log(request, session.log, after=after, first_event_timeout_s=None)
+    finally:  # also when aiohttp cancels the handler because the client went away
         session.listeners -= 1
-    session.detached_at = None if complete else time.monotonic()
+        session.detached_at = None if complete else time.monotonic()
     return response
 
 

@@ -40,7 +40,7 @@ from jaxstream.errors import EngineError
 from jaxstream.models.audio import SLOT_SECONDS
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_g711_base64, decode_pcm16_base64
 from jaxstream.serving.vad import SEMANTIC_SILENCE_MS, SpeechDetector, VadConfig
-from jaxstream.serving.websocket import ConnectionClosed
+from jaxstream.serving.websocket import ConnectionClosed, start_session
 
 logger = logging.getLogger(__name__)
 
@@ -398,7 +398,7 @@ class OpenAiRealtime:
         if self.server.draining:
             raise ClientError("draining", "The server is shutting down and starts no new transcription")
         delay = self.transcription["delay"]
-        session = await _start_session(self.server.engine, DELAY_MS[delay] if delay else None, self.rate)
+        session = await start_session(self.server.engine, DELAY_MS[delay] if delay else None, self.rate)
         item = _Item(item_id or _item_id(), self.last_item_id, session)
         self.last_item_id = item.id
         self.open = item
@@ -549,19 +549,3 @@ def _shown(value, limit: int = 64) -> str:
     """A client's value echoed in an error message, cut short (a frame may hold megabytes)."""
     text = str(value)
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-async def _start_session(engine, delay_ms, sample_rate):
-    """`engine.start_transcription`, safe against cancellation: a session the engine creates after the
-    connection was torn down is aborted, never left holding engine capacity."""
-    task = asyncio.ensure_future(engine.start_transcription(delay_ms, sample_rate=sample_rate))
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        task.add_done_callback(_abort_orphan)
-        raise
-
-
-def _abort_orphan(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is None:
-        asyncio.ensure_future(task.result().abort(reason="client_disconnected"))

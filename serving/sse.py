@@ -23,7 +23,9 @@ logger = logging.getLogger(__name__)
 DONE = "[DONE]"
 KEEPALIVE_S = 10.0
 FIRST_EVENT_TIMEOUT_S = 15.0
-_DISCONNECT_POLL_S = 0.25  # aiohttp does not cancel handlers on disconnect: the transport is polled
+# aiohttp cancels a handler whose connection is lost; the transport is also polled, so a stream that only
+# waits ends on a closing transport too, and a failed write ends it at once.
+_DISCONNECT_POLL_S = 0.25
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive",
                "X-Accel-Buffering": "no"}
 

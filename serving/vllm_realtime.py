@@ -38,7 +38,7 @@ from jaxstream.errors import EngineError
 from jaxstream.models.audio import SAMPLING_RATE  # the protocol's audio rate, never negotiated
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_pcm16_base64
 from jaxstream.serving.limits import CLOSE_UNSUPPORTED_DATA, Breach
-from jaxstream.serving.websocket import ConnectionClosed
+from jaxstream.serving.websocket import ConnectionClosed, start_session
 
 logger = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ class VllmRealtime:
     async def _start(self) -> None:
         if self.server.draining:
             raise ProtocolError("draining", "The server is shutting down and starts no new transcription")
-        session = await _start_session(self.server.engine, self.delay_ms)
+        session = await start_session(self.server.engine, self.delay_ms)
         utterance = _Utterance(session)
         self.utterance = utterance
         self.conn.utterances += 1
@@ -375,19 +375,3 @@ def _shown(value, limit: int = 64) -> str:
     """A client's value echoed in an error message, cut short (a frame may hold megabytes)."""
     text = str(value)
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-async def _start_session(engine, delay_ms):
-    """`engine.start_transcription`, safe against cancellation: a session the engine creates after the
-    connection was torn down is aborted, never left holding engine capacity."""
-    task = asyncio.ensure_future(engine.start_transcription(delay_ms))
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        task.add_done_callback(_abort_orphan)
-        raise
-
-
-def _abort_orphan(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is None:
-        asyncio.ensure_future(task.result().abort(reason="client_disconnected"))

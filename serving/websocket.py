@@ -194,3 +194,19 @@ def _log_connection(conn: Connection, duration: float, outcome: str) -> None:
               "outcome": outcome, "close_code": conn.ws.close_code}
     logger.info("ws_connection %s", " ".join(f"{k}={v}" for k, v in fields.items()),
                 extra={"connection": fields})
+
+
+async def start_session(engine, delay_ms, sample_rate: int = 16000):
+    """`engine.start_transcription`, safe against cancellation: a session the engine creates after the
+    connection was torn down is aborted, never left holding engine capacity."""
+    task = asyncio.ensure_future(engine.start_transcription(delay_ms, sample_rate=sample_rate))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_abort_orphan)
+        raise
+
+
+def _abort_orphan(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is None:
+        asyncio.ensure_future(task.result().abort(reason="client_disconnected"))

@@ -45,8 +45,7 @@ def test_version_and_a_top_level_help_for_users(capsys):
     assert "dispatcher" not in help_text and "module" not in help_text  # what it does, not how it is built
 
 
-# `serve` is being built by the serving work (jaxstream/commands/serve.py); its options are checked there.
-CHECKED_COMMANDS = ("transcribe", "eval", "convert", "bench", "synth", "train")
+CHECKED_COMMANDS = ("transcribe", "eval", "convert", "bench", "synth", "train", "serve")
 
 
 @pytest.mark.parametrize("name", CHECKED_COMMANDS)

@@ -204,8 +204,9 @@ async def test_oversized_frames_close_with_1009_and_long_appends_are_refused(ser
     too_long = np.zeros(int(limits.max_append_seconds * 16000) + 2, np.float32)
     await client.append(too_long)
     await expect_error(client, "invalid_audio", "longer than")
-    await client.send("x" * (limits.max_message_bytes + 1))
     with pytest.raises(websockets.ConnectionClosed) as closed:
+        # The server may close while the frame is still being sent (seen on a loaded machine).
+        await client.send("x" * (limits.max_message_bytes + 1))
         await client.event()
     assert closed.value.rcvd.code == 1009
     client = await connected(server, model)  # the server goes on

@@ -32,7 +32,7 @@ def register(subparsers) -> None:
     parser.add_argument("--max-connections", type=int, default=None, metavar="N",
                         help="open WebSocket connections (default: twice --max-sessions)")
     parser.add_argument("--delay-ms", type=int, default=None, metavar="MS",
-                        help="default transcription delay, a multiple of 80 in 80..1200 or 2400 (default: the "
+                        help="transcription delay of sessions that do not choose one, a multiple of 80 in 80..1200 or 2400 (default: the "
                              "model's); clients may choose per session")
     parser.add_argument("--max-session-seconds", type=float, default=None, metavar="S",
                         help="close a connection this old (default 5400)")
@@ -58,8 +58,7 @@ def run(args) -> int:
     import asyncio
     import logging
 
-    from jaxstream.commands.transcribe import model_source
-    from jaxstream.models.audio import ALLOWED_DELAYS_MS
+    from jaxstream.commands.transcribe import checked_delay_ms, model_source
     from jaxstream.serving.auth import load_api_keys
     from jaxstream.serving.config import ServerConfig, load_server_file
     from jaxstream.serving.limits import Limits
@@ -74,9 +73,7 @@ def run(args) -> int:
               max_session_seconds=args.max_session_seconds, max_audio_seconds=args.max_audio_seconds)
     _override(engine, max_sessions=args.max_sessions, default_delay_ms=args.delay_ms)
     engine.setdefault("max_queued_audio_seconds", _SERVER_MAX_QUEUED_AUDIO_S)
-    delay = engine.get("default_delay_ms")
-    if delay is not None and delay not in ALLOWED_DELAYS_MS:
-        raise UserError(f"--delay-ms {delay}: the delay must be a multiple of 80 in 80..1200, or 2400")
+    checked_delay_ms(engine.get("default_delay_ms"))
     from jaxstream.engine.config import EngineConfig
 
     try:
