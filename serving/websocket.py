@@ -21,6 +21,8 @@ import uuid
 
 from aiohttp import WSMsgType, web
 
+from jaxstream.models.audio import SAMPLING_RATE
+
 from jaxstream.serving.limits import (
     CLOSE_INTERNAL_ERROR, CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, Breach, Clock, watch_deadlines,
 )
@@ -196,7 +198,7 @@ def _log_connection(conn: Connection, duration: float, outcome: str) -> None:
                 extra={"connection": fields})
 
 
-async def start_session(engine, delay_ms, sample_rate: int = 16000):
+async def start_session(engine, delay_ms, sample_rate: int = SAMPLING_RATE):
     """`engine.start_transcription`, safe against cancellation: a session the engine creates after the
     connection was torn down is aborted, never left holding engine capacity."""
     task = asyncio.ensure_future(engine.start_transcription(delay_ms, sample_rate=sample_rate))

@@ -2,7 +2,7 @@
 import numpy as np
 import soxr
 
-SAMPLING_RATE = 16000
+from jaxstream.models.audio import SAMPLING_RATE
 
 
 def change_speed(audio: np.ndarray, factor: float) -> np.ndarray:

@@ -15,9 +15,9 @@ import numpy as np
 import soundfile
 import soxr
 
+from jaxstream.models.audio import SAMPLING_RATE  # the corpus is written at the model's rate
 from jaxstream.synth import voices
 
-SAMPLING_RATE = 16000
 ACCENTS = ("en-us", "en-gb", "en-gb-scotland", "en-gb-x-rp", "en-gb-x-gbclan", "en-gb-x-gbcwmd", "en-029",
            "en-us-nyc")
 # Variants with a normal speaking voice (no whisper/robot/creak effects), male and female.

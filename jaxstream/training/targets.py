@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxstream.models import audio as front_end
 
-SLOT_SECONDS = front_end.SAMPLES_PER_SLOT / front_end.SAMPLING_RATE
+SLOT_SECONDS = front_end.SLOT_SECONDS
 
 
 @dataclasses.dataclass(frozen=True)
