@@ -18,34 +18,13 @@ from jaxstream.serving import sse
 from jaxstream.serving.audio_codecs import encode_pcm16_base64
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.http_sessions import STREAMING_INPUT
-from jaxstream.serving.testing import ServerThread, sample_audio, shared_engine, wait_engine_baseline
+from jaxstream.serving.testing import ServerThread, wait_engine_baseline
+from serve_fixtures import audio, engine, engine_returns_to_baseline, model, server  # noqa: F401 - pytest fixtures
 
 pytestmark = pytest.mark.slow
 
 SESSIONS = "/v1/streaming_input/sessions"
 CHUNK = 8000  # 0.5 s
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return shared_engine()
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    server = ServerThread(engine)
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="module")
-def model(server):
-    return server.state.model_id
-
-
-@pytest.fixture(scope="module")
-def audio():
-    return sample_audio()
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +44,6 @@ def reference(engine, audio):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(autouse=True)
-async def engine_returns_to_baseline(engine):
-    yield
-    await wait_engine_baseline(engine)
 
 
 # -- /v1/audio/transcriptions with the openai SDK ----------------------------------------------------------

@@ -15,18 +15,11 @@ from jaxstream.models.audio import SAMPLES_PER_SLOT, SAMPLING_RATE
 from jaxstream.serving.app import drain
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.limits import Limits
-from jaxstream.serving.testing import (
-    RealtimeClient, ServerThread, sample_audio, shared_engine, stream_utterance,
-    wait_engine_baseline,
-)
+from jaxstream.serving.testing import RealtimeClient, ServerThread, stream_utterance, wait_engine_baseline
 from jaxstream.serving.websocket import Connection, ConnectionClosed
+from serve_fixtures import audio, engine, engine_returns_to_baseline, model  # noqa: F401 - pytest fixtures
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return shared_engine()
 
 
 @pytest.fixture(scope="module")
@@ -37,29 +30,12 @@ def server(engine):
 
 
 @pytest.fixture(scope="module")
-def model(server):
-    return server.state.model_id
-
-
-@pytest.fixture(scope="module")
-def audio():
-    return sample_audio()
-
-
-@pytest.fixture(scope="module")
 def full_text(engine, audio):
     """engine.transcribe's text for the whole sample."""
     async def run():
         return (await engine.transcribe(audio)).text
 
     return asyncio.run(run())
-
-
-@pytest.fixture(autouse=True)
-async def engine_returns_to_baseline(engine):
-    yield
-    await wait_engine_baseline(engine)
-    assert engine.healthy
 
 
 async def connected(server, model):

@@ -16,28 +16,12 @@ from hypothesis import strategies as st
 from websockets.sync.client import connect as sync_connect
 
 from jaxstream.serving.audio_codecs import G711_TABLES, encode_pcm16_base64
-from jaxstream.serving.testing import ServerThread, sample_audio, shared_engine, wait_engine_baseline
+from jaxstream.serving.testing import ServerThread, sample_audio, wait_engine_baseline
+from serve_fixtures import engine, engine_returns_to_baseline, model, server  # noqa: F401 - pytest fixtures
 
 pytestmark = pytest.mark.slow
 
 CHUNK_S = 0.32  # seconds of audio per append
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return shared_engine()
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    server = ServerThread(engine)
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="module")
-def model(server):
-    return server.state.model_id
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +36,6 @@ def speech():
 def reference(engine, speech):
     """engine.transcribe's text of the speech at 16 kHz (the vLLM dialect's input)."""
     return asyncio.run(engine.transcribe(speech)).text
-
-
-@pytest.fixture(autouse=True)
-async def engine_returns_to_baseline(engine):
-    yield
-    await wait_engine_baseline(engine)
 
 
 def at_24k(pcm16k: np.ndarray) -> np.ndarray:

@@ -15,23 +15,10 @@ from websockets.sync.client import connect as sync_connect
 
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.limits import Limits
-from jaxstream.serving.testing import (
-    RealtimeClient, ServerThread, sample_audio, shared_engine, stream_utterance, wait_engine_baseline,
-)
+from jaxstream.serving.testing import RealtimeClient, ServerThread, stream_utterance, wait_engine_baseline
+from serve_fixtures import audio, engine, engine_returns_to_baseline, model, server  # noqa: F401 - pytest fixtures
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return shared_engine()
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    server = ServerThread(engine)
-    yield server
-    server.close()
 
 
 @pytest.fixture(scope="module")
@@ -39,16 +26,6 @@ def vllm_server(engine):
     server = ServerThread(engine, ServerConfig(compat="vllm"))
     yield server
     server.close()
-
-
-@pytest.fixture(scope="module")
-def model(server):
-    return server.state.model_id
-
-
-@pytest.fixture(scope="module")
-def audio():
-    return sample_audio()
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +37,6 @@ def reference(engine, audio):
         return {name: (await engine.transcribe(pcm)).text for name, pcm in pieces.items()}
 
     return asyncio.run(run())
-
-
-@pytest.fixture(autouse=True)
-async def engine_returns_to_baseline(engine):
-    yield
-    await wait_engine_baseline(engine)
 
 
 async def connected(server, model=None, **update):
