@@ -14,7 +14,14 @@ starts are spread over one utterance so they do not move in lockstep. Per uttera
 
 A stream count is *sustained at real time* when every utterance ended within delay + 1 s of its final
 commit (conformance test 44) and no client failed. Server RSS (psutil if installed, else /proc) is sampled
-every second (--spawn, or --pid for a server you started). Clients and server share the machine.
+every second (--spawn, or --pid for a server you started). Clients and server share the machine, so the
+server's CPU time over each level is printed too (Linux /proc; its event-loop thread and all the others),
+with its CPU milliseconds per second of audio sent: on a busy machine that compares better across runs
+than latencies do.
+
+Soak: `--streams 64 --seconds 600 --report-every 60` prints the utterances so far and the server's RSS
+every minute. Before the first level and after each one (once its sessions ended), the engine's KV pages
+in use and sessions held are read from `/metrics`: after a level they should be back at the baseline.
 """
 import argparse
 import asyncio
@@ -60,6 +67,17 @@ def load_pcm16(path: Path) -> bytes:
     return (np.clip(samples.mean(axis=1), -1, 1) * 32767).astype("<i2").tobytes()
 
 
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of the process so far: all of it, and its main (event-loop) thread.
+    Linux only. (CPython 3.11 does not name its threads for the OS, so the others cannot be told apart.)"""
+    def seconds(stat_file: Path) -> float:
+        stat = stat_file.read_text()
+        fields = stat[stat.rindex(")") + 2:].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    return {"total": seconds(Path(f"/proc/{pid}/stat")), "event loop": seconds(Path(f"/proc/{pid}/task/{pid}/stat"))}
+
+
 class Spawned:
     """`jaxstream serve` in a subprocess on a free port."""
 
@@ -95,6 +113,8 @@ class Results:
         self.utterances = 0
         self.failures: list[str] = []
         self.rss: list[int] = []
+        self.cpu: dict[str, float] = {}  # server CPU seconds during the level: "total", "event loop"
+        self.audio_sent = 0.0  # seconds of audio the clients sent
 
 
 async def one_client(url, headers, model, pcm16: bytes, chunk_bytes: int, first_word_s: float, until: float,
@@ -118,6 +138,7 @@ async def one_client(url, headers, model, pcm16: bytes, chunk_bytes: int, first_
                         await asyncio.sleep(max(0.0, start + (begin + len(piece)) / 2 / SAMPLE_RATE - loop.time()))
                         await ws.send(json.dumps({"type": "input_audio_buffer.append",
                                                   "audio": base64.b64encode(piece).decode("ascii")}))
+                        results.audio_sent += len(piece) / 2 / SAMPLE_RATE
                     await ws.send(json.dumps({"type": "input_audio_buffer.commit", "final": True}))
                     return loop.time()
 
@@ -181,11 +202,52 @@ async def run_level(url, headers, model, pcm16, args, streams: int, first_word_s
                 results.rss.append(rss)
             await asyncio.sleep(1.0)
 
+    async def report():
+        started = loop.time()
+        while True:
+            await asyncio.sleep(args.report_every)
+            rss = f"{results.rss[-1] / 2**20:.0f} MiB" if results.rss else "n/a"
+            print(f"        {loop.time() - started:6.0f} s: {results.utterances} utterances, "
+                  f"{len(results.failures)} failures, server RSS {rss}", flush=True)
+
+    cpu_before = cpu_seconds(pid) if pid is not None and sys.platform == "linux" else None
+    started = loop.time()
     sampler = asyncio.create_task(sample_rss())
+    reporter = asyncio.create_task(report()) if args.report_every else None
     await asyncio.gather(*(one_client(url, headers, model, pcm16, chunk_bytes, first_word_s, until,
                                       utterance_s * i / streams, results) for i in range(streams)))
     sampler.cancel()
+    if reporter is not None:
+        reporter.cancel()
+    if cpu_before is not None:
+        results.cpu = {part: seconds - cpu_before[part] for part, seconds in cpu_seconds(pid).items()}
+        results.cpu["elapsed"] = loop.time() - started
     return results
+
+
+def engine_holdings(http: str, headers: dict) -> dict[str, float]:
+    """The engine's sessions and KV pages in use per pool, from the server's Prometheus metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(urllib.request.Request(http + "/metrics", headers=headers), timeout=10) as r:
+        text = r.read().decode()
+    holdings = {}
+    for line in text.splitlines():
+        found = re.match(r'(jaxstream_engine_sessions|jaxstream_kv_pages_used)(?:\{pool="(\w+)"\})? (\S+)', line)
+        if found:
+            name, pool, value = found.groups()
+            holdings["sessions" if pool is None else f"{pool} pages"] = float(value)
+    return holdings
+
+
+async def settled_holdings(http: str, headers: dict, timeout: float = 30.0) -> str:
+    """`engine_holdings` once no session is left (or after `timeout`), as one line."""
+    deadline = time.monotonic() + timeout
+    while True:
+        holdings = await asyncio.to_thread(engine_holdings, http, headers)
+        if not holdings.get("sessions") or time.monotonic() > deadline:
+            return ", ".join(f"{name} {value:g}" for name, value in sorted(holdings.items()))
+        await asyncio.sleep(0.5)
 
 
 def percentile(values, q) -> float:
@@ -201,8 +263,10 @@ async def main_async(args) -> None:
         spawned = Spawned(max(levels), args.server_arg or [])
         url, pid = spawned.url, spawned.process.pid
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    http = url.replace("ws://", "http://").split("/v1/realtime")[0]
     try:
         model, first_word_s, delay_ms = await warm_up(url, headers, pcm16)
+        print(f"engine before the load: {await settled_holdings(http, headers)}")
         print(f"server {url} model {model!r} delay {delay_ms} ms; {args.seconds:g} s per level, "
               f"{args.chunk_ms:g} ms chunks; first word of the sample starts at {first_word_s:.2f} s")
         print(f"{'streams':>7} {'utts':>5} {'fail':>4} {'first p50':>9} {'first p99':>9} {'final p50':>9} "
@@ -217,6 +281,15 @@ async def main_async(args) -> None:
                   f"{percentile(r.finalize, 99):>7.0f}ms {'yes' if realtime else 'NO':>9} {rss:>13}", flush=True)
             for failure in sorted(set(r.failures))[:5]:
                 print(f"        failure: {failure}")
+            if r.cpu:
+                cpu, elapsed = r.cpu, r.cpu["elapsed"]
+                print(f"        server CPU {cpu['total'] / elapsed:.2f} cores "
+                      f"(event loop {cpu['event loop'] / elapsed:.2f});"
+                      f" {1000 * cpu['total'] / max(r.audio_sent, 1e-9):.0f} ms CPU per second of audio"
+                      f" ({r.audio_sent:.0f} s sent)")
+            if r.rss:
+                print(f"        server RSS first/last sample {r.rss[0] / 2**20:.0f}/{r.rss[-1] / 2**20:.0f} MiB")
+            print(f"        engine after the level: {await settled_holdings(http, headers)}", flush=True)
     finally:
         if spawned is not None:
             spawned.stop()
@@ -234,6 +307,8 @@ def main() -> None:
     parser.add_argument("--chunk-ms", type=float, default=80.0, help="audio per append (default 80)")
     parser.add_argument("--audio", default=str(SAMPLE), help="16 kHz speech file (default: the bundled sample)")
     parser.add_argument("--server-arg", action="append", help="extra `jaxstream serve` argument (--spawn)")
+    parser.add_argument("--report-every", type=float, default=0.0,
+                        help="print progress and server RSS every this many seconds (soak runs; default off)")
     asyncio.run(main_async(parser.parse_args()))
 
 

@@ -59,6 +59,9 @@ class VoxtralConfig:
     mel_frames_per_token: int = MEL_FRAMES_PER_SLOT  # 80 ms of 10 ms hops
     n_left_pad_tokens: int = N_LEFT_PAD_TOKENS
     default_delay_ms: int = DEFAULT_DELAY_MS
+    # (lowest, highest) delay in ms the checkpoint was trained at, when its recipe records it (our trained
+    # checkpoints); other delays run but transcribe worse, so the CLI and the engine warn (models/audio_checks.py).
+    trained_delays_ms: tuple[int, int] | None = None
     bos_id: int = 1
     eos_id: int = 2
     streaming_pad_id: int = 32

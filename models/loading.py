@@ -125,9 +125,12 @@ def load_checkpoint_tokenizer(directory: Path, tokenizer_path: Path | None) -> T
 
 
 def declared_token_ids(directory: Path) -> tuple[int | None, tuple[int, ...]]:
-    """(BOS id, EOS ids) of a Hugging Face checkpoint as transformers' `generate` takes them:
-    generation_config.json first, then config.json. `eos_token_id` may be one id or a list (Llama 3
-    stops at any of three)."""
+    """(BOS id, EOS ids) a checkpoint declares. Hugging Face: as transformers' `generate` takes them,
+    generation_config.json first, then config.json; `eos_token_id` may be one id or a list (Llama 3 stops at
+    any of three). A jaxstream checkpoint: those of the source it was converted from (`save_checkpoint`)."""
+    if (directory / ORBAX_METADATA).is_file():
+        metadata = _read_json(directory / ORBAX_METADATA)
+        return metadata.get("bos_token_id"), tuple(metadata.get("eos_token_ids") or ())
     bos_id, eos_ids = None, ()
     for name in ("generation_config.json", "config.json"):
         if not (directory / name).is_file():
@@ -213,8 +216,14 @@ def _parse_config(path: Path, parse: Callable[[dict], ModelConfig]) -> ModelConf
         raise UserError(f"{path}: {exc}") from None
 
 
-def _tokenizer_file(directory: Path) -> Path | None:
-    return next((directory / name for name in TOKENIZER_FILES if (directory / name).is_file()), None)
+# A Hugging Face directory usually ships its original sentencepiece `tokenizer.model` beside `tokenizer.json`;
+# only the tokenizer.json keeps the checkpoint's own ids (our `SentencePieceTokenizer` uses the Voxtral layout,
+# control ids first), so there it comes before tokenizer.model. tekken.json has the checkpoint's ids everywhere.
+_HF_TOKENIZER_ORDER = ("tekken.json", "tokenizer.json", "tokenizer.model")
+
+
+def _tokenizer_file(directory: Path, order=tuple(TOKENIZER_FILES)) -> Path | None:
+    return next((directory / name for name in order if (directory / name).is_file()), None)
 
 
 def inspect_checkpoint(directory: Path) -> CheckpointInfo:
@@ -237,7 +246,8 @@ def inspect_checkpoint(directory: Path) -> CheckpointInfo:
         return CheckpointInfo("native", directory, config, native_files, tokenizer)
     if (directory / "config.json").is_file():
         config = _parse_config(directory / "config.json", config_from_hf)
-        return CheckpointInfo("hf", directory, config, _hf_weight_files(directory), tokenizer)
+        return CheckpointInfo("hf", directory, config, _hf_weight_files(directory),
+                              _tokenizer_file(directory, _HF_TOKENIZER_ORDER))
     if (directory / "params.json").is_file():
         raise UserError(f"{directory} has params.json but no consolidated.safetensors")
     raise UserError(f"{directory} is not a model checkpoint: it has no params.json (Mistral native), config.json "
@@ -396,7 +406,7 @@ def _leaf_shardings(abstract: nnx.State, sharding: ShardingSpec | None) -> dict[
     """NNX state path -> sharding of that parameter."""
     leaves = traverse_util.flatten_dict(nnx.to_pure_dict(abstract))
     if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     if isinstance(sharding, jax.sharding.Sharding):
         return {path: sharding for path in leaves}
     return {path: sharding(path, tuple(leaf.shape)) for path, leaf in leaves.items()}
@@ -421,7 +431,9 @@ def config_from_dict(data: dict[str, Any]) -> ModelConfig:
     if kind == "TextConfig":
         return text(data)
     if kind == "VoxtralConfig":
-        return VoxtralConfig(**{**data, "encoder": EncoderConfig(**data["encoder"]), "text": text(data["text"])})
+        trained = data.get("trained_delays_ms")
+        return VoxtralConfig(**{**data, "encoder": EncoderConfig(**data["encoder"]), "text": text(data["text"]),
+                                "trained_delays_ms": tuple(trained) if trained is not None else None})
     raise ValueError(f"unknown configuration type {kind!r}")
 
 
@@ -453,9 +465,11 @@ def _existing_ancestor(path: Path) -> Path:
     return path
 
 
-def save_checkpoint(loaded: LoadedModel, destination: str | os.PathLike, *, overwrite: bool = False) -> Path:
+def save_checkpoint(loaded: LoadedModel, destination: str | os.PathLike, *, overwrite: bool = False,
+                    declared_ids: tuple[int | None, tuple[int, ...]] = (None, ())) -> Path:
     """Writes `loaded` as a jaxstream Orbax checkpoint (state, `jaxstream.json`, tokenizer file) and returns
-    its directory (see `check_destination`)."""
+    its directory (see `check_destination`). `declared_ids` are the source's (BOS id, EOS ids) as
+    `declared_token_ids` read them; they are kept so the converted checkpoint stops where its source did."""
     import orbax.checkpoint as ocp
 
     directory = check_destination(destination, overwrite=overwrite)
@@ -471,7 +485,7 @@ def save_checkpoint(loaded: LoadedModel, destination: str | os.PathLike, *, over
         shutil.copyfile(loaded.tokenizer_path, directory / tokenizer)
     metadata = {"format": ORBAX_FORMAT, "format_version": ORBAX_FORMAT_VERSION,
                 "config": config_to_dict(loaded.config), "param_dtype": str(jax.tree.leaves(params)[0].dtype),
-                "tokenizer": tokenizer}
+                "tokenizer": tokenizer, "bos_token_id": declared_ids[0], "eos_token_ids": list(declared_ids[1])}
     # Written last: its presence marks a complete checkpoint.
     (directory / ORBAX_METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
     return directory
@@ -485,8 +499,14 @@ def _restore_orbax(directory: Path, abstract: nnx.State, param_dtype, shardings:
         path: jax.ShapeDtypeStruct(leaf.shape, param_dtype, sharding=shardings[path])
         for path, leaf in leaves.items()})
     state_dir = (directory / ORBAX_STATE_DIR).resolve()
+    options = ocp.options.MultiprocessingOptions()  # the job's processes restore their shards together
+    if all(sharding.is_fully_addressable for sharding in shardings.values()):
+        # This process's own copy (one process, or each process of a data-parallel job such as
+        # `eval --shard auto`): no barrier with processes that load at another time or not at all.
+        options = ocp.options.MultiprocessingOptions(primary_host=jax.process_index(),
+                                                     active_processes={jax.process_index()})
     try:
-        with ocp.StandardCheckpointer() as checkpointer:
+        with ocp.StandardCheckpointer(multiprocessing_options=options) as checkpointer:
             return checkpointer.restore(state_dir, target)
     except (ValueError, KeyError, FileNotFoundError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

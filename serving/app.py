@@ -5,7 +5,13 @@ Routes (specs/realtime_protocols.md §0):
     GET /v1/realtime                       WebSocket, vLLM realtime protocol (vllm_realtime.py), or OpenAI's
                                            transcription dialect when the client asks (realtime_dialects.py)
     GET /invocations-bidirectional-stream  WebSocket, the same protocol for SageMaker (binary = UTF-8 JSON)
+    GET /ws                                WebSocket, the JSON-envelope protocol (envelope.py; checks its own key)
+    GET /api/asr-streaming                 WebSocket, Kyutai's STT protocol: msgpack binary frames (kyutai.py)
     GET /v1/models                         OpenAI's model list: the id session.update accepts
+    POST /v1/audio/transcriptions          OpenAI's transcription upload, or Mode A streaming input
+                                           (http_transcriptions.py)
+    POST /v1/completions                   OpenAI's completions for a served text LM, or Mode A (http_completions.py)
+    /v1/streaming_input/sessions/...       Mode B streaming-input sessions, audio or text (http_sessions.py)
     GET /health, /healthz, /ping           200 when ready, 503 while loading, draining or dead (no auth)
     GET /metrics                           Prometheus text (no auth, as vLLM)
 
@@ -24,13 +30,15 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from jaxstream.serving import demo, openai_realtime, realtime_dialects
-from jaxstream.serving.auth import OPEN_PATHS, auth_middleware
+from jaxstream.serving import demo, envelope, kyutai, openai_realtime, realtime_dialects
+from jaxstream.serving.auth import OPEN_PATHS, auth_middleware, is_authorized
 from jaxstream.serving.config import ServerConfig
+from jaxstream.serving.http_completions import add_completion_routes
 from jaxstream.serving.http_sessions import add_streaming_input_routes
 from jaxstream.serving.http_transcriptions import add_transcription_routes
 from jaxstream.serving.limits import (
-    CLOSE_CAPACITY, CLOSE_GOING_AWAY, CLOSE_INTERNAL_ERROR, CLOSE_TRY_AGAIN_LATER, Breach,
+    CLOSE_CAPACITY, CLOSE_GOING_AWAY, CLOSE_INTERNAL_ERROR, CLOSE_TRY_AGAIN_LATER, Breach, KeyLimits,
+    key_limits_middleware,
 )
 from jaxstream.serving.metrics import ServerMetrics
 from jaxstream.serving.vllm_realtime import BINARY_AS_TEXT, BINARY_CLOSE, BINARY_ERROR, VllmRealtime
@@ -40,7 +48,8 @@ logger = logging.getLogger(__name__)
 
 _TICK_SAMPLE_S = 1.0  # how often engine tick durations are copied into the histogram
 _FLUSH_RESERVE_S = 5.0  # of the drain deadline, kept to flush utterances the server finishes itself
-_CLOSE_WAIT_S = 10.0  # after the deadline, for sockets to finish closing
+CLOSE_WAIT_S = 10.0  # after the drain deadline, for sockets to finish closing (deploy: grace period)
+HEALTH_PATHS = ("/health", "/healthz", "/ping")  # open to all; 503 unless ready
 
 
 class ServerState:
@@ -57,13 +66,14 @@ class ServerState:
         self.connections: set = set()
         self._connections_changed = asyncio.Event()
         self.created = int(time.time())
+        self.key_limits = KeyLimits(config.limits, by_api_key=bool(config.api_keys))
         if engine is not None:
             self._attach(engine)
 
     def _attach(self, engine) -> None:
-        if engine.kind != "realtime":
-            raise ValueError(f"jaxstream serve needs a realtime speech model; {engine.model_name!r} is a "
-                             f"{engine.kind} model")
+        if engine.kind not in ("realtime", "text"):
+            raise ValueError(f"jaxstream serve needs a realtime speech model or a text LM; "
+                             f"{engine.model_name!r} is a {engine.kind} model")
         self.engine = engine
         self.metrics.attach_engine(engine)
         self.ready.set()
@@ -144,21 +154,27 @@ def create_app(config: ServerConfig | None = None, *, engine=None, engine_factor
     if (engine is None) == (engine_factory is None):
         raise ValueError("give exactly one of engine or engine_factory")
     config = config or ServerConfig()
-    # Only health and models are plain HTTP here; bodies stay small.
+    # Bodies stay small: the routes that take audio or chunks read their bodies themselves, to their own limits.
     # The demo page and its assets hold no secret: a browser loads them first, then asks for the key.
-    app = web.Application(middlewares=[auth_middleware(config.api_keys, OPEN_PATHS | demo.PUBLIC_PATHS)],
-                          client_max_size=64 << 10)
     state = ServerState(config, engine)
+    open_paths = OPEN_PATHS | demo.PUBLIC_PATHS
+    # /ws checks its key itself: its protocol answers a bad one after the upgrade (error, close 4001).
+    app = web.Application(middlewares=[auth_middleware(config.api_keys, open_paths | {envelope.ROUTE}),
+                                       key_limits_middleware(state.key_limits, open_paths)],
+                          client_max_size=64 << 10)
     app[SERVER] = state
     app.router.add_get("/v1/realtime", _realtime)
     app.router.add_get("/invocations-bidirectional-stream", _sagemaker)
+    app.router.add_get(envelope.ROUTE, _envelope)
+    app.router.add_get(kyutai.ROUTE, _kyutai)
     app.router.add_get("/v1/models", _models)
-    for path in ("/health", "/healthz", "/ping"):
+    for path in HEALTH_PATHS:
         app.router.add_get(path, _health)
     app.router.add_get("/metrics", _metrics)
     demo.add_demo_routes(app)
     add_transcription_routes(app)
     add_streaming_input_routes(app)
+    add_completion_routes(app)
     app.cleanup_ctx.append(_lifecycle(engine_factory))
     # aiohttp waits for open handlers after on_shutdown and before cleanup: sockets still open then (no
     # SIGTERM drain ran) are closed here, at once.
@@ -236,7 +252,9 @@ async def drain(app: web.Application, timeout: float | None = None) -> bool:
     """Graceful shutdown of the sessions (SIGTERM): admit nothing new; close idle connections now; give
     running utterances until the deadline (the last few seconds of it after the server finished them
     itself, so their `transcription.done` still goes out); then abort what remains and close every socket
-    with 1001. Returns True when no utterance had to be cut off."""
+    with 1001. HTTP streams (streaming-input requests and sessions, SSE answers) are registered among the
+    connections (streaming_input.DrainHandle): they are waited for, their input ended, or aborted alike.
+    Returns True when no utterance had to be cut off."""
     state = app[SERVER]
     timeout = state.config.drain_timeout_s if timeout is None else timeout
     loop = asyncio.get_running_loop()
@@ -260,7 +278,7 @@ async def drain(app: web.Application, timeout: float | None = None) -> bool:
         conn.stop(Breach("drain_deadline", CLOSE_GOING_AWAY, "server_shutdown",
                          "The server shut down before the transcription finished")
                   if conn in cut_off else state.drain_breach())
-    await state.wait_connections_closed(loop.time() + _CLOSE_WAIT_S)
+    await state.wait_connections_closed(loop.time() + CLOSE_WAIT_S)
     engine_clean = await engine_drain if engine_drain is not None else True
     return not cut_off and engine_clean
 
@@ -271,7 +289,7 @@ async def _realtime(request: web.Request) -> web.StreamResponse:
     dialect = realtime_dialects.handshake_dialect(request)
     if dialect is not None:
         return await run_websocket(request, state, "/v1/realtime", lambda conn: openai_realtime.OpenAiRealtime(
-            conn, state, beta=dialect == "beta"))
+            conn, state, beta=dialect == "beta"), subprotocols=realtime_dialects.SUBPROTOCOLS)
     if state.config.vllm_compat:  # exactly vLLM: no switch on an OpenAI-shaped first event
         return await run_websocket(request, state, "/v1/realtime",
                                    lambda conn: VllmRealtime(conn, state, binary_frames=BINARY_CLOSE))
@@ -283,6 +301,18 @@ async def _sagemaker(request: web.Request) -> web.StreamResponse:
     state = request.app[SERVER]
     return await run_websocket(request, state, "/invocations-bidirectional-stream",
                                lambda conn: VllmRealtime(conn, state, binary_frames=BINARY_AS_TEXT))
+
+
+async def _envelope(request: web.Request) -> web.StreamResponse:
+    state = request.app[SERVER]
+    authorized = is_authorized(request, state.config.api_keys)
+    return await run_websocket(request, state, envelope.ROUTE, lambda conn: envelope.EnvelopeProtocol(
+        conn, state, authorized=authorized))
+
+
+async def _kyutai(request: web.Request) -> web.StreamResponse:
+    state = request.app[SERVER]
+    return await run_websocket(request, state, kyutai.ROUTE, lambda conn: kyutai.KyutaiAsr(conn, state))
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -1,7 +1,8 @@
 """API-key check for every route except health and metrics, before any WebSocket upgrade.
 
 A key is accepted as `Authorization: Bearer K` (OpenAI and vLLM clients), `X-API-Key: K` or `?api_key=K`
-(the `/ws` conventions; browsers cannot set headers on a WebSocket). A failure is HTTP 401 before the
+(the `/ws` conventions), or as the WebSocket subprotocol `openai-insecure-api-key.K` (OpenAI's browser
+clients: a browser's WebSocket can set no header but `Sec-WebSocket-Protocol`). A failure is HTTP 401 before the
 upgrade, as vLLM does, so a WebSocket client sees it as a refused handshake. Keys are compared in
 constant time.
 """
@@ -41,12 +42,28 @@ def load_api_keys(cli_key: str | None = None, key_file: str | None = None, envir
     return keys
 
 
+KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
+
+
+def offered_subprotocols(request: web.Request) -> list[str]:
+    """The WebSocket subprotocols a handshake offers, in the client's order (the header may repeat)."""
+    return [name.strip() for header in request.headers.getall("Sec-WebSocket-Protocol", ())
+            for name in header.split(",") if name.strip()]
+
+
 def presented_key(request: web.Request) -> str | None:
     authorization = request.headers.get("Authorization", "")
     scheme, _, token = authorization.partition(" ")
     if scheme.lower() == "bearer" and token.strip():
         return token.strip()
-    return request.headers.get("X-API-Key") or request.query.get("api_key") or None
+    # `kyutai-api-key` / `?auth_id=`: how Kyutai's STT clients present theirs (kyutai.py).
+    key = (request.headers.get("X-API-Key") or request.query.get("api_key")
+           or request.headers.get("kyutai-api-key") or request.query.get("auth_id"))
+    if key:
+        return key
+    # Never selected, so never echoed: the server's handshake answer names only `realtime`.
+    return next((name.removeprefix(KEY_SUBPROTOCOL_PREFIX) for name in offered_subprotocols(request)
+                 if name.startswith(KEY_SUBPROTOCOL_PREFIX) and len(name) > len(KEY_SUBPROTOCOL_PREFIX)), None)
 
 
 def is_authorized(request: web.Request, keys: tuple[str, ...]) -> bool:

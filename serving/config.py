@@ -3,7 +3,7 @@
 The TOML has up to four tables, each optional; command-line flags override it:
 
     model = "tiny"            # top level: what to serve
-    [server]   host, port, compat, served_model_name, drain_timeout_s
+    [server]   host, port, compat, served_model_name, drain_timeout_s, the /ws rate limits (ws_*)
     [limits]   any field of serving.limits.Limits
     [engine]   any EngineConfig field with a plain value (max_sessions, default_delay_ms, buckets, ...)
 
@@ -31,6 +31,12 @@ class ServerConfig:
     # fix would change what a client sees.
     compat: str = "strict"
     drain_timeout_s: float = 30.0  # SIGTERM: time running utterances get before their sockets close
+    # The /ws envelope's rolling-window rate limits per connection (specs/realtime_protocols.md §5.6; the
+    # guide's WS_* settings): messages but ping/pong/end, and cancels. 80 ms audio chunks alone are 750/min.
+    ws_max_messages_per_window: int = 5000
+    ws_message_window_s: float = 60.0
+    ws_max_cancels_per_window: int = 50
+    ws_cancel_window_s: float = 60.0
     limits: Limits = dataclasses.field(default_factory=Limits)
 
     def __post_init__(self):
@@ -38,6 +44,11 @@ class ServerConfig:
             raise ValueError(f"compat must be one of {', '.join(COMPAT_MODES)}, got {self.compat!r}")
         if not self.drain_timeout_s > 0:
             raise ValueError("drain_timeout_s must be positive")
+        for name in ("ws_max_messages_per_window", "ws_message_window_s", "ws_max_cancels_per_window",
+                     "ws_cancel_window_s"):
+            value, whole = getattr(self, name), name.startswith("ws_max_")
+            if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive {'whole ' if whole else ''}number, got {value!r}")
 
     @property
     def vllm_compat(self) -> bool:
@@ -75,7 +86,9 @@ def load_server_file(name: str) -> ServerFile:
                         "[limits], [engine]")
     from jaxstream.engine.config import EngineConfig
 
-    server = _table(data, "server", {"host", "port", "compat", "served_model_name", "drain_timeout_s"}, source)
+    server = _table(data, "server", {"host", "port", "compat", "served_model_name", "drain_timeout_s",
+                                     "ws_max_messages_per_window", "ws_message_window_s",
+                                     "ws_max_cancels_per_window", "ws_cancel_window_s"}, source)
     limits = _table(data, "limits", {f.name for f in dataclasses.fields(Limits)}, source)
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"mesh", "compat"}
     engine = {key: _tuples(value) for key, value in _table(data, "engine", engine_fields, source).items()}

@@ -1,4 +1,4 @@
-"""OpenAI's `POST /v1/audio/transcriptions` over the realtime engine (specs/realtime_protocols.md §8).
+"""OpenAI's `POST /v1/audio/transcriptions` over the realtime engine (specs/realtime_protocols.md §7.1, §8).
 
 A multipart upload as OpenAI's SDK sends it: `file`, `model`, `response_format` (json | text | verbose_json
 | srt | vtt), `timestamp_granularities[]` (segment, word), `stream`, and fields we accept and ignore
@@ -7,19 +7,30 @@ with soundfile and resampled to 16 kHz (`load_audio`) off the event loop, then s
 session. With `stream=true` the answer is SSE: `transcript.text.delta` events then `transcript.text.done`,
 and the engine session is aborted as soon as the client goes away.
 
-Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`. `pump_transcription` and the
-error helpers are shared with the Mode B sessions (http_sessions.py).
+With `X-Streaming-Input: true` the body is Mode A's NDJSON instead (streaming_input.py): an optional
+parameters line (`model`, `delay_ms`, `start_policy`, ...), then chunks of base64 PCM16 16 kHz audio; the
+answer is the same SSE stream, produced while the audio still arrives.
+
+`AudioInput` is the engine side of an audio stream for Mode A and Mode B (http_sessions.py) alike;
+`pump_transcription` turns an engine session's events into the OpenAI stream events.
 """
 import asyncio
 import logging
 import time
 
+import numpy as np
 from aiohttp import web
 
 from jaxstream.engine.transcription_session import TranscriptionDelta, TranscriptionDone
 from jaxstream.errors import EngineError
 from jaxstream.models.audio import SAMPLING_RATE, AudioError, load_audio
-from jaxstream.serving import sse
+from jaxstream.serving import sse, streaming_input
+from jaxstream.serving.audio_codecs import AudioDecodeError, decode_pcm16_base64
+from jaxstream.serving.engine_sessions import start_session
+from jaxstream.serving.http_errors import (
+    RequestError, check_kind, check_model, check_ready, engine_request_error, error_response, server_state,
+)
+from jaxstream.serving.limits import holds_stream
 
 logger = logging.getLogger(__name__)
 
@@ -31,42 +42,6 @@ _SEGMENT_GAP_S = 1.0  # a pause this long between words starts a new segment
 _SEGMENT_MAX_S = 30.0
 _PUMP_END_S = 5.0
 _DISCONNECT_POLL_S = 0.25
-# Engine error code -> HTTP status. Capacity and draining are worth retrying elsewhere or later.
-_ENGINE_STATUS = {"capacity": 503, "draining": 503, "engine_dead": 503, "backlog": 503,
-                  "invalid_audio": 400, "invalid_request": 400, "session_closed": 409}
-
-
-class RequestError(Exception):
-    """A request the server refuses: HTTP status, OpenAI error code, message, offending parameter."""
-
-    def __init__(self, status: int, code: str, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.code, self.param = status, code, param
-
-
-def error_response(status: int, code: str, message: str, param: str | None = None) -> web.Response:
-    error_type = "invalid_request_error" if status < 500 else "server_error"
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
-    return web.json_response({"error": {"message": message, "type": error_type, "param": param, "code": code}},
-                             status=status, headers=headers)
-
-
-def engine_request_error(exc: EngineError) -> RequestError:
-    return RequestError(_ENGINE_STATUS.get(exc.code, 500), exc.code, str(exc))
-
-
-def check_ready(state) -> None:
-    """RequestError 503 while the model loads, the server drains or the engine is dead (as /health)."""
-    status, body = state.health()
-    if status != 200:
-        raise RequestError(503, body["status"], f"The server cannot transcribe now: {body['status']}")
-
-
-def check_model(state, model) -> None:
-    if not isinstance(model, str) or not model:
-        raise RequestError(400, "invalid_request", "Missing required parameter: 'model'", "model")
-    if not state.serves_model(model, allow_empty=False):
-        raise RequestError(404, "model_not_found", f"The model `{model}` does not exist.", "model")
 
 
 def text_usage(done) -> dict:
@@ -104,6 +79,105 @@ async def pump_transcription(session, log: sse.EventLog | None, metrics, first_a
             log.close()
     metrics.utterances.labels(outcome="aborted").inc()
     return None
+
+
+class AudioInput:
+    """The engine side of one streamed audio input: a transcription session, started on demand, whose
+    events go to `log` (see streaming_input.py for the interface)."""
+
+    modality = "audio"
+
+    def __init__(self, state, delay_ms: int | None = None, log: sse.EventLog | None = None):
+        self.state = state
+        self.delay_ms = delay_ms
+        self.log = log
+        self.session = None
+        self.outcome: TranscriptionDone | EngineError | None = None
+        self._pump: asyncio.Task | None = None
+        self._done = asyncio.Event()
+
+    @property
+    def started(self) -> bool:
+        return self.session is not None
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def failure(self) -> EngineError | None:
+        return self.outcome if isinstance(self.outcome, EngineError) else None
+
+    @property
+    def succeeded(self) -> bool:
+        return isinstance(self.outcome, TranscriptionDone)
+
+    def decode(self, payload: str) -> np.ndarray:
+        limit = int(self.state.config.limits.max_append_seconds * SAMPLING_RATE)
+        try:
+            return decode_pcm16_base64(payload, max_samples=limit)
+        except AudioDecodeError as exc:
+            raise RequestError(422, "invalid_audio", f"payload: {exc}", "payload") from None
+
+    @staticmethod
+    def measure(pcm: np.ndarray) -> tuple[int, float]:
+        return 2 * pcm.size, pcm.size / SAMPLING_RATE  # bytes as received: PCM16
+
+    @staticmethod
+    def join(pieces: list) -> np.ndarray:
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    async def start(self) -> None:
+        self.session = await start_session(self.state.engine, self.delay_ms)
+        self._pump = asyncio.create_task(self._run_pump(time.monotonic()))
+
+    async def _run_pump(self, started_at: float) -> None:
+        try:
+            self.outcome = await pump_transcription(self.session, self.log, self.state.metrics, started_at)
+        except EngineError as exc:
+            self.outcome = exc
+        finally:
+            self._done.set()
+
+    async def append(self, pcm: np.ndarray) -> None:
+        self.state.metrics.audio_seconds.inc(pcm.size / SAMPLING_RATE)
+        await self.session.append(pcm)
+
+    async def finish(self) -> None:
+        await self.session.finish()
+
+    async def abort(self, reason: str) -> None:
+        if self.session is not None:
+            await self.session.abort(reason)  # the pump then ends and closes the log
+        elif not self.done:
+            if self.log is not None:
+                self.log.close()
+            self._done.set()
+
+    def fail(self, code: str, message: str) -> None:
+        if self.log is not None and not self.log.closed:
+            self.log.append(sse.error_payload(message, code))
+        asyncio.ensure_future(self.abort(code))
+
+    async def wait(self, timeout: float | None = None) -> TranscriptionDone | EngineError | None:
+        """The outcome once the session ended: its result, its error, or None when it was aborted."""
+        async with asyncio.timeout(timeout):
+            await self._done.wait()
+        return self.outcome
+
+    async def close(self) -> None:
+        """Aborts what still runs and waits for the pump, which counts the outcome (bounded: an aborted
+        session's iterator ends by itself; the timeout guards against an engine that died meanwhile)."""
+        await self.abort("request_ended")
+        if self._pump is not None:
+            await asyncio.wait([self._pump], timeout=_PUMP_END_S)
+            self._pump.cancel()
+            await asyncio.gather(self._pump, return_exceptions=True)
+
+    def result(self) -> dict:
+        done = self.outcome
+        return {"text": done.text, "usage": text_usage(done),
+                "words": [{"word": w.word, "start": w.start, "end": w.end} for w in done.words]}
 
 
 # -- the request ------------------------------------------------------------------------------------------
@@ -159,28 +233,35 @@ async def _decode(audio: bytes, state):
     return pcm
 
 
-async def _feed(session, pcm) -> None:
+async def _feed(stream: AudioInput, pcm) -> None:
     """Appends the whole recording, then ends it; the engine's backpressure paces the appends."""
     step = 10 * SAMPLING_RATE  # chunks of 10 s, so an abort stops the feeding early
-    for begin in range(0, pcm.size, step):
-        if session.outcome is not None:
-            return
-        await session.append(pcm[begin:begin + step])
-    await session.finish()
+    try:
+        for begin in range(0, pcm.size, step):
+            if stream.done:
+                return
+            await stream.append(pcm[begin:begin + step])
+        await stream.finish()
+    except EngineError as exc:  # the session ended meanwhile (aborted or failed): its outcome says why
+        logger.debug("feeding the upload stopped: %s", exc)
 
 
-def server_state(request: web.Request):
-    from jaxstream.serving.app import SERVER  # app.py imports this module to register its routes
-
-    return request.app[SERVER]
+def parse_delay_ms(fields: dict, state, param: str) -> int | None:
+    delay_ms = fields.get("delay_ms", fields.get("transcription_delay_ms"))
+    if delay_ms is not None and delay_ms not in state.allowed_delays_ms:
+        raise RequestError(422, "invalid_request", f"delay_ms must be one of {list(state.allowed_delays_ms)}",
+                           param)
+    return delay_ms
 
 
 async def transcriptions(request: web.Request) -> web.StreamResponse:
     state = server_state(request)
     try:
         check_ready(state)
+        if streaming_input.is_streaming_input(request):
+            return await _streaming_input(request, state)
         audio, fields, granularities = await _parse_form(request)
-        check_model(state, fields.get("model"))
+        check_model(state, fields.get("model"), "realtime")
         response_format = fields.get("response_format", "json")
         if response_format not in RESPONSE_FORMATS:
             raise RequestError(400, "invalid_request", f"response_format must be one of "
@@ -194,45 +275,58 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
             raise RequestError(400, "invalid_request", f"response_format {response_format!r} cannot be "
                                "streamed; use json or text", "response_format")
         pcm = await _decode(audio, state)
+        audio_input = AudioInput(state, log=sse.EventLog() if stream else None)
+        handle = streaming_input.DrainHandle(audio_input)
+        streaming_input.admit(state, handle)
         try:
-            session = await state.engine.start_transcription()
+            await audio_input.start()
         except EngineError as exc:
+            state.forget(handle)
             raise engine_request_error(exc) from None
+        except asyncio.CancelledError:  # the client left while the session started (start_session frees it)
+            state.forget(handle)
+            raise
     except RequestError as exc:
         state.metrics.errors.labels(code=exc.code).inc()
-        return error_response(exc.status, exc.code, str(exc), exc.param)
-    state.metrics.audio_seconds.inc(pcm.size / SAMPLING_RATE)
-    feeder = asyncio.create_task(_feed(session, pcm))
-    log = sse.EventLog() if stream else None
-    pump = asyncio.create_task(pump_transcription(session, log, state.metrics, time.monotonic()))
+        return exc.response()
+    feeder = asyncio.create_task(_feed(audio_input, pcm))
     try:
         if stream:
-            response, complete = await sse.stream_log(request, log)
+            response, complete = await sse.stream_log(request, audio_input.log)
             if not complete:
-                await session.abort("client_disconnected")
+                await audio_input.abort("client_disconnected")
             return response
-        while not pump.done():  # a plain response writes nothing until the end: watch the socket instead
-            await asyncio.wait([pump], timeout=_DISCONNECT_POLL_S)
+        while not audio_input.done:  # a plain response writes nothing until the end: watch the socket instead
+            try:
+                await audio_input.wait(_DISCONNECT_POLL_S)
+            except TimeoutError:
+                pass
             if sse.client_gone(request):
-                await session.abort("client_disconnected")
+                await audio_input.abort("client_disconnected")
                 return web.Response(status=499)  # nobody reads it; aiohttp logs the status
-        try:
-            done = pump.result()
-        except EngineError as exc:
-            return error_response(_ENGINE_STATUS.get(exc.code, 500), exc.code, str(exc))
+        done = audio_input.outcome
+        if isinstance(done, EngineError):
+            return engine_request_error(done).response()
         if done is None:
             return error_response(500, "aborted", "The transcription was aborted")
         return _answer(done, response_format, granularities, fields)
     finally:
-        await session.abort("request_ended")  # no-op once done; frees the engine when the handler fails
-        feeder.cancel()
-        # An aborted session's iterator ends by itself (the engine delivers its end), so the pump gets to
-        # count the outcome; the timeout only guards against an engine that died meanwhile.
-        await asyncio.wait([pump], timeout=_PUMP_END_S)
-        pump.cancel()
-        for result in await asyncio.gather(feeder, pump, return_exceptions=True):
-            if isinstance(result, Exception) and not isinstance(result, (EngineError, asyncio.CancelledError)):
-                logger.warning("transcription task failed: %r", result)
+        await asyncio.shield(streaming_input.end_request(state, handle, feeder))
+
+
+async def _streaming_input(request: web.Request, state) -> web.StreamResponse:
+    """Mode A: the NDJSON body's audio chunks feed one transcription, answered as SSE meanwhile."""
+    objects = streaming_input.ndjson_objects(request, state.config.limits)
+    params, first_chunk = await streaming_input.first_object(objects)
+    if "model" in params:
+        check_model(state, params["model"], "realtime")
+    else:
+        check_kind(state, "realtime")
+    if streaming_input.parse_modality(params, "audio") != "audio":
+        raise RequestError(422, "unsupported_modality", "/v1/audio/transcriptions takes audio", "modality")
+    policy = streaming_input.parse_start_policy(params, "audio")
+    audio_input = AudioInput(state, parse_delay_ms(params, state, "delay_ms"), sse.EventLog())
+    return await streaming_input.serve_mode_a(request, state, audio_input, policy, objects, first_chunk)
 
 
 # -- answers ----------------------------------------------------------------------------------------------
@@ -294,4 +388,4 @@ def _subtitles(segments: list[dict], separator: str) -> str:
 
 
 def add_transcription_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/audio/transcriptions", transcriptions)
+    app.router.add_post("/v1/audio/transcriptions", holds_stream(transcriptions))

@@ -9,7 +9,10 @@ pushes back on the client); events to the client are sent one at a time and awai
 stops reading stalls its own connection, never the server's memory, until `send_timeout_s` closes it.
 """
 import asyncio
+import collections
 import dataclasses
+import hashlib
+import math
 import time
 
 from jaxstream.models.audio import SAMPLING_RATE
@@ -22,16 +25,18 @@ CLOSE_POLICY_VIOLATION = 1008  # the client stopped reading
 CLOSE_INTERNAL_ERROR = 1011
 CLOSE_TRY_AGAIN_LATER = 1013  # the engine is still compiling
 CLOSE_IDLE = 4000
+CLOSE_UNAUTHORIZED = 4001  # /ws: bad or missing API key (sent after the upgrade)
 CLOSE_CAPACITY = 4002
 CLOSE_MAX_DURATION = 4003
 
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    # Open WebSocket connections; None: twice the engine's max_sessions (a connection between utterances
-    # holds no engine session, so the engine's own cap is the binding one while all are busy).
+    # Open WebSocket connections and HTTP streams (requests that run an engine session, Mode B sessions);
+    # None: twice the engine's max_sessions (a connection between utterances holds no engine session, so
+    # the engine's own cap is the binding one while all are busy).
     max_connections: int | None = None
-    idle_timeout_s: float = 150.0  # no message from the client for this long: close 4000
+    idle_timeout_s: float = 150.0  # no message from the client for this long: close 4000 (a Mode A body: 408)
     max_session_seconds: float = 5400.0  # connection age: close 4003 (90 min, as the /ws guide)
     max_audio_seconds: float = 7200.0  # audio one connection may send in all
     max_pending_seconds: float = 30.0  # audio held while no utterance runs (before a commit)
@@ -39,6 +44,12 @@ class Limits:
     max_message_bytes: int = 4 << 20  # larger frames close the socket with 1009 (aiohttp)
     send_timeout_s: float = 30.0  # one event not taken by the client within this: close 1008
     heartbeat_s: float | None = 30.0  # protocol pings to notice dead peers; None: only answer pings
+    # HTTP streaming input (specs/realtime_protocols.md §7): payload one Mode A request or Mode B session
+    # may send (the RFC's max_payload_per_session; 256 MiB of PCM16 is about 2 h 20 min at 16 kHz).
+    max_payload_per_session: int = 256 << 20
+    # Per key, over every route (KeyLimits); None: no limit.
+    max_streams_per_key: int | None = None  # open WebSockets + streaming HTTP requests + Mode B sessions
+    max_requests_per_minute_per_key: int | None = None  # HTTP requests and WebSocket handshakes
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -97,3 +108,123 @@ async def watch_deadlines(clock: Clock, limits: Limits) -> Breach:
             return idle_breach(limits)
         # Sleep to the earlier deadline; activity in the meantime moves idle_at, so check again then.
         await asyncio.sleep(min(idle_at, expires_at) - now + 0.01)
+
+
+class RollingWindowLimiter:
+    """At most `limit` events in any `window_s` seconds: a true rolling window (the times of the last
+    `limit` accepted events), so a burst at a fixed window's edge cannot pass twice the limit. Refused
+    events are not counted: a client that keeps sending past the limit gets through again as soon as
+    its older events leave the window."""
+
+    def __init__(self, limit: int, window_s: float):
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1 or not window_s > 0:
+            raise ValueError(f"a rate limit needs a positive count and window, got {limit!r} per {window_s!r} s")
+        self.limit = limit
+        self.window_s = window_s
+        self._accepted = collections.deque(maxlen=limit)  # monotonic times, oldest first
+
+    def allow(self) -> bool:
+        """Counts one event now and returns True, or returns False (not counted) when it would exceed the limit."""
+        now = time.monotonic()
+        if len(self._accepted) == self.limit and now - self._accepted[0] < self.window_s:
+            return False
+        self._accepted.append(now)  # a full deque drops its oldest time, which has left the window
+        return True
+
+    def retry_after(self) -> float:
+        """Seconds until `allow` can succeed again (0 when it can now)."""
+        if len(self._accepted) < self.limit:
+            return 0.0
+        return max(0.0, self._accepted[0] + self.window_s - time.monotonic())
+
+
+# -- per-key limits, shared by the WebSocket and HTTP routes ---------------------------------------------------
+class KeyLimits:
+    """At most `max_streams_per_key` open streams (WebSocket connections, streaming HTTP requests, Mode B
+    sessions) and `max_requests_per_minute_per_key` requests (HTTP calls and WebSocket handshakes) per
+    client key: the API key presented when the server requires keys, else the client's address (a key
+    the server does not check would let a client pick a fresh identity per request)."""
+
+    _SWEEP_AT = 4096  # rate windows kept before the idle ones are dropped
+
+    def __init__(self, limits: Limits, by_api_key: bool):
+        self.max_streams = limits.max_streams_per_key
+        self.max_requests = limits.max_requests_per_minute_per_key
+        self.by_api_key = by_api_key
+        self._streams: collections.Counter = collections.Counter()
+        self._rates: dict[str, tuple[RollingWindowLimiter, float]] = {}  # key -> (window, last request time)
+
+    def key_of(self, request) -> str:
+        from jaxstream.serving.auth import presented_key
+
+        if self.by_api_key:
+            # A digest, so the accounting never holds the secret itself.
+            return "key:" + hashlib.sha256((presented_key(request) or "").encode()).hexdigest()[:24]
+        return f"addr:{request.remote}"
+
+    def request_wait(self, key: str) -> float | None:
+        """Counts one request of `key`: None when it is allowed, else the seconds before one would be."""
+        if self.max_requests is None:
+            return None
+        now = time.monotonic()
+        if len(self._rates) >= self._SWEEP_AT:
+            self._rates = {k: v for k, v in self._rates.items() if now - v[1] < 60.0}
+        window = self._rates[key][0] if key in self._rates else RollingWindowLimiter(self.max_requests, 60.0)
+        self._rates[key] = (window, now)
+        return None if window.allow() else max(1.0, window.retry_after())
+
+    def open_stream(self, key: str) -> bool:
+        """Counts one more open stream of `key`; False (not counted) at its limit."""
+        if self.max_streams is not None and self._streams[key] >= self.max_streams:
+            return False
+        self._streams[key] += 1
+        return True
+
+    def close_stream(self, key: str) -> None:
+        self._streams[key] -= 1
+        if self._streams[key] <= 0:
+            del self._streams[key]
+
+
+def holds_stream(handler):
+    """Marks an HTTP route handler whose request counts as an open stream of its key while it runs."""
+    handler.holds_key_stream = True
+    return handler
+
+
+def too_many_requests(message: str, retry_after: float):
+    from aiohttp import web
+
+    return web.json_response({"error": {"message": message, "type": "rate_limit_error", "param": None,
+                                        "code": "rate_limit_exceeded"}},
+                             status=429, headers={"Retry-After": str(math.ceil(retry_after))})
+
+
+def key_limits_middleware(key_limits: KeyLimits, open_paths):
+    """Applies `key_limits` to every request but those to `open_paths`: 429 with Retry-After over the
+    request rate; WebSocket handshakes and `holds_stream` handlers also hold one of the key's streams
+    while they run (429 before any upgrade when the key has none left)."""
+    from aiohttp import web
+
+    @web.middleware
+    async def limit_per_key(request, handler):
+        if request.path in open_paths:
+            return await handler(request)
+        key = key_limits.key_of(request)
+        wait = key_limits.request_wait(key)
+        if wait is not None:
+            return too_many_requests(f"More than {key_limits.max_requests} requests in a minute; retry "
+                                     f"in {math.ceil(wait)} s", wait)
+        stream = (request.headers.get("Upgrade", "").lower() == "websocket"
+                  or getattr(request.match_info.handler, "holds_key_stream", False))
+        if not stream:
+            return await handler(request)
+        if not key_limits.open_stream(key):
+            return too_many_requests(f"This key already has {key_limits.max_streams} open streams; close one "
+                                     "or retry later", 1.0)
+        try:
+            return await handler(request)
+        finally:
+            key_limits.close_stream(key)
+
+    return limit_per_key

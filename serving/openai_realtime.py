@@ -26,6 +26,12 @@ jaxstream choices where OpenAI's behaviour does not carry over:
 - An item shorter than MIN_COMMIT_MS cannot be committed (`input_audio_buffer_commit_empty`; the audio
   stays in the open item).
 - `audio/pcm` takes only `rate: 24000`, as OpenAI; G.711 is 8 kHz. The engine resamples either.
+- `rate_limits.updated` follows `session.created` and every `session.updated`, with this connection's
+  budgets (serving/limits.py) instead of OpenAI's request and token rates, which a transcription session
+  here does not have: `audio_seconds` (audio it may still send) and `session_seconds` (how long it may
+  still stay open); neither resets while the connection is open (`reset_seconds: null`).
+- No `...transcription.segment` events: they carry diarisation (a speaker per segment), which the model
+  does not produce; the spec makes them optional.
 """
 import asyncio
 import json
@@ -39,8 +45,9 @@ from jaxstream.engine.transcription_session import TranscriptionDelta, Transcrip
 from jaxstream.errors import EngineError
 from jaxstream.models.audio import SLOT_SECONDS
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_g711_base64, decode_pcm16_base64
-from jaxstream.serving.vad import SEMANTIC_SILENCE_MS, SpeechDetector, VadConfig
-from jaxstream.serving.websocket import ConnectionClosed, start_session
+from jaxstream.serving.engine_sessions import start_session
+from jaxstream.serving.vad import TurnDetectionError, TurnSegmenter, parse_turn_detection, vad_config
+from jaxstream.serving.websocket import ConnectionClosed
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +92,10 @@ class OpenAiRealtime:
         self.transcription = {"model": server.model_id, "language": None, "prompt": "", "delay": None}
         self.noise_reduction: str | None = None
         self.turn_detection: dict | None = None
-        self.detector: SpeechDetector | None = None
+        self.segmenter: TurnSegmenter | None = None  # with turn_detection
         self.open: _Item | None = None  # the item audio goes to now
         self.last_item_id: str | None = None
         self.stream_samples = 0  # input-rate samples appended on this connection (the VAD's clock)
-        self.prefix = np.zeros(0, np.float32)  # VAD: recent audio outside speech, for prefix_padding_ms
-        self.idle_from = 0  # VAD: where the current stretch without speech began, in samples
         self._lock = asyncio.Lock()  # one state transition at a time (reader vs. event pumps)
         self._items: dict[str, _Item] = {}  # every item whose engine session is not over
         self._pumps: set[asyncio.Task] = set()
@@ -111,6 +116,7 @@ class OpenAiRealtime:
         """`first_frame`: the event that switched the connection to this dialect, answered first."""
         await self._send("transcription_session.created" if self.beta else "session.created",
                          session=self._session_object(self.beta))
+        await self._send_rate_limits()
         if first_frame is not None:
             async with self._lock:
                 await self._handle(first_frame)
@@ -136,8 +142,8 @@ class OpenAiRealtime:
                 self.conn.stop(self.server.drain_breach())
 
     async def release(self) -> None:
-        if self.detector is not None:
-            self.detector.close()
+        if self.segmenter is not None:
+            self.segmenter.close()
         items, self._items = list(self._items.values()), {}  # before the pumps end and forget them
         pumps = list(self._pumps)
         for task in pumps:
@@ -223,6 +229,7 @@ class OpenAiRealtime:
             self._restart_vad()
         await self._send("transcription_session.updated" if beta else "session.updated",
                          session=self._session_object(beta))
+        await self._send_rate_limits()
 
     def _parse_format(self, value, param: str, beta: bool) -> str:
         if beta:
@@ -262,27 +269,10 @@ class OpenAiRealtime:
         return changes
 
     def _parse_turn_detection(self, value, param: str, beta: bool) -> dict | None:
-        if value is None:
-            return None
-        if not isinstance(value, dict) or value.get("type") not in ("server_vad", "semantic_vad"):
-            raise ClientError("invalid_value", "turn_detection.type must be server_vad or semantic_vad", param)
-        if value["type"] == "semantic_vad":
-            eagerness = value.get("eagerness", "auto")
-            if eagerness not in SEMANTIC_SILENCE_MS:
-                raise ClientError("invalid_value", f"eagerness must be one of {', '.join(SEMANTIC_SILENCE_MS)}",
-                                  f"{param}.eagerness")
-            return {"type": "semantic_vad", "eagerness": eagerness}
-        config = VadConfig()
-        checks = {"threshold": (0.0, 1.0), "prefix_padding_ms": (0, 10_000), "silence_duration_ms": (0, 10_000),
-                  "idle_timeout_ms": (5_000, 30_000)}  # OpenAI's idle_timeout_ms range
-        result = {"type": "server_vad"}
-        for key, (low, high) in checks.items():
-            number = value.get(key, getattr(config, key))
-            if number is not None and (isinstance(number, bool) or not isinstance(number, (int, float))
-                                       or not low <= number <= high):
-                raise ClientError("invalid_value", f"{key} must be a number in [{low}, {high}]", f"{param}.{key}")
-            result[key] = number
-        return result
+        try:
+            return parse_turn_detection(value)
+        except TurnDetectionError as exc:
+            raise ClientError("invalid_value", str(exc), f"{param}.{exc.field}" if exc.field else param) from None
 
     def _parse_noise_reduction(self, value, param: str, beta: bool) -> str | None:
         if value is None:
@@ -309,11 +299,11 @@ class OpenAiRealtime:
                               f"{self.limits.max_audio_seconds:g} s of audio; open a new one")
         self.conn.audio_seconds += seconds
         self.server.metrics.audio_seconds.inc(seconds)
-        start, self.stream_samples = self.stream_samples, self.stream_samples + pcm.size  # even if feeding fails
-        if self.detector is None:
+        self.stream_samples += pcm.size  # even if feeding fails
+        if self.segmenter is None:
             await self._feed(self.open or await self._open_item(), pcm)
         else:
-            await self._detect(pcm, start)
+            await self._detect(pcm)
 
     async def _on_commit(self, event: dict) -> None:
         item = self.open
@@ -326,72 +316,45 @@ class OpenAiRealtime:
 
     async def _on_clear(self, event: dict) -> None:
         await self._drop_open()
-        self.prefix = self.prefix[:0]
+        if self.segmenter is not None:
+            self.segmenter.clear()
         await self._send("input_audio_buffer.cleared")
 
     # -- server VAD -----------------------------------------------------------------------------------
     def _restart_vad(self) -> None:
-        if self.detector is not None:
-            self.detector.close()
-            self.detector = None
-        settings = self.turn_detection
-        if settings is None:
-            return
-        if settings["type"] == "semantic_vad":
-            config = VadConfig(silence_duration_ms=SEMANTIC_SILENCE_MS[settings["eagerness"]])
-        else:
-            config = VadConfig(settings["threshold"], int(settings["prefix_padding_ms"]),
-                               int(settings["silence_duration_ms"]), settings["idle_timeout_ms"])
-        self.detector = SpeechDetector(config, self.rate)
-        self.idle_from = self.stream_samples
+        if self.segmenter is not None:
+            self.segmenter.close()
+            self.segmenter = None
+        if self.turn_detection is not None:
+            self.segmenter = TurnSegmenter(vad_config(self.turn_detection), self.rate, self.stream_samples)
 
-    async def _detect(self, pcm: np.ndarray, start: int) -> None:
-        """Splits `pcm` (from sample `start` of the stream) at the detector's events: speech goes to the
-        open item, the rest to the prefix. Silero runs inline on the event loop: about 0.6 ms per 32 ms
-        window, 2% of a core per live stream, less than a thread hop per append would cost."""
-        detector, cursor = self.detector, 0
-        for vad_event in detector.push(pcm):
-            at = min(max(vad_event.sample - start, cursor), pcm.size)
-            if vad_event.kind == "started":
-                self._keep_prefix(pcm[cursor:at])
+    async def _detect(self, pcm: np.ndarray) -> None:
+        """Routes `pcm` by the segmenter's turns: speech goes to the open item (opened at speech_started,
+        committed at speech_stopped), the rest is not transcribed. Silero runs inline on the event loop:
+        about 0.6 ms per 32 ms window, 2% of a core per live stream, less than a thread hop per append."""
+        segmenter = self.segmenter
+        for turn in segmenter.push(pcm):
+            if turn.kind == "started":
                 item_id = _item_id()
                 await self._send("input_audio_buffer.speech_started", item_id=item_id,
-                                 audio_start_ms=self._ms(vad_event.sample))
-                item = await self._open_item(item_id)
-                await self._feed(item, self.prefix)
-                self.prefix = self.prefix[:0]
-            else:
+                                 audio_start_ms=segmenter.ms(turn.sample))
+                await self._feed(await self._open_item(item_id), turn.audio)
+            elif turn.kind == "speech":  # a manual commit during speech leaves no item open: the rest is a new one
+                await self._feed(self.open or await self._open_item(), turn.audio)
+            elif turn.kind == "stopped":
                 item = self.open
                 if item is not None:
-                    await self._feed(item, pcm[cursor:at])
-                await self._send("input_audio_buffer.speech_stopped", audio_end_ms=self._ms(vad_event.sample),
+                    await self._feed(item, turn.audio)
+                await self._send("input_audio_buffer.speech_stopped", audio_end_ms=segmenter.ms(turn.sample),
                                  item_id=item.id if item is not None else None)
                 if item is not None:
                     await self._commit(item)
-                self.idle_from = vad_event.sample
-            cursor = at
-        if detector.in_speech:  # a manual commit during speech leaves no item open: the rest is a new one
-            await self._feed(self.open or await self._open_item(), pcm[cursor:])
-            return
-        self._keep_prefix(pcm[cursor:])
-        timeout_ms = detector.config.idle_timeout_ms
-        end = start + pcm.size
-        if timeout_ms and (end - self.idle_from) * 1000 >= timeout_ms * self.rate:
-            # OpenAI commits the (silent) buffer when nobody spoke for idle_timeout_ms.
-            item = await self._open_item()
-            await self._send("input_audio_buffer.timeout_triggered", item_id=item.id,
-                             audio_start_ms=self._ms(self.idle_from), audio_end_ms=self._ms(end))
-            await self._feed(item, self.prefix)
-            self.prefix = self.prefix[:0]
-            await self._commit(item)
-            self.idle_from = end
-
-    def _keep_prefix(self, pcm: np.ndarray) -> None:
-        keep = self.detector.config.prefix_padding_ms * self.rate // 1000
-        self.prefix = np.concatenate([self.prefix, pcm])[-keep:] if keep else self.prefix[:0]
-
-    def _ms(self, sample: int) -> int:
-        return sample * 1000 // self.rate
+            else:  # OpenAI commits the (silent) buffer when nobody spoke for idle_timeout_ms
+                item = await self._open_item()
+                await self._send("input_audio_buffer.timeout_triggered", item_id=item.id,
+                                 audio_start_ms=segmenter.ms(turn.idle_from), audio_end_ms=segmenter.ms(turn.sample))
+                await self._feed(item, turn.audio)
+                await self._commit(item)
 
     # -- items ----------------------------------------------------------------------------------------
     async def _open_item(self, item_id: str | None = None) -> _Item:
@@ -519,6 +482,13 @@ class OpenAiRealtime:
     def _item_object(item: _Item, status: str, transcript: str | None) -> dict:
         return {"id": item.id, "object": "realtime.item", "type": "message", "status": status, "role": "user",
                 "content": [{"type": "input_audio", "transcript": transcript}]}
+
+    async def _send_rate_limits(self) -> None:
+        budgets = {"audio_seconds": (self.limits.max_audio_seconds, self.conn.audio_seconds),
+                   "session_seconds": (self.limits.max_session_seconds, self.conn.clock.age())}
+        await self._send("rate_limits.updated", rate_limits=[
+            {"name": name, "limit": int(limit), "remaining": max(0, int(limit - used)), "reset_seconds": None}
+            for name, (limit, used) in budgets.items()])
 
     async def _send(self, kind: str, **fields) -> None:
         await self.conn.send({"type": kind, "event_id": _event_id(), **fields})

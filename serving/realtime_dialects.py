@@ -1,20 +1,28 @@
 """Which dialect a `/v1/realtime` connection speaks (specs/realtime_protocols.md §4.2): OpenAI's
 transcription dialect (openai_realtime.py) or vLLM's protocol (vllm_realtime.py).
 
-OpenAI's when the handshake has `?intent=transcription`, a `model=` query or an `OpenAI-Beta` header
-(beta shape); else vLLM's, unless the first client event has the OpenAI shape (`DialectSwitch`). The
-`realtime` WebSocket subprotocol of browser clients is not negotiated (serving.websocket offers none).
+OpenAI's when the handshake has `?intent=transcription`, a `model=` query or the WebSocket subprotocol
+`realtime` (GA shape), or an `OpenAI-Beta: realtime=v1` header or the subprotocol `openai-beta.realtime-v1`
+(beta shape; browsers send the header's value as a subprotocol); else vLLM's, unless the first client event
+has the OpenAI shape (`DialectSwitch`). The server selects the first of SUBPROTOCOLS the client offers, as a
+browser's WebSocket requires when it offered any; the API key a browser offers as
+`openai-insecure-api-key.<key>` is serving.auth's.
 """
 import json
 
+from jaxstream.serving.auth import offered_subprotocols
 from jaxstream.serving.openai_realtime import OpenAiRealtime
+
+REALTIME, BETA_SUBPROTOCOL = "realtime", "openai-beta.realtime-v1"
+SUBPROTOCOLS = (REALTIME, BETA_SUBPROTOCOL)  # the ones the server may select in the handshake
 
 
 def handshake_dialect(request) -> str | None:
     """"openai" or "beta" when the handshake asks for OpenAI's dialect (spec §4.2), else None."""
-    if request.headers.get("OpenAI-Beta", "").strip().startswith("realtime"):
+    offered = offered_subprotocols(request)
+    if request.headers.get("OpenAI-Beta", "").strip().startswith("realtime") or BETA_SUBPROTOCOL in offered:
         return "beta"
-    if request.query.get("intent") == "transcription" or "model" in request.query:
+    if request.query.get("intent") == "transcription" or "model" in request.query or REALTIME in offered:
         return "openai"
     return None
 

@@ -12,6 +12,10 @@ Turn logic (OpenAI's `server_vad` parameters): speech starts at the first window
 more; it stops once windows have scored below `threshold - 0.15` (Silero's hysteresis) for
 `silence_duration_ms`, and the stop is placed where that silence began. `semantic_vad` has no semantic
 model here: its eagerness picks a silence duration (SEMANTIC_SILENCE_MS), the rest is server VAD.
+
+Protocols use it in two layers: `parse_turn_detection` checks a client's `turn_detection` object (OpenAI's
+shape, whichever protocol carries it), and `TurnSegmenter` cuts a connection's audio stream into turns
+(speech with `prefix_padding_ms` before it), so a protocol only maps turn events to its wire events.
 """
 import dataclasses
 import logging
@@ -125,3 +129,128 @@ class SpeechDetector:
         model, self._model = self._model, None
         if model is not None:
             _POOL.release(model)
+
+
+class TurnDetectionError(ValueError):
+    """A `turn_detection` object the client got wrong; `field` names the offending key ("" for the object)."""
+
+    def __init__(self, message: str, field: str = ""):
+        super().__init__(message)
+        self.field = field
+
+
+# OpenAI's accepted ranges of the server_vad numbers (idle_timeout_ms: 5 to 30 s).
+_SERVER_VAD_RANGES = {"threshold": (0.0, 1.0), "prefix_padding_ms": (0, 10_000), "silence_duration_ms": (0, 10_000),
+                      "idle_timeout_ms": (5_000, 30_000)}
+
+
+def parse_turn_detection(value) -> dict | None:
+    """The effective settings of OpenAI's `turn_detection` object (defaults filled in; None: no VAD, manual
+    commits); raises TurnDetectionError."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in ("server_vad", "semantic_vad"):
+        raise TurnDetectionError("turn_detection.type must be server_vad or semantic_vad")
+    if value["type"] == "semantic_vad":
+        eagerness = value.get("eagerness", "auto")
+        if eagerness not in SEMANTIC_SILENCE_MS:
+            raise TurnDetectionError(f"eagerness must be one of {', '.join(SEMANTIC_SILENCE_MS)}", "eagerness")
+        return {"type": "semantic_vad", "eagerness": eagerness}
+    defaults = VadConfig()
+    settings = {"type": "server_vad"}
+    for key, (low, high) in _SERVER_VAD_RANGES.items():
+        number = value.get(key, getattr(defaults, key))
+        if number is not None and (isinstance(number, bool) or not isinstance(number, (int, float))
+                                   or not low <= number <= high):
+            raise TurnDetectionError(f"{key} must be a number in [{low}, {high}]", key)
+        settings[key] = number
+    return settings
+
+
+def vad_config(settings: dict) -> VadConfig:
+    """The detector configuration of settings from `parse_turn_detection`."""
+    if settings["type"] == "semantic_vad":
+        return VadConfig(silence_duration_ms=SEMANTIC_SILENCE_MS[settings["eagerness"]])
+    return VadConfig(settings["threshold"], int(settings["prefix_padding_ms"]), int(settings["silence_duration_ms"]),
+                     settings["idle_timeout_ms"])
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnEvent:
+    """One step of a segmented stream, positions in input-rate samples since the connection's first audio.
+
+    kind "started": speech starts at `sample`; `audio` is the prefix padding before it, the turn's first audio.
+    kind "speech":  `audio` belongs to the turn in progress.
+    kind "stopped": speech ended at `sample`; `audio` is the turn's last speech, up to that point.
+    kind "timeout": nobody spoke from `idle_from` to `sample` (idle_timeout_ms); `audio` is the prefix padding.
+    """
+    kind: str
+    sample: int
+    audio: np.ndarray
+    idle_from: int | None = None
+
+
+class TurnSegmenter:
+    """Cuts one connection's audio stream into turns with a SpeechDetector: speech and `prefix_padding_ms`
+    before it belong to a turn, audio outside speech does not (only its last `prefix_padding_ms` is kept, for
+    the next turn). `stream_start`: samples of the stream already appended before the segmenter existed, so
+    positions stay on the connection's clock."""
+
+    def __init__(self, config: VadConfig, input_rate: int, stream_start: int = 0):
+        self.config = config
+        self.input_rate = input_rate
+        self._detector = SpeechDetector(config, input_rate)
+        self._origin = stream_start  # stream position of the detector's first sample
+        self._samples = stream_start  # stream position of the next sample pushed
+        self._idle_from = stream_start  # where the current stretch without speech began
+        self._keep = config.prefix_padding_ms * input_rate // 1000
+        self._prefix = np.zeros(0, np.float32)
+
+    def push(self, pcm: np.ndarray) -> list[TurnEvent]:
+        """The turn events of the next `pcm` of the stream, in stream order."""
+        start = self._samples
+        self._samples += pcm.size
+        events, cursor = [], 0
+        for vad_event in self._detector.push(pcm):
+            sample = self._origin + vad_event.sample
+            at = min(max(sample - start, cursor), pcm.size)
+            if vad_event.kind == "started":
+                self._keep_prefix(pcm[cursor:at])
+                events.append(TurnEvent("started", sample, self._prefix))
+                self._prefix = pcm[:0]
+            else:
+                events.append(TurnEvent("stopped", sample, pcm[cursor:at]))
+                self._idle_from = sample
+            cursor = at
+        if self._detector.in_speech:
+            if cursor < pcm.size:
+                events.append(TurnEvent("speech", start + cursor, pcm[cursor:]))
+            return events
+        self._keep_prefix(pcm[cursor:])
+        timeout_ms = self.config.idle_timeout_ms
+        if timeout_ms and (self._samples - self._idle_from) * 1000 >= timeout_ms * self.input_rate:
+            events.append(TurnEvent("timeout", self._samples, self._prefix, idle_from=self._idle_from))
+            self._prefix = pcm[:0]
+            self._idle_from = self._samples
+        return events
+
+    def clear(self) -> None:
+        """Forgets the audio kept for the next turn's prefix padding."""
+        self._prefix = self._prefix[:0]
+
+    def restart(self) -> None:
+        """A fresh detector from here on (the client ended the stream): speech in progress is forgotten and
+        the next speech is a new turn; the stream clock goes on."""
+        self._detector.close()
+        self._detector = SpeechDetector(self.config, self.input_rate)
+        self._origin = self._idle_from = self._samples
+        self.clear()
+
+    def ms(self, sample: int) -> int:
+        return sample * 1000 // self.input_rate
+
+    def _keep_prefix(self, pcm: np.ndarray) -> None:
+        self._prefix = np.concatenate([self._prefix, pcm])[-self._keep:] if self._keep else self._prefix[:0]
+
+    def close(self) -> None:
+        self._detector.close()

@@ -24,6 +24,25 @@ Where vLLM 0.33 silently misbehaves, the default ("strict") mode answers instead
 
 Neither mode reproduces vLLM's bugs: a stray `final` never poisons the next utterance, and deltas are never
 empty (the engine streams text only). On the SageMaker route binary frames are UTF-8 JSON.
+
+Server VAD, a jaxstream extension (strict mode only; `--compat vllm` ignores the field as vLLM does):
+`session.update` may carry OpenAI's `turn_detection` object (`{"type": "server_vad", "threshold",
+"prefix_padding_ms", "silence_duration_ms", "idle_timeout_ms"}`, `{"type": "semantic_vad", "eagerness"}`, or
+null to turn it off; serving/vad.py), echoed in `session.updated`. Then the server segments the audio with
+Silero and the client's commits are not needed:
+
+- speech start: `jaxstream.speech_started{audio_start_ms}`; an utterance starts with `prefix_padding_ms` of
+  the audio before the speech. Audio outside speech is not transcribed.
+- speech end: `jaxstream.speech_stopped{audio_end_ms}`; the utterance's audio ends (as `commit{final}`), its
+  `transcription.done` follows. Each `speech_started` is answered by exactly one `transcription.done` or
+  `error`, in order: a turn that starts while the previous one finishes transcribes at once, and its
+  events follow the previous `done`.
+- `idle_timeout_ms` of no speech: `jaxstream.timeout_triggered{audio_start_ms, audio_end_ms}` (nothing to
+  transcribe: no utterance).
+- `commit{}` does nothing; `commit{final: true}` ends the turn in progress there (its `done` follows, no
+  `speech_stopped`), and the next speech is a new turn.
+- Times are milliseconds of the connection's audio stream; `turn_detection` changes only while no
+  utterance takes audio, and audio held for the next commit when it is turned on is segmented too.
 """
 import asyncio
 import json
@@ -37,8 +56,10 @@ from jaxstream.engine.transcription_session import TranscriptionDelta, Transcrip
 from jaxstream.errors import EngineError
 from jaxstream.models.audio import SAMPLING_RATE  # the protocol's audio rate, never negotiated
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_pcm16_base64
+from jaxstream.serving.engine_sessions import failure_of, start_session
 from jaxstream.serving.limits import CLOSE_UNSUPPORTED_DATA, Breach
-from jaxstream.serving.websocket import ConnectionClosed, start_session
+from jaxstream.serving.vad import TurnDetectionError, TurnSegmenter, parse_turn_detection, vad_config
+from jaxstream.serving.websocket import ConnectionClosed
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +91,7 @@ class _Utterance:
         self.final_at: float | None = None
         self.first_delta_seen = False
         self.pump: asyncio.Task | None = None
+        self.after: asyncio.Task | None = None  # VAD: the previous turn's pump, whose events go out first
 
 
 class VllmRealtime:
@@ -90,6 +112,11 @@ class VllmRealtime:
         self.next_commit = False  # strict: commit{} received during finalisation, starts at done
         self.next_final = False  # ... and its final commit too
         self.discarding = False  # strict: the engine ended the utterance early; drop audio until a commit
+        self.turn_detection: dict | None = None  # VAD settings (the extension in the module docstring)
+        self.segmenter: TurnSegmenter | None = None
+        self.stream_samples = 0  # audio appended on this connection, the VAD's clock
+        self._live: set[_Utterance] = set()  # every utterance whose engine session is not over
+        self._last_pump: asyncio.Task | None = None  # the latest utterance's
         self._lock = asyncio.Lock()  # one state transition at a time (reader vs. event pumps)
         self._pumps: set[asyncio.Task] = set()
         self._handlers = {
@@ -123,7 +150,7 @@ class VllmRealtime:
                 self.conn.stop(self.server.drain_breach())
 
     def busy(self) -> bool:
-        return self.utterance is not None or self.next_commit
+        return self.utterance is not None or self.next_commit or bool(self._live)
 
     async def finish_for_drain(self) -> None:
         async with self._lock:
@@ -139,12 +166,15 @@ class VllmRealtime:
 
     async def release(self) -> None:
         self.pending.clear()
+        if self.segmenter is not None:
+            self.segmenter.close()
+        live, self._live = list(self._live), set()  # before the pumps end and forget them
         pumps = list(self._pumps)
         for task in pumps:
             task.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
-        utterance, self.utterance = self.utterance, None
-        if utterance is not None:
+        self.utterance = None
+        for utterance in live:
             utterance.failed = True
             await utterance.session.abort(reason="client_disconnected")
             self.server.metrics.utterances.labels(outcome="aborted").inc()
@@ -189,12 +219,43 @@ class VllmRealtime:
             if isinstance(delay, bool) or not isinstance(delay, int) or delay not in allowed:
                 raise ProtocolError("invalid_request", f"transcription_delay_ms must be one of "
                                     f"{', '.join(map(str, allowed))}, got {_shown(delay)}")
-            self.delay_ms = delay
+        vad_asked = "turn_detection" in event and not self.compat  # vLLM ignores unknown fields
+        turn_detection = self._parse_turn_detection(event["turn_detection"]) if vad_asked else self.turn_detection
+        vad_moves = turn_detection != self.turn_detection
+        if vad_moves and (self.next_commit or (self.utterance is not None and not self.utterance.finalizing)):
+            raise ProtocolError("invalid_request", "turn_detection cannot change while a transcription takes "
+                                "audio: send input_audio_buffer.commit with final=true first")
+        self.delay_ms = delay if delay is not None else self.delay_ms
         self.validated = True
-        if not self.compat:
-            await self.conn.send({"type": "session.updated", "session": {
-                "id": self.session_id, "model": self.server.model_id,
-                "transcription_delay_ms": self.delay_ms or self.server.engine.default_delay_ms}})
+        if self.compat:
+            return
+        session = {"id": self.session_id, "model": self.server.model_id,
+                   "transcription_delay_ms": self.delay_ms or self.server.engine.default_delay_ms}
+        if vad_asked or self.turn_detection is not None:  # clients that never ask see vLLM's fields only
+            session["turn_detection"] = turn_detection
+        await self.conn.send({"type": "session.updated", "session": session})
+        if vad_moves:
+            self.turn_detection = turn_detection
+            await self._restart_vad()
+
+    def _parse_turn_detection(self, value) -> dict | None:
+        try:
+            return parse_turn_detection(value)
+        except TurnDetectionError as exc:
+            raise ProtocolError("invalid_request", f"turn_detection.{exc}" if exc.field else str(exc)) from None
+
+    async def _restart_vad(self) -> None:
+        """New VAD settings (no utterance runs): audio held for the next commit goes through the new VAD."""
+        if self.segmenter is not None:
+            self.segmenter.close()
+            self.segmenter = None
+        if self.turn_detection is None:
+            return
+        held, self.pending, self.pending_samples = self.pending, [], 0
+        self.segmenter = TurnSegmenter(vad_config(self.turn_detection), SAMPLING_RATE,
+                                       self.stream_samples - sum(pcm.size for pcm in held))
+        for pcm in held:
+            await self._segment(pcm)
 
     async def _on_append(self, event: dict) -> None:
         if "audio" not in event:
@@ -212,11 +273,22 @@ class VllmRealtime:
         if self.conn.audio_seconds + seconds > self.limits.max_audio_seconds:
             raise ProtocolError("audio_limit_exceeded", f"This connection reached its limit of "
                                 f"{self.limits.max_audio_seconds:g} s of audio; open a new one")
+        if self.segmenter is None:
+            await self._route(pcm)
+        else:
+            await self._segment(pcm)
+        self.stream_samples += pcm.size
+        self.conn.audio_seconds += seconds
+        self.server.metrics.audio_seconds.inc(seconds)
+
+    async def _route(self, pcm: np.ndarray) -> None:
+        """Audio to the running utterance, or held for the next one, or dropped (see the module docstring)."""
         utterance = self.utterance
         if utterance is not None and not utterance.finalizing:
             await self._feed(utterance, pcm)
-        elif (utterance is not None and self.compat) or self.discarding:
-            pass  # vLLM drains audio sent between final and done; strict drops audio the engine won't use
+        elif (utterance is not None and self.compat) or self.discarding or self.segmenter is not None:
+            pass  # vLLM drains audio sent between final and done; strict drops audio the engine won't use, and
+            # with VAD a turn's audio belongs to no later turn
         else:
             if self.pending_samples + pcm.size > self.limits.max_pending_seconds * SAMPLING_RATE:
                 raise ProtocolError("audio_limit_exceeded", f"More than {self.limits.max_pending_seconds:g} s "
@@ -224,8 +296,36 @@ class VllmRealtime:
                                     "input_audio_buffer.commit to start one")
             self.pending.append(pcm)
             self.pending_samples += pcm.size
-        self.conn.audio_seconds += seconds
-        self.server.metrics.audio_seconds.inc(seconds)
+
+    async def _segment(self, pcm: np.ndarray) -> None:
+        """VAD: each turn is an utterance, started at speech start and finalised at speech end. A turn whose
+        start or audio fails is reported and the rest of it dropped; the next turn starts afresh. Silero runs
+        inline on the event loop (about 0.6 ms per 32 ms window)."""
+        segmenter = self.segmenter
+        for turn in segmenter.push(pcm):
+            try:
+                if turn.kind == "started":
+                    await self.conn.send({"type": "jaxstream.speech_started",
+                                          "audio_start_ms": segmenter.ms(turn.sample)})
+                    await self._start(after=self._last_pump)  # a previous turn's events go out first
+                    await self._route(turn.audio)
+                elif turn.kind == "speech":
+                    await self._route(turn.audio)
+                elif turn.kind == "stopped":
+                    await self._route(turn.audio)
+                    await self.conn.send({"type": "jaxstream.speech_stopped",
+                                          "audio_end_ms": segmenter.ms(turn.sample)})
+                    await self._end_turn()
+                else:
+                    await self.conn.send({"type": "jaxstream.timeout_triggered", "audio_start_ms":
+                                          segmenter.ms(turn.idle_from), "audio_end_ms": segmenter.ms(turn.sample)})
+            except (ProtocolError, EngineError) as exc:  # the rest of the turn has no utterance: dropped
+                await self._error(exc.code, str(exc))
+
+    async def _end_turn(self) -> None:
+        utterance = self.utterance
+        if utterance is not None and not utterance.finalizing:
+            await self._finalize(utterance)
 
     async def _on_commit(self, event: dict) -> None:
         if not self.validated:
@@ -233,6 +333,11 @@ class VllmRealtime:
         final = event.get("final", False)
         if not isinstance(final, bool):
             raise ProtocolError("processing_error", f"Field final must be a boolean, got {_shown(final)}")
+        if self.segmenter is not None:  # VAD: the server commits; final ends the turn in progress
+            if final:
+                self.segmenter.restart()
+                await self._end_turn()
+            return
         utterance = self.utterance
         if not final:
             self.discarding = False
@@ -256,16 +361,19 @@ class VllmRealtime:
                                 "input_audio_buffer.commit without final to start one")
 
     # -- utterances -----------------------------------------------------------------------------------
-    async def _start(self) -> None:
+    async def _start(self, after: asyncio.Task | None = None) -> None:
         if self.server.draining:
             raise ProtocolError("draining", "The server is shutting down and starts no new transcription")
         session = await start_session(self.server.engine, self.delay_ms)
         utterance = _Utterance(session)
+        utterance.after = after
         self.utterance = utterance
+        self._live.add(utterance)
         self.conn.utterances += 1
         utterance.pump = asyncio.create_task(self._pump(utterance), name=f"{self.conn.id}-events")
         self._pumps.add(utterance.pump)
         utterance.pump.add_done_callback(self._pumps.discard)
+        self._last_pump = utterance.pump
         pending, self.pending, self.pending_samples = self.pending, [], 0
         for pcm in pending:
             await self._feed(utterance, pcm)
@@ -298,6 +406,7 @@ class VllmRealtime:
         """Ends `utterance` without a done (the caller reports why; outcome None: counted already)."""
         if self.utterance is utterance:
             self.utterance = None
+        self._live.discard(utterance)
         await utterance.session.abort(reason=outcome or "error")
         if outcome is not None:
             self.server.metrics.utterances.labels(outcome=outcome).inc()
@@ -307,6 +416,8 @@ class VllmRealtime:
         metrics = self.server.metrics
         finished = False
         try:
+            if utterance.after is not None:  # no item ids in this protocol: one utterance's events at a time
+                await asyncio.wait({utterance.after})
             async for event in utterance.session:
                 if isinstance(event, TranscriptionDelta):
                     if not utterance.first_delta_seen and utterance.first_audio_at is not None:
@@ -322,12 +433,7 @@ class VllmRealtime:
         except ConnectionClosed:
             return
         except Exception as exc:  # noqa: BLE001 - EngineError by contract; anything else is a bug, same answer
-            if isinstance(exc, EngineError):
-                logger.warning("%s: transcription failed: %s", self.conn.id, exc)
-                code, message = exc.code, str(exc) or type(exc).__name__
-            else:
-                logger.exception("%s: the engine's event stream failed", self.conn.id)
-                code, message = "processing_error", "Internal error in the transcription"
+            code, message = failure_of(self.conn.id, exc)
             if not utterance.failed:
                 utterance.failed = True
                 metrics.utterances.labels(outcome="error").inc()
@@ -336,12 +442,15 @@ class VllmRealtime:
             utterance.failed = True
             metrics.utterances.labels(outcome="error").inc()
             await self._error("processing_error", "The transcription ended without a result")
+        self._live.discard(utterance)
         async with self._lock:
             await self._ended(utterance, early=finished and not utterance.finalizing)
 
     async def _ended(self, utterance: _Utterance, *, early: bool) -> None:
-        if self.utterance is not utterance:
-            return  # already dropped (empty commit, append failure) or released
+        if self.utterance is not utterance:  # dropped (empty commit, append failure), or a VAD turn behind
+            if self.server.draining and not self.busy():  # a newer one: the last one out closes a draining
+                self.conn.stop(self.server.drain_breach())  # connection
+            return
         self.utterance = None
         self.discarding = early and not self.compat
         if self.server.draining:

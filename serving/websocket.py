@@ -9,7 +9,8 @@ object with:
     busy() -> bool            an utterance is running or queued (draining waits for it)
     async finish_for_drain()  end the running utterance now, as if the client had sent its final commit
     async release()           abort every engine session it still holds (idempotent; always called)
-    error_event(code, msg)    the protocol's `error` event, sent before a server-side close
+    error_event(code, msg)    the protocol's `error` event, sent before a server-side close (a dict sent as
+                              JSON text, or bytes sent as one binary frame)
 
 Sends are awaited one at a time (no unbounded outgoing queue): a client that stops reading stalls its own
 connection until `send_timeout_s`, then it is closed with 1008.
@@ -20,8 +21,6 @@ import logging
 import uuid
 
 from aiohttp import WSMsgType, web
-
-from jaxstream.models.audio import SAMPLING_RATE
 
 from jaxstream.serving.limits import (
     CLOSE_INTERNAL_ERROR, CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, Breach, Clock, watch_deadlines,
@@ -65,15 +64,15 @@ class Connection:
     def stopping(self) -> bool:
         return self._stopped.is_set()
 
-    async def send(self, event: dict) -> None:
-        """Sends one JSON event; raises ConnectionClosed once the connection is ending."""
+    async def send(self, event: dict | bytes) -> None:
+        """Sends one JSON event, or one binary frame already encoded (msgpack protocols); raises
+        ConnectionClosed once the connection is ending."""
         if self._stopped.is_set():
             raise ConnectionClosed
-        text = _dumps(event)
         try:
             async with self._send_lock:
                 async with asyncio.timeout(self.limits.send_timeout_s):
-                    await self.ws.send_str(text)
+                    await _send_event(self.ws, event)
         except TimeoutError:
             self.stop(Breach("slow_reader", CLOSE_POLICY_VIOLATION, None,
                              f"client did not read for {self.limits.send_timeout_s:g} s"))
@@ -108,13 +107,15 @@ class Connection:
                 return
 
 
-async def run_websocket(request: web.Request, server, route: str, make_protocol) -> web.WebSocketResponse:
-    """Serves one WebSocket of `server` (app.ServerState) with the protocol `make_protocol(connection)`."""
+async def run_websocket(request: web.Request, server, route: str, make_protocol, *,
+                        subprotocols: tuple[str, ...] = ()) -> web.WebSocketResponse:
+    """Serves one WebSocket of `server` (app.ServerState) with the protocol `make_protocol(connection)`;
+    the handshake selects the first of the client's subprotocols that is in `subprotocols`."""
     limits = server.config.limits
     # No permessage-deflate: base64 PCM barely compresses, and zlib on every 80 ms frame of every stream
     # cost more CPU than the JSON around it.
     ws = web.WebSocketResponse(max_msg_size=limits.max_message_bytes, heartbeat=limits.heartbeat_s,
-                               autoping=True, compress=False)
+                               autoping=True, compress=False, protocols=subprotocols)
     await ws.prepare(request)
     conn = Connection(ws, request, route, server)
     conn.protocol = make_protocol(conn)
@@ -177,12 +178,19 @@ async def _finish(conn: Connection) -> None:
         async with asyncio.timeout(_CLOSE_GRACE_S):
             if breach is not None and breach.error_code is not None:
                 conn.count_error(breach.error_code)
-                await ws.send_str(_dumps(conn.protocol.error_event(breach.error_code, breach.message)))
+                await _send_event(ws, conn.protocol.error_event(breach.error_code, breach.message))
             code = breach.close_code if breach is not None else CLOSE_NORMAL
             reason = (breach.message or breach.outcome).encode()[:123] if breach is not None else b""
             await ws.close(code=code, message=reason)
     except (TimeoutError, ConnectionError):
         pass  # the peer does not read or is gone; aiohttp drops the transport
+
+
+async def _send_event(ws, event: dict | bytes) -> None:
+    if isinstance(event, bytes):
+        await ws.send_bytes(event)
+    else:
+        await ws.send_str(_dumps(event))
 
 
 def _dumps(event: dict) -> str:
@@ -197,18 +205,3 @@ def _log_connection(conn: Connection, duration: float, outcome: str) -> None:
     logger.info("ws_connection %s", " ".join(f"{k}={v}" for k, v in fields.items()),
                 extra={"connection": fields})
 
-
-async def start_session(engine, delay_ms, sample_rate: int = SAMPLING_RATE):
-    """`engine.start_transcription`, safe against cancellation: a session the engine creates after the
-    connection was torn down is aborted, never left holding engine capacity."""
-    task = asyncio.ensure_future(engine.start_transcription(delay_ms, sample_rate=sample_rate))
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        task.add_done_callback(_abort_orphan)
-        raise
-
-
-def _abort_orphan(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is None:
-        asyncio.ensure_future(task.result().abort(reason="client_disconnected"))

@@ -60,6 +60,28 @@ CASES = {
                              group=4, head_dim=64, scale=0.3),
 }
 
+# The XLA path gathers only the old positions a batch can reach, in static buckets picked per batch by its
+# longest visible history, min(length, W - 1) over sessions with new rows (xla.reach_buckets: 256, 512 and
+# 599 old positions for W = 600); the Pallas kernels visit only the pages holding such positions. One
+# batch per bucket edge, checked on every implementation (R = 640, so lengths past 640 have wrapped).
+REACH_CASES = {
+    # Exactly the first bucket's edge (256 positions) beside an empty session, a first token, and idle
+    # sessions (num_new = 0) whose long, wrapped histories must neither widen the reach nor show in their
+    # (zero) outputs.
+    "reach_at_edge": Case(lengths=(256, 0, 1, 700, 300), num_new=(1, 1, 1, 0, 0), chunk=1, window=600,
+                          page_size=128, group=4, head_dim=64, num_kv_heads=1),
+    # One past it: the second bucket.
+    "reach_past_edge": Case(lengths=(257, 10, 255), num_new=(1, 1, 1), chunk=1, window=600, page_size=128,
+                            group=4, head_dim=64, num_kv_heads=1),
+    # One long wrapped session among short ones takes the whole window; L = W - 1, W, W + 1 beside it.
+    "reach_mixed_long_short": Case(lengths=(2000, 5, 599, 600, 601, 0), num_new=(1, 1, 1, 1, 1, 1), chunk=1,
+                                   window=600, page_size=128, group=4, head_dim=64, num_kv_heads=1),
+    # A chunk longer than two query blocks in the middle bucket (512 < W - 1): later blocks see only the
+    # tail of the gathered history.
+    "reach_chunk_mid_bucket": Case(lengths=(400, 3), num_new=(150, 120), chunk=150, window=600, page_size=128,
+                                   group=1, head_dim=64, num_kv_heads=1),
+}
+
 
 def round_to(x, dtype):
     """float32 numpy values exactly representable in `dtype`."""
@@ -124,8 +146,15 @@ class RingAttentionTestBase:
     def test_matches_dense_oracle(self, case_name, dtype):
         if dtype not in self.dtypes:
             pytest.skip(f"{dtype} is covered by another backend class")
-        case = CASES[case_name]
-        args, history = build(case, dtype, seed=zlib.crc32(f"{case_name}/{dtype}".encode()))
+        self.check_against_oracle(CASES[case_name], dtype, seed=zlib.crc32(f"{case_name}/{dtype}".encode()))
+
+    @pytest.mark.parametrize("case_name", sorted(REACH_CASES))
+    def test_reach_edges_match_dense_oracle(self, case_name):
+        """Every reach bucket edge, in the first dtype of the class (the dtype sweep is above)."""
+        self.check_against_oracle(REACH_CASES[case_name], self.dtypes[0], seed=zlib.crc32(case_name.encode()))
+
+    def check_against_oracle(self, case, dtype, seed):
+        args, history = build(case, dtype, seed=seed)
         out, k_pages, v_pages = self.run(args, case.window, scale=case.scale)
         assert out.shape == args["q"].shape and out.dtype == args["q"].dtype
 
@@ -136,8 +165,7 @@ class RingAttentionTestBase:
         assert np.all(np.isfinite(out)), "padding or empty rows must stay finite"
         valid = np.arange(case.chunk)[None, :] < history["num_new"][:, None]
         np.testing.assert_allclose(out[valid], expected[valid], atol=self.tolerance[dtype], rtol=self.tolerance[dtype])
-        empty = (history["lengths"] == 0) & (history["num_new"] == 0)
-        assert np.all(out[empty] == 0), "an empty session outputs zeros"
+        assert np.all(out[history["num_new"] == 0] == 0), "a session without new rows outputs zeros"
 
         stop = history["lengths"] + history["num_new"]
         for name, pool, written in (("k", history["k_pool"], k_pages), ("v", history["v_pool"], v_pages)):

@@ -1,8 +1,14 @@
-"""`jaxstream bench` end to end on the tiny Voxtral fixture (a smoke run; no timing assertions)."""
+"""`jaxstream bench` end to end on the tiny Voxtral fixture (a smoke run; no timing assertions), and the
+report's logic on synthetic timings: latency percentiles, "no samples", and what counts as keeping up."""
 import json
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 from jaxstream.cli import main
+from jaxstream.engine.benchmark import BenchResult, keeps_up, percentiles
+from jaxstream.engine.residency import LatencyHistogram
 
 FIXTURE = Path(__file__).parent / "fixtures" / "voxtral_tiny"
 
@@ -14,8 +20,12 @@ def test_bench_runs_streams_and_reports(capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["streams"] == 2 and not result["paced"] and result["ticks"] >= 1
     assert result["tick_ms_p50"] <= result["tick_ms_p90"] <= result["tick_ms_p99"]
+    assert result["host_ms_p50"] <= result["host_ms_p99"] and result["host_cpu_ms_p50"] <= result["host_cpu_ms_p99"]
     # 1.2 s of audio at 480 ms delay: 15 real slots + 32 left + 17 right padding slots - 39 prompt = 25 tokens.
     assert abs(result["output_tokens_per_s"] * result["wall_seconds"] - 2 * 25) < 1e-6
+    # Every generated id (control ids included) is a latency sample, over the whole run.
+    assert result["latency_samples"] == 2 * 25
+    assert 0 < result["latency_ms_p50"] <= result["latency_ms_p99"]
     assert result["floor_ms"] > 0
 
 
@@ -23,3 +33,63 @@ def test_bench_user_errors(capsys):
     assert main(["bench", "--config", "tiny", "--streams", "2"]) == 2
     assert main(["bench", "--streams", "0,x"]) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_latency_histogram_percentiles_match_numpy_within_a_bin():
+    samples = np.random.default_rng(0).lognormal(np.log(0.05), 1.0, 5000)
+    histogram = LatencyHistogram()
+    for chunk in np.array_split(samples, 7):  # recorded tick by tick
+        histogram.record(chunk)
+    assert histogram.counts.sum() == samples.size
+    for q in (50, 90, 99):
+        exact = np.percentile(samples, q, method="inverted_cdf")
+        assert exact <= LatencyHistogram.percentile(histogram.counts, q) <= exact * 1.0101
+
+
+def test_no_latency_samples_is_reported_as_such_and_never_keeps_up():
+    assert LatencyHistogram.percentile(LatencyHistogram().counts, 99) is None
+    assert percentiles([], (50, 99)) == [None, None]
+    assert not keeps_up(paced=True, tick_ms_p99=10.0, latency_ms_p99=None, wall_seconds=1, audio_seconds=10)
+    assert not keeps_up(paced=True, tick_ms_p99=None, latency_ms_p99=100.0, wall_seconds=1, audio_seconds=10)
+    assert not keeps_up(paced=False, tick_ms_p99=10.0, latency_ms_p99=None, wall_seconds=1, audio_seconds=10)
+    result = BenchResult(streams=4, paced=True, audio_seconds=1.0, wall_seconds=1.5, ticks=0, rows_p50=None,
+                         tick_ms_p50=None, tick_ms_p90=None, tick_ms_p99=None, step_ms_p50=None, host_ms_mean=None,
+                         host_ms_p50=None, host_ms_p99=None, host_cpu_ms_p50=None, host_cpu_ms_p99=None,
+                         latency_samples=0, latency_ms_p50=None,
+                         latency_ms_p99=None, output_tokens_per_s=0.0, realtime_factor=2.7, keeps_up=False,
+                         floor_ms=1.0, step_over_floor=None)
+    text = "\n".join(result.lines())
+    assert "latency" in text and "p50/p99: no samples / no samples" in text
+    assert " 0 ms" not in text and "falls behind" in text
+
+
+@pytest.mark.parametrize("tick_p99, latency_p99, expected", [
+    (79.0, 390.0, True),
+    (81.0, 100.0, False),  # a tick over the 80 ms slot
+    (50.0, 401.0, False),  # tokens later than five slots after their audio: a backlog is building
+])
+def test_paced_keeps_up_needs_both_the_tick_and_the_latency_criterion(tick_p99, latency_p99, expected):
+    assert keeps_up(paced=True, tick_ms_p99=tick_p99, latency_ms_p99=latency_p99, wall_seconds=99.0,
+                    audio_seconds=10.0) is expected
+
+
+def test_as_fast_as_possible_keeps_up_when_every_stream_ends_within_its_duration():
+    assert keeps_up(paced=False, tick_ms_p99=500.0, latency_ms_p99=4000.0, wall_seconds=8.0, audio_seconds=10.0)
+    assert not keeps_up(paced=False, tick_ms_p99=500.0, latency_ms_p99=4000.0, wall_seconds=12.0, audio_seconds=10.0)
+
+
+def test_bench_pools_hold_one_whole_window_however_short_the_streams():
+    """A few short streams of the real Voxtral windows: the pools `jaxstream bench` sizes must still pass the
+    engine's check that one session's window fits (it refused 8 streams of 10 s before)."""
+    import math
+
+    from jaxstream.commands.bench import _pools_for
+    from jaxstream.engine.config import EngineConfig
+    from jaxstream.models.config import VOXTRAL_MINI_4B
+
+    config = _pools_for(EngineConfig(), VOXTRAL_MINI_4B, seconds=10, streams=1)
+    assert config.num_pages - 1 >= math.ceil(VOXTRAL_MINI_4B.text.attention_window / config.page_size)
+    assert config.encoder_num_pages - 1 >= math.ceil(VOXTRAL_MINI_4B.encoder.sliding_window
+                                                     / config.encoder_page_size)
+    many = _pools_for(EngineConfig(), VOXTRAL_MINI_4B, seconds=10, streams=64)
+    assert many.num_pages < 64 * math.ceil(VOXTRAL_MINI_4B.text.attention_window / config.page_size)  # paged

@@ -376,7 +376,7 @@ def test_declared_token_ids_prefer_generation_config(tmp_path):
         declared(config={"bos_token_id": [1, 2]})
 
 
-def test_hf_checkpoint_with_only_tokenizer_json(tmp_path):
+def test_hf_checkpoint_tokenizer_json_wins_over_tokenizer_model(tmp_path):
     from tokenizers import Tokenizer, models
 
     directory = copy_fixture(FIXTURES / "llama_tiny", tmp_path / "llama")
@@ -386,6 +386,9 @@ def test_hf_checkpoint_with_only_tokenizer_json(tmp_path):
     tokenizer.save(str(directory / "tokenizer.json"))
     generation = json.loads((directory / "generation_config.json").read_text())
     (directory / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [2, 3]}))
+    # Hub repos of Llama/Mistral ship their original sentencepiece model too; its ids are not the checkpoint's
+    # in our Voxtral-layout SentencePieceTokenizer, so it must not be picked (never read: not a real model).
+    (directory / "tokenizer.model").write_bytes(b"the original sentencepiece model")
 
     loaded = loading.load_model(directory)
     assert loaded.tokenizer_path == directory / "tokenizer.json"
@@ -393,6 +396,13 @@ def test_hf_checkpoint_with_only_tokenizer_json(tmp_path):
     assert (tokenizer.bos_id, tokenizer.eos_id) == (1, 2)  # the checkpoint's ids (the first EOS)
     assert tokenizer.encode("hello") == [3]
     assert loading.load_checkpoint_tokenizer(directory, None) is None
+
+    # `convert` keeps what the source declared: the engine stops at the same EOS ids after conversion.
+    converted = tmp_path / "converted"
+    assert cli.main(["convert", str(directory), str(converted)]) == 0
+    assert loading.declared_token_ids(converted) == loading.declared_token_ids(directory) == (1, (2, 3))
+    restored = loading.load_checkpoint_tokenizer(converted, loading.load_model(converted).tokenizer_path)
+    assert (restored.bos_id, restored.eos_id) == (1, 2)
 
 
 def test_missing_files(tmp_path):

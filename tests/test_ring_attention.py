@@ -11,12 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxstream.tpu_kernels import ring_attention
-from jaxstream.tpu_kernels.ring_attention import api, pallas_common, reference
+from jaxstream.tpu_kernels.ring_attention import api, pallas_common, positions, reference, xla
 
-from ring_attention_base import ACCELERATOR_TOLERANCE, CASES, Case, RingAttentionTestBase, build
+from ring_attention_base import ACCELERATOR_TOLERANCE, CASES, REACH_CASES, Case, RingAttentionTestBase, build
 
 BACKEND = jax.default_backend()
 
@@ -130,6 +132,38 @@ def test_nan_queries_leave_the_writes_intact(implementation, interpret):
         np.testing.assert_array_equal(np.asarray(written), expected)
 
 
+@pytest.mark.parametrize("case_name,reach", [
+    ("reach_at_edge", 256), ("reach_past_edge", 512), ("reach_mixed_long_short", 599),
+    ("reach_chunk_mid_bucket", 512)])
+def test_reach_cases_take_the_bucket_they_name(case_name, reach):
+    """The shared reach cases sit where they say (so every branch of the XLA path and every edge runs)."""
+    case = REACH_CASES[case_name]
+    assert xla.reach_buckets(case.window) == (256, 512, 599)
+    bucket = xla.reach_bucket(jnp.asarray(case.lengths, jnp.int32), jnp.asarray(case.num_new, jnp.int32), case.window)
+    assert xla.reach_buckets(case.window)[int(bucket)] == reach
+
+
+@pytest.mark.parametrize("window,expected", [(1, (0,)), (24, (23,)), (257, (256,)), (258, (256, 257)),
+                                             (750, (256, 512, 749)), (8192, (256, 512, 1024, 2048, 4096, 8191))])
+def test_reach_buckets(window, expected):
+    assert xla.reach_buckets(window) == expected
+
+
+@given(length=st.integers(0, 300), num_new=st.integers(0, 3), window=st.integers(1, 70),
+       page_size=st.sampled_from([1, 4, 16, 32]))
+@settings(deadline=None)  # Eager jnp calls on a shared CI box; no timing is asserted.
+def test_pallas_kernels_visit_only_pages_in_the_window(length, num_new, window, page_size):
+    """The page range both Pallas kernels walk (the portable kernel's loop, the TPU kernel's index map) is
+    exactly the set of logical pages holding a written position some query can see, each once: pages
+    never written or wholly outside the window are not fetched."""
+    pages_per_window = -(-window // page_size)
+    first, count = (int(x) for x in positions.visible_pages(length, num_new, window, page_size, pages_per_window))
+    visited = [(first + t) % pages_per_window for t in range(count)]
+    seen = range(max(0, length - window + 1), length) if num_new else range(0)
+    assert len(visited) == len(set(visited))
+    assert set(visited) == {(p // page_size) % pages_per_window for p in seen}
+
+
 def test_default_implementation_per_platform(monkeypatch):
     pages = jnp.zeros((4, 2, 16, 64), jnp.bfloat16)
     assert api.choose_implementation(pages) == "xla"  # The tests run on CPU.
@@ -190,16 +224,18 @@ def test_invalid_inputs_are_clear_errors(changes, message):
         ring_attention(**_mutated(**changes))
 
 
-@pytest.mark.parametrize("implementation,interpret", [
-    ("xla", False), ("pallas", pltpu.InterpretParams()), ("pallas_tpu", pltpu.InterpretParams())])
-def test_pages_are_written_in_place_under_donation(implementation, interpret):
-    sessions, chunk, kv_heads, group, head_dim, page_size, num_pages = 2, 4, 4, 2, 64, 16, 256
+@pytest.mark.parametrize("implementation,interpret,window", [
+    ("xla", False, 24), ("xla", False, 600), ("pallas", pltpu.InterpretParams(), 24),
+    ("pallas_tpu", pltpu.InterpretParams(), 24)])
+def test_pages_are_written_in_place_under_donation(implementation, interpret, window):
+    """W = 600 gives the XLA path three reach branches: the pool is read inside them and written after."""
+    sessions, chunk, kv_heads, group, head_dim, page_size, num_pages = 2, 4, 4, 2, 64, 16, 1024
     q = jax.ShapeDtypeStruct((sessions, chunk, kv_heads * group, head_dim), jnp.float32)
     new = jax.ShapeDtypeStruct((sessions, chunk, kv_heads, head_dim), jnp.float32)
     pages = jax.ShapeDtypeStruct((num_pages, kv_heads, page_size, head_dim), jnp.float32)
-    table = jax.ShapeDtypeStruct((sessions, 2), jnp.int32)
+    table = jax.ShapeDtypeStruct((sessions, -(-window // page_size)), jnp.int32)
     counts = jax.ShapeDtypeStruct((sessions,), jnp.int32)
-    step = jax.jit(functools.partial(ring_attention, window=24, implementation=implementation, interpret=interpret),
+    step = jax.jit(functools.partial(ring_attention, window=window, implementation=implementation, interpret=interpret),
                    donate_argnames=("k_pages", "v_pages"))
     compiled = step.lower(q, new, new, pages, pages, table, counts, counts).compile()
     pool_bytes = num_pages * kv_heads * page_size * head_dim * 4
@@ -226,11 +262,12 @@ def _dense_history_attention(q, k_new, v_new, k_old, v_old, lengths, num_new, wi
     return jnp.stack(outputs)
 
 
-@pytest.mark.parametrize("case_name", ["long_chunk_blocks", "paged_chunk_gqa4"])
+@pytest.mark.parametrize("case_name", ["long_chunk_blocks", "paged_chunk_gqa4", "reach_past_edge"])
 def test_xla_gradients_match_dense_float64(case_name):
     """The XLA path's hand-written attention backward (training runs through it) against autodiff of a
-    dense float64 attention: gradients of a random projection of the valid outputs w.r.t. q, k_new, v_new."""
-    case = CASES[case_name]
+    dense float64 attention: gradients of a random projection of the valid outputs w.r.t. q, k_new, v_new.
+    "reach_past_edge" differentiates through the reach switch, taking a branch short of the window."""
+    case = {**CASES, **REACH_CASES}[case_name]
     args, history = build(case, "float32", seed=zlib.crc32(case_name.encode()))
     scale = case.scale or case.head_dim**-0.5
     valid = (np.arange(case.chunk)[None, :] < history["num_new"][:, None]).astype(np.float64)

@@ -4,6 +4,8 @@ specs/realtime_protocols.md §8 (sse.py), and the Mode B streaming-input session
 import asyncio
 import io
 import json
+import os
+import socket
 import subprocess
 
 import aiohttp
@@ -17,7 +19,7 @@ from aiohttp.test_utils import TestServer
 from jaxstream.serving import sse
 from jaxstream.serving.audio_codecs import encode_pcm16_base64
 from jaxstream.serving.config import ServerConfig
-from jaxstream.serving.http_sessions import STREAMING_INPUT
+from jaxstream.serving.http_sessions import REPLICA_HEADER, STREAMING_INPUT
 from jaxstream.serving.testing import ServerThread, wait_engine_baseline
 from serve_fixtures import audio, engine, engine_returns_to_baseline, model, server  # noqa: F401 - pytest fixtures
 
@@ -212,7 +214,10 @@ async def test_out_of_order_and_duplicate_chunks_give_engine_transcribe_result(s
     chunks = chunks_of(audio)
     order = [1, 0, 3, 3, 2] + list(range(4, len(chunks)))  # 1 and 3 wait for a gap; 3 twice
     async with aiohttp.ClientSession() as http:
-        status, created = await call(http, server, "POST", SESSIONS, json={"model": model, "modality": "audio"})
+        async with http.post(server.url(SESSIONS, "http"), json={"model": model, "modality": "audio"}) as response:
+            status, created = response.status, await response.json()
+            # The replica a gateway routes the session's later requests to (deploy/README.md).
+            assert response.headers[REPLICA_HEADER] == os.environ.get("JAXSTREAM_REPLICA_ID", socket.gethostname())
         assert status == 201 and created["expires_in"] > 0
         base = f"{SESSIONS}/{created['session_id']}"
         answers = [await call(http, server, "POST", base + "/chunks", json=chunks[n]) for n in order]
@@ -270,7 +275,8 @@ async def test_session_errors_and_idle_timeout(server, model, audio, monkeypatch
     async with aiohttp.ClientSession() as http:
         assert (await call(http, server, "POST", SESSIONS + "/nope/chunks", json=chunk))[0] == 404
         assert (await call(http, server, "POST", SESSIONS, json={"model": "other"}))[0] == 404
-        for body in ({"start_policy": "on_end_only"}, {"modality": "video"}, {"stream": "yes"}):
+        for body in ({"start_policy": "sometimes"}, {"start_policy": "on_min_length"}, {"modality": "video"},
+                     {"stream": "yes"}, {"start_policy": "on_first_chunk", "min_bytes": 4}):
             assert (await call(http, server, "POST", SESSIONS, json=body))[0] == 422
         _, created = await call(http, server, "POST", SESSIONS, json={"model": model})
         base = f"{SESSIONS}/{created['session_id']}"
@@ -293,7 +299,7 @@ async def test_finish_without_audio_and_abandoned_stream(server, engine, model, 
         _, created = await call(http, server, "POST", SESSIONS, json={"model": model})
         base = f"{SESSIONS}/{created['session_id']}"
         status, body = await call(http, server, "POST", base + "/finish")
-        assert status == 422 and body["error"]["code"] == "no_audio"
+        assert status == 422 and body["error"]["code"] == "no_input"
         monkeypatch.setattr(server.app[STREAMING_INPUT], "resume_grace_s", 0.3)
         _, created = await call(http, server, "POST", SESSIONS, json={"model": model, "stream": True,
                                                                       "chunk": chunks_of(audio)[0]})

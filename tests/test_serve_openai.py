@@ -110,9 +110,16 @@ async def test_sdk_manual_turns_pipeline(server, model, speech, reference):
     async with client.realtime.connect(model=model) as conn:
         created = await conn.recv()
         assert created.type == "session.created" and created.session.type == "transcription"
+        limits = await conn.recv()  # the connection's budgets (serving/limits.py)
+        assert limits.type == "rate_limits.updated"
+        assert [(r.name, r.limit, r.reset_seconds) for r in limits.rate_limits] == [
+            ("audio_seconds", int(server.state.config.limits.max_audio_seconds), None),
+            ("session_seconds", int(server.state.config.limits.max_session_seconds), None)]
+        assert all(0 <= r.limit - r.remaining <= 1 for r in limits.rate_limits)
         await conn.session.update(session=ga_update(model, delay="medium")["session"])
         updated = await conn.recv()
         assert updated.type == "session.updated"
+        assert (await conn.recv()).type == "rate_limits.updated"
         assert updated.session.audio.input.transcription.delay == "medium"
         audio = at_24k(speech)
         for _ in range(2):
@@ -188,8 +195,7 @@ async def test_beta_shape(server, model, speech, reference):
     await client.send({"type": "transcription_session.update", "event_id": "u1", "session": {
         "input_audio_format": "pcm16", "input_audio_transcription": {"model": model, "language": "en"},
         "turn_detection": None}})
-    updated = await client.event()
-    assert updated["type"] == "transcription_session.updated"
+    updated = (await client.until("transcription_session.updated"))[-1]
     assert updated["session"]["input_audio_transcription"]["language"] == "en"
     for chunk in pcm_base64(at_24k(speech), 24000):
         await client.send({"type": "input_audio_buffer.append", "audio": chunk})
@@ -263,9 +269,8 @@ async def test_an_openai_first_event_switches_the_dialect(server, model, speech,
     client = Client(await websockets.connect(server.url(), max_size=None))
     assert json.loads(await client.ws.recv())["id"].startswith("sess-")  # vLLM's
     await client.send({**ga_update(model), "event_id": "first"})
-    created, updated = await client.event(), await client.event()
-    assert created["type"] == "session.created" and created["session"]["type"] == "transcription"
-    assert updated["type"] == "session.updated"
+    kinds = [(await client.event())["type"] for _ in range(4)]
+    assert kinds == ["session.created", "rate_limits.updated", "session.updated", "rate_limits.updated"]
     for chunk in pcm_base64(at_24k(speech), 24000):
         await client.send({"type": "input_audio_buffer.append", "audio": chunk})
     await client.send({"type": "input_audio_buffer.commit"})
@@ -299,7 +304,7 @@ async def test_drain_commits_the_open_item_and_closes(engine, model, speech, ref
 # -- errors ---------------------------------------------------------------------------------------------
 async def test_errors_echo_the_event_id_and_keep_the_socket(server, model, speech):
     client = await Client.connect(server)
-    await client.until("session.created")
+    await client.until("rate_limits.updated")  # after session.created
     cases = [
         ({"type": "input_audio_buffer.commit"}, "input_audio_buffer_commit_empty", None),
         ({"type": "response.create"}, "unsupported_event", "type"),

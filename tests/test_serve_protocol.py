@@ -387,11 +387,15 @@ _audio = st.one_of(st.text(max_size=40), st.binary(max_size=60).map(lambda b: ba
                    _json)
 _events = st.fixed_dictionaries({"type": _types}, optional={
     "model": st.one_of(st.just("MODEL"), _json), "audio": _audio, "final": _json,
-    "transcription_delay_ms": st.one_of(st.integers(-100, 3000), _json)})
+    "transcription_delay_ms": st.one_of(st.integers(-100, 3000), _json),
+    "turn_detection": st.one_of(_json, st.fixed_dictionaries(
+        {"type": st.sampled_from(["server_vad", "semantic_vad", "vad"])},
+        optional={"threshold": _json, "silence_duration_ms": _json, "eagerness": _json}))})
 _frames = st.one_of(
     _events.map(json.dumps), _json.map(json.dumps), st.text(max_size=60), st.binary(max_size=60),
     st.lists(_events, min_size=1, max_size=3).map(json.dumps))
-_REPLIES = {"error", "session.updated", "transcription.delta", "transcription.done"}
+_REPLIES = {"error", "session.updated", "transcription.delta", "transcription.done", "jaxstream.speech_started",
+            "jaxstream.speech_stopped", "jaxstream.timeout_triggered"}
 
 
 async def test_fuzzed_frames_get_structured_answers_and_keep_the_socket(server, model, engine, audio, reference):
@@ -459,6 +463,27 @@ async def test_a_right_key_is_accepted_in_each_form(keyed_server, how):
     client = await RealtimeClient.connect(url, additional_headers=headers)
     assert client.created["type"] == "session.created"
     await client.close()
+
+
+@pytest.mark.parametrize("beta", [False, True])
+async def test_browser_subprotocols_carry_the_key_and_select_realtime(keyed_server, beta):
+    """OpenAI's browser clients (no headers possible): the key as the subprotocol
+    `openai-insecure-api-key.<key>`; the server selects `realtime` (never echoing the key) and speaks the
+    OpenAI dialect, beta's when `openai-beta.realtime-v1` is offered too."""
+    offered = ["realtime", "openai-insecure-api-key.k-2"] + (["openai-beta.realtime-v1"] if beta else [])
+    async with websockets.connect(keyed_server.url(), subprotocols=offered) as ws:
+        assert ws.subprotocol == "realtime" and ws.response.headers["Sec-WebSocket-Protocol"] == "realtime"
+        created = json.loads(await ws.recv())
+    assert created["type"] == ("transcription_session.created" if beta else "session.created")
+    assert created["session"]["object"] == "realtime.transcription_session"
+
+
+@pytest.mark.parametrize("offered", [["realtime", "openai-insecure-api-key.nope"], ["realtime"],
+                                     ["realtime", "openai-insecure-api-key."]])
+async def test_a_wrong_subprotocol_key_is_refused_at_the_handshake(keyed_server, offered):
+    with pytest.raises(websockets.InvalidStatus) as refused:
+        await websockets.connect(keyed_server.url(), subprotocols=offered)
+    assert refused.value.response.status_code == 401
 
 
 async def test_api_paths_need_the_key_and_health_does_not(keyed_server):

@@ -110,3 +110,21 @@ def test_transcribe_tiny_model_words_and_timings(tmp_path, capsys):
         for expected, word in pairs:  # the delay is already taken off: times are of the audio
             assert expected["start"] - TIME_TOLERANCE_S <= word["start"] <= expected["end"] + TIME_TOLERANCE_S, \
                 (expected, word)
+
+
+def test_narrowband_audio_and_untrained_delay_are_said_once(tmp_path, capsys, caplog):
+    """8 kHz files at a delay outside the embedded model's trained range: one warning of each kind for the
+    whole run (models/audio_checks.py), through the engine, and the transcripts still come."""
+    import logging
+
+    audio, rate = soundfile.read(SAMPLE_DIR / "sample.wav", dtype="float32")
+    paths = [tmp_path / "call-1.wav", tmp_path / "call-2.wav"]
+    for path in paths:
+        soundfile.write(path, soxr.resample(audio, rate, 8000), 8000)
+    with caplog.at_level(logging.WARNING, logger="jaxstream"):
+        assert cli.main(["transcribe", "--delay-ms", "2400", "--concurrency", "1", *map(str, paths)]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
+    messages = [record.getMessage() for record in caplog.records]
+    assert sum("narrowband input: the audio has no energy above 4.2 kHz" in m for m in messages) == 1, messages
+    assert sum("delay 2400 ms is outside the delays this model was trained at (160-960 ms)" in m
+               for m in messages) == 1, messages

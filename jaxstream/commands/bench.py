@@ -1,5 +1,6 @@
 """`jaxstream bench`: concurrent realtime transcription streams through the engine (step-time percentiles,
-streams sustainable at real time, tokens/s, host overhead per tick, memory-bound floor)."""
+host work per tick p50/p99, token latency of every generated id over the whole run, whether the streams
+keep up with real time, tokens/s, memory-bound floor)."""
 import json
 
 from jaxstream.commands.transcribe import checked_delay_ms, model_source
@@ -114,9 +115,13 @@ def _pools_for(config, model_cfg, seconds: float, streams: int):
     slots = (math.ceil(seconds / SLOT_SECONDS) + prompt_length(longest, model_cfg.n_left_pad_tokens)
              + right_pad_samples(0, longest) // SAMPLES_PER_SLOT)
     frames = slots * model_cfg.downsample_factor
-    dec = math.ceil(min(slots, model_cfg.text.attention_window) / config.page_size) + 1
-    enc = math.ceil(min(frames, model_cfg.encoder.sliding_window) / config.encoder_page_size) + 1
-    return dataclasses.replace(config, num_pages=streams * dec + 1, encoder_num_pages=streams * enc + 1)
+    dec_window, enc_window = model_cfg.text.attention_window, model_cfg.encoder.sliding_window
+    dec = math.ceil(min(slots, dec_window) / config.page_size) + 1
+    enc = math.ceil(min(frames, enc_window) / config.encoder_page_size) + 1
+    # The engine refuses a pool that cannot hold one session's whole window, however short the streams.
+    return dataclasses.replace(
+        config, num_pages=max(streams * dec, math.ceil(dec_window / config.page_size)) + 1,
+        encoder_num_pages=max(streams * enc, math.ceil(enc_window / config.encoder_page_size)) + 1)
 
 
 def _random_model(name: str, engine_config, seed: int):

@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     info = loading.inspect_checkpoint(source)
     dtype = loading.checkpoint_dtype(info) if args.dtype == "auto" else jnp.dtype(args.dtype)
     loaded = loading.load_model(source, dtype=dtype)
-    written = loading.save_checkpoint(loaded, destination, overwrite=args.overwrite)
+    written = loading.save_checkpoint(loaded, destination, overwrite=args.overwrite,
+                                      declared_ids=loading.declared_token_ids(source))
     print(f"wrote {written} ({num_parameters(loaded.model):,} {dtype.name} parameters from a {info.kind} checkpoint)")
     return 0

@@ -1,6 +1,6 @@
 """`jaxstream eval`: WER/CER, latency and throughput of a model over an audio corpus.
 
-    jaxstream eval [--model MODEL] CORPUS [--concurrency N] [--limit N] [--shard i/N] [--delay-ms 240,480]
+    jaxstream eval [--model MODEL] CORPUS [--concurrency N] [--limit N] [--shard i/N|auto] [--delay-ms 240,480]
                    [--realtime] [--report PATH [--resume]] [--layout L] [--normalizer english|basic|none]
     jaxstream eval --merge REPORT... [--report PATH]
 
@@ -8,9 +8,15 @@ Every utterance streams through the engine's realtime sessions, N at a time. `--
 JSON report (schema in `jaxstream.evaluation.reports`) plus PATH with `.md` and `.csv` suffixes, and keeps
 it up to date while the run goes, so `--resume` after an interruption runs only what is missing. Failed
 utterances (unreadable audio, say) are listed on stderr with their reasons, and in the report.
+
+`--shard auto` runs one part per process of a multi-process job (`jaxstream.distributed`: the same command on
+every process, with --coordinator/--num-processes/--process-id or the job's environment); process 0 gathers
+the parts and prints and writes the merged report. With --report each process also keeps its own part beside
+it (PATH.part-I-of-N.json), which --resume continues.
 """
 import sys
 
+from jaxstream import distributed
 from jaxstream.commands.transcribe import checked_delay_ms, model_source
 from jaxstream.errors import UserError
 
@@ -32,8 +38,9 @@ def register(subparsers) -> None:
     parser.add_argument("--concurrency", type=_positive_int, default=8, metavar="N",
                         help="sessions in flight at once (default 8)")
     parser.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="first N utterances only")
-    parser.add_argument("--shard", default=None, metavar="i/N",
-                        help="evaluate the i-th of N deterministic parts (merge the reports with --merge)")
+    parser.add_argument("--shard", default=None, metavar="i/N|auto",
+                        help="evaluate the i-th of N deterministic parts (merge the reports with --merge); auto: "
+                        "one part per process of a multi-process job, merged on process 0")
     parser.add_argument("--delay-ms", default=None, metavar="MS[,MS...]",
                         help=f"transcription delay(s) in ms, each {ALLOWED_DELAYS_TEXT}; a comma list sweeps "
                         "them (default: the model's, 480 for tiny)")
@@ -49,6 +56,7 @@ def register(subparsers) -> None:
     parser.add_argument("--resume", action="store_true", help="continue the run recorded in --report")
     parser.add_argument("--merge", nargs="+", default=None, metavar="REPORT",
                         help="join the reports of the shards of one corpus instead of running")
+    distributed.add_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -68,10 +76,18 @@ def run(args) -> int:
     if args.resume and args.report is None:
         raise UserError("--resume needs --report PATH (the report of the run to continue)")
 
-    evaluation = _plan(args)
+    group = distributed.ProcessGroup()
+    if args.shard == "auto":
+        group = distributed.initialize(args)
+    elif distributed.settings(args, environ={}) is not None:  # flags only: a job's environment is no error
+        raise UserError("the multi-process flags go with --shard auto")
+    evaluation = _plan(args, group)
+    own_report = args.report
+    if args.report is not None and group.count > 1:
+        own_report = _part_path(args.report, group)
     if args.resume:
-        _resume(evaluation, args.report)
-    save = None if args.report is None else (lambda state: write_reports(state.report(), args.report))
+        _resume(evaluation, own_report)
+    save = None if own_report is None else (lambda state: write_reports(state.report(), own_report))
     if any(evaluation.todo(delay) for delay in evaluation.delays):
         try:
             _run(evaluation, args, save)
@@ -80,15 +96,30 @@ def run(args) -> int:
                 save(evaluation)  # what is done so far, so --resume can continue from here
             raise
     report = evaluation.report()
+    if group.count > 1:
+        if own_report is not None:
+            write_reports(report, own_report)  # this process's part, complete: --resume skips it all
+        parts = distributed.gather_json("eval-report", report)
+        if not group.leader:
+            return 0
+        report = merge_reports(parts)
     _finish(report, args.report)
     failed_everything = all(run["summary"]["transcribed"] == 0 for run in report["runs"])
     return 1 if failed_everything else 0
 
 
-def _plan(args):
+def _part_path(report_path: str, group) -> str:
+    stem = report_path[:-len(".json")] if report_path.endswith(".json") else report_path
+    return f"{stem}.part-{group.index}-of-{group.count}.json"
+
+
+def _plan(args, group):
     from jaxstream.evaluation import Evaluation, RunOptions, parse_shard, read_corpus
 
-    shard = None if args.shard is None else parse_shard(args.shard)
+    if args.shard == "auto":
+        shard = (group.index, group.count) if group.count > 1 else None
+    else:
+        shard = None if args.shard is None else parse_shard(args.shard)
     requested = _parse_delays(args.delay_ms)
     corpus = read_corpus(args.corpus, args.layout)
     how = "detected" if corpus.detected else "--layout"

@@ -30,7 +30,7 @@ def register(subparsers) -> None:
     parser.add_argument("--max-sessions", type=int, default=None, metavar="N",
                         help="concurrent transcriptions the engine runs (default 64)")
     parser.add_argument("--max-connections", type=int, default=None, metavar="N",
-                        help="open WebSocket connections (default: twice --max-sessions)")
+                        help="open WebSocket connections and HTTP streams (default: twice --max-sessions)")
     parser.add_argument("--delay-ms", type=int, default=None, metavar="MS",
                         help="transcription delay of sessions that do not choose one, a multiple of 80 in 80..1200 or 2400 (default: the "
                              "model's); clients may choose per session")
@@ -40,6 +40,14 @@ def register(subparsers) -> None:
                         help="close a connection silent this long (default 150)")
     parser.add_argument("--max-audio-seconds", type=float, default=None, metavar="S",
                         help="audio one connection may send in all (default 7200)")
+    parser.add_argument("--max-payload-per-session", type=int, default=None, metavar="BYTES",
+                        help="payload one HTTP streaming-input request or session may send (default 268435456)")
+    parser.add_argument("--max-streams-per-key", type=int, default=None, metavar="N",
+                        help="open WebSockets, streaming HTTP requests and sessions per API key (per client "
+                             "address without keys; default unlimited)")
+    parser.add_argument("--max-requests-per-minute", type=int, default=None, metavar="N",
+                        help="HTTP requests and WebSocket handshakes per API key (or client address) in any "
+                             "60 s (default unlimited)")
     parser.add_argument("--drain-timeout", type=float, default=None, metavar="S",
                         help="on SIGTERM, time running utterances get before their sockets close (default 30)")
     parser.add_argument("--compat", choices=("strict", "vllm"), default=None,
@@ -70,7 +78,9 @@ def run(args) -> int:
     _override(server, host=args.host, port=args.port, compat=args.compat, drain_timeout_s=args.drain_timeout,
               served_model_name=args.served_model_name)
     _override(limits, max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
-              max_session_seconds=args.max_session_seconds, max_audio_seconds=args.max_audio_seconds)
+              max_session_seconds=args.max_session_seconds, max_audio_seconds=args.max_audio_seconds,
+              max_payload_per_session=args.max_payload_per_session, max_streams_per_key=args.max_streams_per_key,
+              max_requests_per_minute_per_key=args.max_requests_per_minute)
     _override(engine, max_sessions=args.max_sessions, default_delay_ms=args.delay_ms)
     engine.setdefault("max_queued_audio_seconds", _SERVER_MAX_QUEUED_AUDIO_S)
     checked_delay_ms(engine.get("default_delay_ms"))
@@ -134,7 +144,7 @@ async def _serve(model: str, config, engine_config) -> int:
                 _say("warning: no API key and listening beyond loopback: anyone who can reach this port "
                      "may use it (--api-key or $JAXSTREAM_API_KEY)")
             _say(f"ready: ws://{shown}:{port}/v1/realtime serving {state.model_id!r} "
-                 f"(also /invocations-bidirectional-stream, /v1/models, /health, /metrics)")
+                 f"(also /ws, /invocations-bidirectional-stream, /v1/models, /health, /metrics)")
             _say(f"try: python examples/realtime_client.py models/assets/samples/sample.wav "
                  f"--url ws://{shown}:{port}/v1/realtime")
             await signal_wait

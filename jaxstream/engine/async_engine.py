@@ -5,7 +5,8 @@ Threads: the asyncio side never touches scheduler state. It sends commands (clos
 thread through a queue; the engine thread applies them between ticks, runs ticks while there is work,
 and posts outputs back to the event loop, one `call_soon_threadsafe` per tick. What the asyncio side may
 read is published by the engine thread: the `EngineMetrics` snapshot and each session's `AudioBacklog`
-counter.
+counter. A realtime engine has a third thread, the front-end worker (audio_front_end.py): it computes the
+log-mel of every session's appends in batches and answers each `append` on its event loop.
 
 The contract a server needs: `start_transcription` answers `CapacityError` / `DrainingError` at once
 instead of waiting; `append` awaits under backpressure; `drain` stops admitting and lets sessions end;
@@ -21,6 +22,7 @@ import time
 import uuid
 
 from jaxstream.engine import metrics as engine_metrics
+from jaxstream.engine.audio_front_end import FrontEndWorker
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.requests import RequestOutput, RequestOutputKind, SamplingParams, StreamingInput
 from jaxstream.engine.residency import END_OF_STREAM
@@ -28,6 +30,7 @@ from jaxstream.engine.transcription_session import TranscriptionDone, Transcript
 from jaxstream.errors import (
     CapacityError, DrainingError, EngineDeadError, EngineError, InvalidRequestError,
 )
+from jaxstream.models import audio_checks
 from jaxstream.models.audio import SAMPLING_RATE, SLOT_SECONDS
 
 logger = logging.getLogger(__name__)
@@ -51,6 +54,9 @@ class AsyncEngine:
                 raise ValueError("Voxtral Realtime needs its tokenizer (tekken.json) for transcription")
             self.kind = "realtime"
             self.core = builders.build_realtime_core(model, self.config, tokenizer)
+            # Narrowband audio and untrained delays transcribe badly without an error: said once, in the log.
+            self._input_warnings = audio_checks.WarnOnce(logger)
+            self._front_end = FrontEndWorker(warn=self._input_warnings)  # every session's log-mel, batched
         else:
             self.kind = "text"
             if eos_token_id is None and tokenizer is not None:
@@ -377,12 +383,14 @@ class AsyncEngine:
         if isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or not 8000 <= sample_rate <= 192000:
             raise _rejected(InvalidRequestError(f"sample_rate must be an integer number of Hz in [8000, 192000], "
                                                 f"got {sample_rate!r}"))
+        self._input_warnings(audio_checks.delay_warning(cfg, delay_ms))
         if len(self._live) >= self.max_live_sessions:
             raise _rejected(CapacityError(f"the engine holds {len(self._live)} sessions, its limit; try again later"))
         session_id = session_id or uuid.uuid4().hex
         max_slots = max(1, int(self.config.max_queued_audio_seconds / SLOT_SECONDS))
-        session = TranscriptionSession(_SessionLink(self, session_id), session_id, int(delay_ms),
-                                       StreamingLogMel(n_delay, n_left_pad_tokens=cfg.n_left_pad_tokens),
+        front_end = self._front_end.stream(StreamingLogMel(n_delay, n_left_pad_tokens=cfg.n_left_pad_tokens),
+                                           sample_rate)
+        session = TranscriptionSession(_SessionLink(self, session_id), session_id, int(delay_ms), front_end,
                                        sample_rate=sample_rate, max_queued_slots=max_slots)
         prompt = transcription_prompt(cfg, n_delay)
         events = _SessionEvents(session, self)
@@ -442,6 +450,8 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         self._thread.join()
+        if self.kind == "realtime":
+            self._front_end.close()
 
     async def __aenter__(self) -> "AsyncEngine":
         return self

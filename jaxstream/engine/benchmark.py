@@ -1,9 +1,14 @@
 """Realtime engine benchmark: N concurrent transcription streams, paced at real time or as fast as possible.
 
-Reports tick (step) time percentiles, whether the streams keep up with real time (p99 tick <= 80 ms and a
-bounded backlog), output tokens per second, host overhead per tick (tick time not spent waiting on the
-device), and the memory-bound floor of a step: (parameter bytes + KV bytes of the live sessions) / the
+Reports tick (step) time percentiles over the steady state, host work per tick (tick time not spent
+waiting on the device), token latency over the whole run, output tokens per second, whether the streams
+keep up, and the memory-bound floor of a step: (parameter bytes + KV bytes of the live sessions) / the
 device's measured copy bandwidth.
+
+Token latency is measured by the engine for every generated id, control ids included: from the time the
+audio slot the id was sampled at reached the engine to the time the id was read back on the host
+(`Residency.token_latency`). A run without samples says so instead of reporting 0, and such a run never
+counts as keeping up.
 """
 import asyncio
 import dataclasses
@@ -14,8 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxstream.engine.async_engine import AsyncEngine
-from jaxstream.models.audio import SAMPLES_PER_SLOT, SLOT_SECONDS
+from jaxstream.engine.residency import LatencyHistogram
+from jaxstream.models.audio import SAMPLES_PER_SLOT, SLOT_SECONDS, n_delay_from_ms, prompt_length
 from jaxstream.models.tokenizers import NUM_CONTROL_IDS, Tokenizer
+
+TICK_BUDGET_MS = SLOT_SECONDS * 1e3  # a paced tick must fit one 80 ms slot
+# A paced token is read back within a few ticks of its audio (waiting for the next tick, the tick itself,
+# jitter); a stream that falls behind piles up a backlog and its latency grows without bound.
+LATENCY_BUDGET_MS = 5 * SLOT_SECONDS * 1e3
 
 
 class SyntheticTokenizer(Tokenizer):
@@ -33,6 +44,28 @@ class SyntheticTokenizer(Tokenizer):
         return b"" if token_id < NUM_CONTROL_IDS else f" w{token_id}".encode()
 
 
+def percentiles(values, qs) -> list[float | None]:
+    """Percentiles of `values`, or None for each when there are no samples."""
+    values = np.asarray(values, np.float64)
+    return [float(np.percentile(values, q)) if values.size else None for q in qs]
+
+
+def keeps_up(*, paced: bool, tick_ms_p99: float | None, latency_ms_p99: float | None, wall_seconds: float,
+             audio_seconds: float) -> bool:
+    """Paced: the p99 tick fits the 80 ms budget and the p99 token latency stays within `LATENCY_BUDGET_MS`.
+    As fast as possible: every stream finished within its own duration (so no token waited longer). Both
+    need real samples of ticks and of latency: a run that measured nothing does not keep up."""
+    if tick_ms_p99 is None or latency_ms_p99 is None:
+        return False
+    if paced:
+        return tick_ms_p99 <= TICK_BUDGET_MS and latency_ms_p99 <= LATENCY_BUDGET_MS
+    return wall_seconds <= audio_seconds and latency_ms_p99 <= audio_seconds * 1e3
+
+
+def _ms(value: float | None, digits: int = 2) -> str:
+    return "no samples" if value is None else f"{value:.{digits}f}"
+
+
 @dataclasses.dataclass
 class BenchResult:
     streams: int
@@ -40,34 +73,42 @@ class BenchResult:
     audio_seconds: float  # per stream
     wall_seconds: float
     ticks: int  # steady-state ticks measured
-    rows_p50: float  # median sessions per tick
-    tick_ms_p50: float
-    tick_ms_p90: float
-    tick_ms_p99: float
-    step_ms_p50: float  # tick time per 80 ms step (a catch-up tick runs several)
-    host_ms_mean: float
-    host_ms_p50: float
-    latency_ms_p50: float  # paced: from appending the audio a token needs to receiving the token
-    latency_ms_p99: float
+    rows_p50: float | None  # median sessions per tick
+    tick_ms_p50: float | None  # None: no steady-state ticks
+    tick_ms_p90: float | None
+    tick_ms_p99: float | None
+    step_ms_p50: float | None  # tick time per 80 ms step (a catch-up tick runs several)
+    host_ms_mean: float | None
+    host_ms_p50: float | None
+    host_ms_p99: float | None
+    host_cpu_ms_p50: float | None  # the engine thread's CPU time per tick (robust to a loaded machine)
+    host_cpu_ms_p99: float | None
+    latency_samples: int  # generated ids over the whole run
+    latency_ms_p50: float | None  # None: no samples
+    latency_ms_p99: float | None
     output_tokens_per_s: float
     realtime_factor: float  # audio seconds transcribed per wall second, all streams together
     keeps_up: bool
     floor_ms: float  # memory-bound floor of one step at this batch
-    step_over_floor: float
+    step_over_floor: float | None
 
     def lines(self) -> list[str]:
         mode = "paced at real time" if self.paced else "as fast as possible"
+        rows = "no" if self.rows_p50 is None else f"median {self.rows_p50:g}"
+        over = "" if self.step_over_floor is None else f"; p50 step / floor = {self.step_over_floor:.1f}"
         return [
             f"streams={self.streams} ({mode}, {self.audio_seconds:g} s audio each): wall {self.wall_seconds:.2f} s, "
-            f"{self.ticks} steady ticks, median {self.rows_p50:g} sessions per tick",
-            f"  tick ms p50/p90/p99: {self.tick_ms_p50:.2f} / {self.tick_ms_p90:.2f} / {self.tick_ms_p99:.2f}; "
-            f"per 80 ms step p50 {self.step_ms_p50:.2f} ms",
-            f"  host overhead per tick: mean {self.host_ms_mean:.2f} ms, p50 {self.host_ms_p50:.2f} ms",
+            f"{self.ticks} steady ticks, {rows} sessions per tick",
+            f"  tick ms p50/p90/p99: {_ms(self.tick_ms_p50)} / {_ms(self.tick_ms_p90)} / {_ms(self.tick_ms_p99)}; "
+            f"per 80 ms step p50 {_ms(self.step_ms_p50)} ms",
+            f"  host work per tick ms: mean {_ms(self.host_ms_mean)}, p50 {_ms(self.host_ms_p50)}, "
+            f"p99 {_ms(self.host_ms_p99)}; engine-thread CPU p50 {_ms(self.host_cpu_ms_p50)}, "
+            f"p99 {_ms(self.host_cpu_ms_p99)}",
+            f"  token latency ms (slot at the engine -> id on the host, {self.latency_samples} ids, whole run) "
+            f"p50/p99: {_ms(self.latency_ms_p50, 1)} / {_ms(self.latency_ms_p99, 1)}",
             f"  output tokens/s {self.output_tokens_per_s:.0f}; audio x real time (all streams) "
-            f"{self.realtime_factor:.1f}; token latency p50/p99 {self.latency_ms_p50:.0f} / "
-            f"{self.latency_ms_p99:.0f} ms; {'keeps up with' if self.keeps_up else 'falls behind'} real time",
-            f"  memory-bound floor at the median batch {self.floor_ms:.3f} ms/step; "
-            f"p50 step / floor = {self.step_over_floor:.1f}",
+            f"{self.realtime_factor:.1f}; {'keeps up with' if self.keeps_up else 'falls behind'} real time",
+            f"  memory-bound floor at the median batch {self.floor_ms:.3f} ms/step{over}",
         ]
 
 
@@ -89,9 +130,10 @@ def memory_floor_seconds(engine: AsyncEngine, kv_bytes: float, bandwidth: float)
 
 
 def _live_kv_bytes(engine: AsyncEngine) -> int:
+    """KV bytes the live sessions hold, from the engine's published metrics snapshot."""
     cache = engine.core.cache
-    return sum((spec.num_pages - 1 - cache.pools[name].num_free) * spec.bytes_per_page(cache.dtype)
-               for name, spec in cache.specs.items())
+    used = engine.metrics().pages_used
+    return sum(used[name] * spec.bytes_per_page(cache.dtype) for name, spec in cache.specs.items())
 
 
 async def run_streams(engine: AsyncEngine, *, streams: int, seconds: float, paced: bool, delay_ms=None,
@@ -101,51 +143,46 @@ async def run_streams(engine: AsyncEngine, *, streams: int, seconds: float, pace
     slots = int(round(seconds / SLOT_SECONDS))
     audio = (rng.standard_normal((streams, slots * SAMPLES_PER_SLOT)) * 0.05).astype(np.float32)
     await engine.wait_until_idle()
-    stats = engine.core.tick_stats
+    core = engine.core  # read after the run, or through counters the engine thread publishes
     # Steady state: from when every stream is past its prompt prefill and has caught up with the audio
     # that queued meanwhile, until the first stream ends its input (the end-of-stream flush is catch-up
     # work by design); the as-fast-as-possible mode counts everything after the prompts.
-    window = {"start": None, "end": None, "first": len(stats)}
+    window = {"start": None, "end": None}
+    first_tick = core.ticks_recorded
+    latency_before = core.token_latency.counts.copy()
     live_kv = [0]
-    latencies = []  # paced: seconds from appending the audio a token needs to receiving the token
     sessions = [await engine.start_transcription(delay_ms=delay_ms) for _ in range(streams)]
+    prompt_slots = prompt_length(n_delay_from_ms(sessions[0].delay_ms), engine.model_config.n_left_pad_tokens)
     start = time.perf_counter()
 
     async def feed(index, session):
-        appended = []
-        consumer = asyncio.create_task(consume(session, appended))
+        consumer = asyncio.create_task(consume(session))
         if paced:
             offset = SLOT_SECONDS * index / streams  # spread the streams over one tick
             for slot in range(slots):
                 await asyncio.sleep(max(0.0, start + offset + slot * SLOT_SECONDS - time.perf_counter()))
                 await session.append(audio[index, slot * SAMPLES_PER_SLOT : (slot + 1) * SAMPLES_PER_SLOT])
-                appended.append(time.perf_counter())
             if window["end"] is None:
-                window["end"] = len(stats)
+                window["end"] = core.ticks_recorded
         else:
             await session.append(audio[index])
         await session.finish()
         return await consumer
 
-    async def consume(session, appended):
-        # Token i (0-based) is the first that needs real audio slot n_delay + 1 + i (its 2.5 ms look-ahead).
-        n_delay, count, done = session.delay_ms // 80, 0, None
+    async def consume(session):
+        done = None
         async for event in session:
             if hasattr(event, "usage"):
                 done = event
-                continue
-            count += len(event.token_ids)
-            needed = n_delay + count  # the slot the newest token needed (n_delay + 1 + (count - 1))
-            if paced and window["start"] is not None and window["end"] is None and needed < len(appended):
-                latencies.append(time.perf_counter() - appended[needed])
         return done
 
     async def watch():
         while True:
-            live = list(engine.core.sessions.values())
-            caught_up = all(s.fed >= s.prompt_len and (not paced or len(s.mel) <= 2) for s in live)
-            if window["start"] is None and len(live) == streams and caught_up:
-                window["start"] = len(stats)
+            # The sessions' audio counters are what the engine thread publishes to the event loop.
+            caught_up = all(s.backlog.consumed >= prompt_slots and (not paced or s.backlog.queued <= 2)
+                            for s in sessions)
+            if window["start"] is None and caught_up:
+                window["start"] = core.ticks_recorded
             live_kv[0] = max(live_kv[0], _live_kv_bytes(engine))
             await asyncio.sleep(SLOT_SECONDS / 4)
 
@@ -155,25 +192,32 @@ async def run_streams(engine: AsyncEngine, *, streams: int, seconds: float, pace
     finally:
         watcher.cancel()
     wall = time.perf_counter() - start
-    ticks = list(stats)[window["start"] or window["first"] : window["end"]]
-    if not ticks:
-        raise RuntimeError("no steady-state ticks: run longer streams (--seconds)")
-    tick_ms = np.array([t.total_s for t in ticks]) * 1e3
-    step_ms = np.array([t.total_s / max(1, t.steps / max(1, t.rows)) for t in ticks]) * 1e3
-    host_ms = np.array([t.host_s for t in ticks]) * 1e3
-    tokens = sum(len(done.token_ids) for done in results)
-    rows = float(np.median([t.rows for t in ticks]))
+    stats = list(core.tick_stats)
+    offset = core.ticks_recorded - len(stats)  # ticks the bounded deque has dropped
+    begin = window["start"] if window["start"] is not None else first_tick
+    end = window["end"] if window["end"] is not None else core.ticks_recorded
+    ticks = stats[max(0, begin - offset) : max(0, end - offset)]
+    tick_ms = [t.total_s * 1e3 for t in ticks]
+    step_ms = [t.total_s * 1e3 / max(1, t.steps / max(1, t.rows)) for t in ticks]
+    host_ms = [t.host_s * 1e3 for t in ticks]
+    tick_p50, tick_p90, tick_p99 = percentiles(tick_ms, (50, 90, 99))
+    [step_p50] = percentiles(step_ms, (50,))
+    host_p50, host_p99 = percentiles(host_ms, (50, 99))
+    cpu_p50, cpu_p99 = percentiles([t.host_cpu_s * 1e3 for t in ticks if t.host_cpu_s is not None], (50, 99))
+    latency = core.token_latency.counts - latency_before
+    latency_p50, latency_p99 = (LatencyHistogram.percentile(latency, q) for q in (50, 99))
+    latency_p50, latency_p99 = (None if v is None else v * 1e3 for v in (latency_p50, latency_p99))
+    tokens = sum(len(done.token_ids) for done in results if done is not None)
+    rows = float(np.median([t.rows for t in ticks])) if ticks else None
     # The floor of a tick with the median batch: every weight once, plus each row's live KV once.
-    floor = memory_floor_seconds(engine, live_kv[0] / streams * rows, measure_bandwidth()) * 1e3
-    p99 = float(np.percentile(tick_ms, 99))
-    latency_p50, latency_p99 = (float(np.percentile(latencies, q)) * 1e3 for q in (50, 99)) if latencies else (0, 0)
+    floor = memory_floor_seconds(engine, live_kv[0] / streams * (rows or 0), measure_bandwidth()) * 1e3
     return BenchResult(
         streams=streams, paced=paced, audio_seconds=seconds, wall_seconds=wall, ticks=len(ticks), rows_p50=rows,
-        tick_ms_p50=float(np.percentile(tick_ms, 50)), tick_ms_p90=float(np.percentile(tick_ms, 90)),
-        tick_ms_p99=p99, step_ms_p50=float(np.percentile(step_ms, 50)), host_ms_mean=float(host_ms.mean()),
-        host_ms_p50=float(np.percentile(host_ms, 50)), latency_ms_p50=latency_p50, latency_ms_p99=latency_p99,
+        tick_ms_p50=tick_p50, tick_ms_p90=tick_p90, tick_ms_p99=tick_p99, step_ms_p50=step_p50,
+        host_ms_mean=float(np.mean(host_ms)) if host_ms else None, host_ms_p50=host_p50, host_ms_p99=host_p99,
+        host_cpu_ms_p50=cpu_p50, host_cpu_ms_p99=cpu_p99,
+        latency_samples=int(latency.sum()), latency_ms_p50=latency_p50, latency_ms_p99=latency_p99,
         output_tokens_per_s=tokens / wall, realtime_factor=streams * seconds / wall,
-        # Paced: every tick fits the 80 ms budget and tokens arrive within a few ticks of their audio (no
-        # stream piles up a backlog); as fast as possible: every stream finished within its duration.
-        keeps_up=(p99 <= SLOT_SECONDS * 1e3 and latency_p99 <= 5 * SLOT_SECONDS * 1e3) if paced else wall <= seconds,
-        floor_ms=floor, step_over_floor=float(np.percentile(step_ms, 50)) / floor)
+        keeps_up=keeps_up(paced=paced, tick_ms_p99=tick_p99, latency_ms_p99=latency_p99, wall_seconds=wall,
+                          audio_seconds=seconds),
+        floor_ms=floor, step_over_floor=None if step_p50 is None else step_p50 / floor)

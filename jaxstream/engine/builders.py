@@ -72,7 +72,7 @@ def fit_pools(specs: list[kv_cache.StackSpec], engine_cfg: EngineConfig, placeme
     """
     explicit = {"text": engine_cfg.num_pages, "decoder": engine_cfg.num_pages,
                 "encoder": engine_cfg.encoder_num_pages}
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         return specs  # CPU: no reported limit
     free = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * placement.size

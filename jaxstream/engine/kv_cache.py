@@ -50,31 +50,39 @@ def stack_spec(name, *, num_layers, num_kv_heads, head_dim, page_size, ring, num
 
 
 class PagePool:
-    """Free list of one stack's physical pages; page 0 (the null page) is never handed out."""
+    """Free list of one stack's physical pages; page 0 (the null page) is never handed out.
+
+    A numpy stack, so a scheduler can hand out the pages of many sessions in one call (`allocate`)."""
 
     def __init__(self, num_pages: int):
         self.capacity = num_pages - 1
-        self._free = list(range(num_pages - 1, NULL_PAGE, -1))  # pop() hands out low pages first
+        self._free = np.arange(num_pages - 1, NULL_PAGE, -1, dtype=np.int32)  # the top hands out low pages first
+        self._num_free = self.capacity
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
-    def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise MemoryError(f"page pool exhausted: {count} pages wanted, {len(self._free)} free")
-        return [self._free.pop() for _ in range(count)]
+    def allocate(self, count: int) -> np.ndarray:
+        if count > self._num_free:
+            raise MemoryError(f"page pool exhausted: {count} pages wanted, {self._num_free} free")
+        top = self._num_free
+        self._num_free -= count
+        return self._free[top - count : top][::-1].copy()
 
     def release(self, pages) -> None:
-        self._free.extend(int(p) for p in pages if p != NULL_PAGE)
+        pages = np.asarray(pages, np.int32).ravel()
+        pages = pages[pages != NULL_PAGE]
+        self._free[self._num_free : self._num_free + pages.size] = pages
+        self._num_free += pages.size
 
 
 class SessionPages:
-    """One session's page-table row for one stack."""
+    """One session's page-table row for one stack (`table` may be a row of a scheduler's table array)."""
 
-    def __init__(self, spec: StackSpec):
+    def __init__(self, spec: StackSpec, table: np.ndarray | None = None):
         self.spec = spec
-        self.table = np.full(spec.pages_per_window, NULL_PAGE, np.int32)
+        self.table = np.full(spec.pages_per_window, NULL_PAGE, np.int32) if table is None else table
 
     @property
     def num_allocated(self) -> int:
@@ -96,12 +104,30 @@ class SessionPages:
 
     def assign(self, pool: PagePool, logical_pages: list[int]) -> None:
         """Gives each logical page a physical page from `pool` (raises MemoryError if it is short)."""
-        if logical_pages:
+        if len(logical_pages):
             self.table[logical_pages] = pool.allocate(len(logical_pages))
 
     def release(self, pool: PagePool) -> None:
         pool.release(self.table[self.table != NULL_PAGE])
         self.table[:] = NULL_PAGE
+
+
+def missing_pages(spec: StackSpec, tables: np.ndarray, start: np.ndarray, stop: np.ndarray):
+    """`SessionPages.missing` for many rows at once: (row indices, logical pages) of the pages positions
+    [start, stop) of each row of `tables` [rows, pages_per_window] will write that have no physical page
+    yet, each (row, page) pair once, rows in order."""
+    size, count = spec.page_size, spec.pages_per_window
+    first = start // size
+    last = np.where(stop > start, (stop - 1) // size, first - 1)
+    span = int((last - first).max(initial=-1)) + 1
+    if span <= 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    offsets = np.arange(min(span, count))
+    logical = (first[:, None] + offsets) % count
+    wanted = (first[:, None] + offsets) <= last[:, None]
+    hole = wanted & (np.take_along_axis(tables, logical, axis=1) == NULL_PAGE)
+    rows, columns = np.nonzero(hole)
+    return rows, logical[rows, columns]
 
 
 def init_stack(spec: StackSpec, dtype, sharding=None) -> list[tuple[jax.Array, jax.Array]]:

@@ -10,11 +10,11 @@ parked session is evicted: its pages and slot rows are copied to host memory (bo
 import collections
 import dataclasses
 import enum
-import itertools
 import logging
 import time
 
 import jax
+import numpy as np
 
 from jaxstream.engine.kv_cache import DeviceCache
 
@@ -38,10 +38,38 @@ class TickStats:
     steps: int  # 80 ms steps / tokens advanced in total
     total_s: float
     wait_s: float
+    # CPU time the engine thread spent on the tick (device work runs on other threads): its host work, not
+    # inflated by waiting for a core on a loaded machine as `host_s` is. None where not measured.
+    host_cpu_s: float | None = None
 
     @property
     def host_s(self) -> float:
         return self.total_s - self.wait_s
+
+
+class LatencyHistogram:
+    """Counts of latency samples in log-spaced bins (1 % wide, 10 us to 1000 s): bounded memory for a
+    server's whole life, and a few array operations to record a tick's samples. A benchmark takes a copy
+    of `counts` before a run and subtracts it after."""
+
+    EDGES = np.geomspace(1e-5, 1e3, 1852)  # ln(1e8) / ln(1.01) = 1851 intervals of 1 %
+
+    def __init__(self):
+        self.counts = np.zeros(len(self.EDGES) + 1, np.int64)  # bin 0: below 10 us; the last: above 1000 s
+
+    def record(self, seconds: np.ndarray) -> None:
+        if seconds.size:
+            self.counts += np.bincount(np.searchsorted(self.EDGES, seconds), minlength=len(self.counts))
+
+    @classmethod
+    def percentile(cls, counts: np.ndarray, q: float) -> float | None:
+        """The q-th percentile (seconds, upper edge of its bin) of the samples `counts` holds; None
+        without samples."""
+        total = int(counts.sum())
+        if total == 0:
+            return None
+        index = int(np.searchsorted(np.cumsum(counts), max(1, int(np.ceil(q / 100 * total)))))
+        return float(cls.EDGES[min(index, len(cls.EDGES) - 1)])
 
 
 class SessionBase:
@@ -71,11 +99,15 @@ class Residency:
         self.host_offload_bytes = host_offload_bytes
         self.host_bytes = 0
         self.sessions: dict[str, SessionBase] = {}
-        self._clock = itertools.count(1)
+        self._clock = 0  # orders activity (LRU eviction) and admissions
         self.tick = 0
         self.evictions = 0  # sessions moved off the device (to host memory or to recompute)
         self.tick_stats: collections.deque[TickStats] = collections.deque(maxlen=100_000)
         self.ticks_recorded = 0  # every tick that did work, including those the deque has dropped
+        # Seconds from the time an input reached the engine to the time the id generated from it was read
+        # back on the host, for every generated id, control ids included (recorded by the transcription
+        # scheduler: an 80 ms audio slot -> the id sampled at its position).
+        self.token_latency = LatencyHistogram()
 
     def record_tick(self, stats: TickStats) -> None:
         self.tick_stats.append(stats)
@@ -87,8 +119,14 @@ class Residency:
         fetched = jax.device_get(outputs)
         return fetched, time.perf_counter() - start
 
+    def next_clock(self, count: int = 1) -> int:
+        """The first of `count` consecutive clock values."""
+        first = self._clock + 1
+        self._clock += count
+        return first
+
     def touch(self, session: SessionBase) -> None:
-        session.last_active = next(self._clock)
+        session.last_active = self.next_clock()
 
     # -- counts -----------------------------------------------------------------------------------
     @property
@@ -161,7 +199,7 @@ class Residency:
             session.offloaded, session.offloaded_bytes = None, 0
         else:
             session.slot = self.cache.take_slot()
-        session.admitted_order = next(self._clock)
+        session.admitted_order = self.next_clock()
         return True
 
     def _make_room(self, needed: dict[str, int], protect=()) -> bool:

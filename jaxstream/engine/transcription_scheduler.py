@@ -10,63 +10,87 @@ total_slots - 2 are fed, as in Hugging Face `generate`; an end-of-text token end
 
 Both rings wrap (encoder W = 750 frames, decoder W = 8192 tokens), so a stream of any length runs in
 bounded memory; RoPE positions are absolute and exact (models/layers.py).
+
+The host side of a tick is vectorised over the sessions' rows (stream_rows.py): with hundreds of streams a
+tick must cost the host a couple of milliseconds, not Python per session. Generated ids wait in their
+row's buffer until one of them is text (or the stream ends, or the buffer fills), so a session that only
+produced control ids this tick costs no Python; they reach the detokenizer in order all the same.
 """
-import collections
-import itertools
+import dataclasses
 import logging
 import time
 
 import numpy as np
 
 from jaxstream.engine import steps
+from jaxstream.engine.kv_cache import missing_pages
 from jaxstream.engine.residency import Residency, SessionBase, Status, TickStats, deliver
+from jaxstream.engine.stream_rows import STATUS_CODE, UNKNOWN_LIMIT, RowSession, StreamRows
 from jaxstream.engine.transcription_session import (
     PROGRESS, TranscriptionDelta, TranscriptionDone, TranscriptionUsage, to_ms, token_time, word_timings,
 )
 from jaxstream.models.audio import SAMPLING_RATE
+from jaxstream.models.tokenizers import NUM_CONTROL_IDS, Tokenizer
 
 logger = logging.getLogger(__name__)
+# Generated control ids a row holds before they move to its session's lists (text ids move at once).
+TOKEN_BUFFER = 64
+RUNNING, PARKED = STATUS_CODE[Status.RUNNING], STATUS_CODE[Status.PARKED]
 
 
-class RealtimeSession(SessionBase):
-    def __init__(self, request_id, sink, pages, *, n_delay: int, delay_ms: int, prompt_ids, decoder, backlog):
-        super().__init__(request_id, sink, pages)
+class RealtimeSession(RowSession, SessionBase):
+    """A transcription stream: its hot counters live in its `StreamRows` row (`fed`, `in_flight`, `slot`,
+    `status`, ...), the rest here."""
+
+    def __init__(self, request_id, sink, rows: StreamRows, *, n_delay: int, delay_ms: int, prompt_ids, decoder,
+                 backlog, arrival: int):
+        super().__init__(request_id, sink, rows.attach(self))
+        rows.n_delay[self.row] = n_delay
+        rows.prompt_len[self.row] = len(prompt_ids)
+        rows.arrival[self.row] = arrival
         self.backlog = backlog  # transcription_session.AudioBacklog: this thread writes `consumed` only
-        self.n_delay = n_delay
         self.delay_ms = delay_ms
         self.prompt_ids = list(prompt_ids)
-        self.mel: collections.deque[np.ndarray] = collections.deque()  # queued slots, each [8, n_mel]
-        self.fed = 0  # decoder positions dispatched (= audio slots consumed)
-        self.in_flight = 0  # dispatches whose tokens are not collected yet
-        self.total_slots: int | None = None  # known once the input is finished
         self.samples = 0.0  # real audio received, in 16 kHz samples
-        self.generated: list[int] = []
+        self.generated: list[int] = []  # ids moved out of the row's buffer, in order
         self.undelivered: list[int] = []  # ids not yet carried by a delta
         self.decoder = decoder
         self.text = ""
-        self.arrival = 0  # order of creation, for FIFO admission
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_ids)
 
     @property
     def last_position(self) -> int | None:
         """One past the last position to feed (the last audio slot is never fed, as in HF generate)."""
-        return None if self.total_slots is None else self.total_slots - 1
+        if self.row is None:
+            return None
+        limit = int(self.rows.limit[self.row])
+        return None if limit == UNKNOWN_LIMIT else limit
 
-    def feedable(self) -> int:
-        count = len(self.mel)
-        if self.last_position is not None:
-            count = min(count, self.last_position - self.fed)
-        if self.fed < self.prompt_len and count < self.prompt_len - self.fed:
-            return 0  # the prompt is prefilled in one go once all its slots are here
-        return max(count, 0)
 
+@dataclasses.dataclass
+class Dispatch:
+    """One program call of a tick: its rows (with their generations, to drop rows freed meanwhile), the
+    positions each one computes, and when each slot's audio reached the engine."""
+
+    key: tuple  # ("decode" | "prefill", batch rows, slots per row)
+    rows: np.ndarray
+    generations: np.ndarray
+    starts: np.ndarray
+    counts: np.ndarray
+    arrived: np.ndarray | None = None  # [rows, slots] perf_counter times
+    outputs: dict | None = None
+
+    @property
+    def prefill(self) -> bool:
+        return self.key[0] == "prefill"
 
 
 class RealtimeScheduler(Residency):
-    """Host-side scheduler of transcription sessions; `step()` runs one tick on the calling thread."""
+    """Host-side scheduler of transcription sessions; `step()` runs one tick on the calling thread.
+
+    Per tick, the host work is a fixed number of array operations over the session rows (readiness, order,
+    page checks, batch gathers, token bookkeeping); Python runs per session only where something happens to
+    that session: admission, new pages, text to stream, the end of its stream, and the audio counter the
+    event loop reads."""
 
     def __init__(self, programs: steps.Programs, engine_cfg, model_cfg, tokenizer, *, prefill_buckets):
         super().__init__(programs.cache, engine_cfg.host_offload_bytes)
@@ -76,8 +100,11 @@ class RealtimeScheduler(Residency):
         self.tokenizer = tokenizer
         self.prefill_buckets = prefill_buckets
         self.eos_id = model_cfg.eos_id
-        self._arrivals = itertools.count()
-        self._in_flight: list = []  # the previous tick's (rows, device outputs), collected next tick
+        self._arrivals = 0
+        self._in_flight: list[Dispatch] = []  # the previous tick's dispatches, collected next tick
+        slot_shape = (model_cfg.mel_frames_per_token, model_cfg.encoder.num_mel_bins)
+        self.rows = StreamRows(self.cache.specs, slot_shape, TOKEN_BUFFER + max(engine_cfg.realtime_step_buckets))
+        self._text_table = _text_id_table(tokenizer)
 
     # -- start-up -------------------------------------------------------------------------------------
     def warm_up(self) -> None:
@@ -102,9 +129,10 @@ class RealtimeScheduler(Residency):
 
     # -- commands (engine thread) ---------------------------------------------------------------------
     def add_session(self, request_id: str, *, n_delay: int, delay_ms: int, prompt_ids, sink, backlog) -> None:
-        session = RealtimeSession(request_id, sink, self.cache.new_pages(), n_delay=n_delay, delay_ms=delay_ms,
-                                  prompt_ids=prompt_ids, decoder=self.tokenizer.stream_decoder(), backlog=backlog)
-        session.arrival = next(self._arrivals)
+        self._arrivals += 1
+        session = RealtimeSession(request_id, sink, self.rows, n_delay=n_delay, delay_ms=delay_ms,
+                                  prompt_ids=prompt_ids, decoder=self.tokenizer.stream_decoder(), backlog=backlog,
+                                  arrival=self._arrivals)
         self.sessions[request_id] = session
         self.touch(session)
 
@@ -112,10 +140,10 @@ class RealtimeScheduler(Residency):
         session = self.sessions.get(request_id)
         if session is None:
             return
-        session.mel.extend(mel_slots)
+        self.rows.queue_audio(session.row, np.asarray(mel_slots, np.float32))
         session.samples += samples
         if total_slots is not None:
-            session.total_slots = total_slots
+            self.rows.limit[session.row] = total_slots - 1
         self.touch(session)
         if self._input_consumed(session):
             self._done(session)
@@ -123,8 +151,8 @@ class RealtimeScheduler(Residency):
     @staticmethod
     def _input_consumed(session: RealtimeSession) -> bool:
         """Finished input, every position fed, and every dispatched token collected."""
-        return (session.last_position is not None and session.fed >= session.last_position
-                and session.in_flight == 0)
+        last = session.last_position
+        return last is not None and session.fed >= last and session.in_flight == 0
 
     def abort(self, request_id: str) -> None:
         session = self.sessions.get(request_id)
@@ -132,101 +160,110 @@ class RealtimeScheduler(Residency):
             self.release(session)
             deliver(session, None)
 
+    def release(self, session: RealtimeSession) -> None:
+        super().release(session)
+        self.rows.detach(session)
+
     def has_work(self) -> bool:
-        return bool(self._in_flight) or any(s.feedable() for s in self.sessions.values())
+        self.rows.absorb()
+        return bool(self._in_flight) or bool(self._feedable().any())
+
+    def _feedable(self) -> np.ndarray:
+        """Slots each row can dispatch now (0 for free rows): its queued audio up to its last position; a
+        prompt is prefilled in one go once all its slots are here."""
+        rows = self.rows
+        fed, prompt = rows.fed, rows.prompt_len
+        count = np.minimum(rows.received, rows.limit) - fed
+        count[(fed < prompt) & (count < prompt - fed)] = 0
+        return np.maximum(count, 0)
 
     # -- one tick -------------------------------------------------------------------------------------
     def step(self) -> bool:
         """One tick, pipelined: dispatch this tick's programs, then collect the previous tick's tokens while
         the device runs (nothing the host schedules depends on them: feedback stays on the device).
         Returns False when there was nothing to dispatch or collect."""
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         self.tick += 1
-        decode, prefill, steps_k, bucket = self._schedule()
+        scheduled = self._schedule()
         dispatched = []
-        if decode or prefill:
-            try:
-                if decode:
-                    rows = next(b for b in self.cfg.decode_batch_buckets if b >= len(decode))
-                    batch = self._batch(decode, rows, steps_k, with_tokens=False)
-                    dispatched.append((decode, self.programs.run(("decode", rows, steps_k), batch)))
-                if prefill:
-                    rows, chunk = bucket
-                    batch = self._batch(prefill, rows, chunk, with_tokens=True)
-                    dispatched.append((prefill, self.programs.run(("prefill", rows, chunk), batch)))
-            except Exception as exc:  # noqa: BLE001 - a failed dispatch ends the sessions it carried
-                self._drop_in_flight(decode + prefill)
-                self.dispatch_failed([session for session, _, _ in decode + prefill], exc)
-                dispatched = []
+        try:
+            for dispatch in scheduled:
+                dispatch.outputs = self.programs.run(dispatch.key, self._batch(dispatch))
+                dispatched.append(dispatch)
+        except Exception as exc:  # noqa: BLE001 - a failed dispatch ends the sessions it carried
+            sessions = self._sessions_of(scheduled)
+            self._drop_in_flight(scheduled)
+            self.dispatch_failed(sessions, exc)
+            dispatched = []
         previous, self._in_flight = self._in_flight, dispatched
         waited = self._collect(previous)
         if not previous and not dispatched:
             return False
-        rows = [row for group, _ in previous for row in group]
-        self.record_tick(TickStats(len(rows), sum(count for _, _, count in rows),
-                                         time.perf_counter() - start, waited))
+        self.record_tick(TickStats(sum(len(d.rows) for d in previous), sum(int(d.counts.sum()) for d in previous),
+                                   time.perf_counter() - start, waited, time.thread_time() - cpu_start))
         return True
 
-    def _collect(self, dispatched) -> float:
+    def _sessions_of(self, dispatches) -> list[RealtimeSession]:
+        """The sessions still holding the rows of `dispatches`."""
+        rows = self.rows
+        return [rows.sessions[row] for d in dispatches
+                for row in d.rows[rows.generation[d.rows] == d.generations].tolist()]
+
+    def _drop_in_flight(self, dispatches) -> None:
+        rows = self.rows
+        for d in dispatches:
+            rows.in_flight[d.rows[rows.generation[d.rows] == d.generations]] -= 1
+
+    def _collect(self, dispatched: list[Dispatch]) -> float:
         """Fetches a dispatched tick's tokens and streams them; returns the seconds spent waiting."""
         if not dispatched:
             return 0.0
-        rows = [row for group, _ in dispatched for row in group]
-        self._drop_in_flight(rows)
+        self._drop_in_flight(dispatched)
         try:
-            fetched, waited = self.fetch([out for _, out in dispatched])
+            fetched, waited = self.fetch([d.outputs for d in dispatched])
         except Exception as exc:  # noqa: BLE001 - the device failed while running these sessions
-            self.dispatch_failed([session for session, _, _ in rows], exc)
+            self.dispatch_failed(self._sessions_of(dispatched), exc)
             return 0.0
-        for (group, _), out in zip(dispatched, fetched):
-            for i, (session, start, count) in enumerate(group):
-                if self.sessions.get(session.request_id) is not session:
-                    continue  # ended (EOS, abort, error) while this tick was in flight
-                try:
-                    self._advance(session, start + count, out["tokens"][i])
-                except Exception as exc:  # noqa: BLE001 - isolate host-side failures to their session
-                    logger.exception("session %s: streaming its tokens failed; ending it", session.request_id)
-                    self.fail(session, exc)
+        now = time.perf_counter()
+        for dispatch, out in zip(dispatched, fetched):
+            self._advance(dispatch, np.asarray(out["tokens"]), now)
         return waited
 
-    @staticmethod
-    def _drop_in_flight(rows) -> None:
-        for session, _, _ in rows:
-            session.in_flight -= 1
-
-    def _schedule(self):
+    def _schedule(self) -> list[Dispatch]:
+        rows = self.rows
+        rows.absorb()
+        ready = self._feedable()
+        resident = rows.slot >= 0
+        rows.status[resident & (ready == 0) & (rows.status != PARKED)] = PARKED
+        candidates = np.flatnonzero(ready)
+        if not candidates.size:
+            return []
         # Resident sessions first (they hold slots and pages), then the others in arrival order.
-        ordered = sorted(self.sessions.values(), key=lambda s: (not s.resident, s.arrival))
-        ready = {}
-        for session in ordered:
-            count = session.feedable()
-            if count:
-                ready[session] = count
-            elif session.resident and session.status is not Status.PARKED:
-                session.status = Status.PARKED
-        decode_ready = [s for s in ready if s.fed >= s.prompt_len]
-        prefill_ready = [s for s in ready if s.fed < s.prompt_len]
-        steps_k = self._steps_bucket([ready[s] for s in decode_ready])
-        decode, scheduled = [], set()
-        for session in decode_ready[: self.cfg.decode_batch_buckets[-1]]:
-            count = min(ready[session], steps_k)
-            if self._place(session, count, scheduled):
-                decode.append((session, self._dispatched(session, count), count))
-        prefill, bucket = [], None
-        if prefill_ready:
-            bucket = max(self.prefill_buckets, key=lambda b: (
-                sum(min(s.prompt_len - s.fed, b[1]) for s in prefill_ready[: b[0]]), -b[0] * b[1]))
-            rows, chunk = bucket
-            for session in prefill_ready[:rows]:
-                count = min(session.prompt_len - session.fed, chunk)
-                if self._place(session, count, scheduled):
-                    prefill.append((session, self._dispatched(session, count), count))
-        return decode, prefill, steps_k, bucket
+        candidates = candidates[np.lexsort((rows.arrival[candidates], ~resident[candidates]))]
+        decoding = rows.fed[candidates] >= rows.prompt_len[candidates]
+        scheduled = []
+        decode = candidates[decoding]
+        if decode.size:
+            steps_k = self._steps_bucket(ready[decode])
+            decode = decode[: self.cfg.decode_batch_buckets[-1]]
+            decode, counts = self._place(decode, np.minimum(ready[decode], steps_k))
+            if decode.size:
+                batch_rows = next(b for b in self.cfg.decode_batch_buckets if b >= decode.size)
+                scheduled.append(self._book(("decode", batch_rows, steps_k), decode, counts))
+        prefill = candidates[~decoding]
+        if prefill.size:
+            remaining = rows.prompt_len[prefill] - rows.fed[prefill]
+            batch_rows, chunk = max(self.prefill_buckets, key=lambda b: (
+                int(np.minimum(remaining[: b[0]], b[1]).sum()), -b[0] * b[1]))
+            prefill, counts = self._place(prefill[:batch_rows], np.minimum(remaining[:batch_rows], chunk))
+            if prefill.size:
+                scheduled.append(self._book(("prefill", batch_rows, chunk), prefill, counts))
+        return scheduled
 
-    def _steps_bucket(self, counts) -> int:
+    def _steps_bucket(self, counts: np.ndarray) -> int:
         """K maximising useful steps per cost (K steps plus about one step of fixed dispatch cost)."""
-        buckets = self.cfg.realtime_step_buckets
-        return max(buckets, key=lambda k: (sum(min(c, k) for c in counts) / (k + 1), k))
+        return max(self.cfg.realtime_step_buckets,
+                   key=lambda k: (int(np.minimum(counts, k).sum()) / (k + 1), k))
 
     def admit(self, session: RealtimeSession) -> bool:
         """Admission commits a whole window of every pool to the session (pages are still assigned as the
@@ -246,59 +283,146 @@ class RealtimeScheduler(Residency):
         return all((resident + 1) * spec.pages_per_window <= self.cache.pools[name].capacity
                    for name, spec in self.cache.specs.items())
 
-    def _place(self, session: RealtimeSession, count: int, scheduled: set) -> bool:
-        """Admits the session and reserves pages for its next `count` slots (False: it waits)."""
-        if not self.admit(session):
-            return False
+    def _spans(self, fed, counts) -> dict:
         frames = self.model_cfg.downsample_factor
-        spans = {"encoder": (frames * session.fed, frames * (session.fed + count)),
-                 "decoder": (session.fed, session.fed + count)}
-        if not self.reserve(session, spans, protect=scheduled):
-            return False
-        session.status = Status.RUNNING
-        scheduled.add(session)
-        self.touch(session)
-        return True
+        return {"encoder": (frames * fed, frames * (fed + counts)), "decoder": (fed, fed + counts)}
 
-    def _dispatched(self, session: RealtimeSession, count: int) -> int:
-        """Books `count` slots of a session into the tick being built; returns its first position."""
-        start = session.fed
-        session.fed += count
-        session.in_flight += 1
-        return start
+    def _place(self, candidates: np.ndarray, counts: np.ndarray):
+        """Admits the rows (in order) and reserves pages for their next `counts` slots; returns the rows
+        placed and their counts (the others wait). Placed sessions are RUNNING, so the parked sessions an
+        admission or a page shortage evicts are never among them."""
+        rows = self.rows
+        resident = rows.slot[candidates] >= 0
+        placed = resident & self._reserve_resident(candidates, counts, resident)
+        running = candidates[placed]
+        rows.status[running] = RUNNING  # before any admission below may evict parked sessions
+        rows.last_active[running] = self.next_clock(running.size) + np.arange(running.size)
+        for i in np.flatnonzero(~resident).tolist():
+            session = rows.sessions[candidates[i]]
+            if self.admit(session) and self.reserve(session, self._spans(session.fed, int(counts[i]))):
+                placed[i] = True
+                session.status = Status.RUNNING
+                self.touch(session)
+        return candidates[placed], counts[placed]
 
-    def _batch(self, rows, num_rows: int, num_slots: int, *, with_tokens: bool):
-        batch = steps.realtime_batch(num_rows, num_slots, self.model_cfg,
-                                     self.cache.specs["encoder"].pages_per_window,
-                                     self.cache.specs["decoder"].pages_per_window, with_tokens=with_tokens)
-        frames = self.model_cfg.mel_frames_per_token
-        mel = batch["mel"]
-        for i, (session, start, count) in enumerate(rows):
-            for k in range(count):
-                mel[i, k * frames : (k + 1) * frames] = session.mel.popleft()
-            session.backlog.consumed += count
-            if session.backlog.waiting:
-                deliver(session, PROGRESS)
-            if with_tokens:
-                batch["token_ids"][i, :count] = session.prompt_ids[start : start + count]
-        used = len(rows)
-        batch["slot"][:used] = [session.slot for session, _, _ in rows]
-        batch["num_slots"][:used] = [count for _, _, count in rows]
-        batch["dec_lengths"][:used] = [start for _, start, _ in rows]
-        batch["n_delay"][:used] = [session.n_delay for session, _, _ in rows]
-        batch["enc_table"][:used] = [session.pages["encoder"].table for session, _, _ in rows]
-        batch["dec_table"][:used] = [session.pages["decoder"].table for session, _, _ in rows]
+    def _reserve_resident(self, candidates, counts, resident) -> np.ndarray:
+        """Pages for the resident candidates, allocated together: admission committed a window of every pool
+        to each resident session, so the pools can always serve them (a shortage takes the one-by-one path
+        of `Residency.reserve`, which may evict)."""
+        rows = self.rows
+        ok = np.ones(len(candidates), bool)
+        which = np.flatnonzero(resident)
+        spans = self._spans(rows.fed[candidates[which]], counts[which])
+        holes = {name: missing_pages(self.cache.specs[name], rows.tables[name][candidates[which]], *span)
+                 for name, span in spans.items()}
+        if all(self.cache.pools[name].num_free >= len(logical) for name, (_, logical) in holes.items()):
+            for name, (index, logical) in holes.items():
+                if len(logical):
+                    rows.tables[name][candidates[which[index]], logical] = self.cache.pools[name].allocate(len(logical))
+            return ok
+        short = np.unique(np.concatenate([index for index, _ in holes.values()]))
+        for i in which[short].tolist():
+            session = rows.sessions[candidates[i]]
+            ok[i] = self.reserve(session, self._spans(session.fed, int(counts[i])))
+        return ok
+
+    def _book(self, key, chosen: np.ndarray, counts: np.ndarray) -> Dispatch:
+        """Books the slots of the chosen rows into the tick being built."""
+        rows = self.rows
+        starts = rows.fed[chosen].copy()
+        rows.fed[chosen] += counts
+        rows.in_flight[chosen] += 1
+        return Dispatch(key, chosen, rows.generation[chosen].copy(), starts, counts)
+
+    def _batch(self, dispatch: Dispatch):
+        """The dispatch's batch, gathered from the rows (padding rows read row 0: slot -1, no slots)."""
+        rows = self.rows
+        _, num_rows, num_slots = dispatch.key
+        used = len(dispatch.rows)
+        index = np.zeros(num_rows, np.int64)
+        index[:used] = dispatch.rows
+        counts = np.zeros(num_rows, np.int64)
+        counts[:used] = dispatch.counts
+        starts = np.zeros(num_rows, np.int64)
+        starts[:used] = dispatch.starts
+        blocks = rows.queued_blocks(index, starts, counts, num_slots)
+        mel = rows.mel.data[blocks]  # a fresh array: the device may read it zero-copy while the host goes on
+        dispatch.arrived = rows.mel.arrived[blocks[:used]]
+        rows.mel.release(blocks[:used].ravel())
+        batch = {
+            "slot": rows.slot[index],
+            "mel": mel.reshape(num_rows, num_slots * mel.shape[2], mel.shape[3]),
+            "num_slots": counts.astype(np.int32),
+            "enc_table": rows.tables["encoder"][index],
+            "dec_table": rows.tables["decoder"][index],
+            "dec_lengths": starts.astype(np.int32),
+            "n_delay": rows.n_delay[index],
+        }
+        sessions = rows.sessions
+        if dispatch.prefill:
+            batch["token_ids"] = np.zeros((num_rows, num_slots), np.int32)
+            for i, (row, start, count) in enumerate(zip(dispatch.rows.tolist(), dispatch.starts.tolist(),
+                                                        dispatch.counts.tolist())):
+                batch["token_ids"][i, :count] = sessions[row].prompt_ids[start : start + count]
+        for row, count in zip(dispatch.rows.tolist(), dispatch.counts.tolist()):
+            backlog = sessions[row].backlog
+            backlog.consumed += count
+            if backlog.waiting:
+                deliver(sessions[row], PROGRESS)
         return batch
 
     # -- results --------------------------------------------------------------------------------------
-    def _advance(self, session: RealtimeSession, computed: int, tokens) -> None:
-        if computed < session.prompt_len:
-            return  # part of a prompt: nothing sampled yet
-        new = [int(t) for t in np.atleast_1d(tokens) if t >= 0]
+    def _advance(self, dispatch: Dispatch, tokens: np.ndarray, now: float) -> None:
+        """Buffers a dispatch's generated ids, records their latency, and streams text and ends; Python runs
+        only for the rows with text, an end, or a full buffer."""
+        rows = self.rows
+        used = len(dispatch.rows)
+        alive = rows.generation[dispatch.rows] == dispatch.generations
+        if dispatch.prefill:  # one id, sampled after the prompt's last slot once the whole prompt is in
+            eligible = alive & (dispatch.starts + dispatch.counts >= rows.prompt_len[dispatch.rows])
+            tokens = tokens[:used, None]
+            arrived = dispatch.arrived[np.arange(used), dispatch.counts - 1][:, None]
+            produced = eligible.astype(np.int64)
+        else:
+            eligible = alive
+            tokens = tokens[:used]
+            arrived = dispatch.arrived
+            produced = np.where(alive, (tokens >= 0).sum(axis=1), 0)
+        valid = np.arange(tokens.shape[1]) < produced[:, None]
+        self.token_latency.record(now - arrived[valid])
+        rows.buffer_tokens(dispatch.rows, tokens, produced)
+        text = valid & self._is_text(tokens)
+        ended = (valid & (tokens == self.eos_id)).any(axis=1) | (
+            (rows.fed[dispatch.rows] >= rows.limit[dispatch.rows]) & (rows.in_flight[dispatch.rows] == 0))
+        busy = np.flatnonzero(eligible & (text.any(axis=1) | ended | (rows.buffered[dispatch.rows] >= TOKEN_BUFFER)))
+        busy_rows = dispatch.rows[busy]
+        taken = rows.take_tokens(busy_rows)
+        for row, new, end in zip(busy_rows.tolist(), taken, ended[busy].tolist()):
+            session = rows.sessions[row]
+            try:
+                self._stream_tokens(session, new, ended=end)
+            except Exception as exc:  # noqa: BLE001 - isolate host-side failures to their session
+                logger.exception("session %s: streaming its tokens failed; ending it", session.request_id)
+                self.fail(session, exc)
+
+    def _is_text(self, tokens: np.ndarray) -> np.ndarray:
+        """Ids that may decode to text (control ids decode to nothing; out-of-vocabulary ids count, so the
+        detokenizer rejects them)."""
+        if self._text_table is None:
+            return tokens >= NUM_CONTROL_IDS
+        size = len(self._text_table)
+        return (tokens >= size) | self._text_table[np.clip(tokens, 0, size - 1)]
+
+    @staticmethod
+    def _decode(session: RealtimeSession, new: list[int]) -> str:
+        """Moves ids taken from the row's buffer to the session's lists through its detokenizer; returns
+        their text."""
         session.generated += new
         session.undelivered += new
-        text = "".join(session.decoder.push(t) for t in new)
-        ended = self.eos_id in new or self._input_consumed(session)
+        return "".join(session.decoder.push(t) for t in new)
+
+    def _stream_tokens(self, session: RealtimeSession, new: list[int], *, ended: bool) -> None:
+        text = self._decode(session, new)
         if text:
             session.text += text
             audio_seconds = to_ms(min(token_time(len(session.generated) - 1), session.samples / SAMPLING_RATE))
@@ -308,7 +432,8 @@ class RealtimeScheduler(Residency):
             self._done(session)
 
     def _done(self, session: RealtimeSession) -> None:
-        tail = session.decoder.flush()
+        [new] = self.rows.take_tokens(np.array([session.row]))
+        tail = self._decode(session, new) + session.decoder.flush()
         audio_seconds = session.samples / SAMPLING_RATE
         if tail:
             session.text += tail
@@ -318,3 +443,10 @@ class RealtimeScheduler(Residency):
         done = TranscriptionDone(session.text, list(session.generated), words, usage, session.delay_ms)
         self.release(session)
         deliver(session, done)
+
+
+def _text_id_table(tokenizer) -> np.ndarray | None:
+    """Which ids are text, for tokenizers whose control ids are not simply those below `NUM_CONTROL_IDS`."""
+    if type(tokenizer).is_control is Tokenizer.is_control:
+        return None
+    return np.array([not tokenizer.is_control(i) for i in range(tokenizer.vocab_size)], bool)

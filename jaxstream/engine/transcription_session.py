@@ -135,8 +135,9 @@ class TranscriptionSession:
     for `TranscriptionDelta`s followed by one `TranscriptionDone` (an engine or input error is raised from
     the iterator as an `EngineError`). Created by `AsyncEngine.start_transcription`.
 
-    The front end (resampling and log-mel) runs in a worker thread, off the event loop; appends and
-    `finish` of one session run in call order.
+    The front end (resampling and log-mel) runs on the engine's front-end worker thread, batched with
+    the other sessions' appends (engine/audio_front_end.py); appends and `finish` of one session run in
+    call order.
     """
 
     def __init__(self, link, session_id: str, delay_ms: int, front_end, *, sample_rate: int = SAMPLING_RATE,
@@ -145,12 +146,7 @@ class TranscriptionSession:
         self.delay_ms = delay_ms
         self.sample_rate = sample_rate
         self._link = link  # the engine's `SessionLink`: sends commands, never touches scheduler state
-        self._front = front_end  # models.audio.StreamingLogMel
-        self._resampler = None
-        if sample_rate != SAMPLING_RATE:
-            import soxr
-
-            self._resampler = soxr.ResampleStream(sample_rate, SAMPLING_RATE, 1, dtype="float32", quality="HQ")
+        self._front = front_end  # audio_front_end.StreamFrontEnd at `sample_rate`
         self.backlog = AudioBacklog()
         self._max_queued_slots = max_queued_slots
         self._room = asyncio.Event()  # set when the engine consumed audio or the session ended
@@ -180,7 +176,7 @@ class TranscriptionSession:
             return
         async with self._order:
             try:
-                slots = await asyncio.to_thread(self._front_end_push, pcm)
+                slots = await self._front.push(pcm)
             except AudioError as exc:
                 raise self._rejected(InvalidAudioError(str(exc))) from None
             await self._wait_for_room(len(slots), wait=wait)
@@ -192,12 +188,6 @@ class TranscriptionSession:
     def _rejected(self, error: EngineError) -> EngineError:
         logger.info("transcription session %s: audio rejected (%s): %s", self.session_id, error.code, error)
         return error
-
-    def _front_end_push(self, pcm: np.ndarray) -> np.ndarray:
-        if self._resampler is not None:
-            pcm = self._resampler.resample_chunk(pcm.astype(np.float32))
-        self._front.push(pcm)
-        return self._front.take()
 
     async def _wait_for_room(self, slots: int, *, wait: bool) -> None:
         """Returns once `slots` more fit under the backlog bound; a lone oversized append always fits."""
@@ -224,15 +214,9 @@ class TranscriptionSession:
         async with self._order:
             if self.outcome is not None:
                 return
-            slots = await asyncio.to_thread(self._front_end_finish)
+            slots = await self._front.finish()
             self.backlog.sent += len(slots)
             self._link.send_audio(slots, 0, total_slots=self._front.total_slots)
-
-    def _front_end_finish(self) -> np.ndarray:
-        if self._resampler is not None:
-            self._front.push(self._resampler.resample_chunk(np.zeros(0, np.float32), last=True))
-        self._front.finish()
-        return self._front.take()
 
     async def abort(self, reason: str = "aborted") -> None:
         """Stops the session now and frees what it holds in the engine; the iterator ends without a
@@ -244,6 +228,7 @@ class TranscriptionSession:
         if self.outcome is None:
             self.outcome = reason
             self._room.set()
+            self._front.close()  # its queued front-end work is skipped
             self._link.abort(reason)
 
     def _describe_end(self) -> str:
@@ -265,6 +250,7 @@ class TranscriptionSession:
                 self.outcome = "aborted"
         if self.outcome is not None:
             self._room.set()
+            self._front.close()
         self._events.put_nowait(event)
 
     def __aiter__(self):

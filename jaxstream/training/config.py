@@ -45,9 +45,11 @@ def load_train_config(path: str | Path) -> TrainConfig:
     encoder = EncoderConfig(**model.get("encoder", {}))
     text = TextConfig(vocab_size=NUM_CONTROL_IDS + spm_vocab_size, tie_embeddings=True, ada_t_cond_dim=32,
                       **model.get("text", {}))
-    voxtral = VoxtralConfig(encoder=encoder, text=text, default_delay_ms=int(model.get("default_delay_ms", 480)))
     optimizer = OptimizerConfig(**raw.get("optimizer", {}))
     train = {key: tuple(value) if isinstance(value, list) else value for key, value in train.items()}
+    delays = train.get("delays_ms", TrainConfig.delays_ms)
+    voxtral = VoxtralConfig(encoder=encoder, text=text, default_delay_ms=int(model.get("default_delay_ms", 480)),
+                            trained_delays_ms=(min(delays), max(delays)))
     model_type = str(tokenizer.get("model_type", "bpe"))
     if model_type not in MODEL_TYPES:
         raise ValueError(f"[tokenizer] model_type must be one of {MODEL_TYPES}, got {model_type!r}")

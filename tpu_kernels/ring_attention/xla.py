@@ -1,38 +1,93 @@
-"""XLA reference of `ring_attention`: gathers each session's window from its pages and runs a masked softmax in f32.
+"""XLA reference of `ring_attention`: gathers the reachable part of each session's window from its pages and
+runs a masked softmax in f32.
 
 Runs on every backend; it is what CPU serving and CPU training use, and the fallback of the dispatcher.
-The keys are laid out in position order, the last W - 1 written positions then the chunk, so query i sees
-exactly keys i .. i + W - 1 of that sequence. Long chunks are cut into blocks of QUERY_BLOCK queries, each
-scored only against its own W - 1 + QUERY_BLOCK keys: a whole-chunk score matrix would be (W - 1 + C) wide
-for every query, and on CPU the softmax's elementwise work over those scores dominates (the tiny model's
-training chunks of ~320 encoder frames score 45 % fewer keys this way).
+The keys are laid out in position order, the last `reach` written positions then the chunk. Its cost
+follows the filled positions, not the window: `reach` is one of a few static buckets (`reach_buckets`:
+256 old positions, doubling up to the whole window W - 1), and one `lax.switch` inside the single compiled
+program picks, on device, the smallest bucket that covers the longest history any active session of the
+batch can see, min(length, W - 1). Only the taken branch runs, so a 10 s stream in Voxtral's 8192-token
+decoder window gathers and scores 256 old keys, not 8191; the engine still compiles one program per
+(step, batch bucket). Windows of at most MIN_REACH + 1 positions have a single bucket and no switch.
+
+Long chunks are cut into blocks of QUERY_BLOCK queries, each scored only against the keys it can see, at
+most W - 1 + QUERY_BLOCK: a whole-chunk score matrix would be (reach + C) wide for every query, and on CPU
+the softmax's elementwise work over those scores dominates (the tiny model's training chunks of ~320
+encoder frames score 45 % fewer keys this way).
 """
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxstream.tpu_kernels.ring_attention import positions
 
 QUERY_BLOCK = 64
+# The smallest reach bucket, in old positions (20 s of Voxtral decoder slots, 5 s of encoder frames); each
+# further bucket doubles it, the last is W - 1. Powers of two make every bucket but the last a whole number
+# of pages for power-of-two page sizes up to 256.
+MIN_REACH = 256
+
+
+def reach_buckets(window):
+    """Static numbers of old positions the XLA path may gather: MIN_REACH, 2 MIN_REACH, ... < W - 1, then W - 1.
+
+    Past MIN_REACH, doubling bounds the gathered positions at 2x the needed ones with about
+    log2(W / MIN_REACH) + 1 branches (6 for W = 8192, 3 for W = 750, 1 for W <= MIN_REACH + 1).
+    """
+    reaches = []
+    reach = MIN_REACH
+    while reach < window - 1:
+        reaches.append(reach)
+        reach *= 2
+    return (*reaches, window - 1)
+
+
+def reach_bucket(lengths, num_new, window):
+    """Index (int32 scalar, on device) of the smallest of `reach_buckets(window)` that holds every old
+    position the batch's queries can see: the longest min(length, W - 1) over sessions with new rows.
+    Sessions without new rows output zeros whatever their history, so they need no reach."""
+    reaches = reach_buckets(window)
+    needed = jnp.max(jnp.where(num_new > 0, jnp.minimum(lengths, window - 1), 0), initial=0)
+    return jnp.sum(jnp.asarray(reaches[:-1], jnp.int32) < needed, dtype=jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("window", "scale"))
 def ring_attention_xla(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, *, window, scale=None):
+    head_dim = q.shape[-1]
+    scale = head_dim**-0.5 if scale is None else scale
+    operands = (q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new)
+    reaches = reach_buckets(window)
+    branches = [functools.partial(_attend, reach=reach, window=window, scale=scale) for reach in reaches]
+    if len(branches) == 1:
+        out = branches[0](*operands)
+    else:
+        # Differentiable (training runs through it), but reverse mode keeps a residual slot per branch, the
+        # untaken ones zero-filled: training memory for attention residuals grows up to ~2x for such windows.
+        out = lax.switch(reach_bucket(lengths, num_new, window), branches, *operands)
+    # The write stays outside the branches: a scatter into a donated pool at the top level of the program
+    # is done in place (tests/test_ring_attention.py checks that no copy of a pool appears).
+    k_pages, v_pages = write_new_entries(k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, after=out)
+    return out, k_pages, v_pages
+
+
+def _attend(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, *, reach, window, scale):
+    """Attention output [S, C, Hq, D] of the chunk over the last `reach` old positions and the chunk itself;
+    exact when every session with new rows has min(length, W - 1) <= reach."""
     num_sessions, chunk, num_q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
     ring = page_table.shape[1] * page_size
     group = num_q_heads // num_kv_heads
-    scale = head_dim**-0.5 if scale is None else scale
 
-    # The W - 1 positions before the chunk (negative ones were never written), read from their pages.
-    old_pos = lengths[:, None] + jnp.arange(1 - window, 0, dtype=jnp.int32)[None, :]  # [S, W - 1]
+    # The `reach` positions before the chunk (negative ones were never written), read from their pages.
+    old_pos = lengths[:, None] + jnp.arange(-reach, 0, dtype=jnp.int32)[None, :]  # [S, reach]
     ring_index = jnp.remainder(old_pos, ring)
     page = jnp.take_along_axis(page_table, ring_index // page_size, axis=1)
     offset = ring_index % page_size
 
-    def in_position_order(pages, new):  # -> [S, Hkv, W - 1 + C, D]
+    def in_position_order(pages, new):  # -> [S, Hkv, reach + C, D]
         return jnp.concatenate([pages[page, :, offset], new], axis=1).transpose(0, 2, 1, 3)
 
     keys, values = in_position_order(k_pages, k_new), in_position_order(v_pages, v_new)
@@ -47,14 +102,16 @@ def ring_attention_xla(q, k_new, v_new, k_pages, v_pages, page_table, lengths, n
     blocks = []
     for first in range(0, chunk, QUERY_BLOCK):
         last = min(first + QUERY_BLOCK, chunk)
-        seen = slice(first, last + window - 1)  # queries first..last-1 see these keys, no others
+        # Queries first..last-1 see the keys of positions (length + first - W, length + last - 1]: key index
+        # reach + i of the chunk's position i, old ones before it.
+        seen = slice(max(0, first + reach - (window - 1)), last + reach)
         mask = positions.attention_mask(query_pos[:, first:last], key_pos[:, seen], key_valid[:, seen], window)
         blocks.append(_masked_attention(qg[:, :, :, first:last], keys[:, :, seen], values[:, :, seen], mask, scale))
     out = jnp.concatenate(blocks, axis=3) if len(blocks) > 1 else blocks[0]
     out = out.transpose(0, 3, 1, 2, 4).reshape(num_sessions, chunk, num_q_heads, head_dim).astype(q.dtype)
-
-    k_pages, v_pages = write_new_entries(k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, after=out)
-    return out, k_pages, v_pages
+    # A session without new rows outputs zeros (as in the Pallas kernels), which is also what lets the bucket
+    # choice ignore its history. Zeroing the output is cheaper than masking its keys.
+    return jnp.where(num_new[:, None, None, None] > 0, out, jnp.zeros((), out.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

@@ -1,0 +1,251 @@
+"""The realtime scheduler's per-session state as numpy columns indexed by row, and the queued audio.
+
+A tick of the transcription scheduler reads and writes the state of every live stream; kept in arrays
+(one row per session, row 0 the padding row that batch buckets are filled with), readiness, scheduling,
+page checks and batch assembly are a few array operations per tick instead of Python per session.
+Sessions see their row through `Column` attributes, so code off the hot path (eviction, tests, metrics)
+reads `session.fed` or `session.slot` as before.
+
+Queued audio lives in one slab of 80 ms mel slots shared by all sessions (`MelSlab`); a session's queue
+is a ring of slab block indices (`ring[row, position % ring_width]`), so gathering a batch's mel is one
+fancy index. Each block also holds the time its slot reached the engine, the start of that token's
+latency.
+"""
+import time
+
+import numpy as np
+
+from jaxstream.engine.kv_cache import NULL_PAGE, SessionPages
+from jaxstream.engine.residency import Status
+
+STATUSES = tuple(Status)
+STATUS_CODE = {status: code for code, status in enumerate(STATUSES)}
+UNKNOWN_LIMIT = np.iinfo(np.int64).max // 2  # `limit` of a stream whose end is not known yet
+
+# name -> (dtype, value of a free row and of the padding row 0)
+COLUMNS = {
+    "fed": (np.int64, 0),  # positions dispatched (= audio slots consumed)
+    "received": (np.int64, 0),  # audio slots received; received - fed are queued
+    "limit": (np.int64, UNKNOWN_LIMIT),  # one past the last position to feed, once the input is finished
+    "prompt_len": (np.int64, 0),
+    "in_flight": (np.int64, 0),  # dispatches whose tokens are not collected yet
+    "arrival": (np.int64, 0),  # order of creation, for FIFO admission
+    "slot": (np.int32, -1),  # device slot; -1 while not resident (and for padding rows)
+    "n_delay": (np.float32, 1.0),
+    "status": (np.int8, STATUS_CODE[Status.WAITING]),
+    "last_active": (np.int64, 0),  # residency clock of the last activity (LRU eviction)
+    "generation": (np.int64, 0),  # bumped when a row is freed: results of a freed row's dispatch are dropped
+    "buffered": (np.int64, 0),  # generated ids in `tokens` not yet moved to the session's lists
+}
+
+
+class Column:
+    """A session attribute stored in its row of a `StreamRows` column (in a plain dict once detached)."""
+
+    def __init__(self, column: str, decode=int, encode=lambda value: value):
+        self.column, self.decode, self.encode = column, decode, encode
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, session, owner=None):
+        if session is None:
+            return self
+        if session.row is None:
+            return session.detached[self.name]
+        return self.decode(session.rows.columns[self.column][session.row])
+
+    def __set__(self, session, value):
+        if session.row is None:
+            session.detached[self.name] = value
+        else:
+            session.rows.columns[self.column][session.row] = self.encode(value)
+
+
+def _slot_or_none(value):
+    return None if value < 0 else int(value)
+
+
+class RowSession:
+    """Base of sessions whose hot state lives in a `StreamRows` row (`row` is None once detached)."""
+
+    slot = Column("slot", _slot_or_none, lambda slot: -1 if slot is None else slot)
+    status = Column("status", STATUSES.__getitem__, STATUS_CODE.__getitem__)
+    last_active = Column("last_active")
+    fed = Column("fed")
+    in_flight = Column("in_flight")
+    prompt_len = Column("prompt_len")
+
+    def bind(self, rows: "StreamRows", row: int) -> None:
+        self.rows, self.row, self.detached = rows, row, {}
+
+
+class MelSlab:
+    """80 ms mel slots of every session's queued audio in one growable array; block 0 stays zero (what
+    padding rows and padding steps read)."""
+
+    def __init__(self, slot_shape: tuple[int, ...], blocks: int = 1024):
+        self.data = np.zeros((blocks, *slot_shape), np.float32)
+        self.arrived = np.zeros(blocks, np.float64)  # perf_counter time the slot reached the engine
+        self._free = np.arange(blocks - 1, 0, -1, dtype=np.int64)
+        self._num_free = blocks - 1
+
+    def store(self, slots: np.ndarray, arrived: np.ndarray) -> np.ndarray:
+        """Copies `slots` into free blocks (with their arrival times); returns the blocks, in order."""
+        count = len(slots)
+        while count > self._num_free:
+            self._grow()
+        top = self._num_free
+        self._num_free -= count
+        blocks = self._free[top - count : top][::-1].copy()
+        self.data[blocks] = slots
+        self.arrived[blocks] = arrived
+        return blocks
+
+    def release(self, blocks: np.ndarray) -> None:
+        blocks = blocks[blocks != 0]
+        self._free[self._num_free : self._num_free + blocks.size] = blocks
+        self._num_free += blocks.size
+
+    def _grow(self) -> None:
+        old = len(self.data)
+        self.data = np.concatenate([self.data, np.zeros_like(self.data)])
+        self.arrived = np.concatenate([self.arrived, np.zeros_like(self.arrived)])
+        # New blocks go under the free ones already there, which keep being handed out first.
+        self._free = np.concatenate([np.arange(2 * old - 1, old - 1, -1), self._free[: self._num_free],
+                                     np.zeros(old - 1 - self._num_free, np.int64)])
+        self._num_free += old
+
+
+class StreamRows:
+    """Rows of per-session columns (`COLUMNS`), page tables per stack, queued audio and generated ids not
+    yet handed to their session; rows are reused, and everything grows by doubling."""
+
+    def __init__(self, specs: dict, slot_shape: tuple[int, ...], token_width: int, capacity: int = 16):
+        self.specs = specs
+        self.capacity = capacity
+        self.columns = {name: np.full(capacity, default, dtype) for name, (dtype, default) in COLUMNS.items()}
+        self.__dict__.update(self.columns)  # `rows.fed` is the column itself
+        self.tables = {name: np.full((capacity, spec.pages_per_window), NULL_PAGE, np.int32)
+                       for name, spec in specs.items()}
+        self.ring = np.zeros((capacity, 16), np.int64)  # slab block of queued slot p at [row, p % width]
+        self.tokens = np.zeros((capacity, token_width), np.int32)  # generated ids, `buffered` per row
+        self.sessions: list = [None] * capacity  # row -> RowSession
+        self.mel = MelSlab(slot_shape)
+        self._incoming: list = []  # (row, slots, arrival time) noted by `queue_audio`, stored by `absorb`
+        self._free_rows = list(range(capacity - 1, 0, -1))
+
+    # -- rows -------------------------------------------------------------------------------------
+    def attach(self, session: RowSession) -> dict[str, SessionPages]:
+        """Gives `session` a fresh row; returns its page tables (views of the row's table rows)."""
+        if not self._free_rows:
+            self._grow_rows()
+        row = self._free_rows.pop()
+        session.bind(self, row)
+        self.sessions[row] = session
+        return {name: SessionPages(spec, self.tables[name][row]) for name, spec in self.specs.items()}
+
+    def detach(self, session: RowSession) -> None:
+        """Frees the row of a session whose pages are released: its queued audio is dropped, its values
+        stay readable on the session, and results of its in-flight dispatches will be ignored."""
+        row = session.row
+        if row is None:
+            return
+        self._incoming = [entry for entry in self._incoming if entry[0] != row]
+        queued = np.arange(self.fed[row], self.received[row])
+        self.mel.release(self.ring[row, queued % self.ring.shape[1]])
+        detached = {name: getattr(session, name) for name in ("slot", "status", "last_active", "fed", "in_flight",
+                                                              "prompt_len")}
+        for pages in session.pages.values():
+            pages.table = pages.table.copy()
+        generation = self.generation[row]
+        for name, (_, default) in COLUMNS.items():
+            self.columns[name][row] = default
+        self.generation[row] = generation + 1
+        self.sessions[row] = None
+        session.row, session.detached = None, detached
+        self._free_rows.append(row)
+
+    def _grow_rows(self) -> None:
+        old, new = self.capacity, 2 * self.capacity
+        for name, (dtype, default) in COLUMNS.items():
+            grown = np.full(new, default, dtype)
+            grown[:old] = self.columns[name]
+            self.columns[name] = grown
+        self.__dict__.update(self.columns)
+        for name, table in self.tables.items():
+            grown = np.full((new, table.shape[1]), NULL_PAGE, np.int32)
+            grown[:old] = table
+            self.tables[name] = grown
+        self.ring = np.concatenate([self.ring, np.zeros_like(self.ring)])
+        self.tokens = np.concatenate([self.tokens, np.zeros_like(self.tokens)])
+        self.sessions += [None] * old
+        self.capacity = new
+        self._free_rows = list(range(new - 1, old - 1, -1)) + self._free_rows
+        for row, session in enumerate(self.sessions):  # page tables are views: point them at the new rows
+            if session is not None:
+                for name, pages in session.pages.items():
+                    pages.table = self.tables[name][row]
+
+    # -- queued audio -----------------------------------------------------------------------------
+    def queue_audio(self, row: int, slots: np.ndarray) -> None:
+        """Queues a session's new 80 ms mel slots. This runs once per append command, so it only notes them;
+        `absorb` stores everything that arrived since the last tick in one go."""
+        if len(slots):
+            self._incoming.append((row, slots, time.perf_counter()))
+
+    def absorb(self) -> None:
+        """Stores the audio queued since the last call in the slab and the rows' rings, in arrival order."""
+        if not self._incoming:
+            return
+        incoming, self._incoming = self._incoming, []
+        counts = np.array([len(slots) for _, slots, _ in incoming])
+        owners = np.repeat([row for row, _, _ in incoming], counts)  # the row of every new slot
+        arrived = np.repeat([now for _, _, now in incoming], counts)
+        slots = np.concatenate([slots for _, slots, _ in incoming])
+        # Each new slot's rank among its row's new slots: a stable sort groups them, arrival order kept.
+        order = np.argsort(owners, kind="stable")
+        grouped = owners[order]
+        starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])
+        rank = np.empty(owners.size, np.int64)
+        rank[order] = np.arange(owners.size) - np.repeat(starts, np.diff(np.r_[starts, owners.size]))
+        added = np.bincount(owners, minlength=self.capacity)
+        needed = int((self.received + added - self.fed).max())
+        if needed > self.ring.shape[1]:
+            self._widen_ring(needed)
+        positions = self.received[owners] + rank
+        self.ring[owners, positions % self.ring.shape[1]] = self.mel.store(slots, arrived)
+        self.received += added
+
+    def _widen_ring(self, needed: int) -> None:
+        """A wider ring (power of two): every queued slot moves to its position modulo the new width."""
+        old = self.ring.shape[1]
+        width = 1 << (int(needed) - 1).bit_length()
+        grown = np.zeros((self.capacity, width), np.int64)
+        positions = self.fed[:, None] + np.arange(old)
+        queued = positions < self.received[:, None]
+        rows, steps = np.nonzero(queued)
+        grown[rows, positions[rows, steps] % width] = self.ring[rows, positions[rows, steps] % old]
+        self.ring = grown
+
+    def queued_blocks(self, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, width: int) -> np.ndarray:
+        """Slab blocks [len(rows), width] of the queued slots [start, start + count) of each row (block 0,
+        all zeros, past `count`)."""
+        positions = starts[:, None] + np.arange(width)
+        valid = np.arange(width) < counts[:, None]
+        return np.where(valid, self.ring[rows[:, None], positions % self.ring.shape[1]], 0)
+
+    # -- generated ids ----------------------------------------------------------------------------
+    def buffer_tokens(self, rows: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
+        """Appends the first `counts[i]` ids of `tokens[i]` to row `rows[i]`'s buffer."""
+        columns = np.arange(tokens.shape[1])
+        valid = columns < counts[:, None]
+        r, k = np.nonzero(valid)
+        self.tokens[rows[r], self.buffered[rows[r]] + k] = tokens[r, k]
+        self.buffered[rows] += counts
+
+    def take_tokens(self, rows: np.ndarray) -> list[list[int]]:
+        """Empties the buffers of `rows`; returns each one's ids in order."""
+        counts = self.buffered[rows].tolist()
+        self.buffered[rows] = 0
+        return [ids[:count] for ids, count in zip(self.tokens[rows].tolist(), counts)]

@@ -1,0 +1,114 @@
+"""Inputs a model transcribes badly without any error: narrowband audio and delays it was not trained at.
+
+A model trained on 16 kHz speech loses what it relies on above 4 kHz when the audio comes from an 8 kHz
+source (a phone line, G.711, an 8 kHz recording upsampled later), and a delay outside the range it saw in
+training shifts its text alignment. Neither can be rejected (both are valid input), so the CLI and the engine
+warn once, with the reason, through these checks.
+"""
+import threading
+
+import numpy as np
+
+from jaxstream.models.audio import SAMPLING_RATE
+
+NARROWBAND_RATE = 8000
+# Above the telephone band and above soxr's transition band when it upsamples 8 kHz audio (its passband
+# ends near 3.8 kHz), below the 8 kHz Nyquist edge of 16 kHz audio.
+HIGH_BAND_HZ = (4200.0, 7600.0)
+# Share of the speech energy in HIGH_BAND_HZ. Measured (first 40 files of each tiny-v2 corpus, 16 kHz):
+# espeak-ng / Festival / flite speech 1.2e-4 .. 0.14 (median ~7e-3); 8 kHz phone-line audio upsampled by
+# soxr 9e-13 .. 5e-11. The threshold sits in the six decades between.
+NARROWBAND_ENERGY_SHARE = 1e-5
+_FRAME = 512
+_HOP = 256
+_SPEECH_FRAME_DB = -30.0  # frames this far below the loudest frame are silence and not counted
+PROBE_SECONDS = 3.0  # of a stream's first audio, enough speech to judge its band
+
+
+def high_band_energy_share(pcm) -> float | None:
+    """Share of the energy of the louder frames of 16 kHz `pcm` that lies in HIGH_BAND_HZ; None when the
+    audio is too short (< 1 frame) or silent, where no judgement is possible."""
+    pcm = np.asarray(pcm, np.float64)
+    if pcm.ndim != 1 or pcm.size < _FRAME:
+        return None
+    frames = np.lib.stride_tricks.sliding_window_view(pcm, _FRAME)[::_HOP]
+    power = np.abs(np.fft.rfft(frames * np.hanning(_FRAME), axis=1)) ** 2
+    frame_energy = power.sum(axis=1)
+    if not frame_energy.max() > 0:
+        return None
+    loud = frame_energy >= frame_energy.max() * 10 ** (_SPEECH_FRAME_DB / 10)
+    freqs = np.fft.rfftfreq(_FRAME, 1 / SAMPLING_RATE)
+    band = (freqs > HIGH_BAND_HZ[0]) & (freqs < HIGH_BAND_HZ[1])
+    return float(power[loud][:, band].sum() / power[loud].sum())
+
+
+def narrowband_reason(pcm, source_rate: int = SAMPLING_RATE) -> str | None:
+    """Why audio is narrowband, or None when it is not (or cannot be judged yet). `pcm` is the audio at
+    16 kHz, `source_rate` the rate it came at (a file's or a stream's, before resampling)."""
+    if source_rate <= NARROWBAND_RATE:
+        return f"the audio is sampled at {source_rate} Hz"
+    share = high_band_energy_share(pcm)
+    if share is not None and share < NARROWBAND_ENERGY_SHARE:
+        return f"the audio has no energy above {HIGH_BAND_HZ[0] / 1000:g} kHz (upsampled from 8 kHz?)"
+    return None
+
+
+def narrowband_warning(reason: str) -> str:
+    return (f"narrowband input: {reason}; the model was trained on 16 kHz wideband speech and transcribes "
+            "telephone-band audio less accurately")
+
+
+def delay_warning(config, delay_ms: int) -> str | None:
+    """A warning when `delay_ms` lies outside the delays the model was trained at (its config's
+    `trained_delays_ms`, when the checkpoint records them), else None."""
+    trained = getattr(config, "trained_delays_ms", None)
+    if trained is None or trained[0] <= delay_ms <= trained[1]:
+        return None
+    return (f"delay {delay_ms} ms is outside the delays this model was trained at ({trained[0]}-{trained[1]} ms); "
+            "expect a worse transcript")
+
+
+class BandProbe:
+    """Judges a stream's band once, from its first PROBE_SECONDS of 16 kHz audio (or at its end when it is
+    shorter): `feed` returns the narrowband reason the one time it has a verdict that says so, else None."""
+
+    def __init__(self, source_rate: int = SAMPLING_RATE):
+        self._source_rate = source_rate
+        self._parts: list[np.ndarray] | None = []  # None once judged
+        self._size = 0
+
+    def feed(self, pcm16k: np.ndarray) -> str | None:
+        if self._parts is None:
+            return None
+        if self._source_rate <= NARROWBAND_RATE:
+            return self._verdict()
+        self._parts.append(np.asarray(pcm16k, np.float32))
+        self._size += len(pcm16k)
+        return self._verdict() if self._size >= PROBE_SECONDS * SAMPLING_RATE else None
+
+    def finish(self) -> str | None:
+        return None if self._parts is None else self._verdict()
+
+    def _verdict(self) -> str | None:
+        audio = np.concatenate(self._parts) if self._parts else np.zeros(0, np.float32)
+        self._parts = None
+        return narrowband_reason(audio, self._source_rate)
+
+
+class WarnOnce:
+    """Logs each distinct warning once: an engine serving many sessions of one phone line, or a CLI
+    transcribing a folder of them, says it once rather than per session. Thread-safe."""
+
+    def __init__(self, logger):
+        self._logger = logger
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, message: str | None) -> None:
+        if message is None:
+            return
+        with self._lock:
+            if message in self._seen:
+                return
+            self._seen.add(message)
+        self._logger.warning("%s", message)

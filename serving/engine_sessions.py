@@ -1,0 +1,37 @@
+"""Starting an engine transcription session from a request or connection handler, safe against
+cancellation, and naming what ended one. Every protocol (WebSocket and HTTP alike) uses these."""
+import asyncio
+import logging
+
+from jaxstream.errors import EngineError
+from jaxstream.models.audio import SAMPLING_RATE
+
+logger = logging.getLogger(__name__)
+
+
+async def start_session(engine, delay_ms, sample_rate: int = SAMPLING_RATE):
+    """`engine.start_transcription`, safe against cancellation: a session the engine creates after the
+    caller was torn down (a client that went away mid-start) is aborted, never left holding engine
+    capacity."""
+    task = asyncio.ensure_future(engine.start_transcription(delay_ms, sample_rate=sample_rate))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_abort_orphan)
+        raise
+
+
+def _abort_orphan(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is None:
+        asyncio.ensure_future(task.result().abort(reason="client_disconnected"))
+
+
+def failure_of(connection_id: str, exc: Exception) -> tuple[str, str]:
+    """(code, message) a protocol reports for an exception out of a session's event stream. An EngineError
+    carries its own stable code; anything else is a bug, logged with its traceback, and reported without
+    internals as `processing_error`."""
+    if isinstance(exc, EngineError):
+        logger.warning("%s: transcription failed: %s", connection_id, exc)
+        return exc.code, str(exc) or type(exc).__name__
+    logger.error("%s: the engine's event stream failed", connection_id, exc_info=exc)
+    return "processing_error", "Internal error in the transcription"

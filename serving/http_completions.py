@@ -1,0 +1,292 @@
+"""OpenAI's `POST /v1/completions` over a served text LM (specs/realtime_protocols.md §7.1, §8).
+
+A JSON body as OpenAI's SDK sends it: `model`, `prompt` (a string, or token ids; a list of one of either),
+`max_tokens` (default 16, as OpenAI), `temperature`, `top_p`, `seed`, `stop` (the engine takes stop token
+ids only: `stop_token_ids`), `n` (1), `stream`, `stream_options.include_usage`, and vLLM's `top_k`,
+`min_tokens`, `ignore_eos`. `stream: true` answers with SSE `text_completion` chunks and `data: [DONE]`.
+
+With `X-Streaming-Input: true` the body is Mode A's NDJSON (streaming_input.py): an optional parameters
+line, then chunks of base64 UTF-8 text; each chunk applied after the start is one `StreamingInput` of the
+engine's session, so the engine's cumulative-prompt rule (every output but the last sampled token of a
+chunk joins the context before the next chunk) applies chunk by chunk, and `max_tokens` is per chunk.
+
+`TextInput` is the engine side of a text stream for plain requests, Mode A and Mode B (http_sessions.py).
+"""
+import asyncio
+import logging
+import time
+import uuid
+
+from aiohttp import web
+
+from jaxstream.engine.requests import SamplingParams, StreamingInput
+from jaxstream.errors import EngineError, InvalidRequestError
+from jaxstream.serving import sse, streaming_input
+from jaxstream.serving.http_errors import (
+    RequestError, check_kind, check_model, check_ready, engine_request_error, error_response, read_json,
+    server_state,
+)
+from jaxstream.serving.limits import holds_stream
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_DISCONNECT_POLL_S = 0.25
+_END = object()  # ends a TextInput's chunk queue
+# OpenAI fields jaxstream cannot honour, with the value that means "not used".
+_NEUTRAL = {"echo": False, "suffix": None, "best_of": 1, "logprobs": None, "presence_penalty": 0,
+            "frequency_penalty": 0, "logit_bias": None}
+
+
+def sampling_params(body: dict) -> SamplingParams:
+    """SamplingParams from OpenAI completion fields (and vLLM's extras); RequestError 400 when invalid."""
+    for name, neutral in _NEUTRAL.items():
+        value = body.get(name)
+        if value is not None and value != neutral and not (name == "logit_bias" and value == {}):
+            raise RequestError(400, "unsupported_parameter", f"`{name}` is not supported by this server", name)
+    fields = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_tokens": 0, "ignore_eos": False}
+    fields.update({name: body[name] for name in (*fields, "seed", "stop", "stop_token_ids")
+                   if body.get(name) is not None})
+    fields["max_tokens"] = body.get("max_tokens", DEFAULT_MAX_TOKENS)
+    try:
+        params = SamplingParams(**fields)
+        params.check_supported(streaming=True)
+    except InvalidRequestError as exc:
+        raise RequestError(400, "invalid_request", str(exc)) from None
+    return params
+
+
+def parse_prompt(body: dict, state):
+    """The prompt: a string or a list of token ids (or a list holding one of either: n = 1)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        check_tokenizer(state)
+        return prompt
+    vocab = state.engine.model_config.vocab_size
+    if (isinstance(prompt, list) and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt)):
+        return prompt
+    raise RequestError(400, "invalid_request", f"prompt must be a string or a non-empty list of token ids "
+                       f"below {vocab} (one prompt per request)", "prompt")
+
+
+def check_tokenizer(state) -> None:
+    if state.engine.tokenizer is None:
+        raise RequestError(400, "invalid_request", f"{state.model_id!r} has no tokenizer: send token ids",
+                           "prompt")
+
+
+def parse_stream(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage)."""
+    stream, options = body.get("stream", False), body.get("stream_options") or {}
+    if not isinstance(stream, bool):
+        raise RequestError(400, "invalid_request", "stream must be true or false", "stream")
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise RequestError(400, "invalid_request", "stream_options must be {\"include_usage\": bool}",
+                           "stream_options")
+    return stream, bool(options.get("include_usage", False))
+
+
+class TextInput:
+    """The engine side of one text completion: a `generate` session fed `StreamingInput` chunks as they
+    are appended, its output kept and, when `log` is given, streamed as `text_completion` chunks (see
+    streaming_input.py for the interface)."""
+
+    modality = "text"
+
+    def __init__(self, state, params: SamplingParams, log: sse.EventLog | None = None, *,
+                 include_usage: bool = False):
+        self.state = state
+        self.params = params
+        self.log = log
+        self.include_usage = include_usage
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.prompt_tokens = 0
+        self.finish_reason: str | None = None
+        self.error: EngineError | None = None
+        self.aborted = False
+        self._chunks: asyncio.Queue = asyncio.Queue()
+        self._pump: asyncio.Task | None = None
+        self._done = asyncio.Event()
+
+    @property
+    def started(self) -> bool:
+        return self._pump is not None
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def failure(self) -> EngineError | None:
+        return self.error
+
+    @property
+    def succeeded(self) -> bool:
+        return self.done and self.error is None and self.finish_reason is not None and not self.aborted
+
+    def decode(self, payload: str) -> str:
+        try:
+            return streaming_input.decode_base64(payload).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RequestError(422, "invalid_text", f"payload is not UTF-8 text: {exc}", "payload") from None
+
+    @staticmethod
+    def measure(text) -> tuple[int, float]:
+        return len(text.encode()) if isinstance(text, str) else 4 * len(text), 0.0
+
+    @staticmethod
+    def join(pieces: list) -> str:
+        return "".join(pieces)
+
+    async def start(self) -> None:
+        self._pump = asyncio.create_task(self._run())
+
+    async def append(self, prompt) -> None:
+        self._chunks.put_nowait(prompt)  # bounded by the payload cap; the engine queues chunks FIFO anyway
+
+    async def finish(self) -> None:
+        self._chunks.put_nowait(_END)
+
+    async def _inputs(self):
+        while (prompt := await self._chunks.get()) is not _END:
+            yield StreamingInput(prompt, self.params)
+
+    async def _run(self) -> None:
+        finished = False
+        try:
+            async for out in self.state.engine.generate(self._inputs(), self.params, request_id=self.id):
+                completion = out.outputs[0]
+                self.text += completion.text
+                self.token_ids += completion.token_ids
+                self.prompt_tokens = len(out.prompt_token_ids)
+                self.finish_reason = completion.finish_reason or self.finish_reason
+                finished = out.finished
+                if self.log is not None and (completion.text or finished):
+                    self.log.append(self.chunk(completion.text, self.finish_reason if finished else None))
+            if self.log is not None:
+                if not finished:  # the input closed while the session was parked: no final output came
+                    self.log.append(self.chunk("", self.finish_reason or "stop"))
+                if self.include_usage:
+                    self.log.append({**self.chunk("", None), "choices": [], "usage": self.usage()})
+        except (EngineError, ValueError, TypeError) as exc:  # generate re-raises a chunk's own error
+            self.error = exc if isinstance(exc, EngineError) else InvalidRequestError(str(exc))
+            self.state.metrics.errors.labels(code=self.error.code).inc()
+            if self.log is not None:
+                self.log.append(sse.error_payload(str(self.error), self.error.code))
+        finally:
+            if self.log is not None:
+                self.log.close()
+            self._done.set()
+
+    async def abort(self, reason: str) -> None:
+        """Stops the generation: cancelling `generate`'s consumer aborts the engine request."""
+        if self._pump is not None:
+            if not self._pump.done():
+                self.aborted = True
+                logger.info("completion %s aborted: %s", self.id, reason)
+            self._pump.cancel()
+            await asyncio.gather(self._pump, return_exceptions=True)
+        if self.log is not None:
+            self.log.close()
+        self._done.set()
+
+    def fail(self, code: str, message: str) -> None:
+        if self.log is not None and not self.log.closed:
+            self.log.append(sse.error_payload(message, code))
+        asyncio.ensure_future(self.abort(code))
+
+    async def wait(self, timeout: float | None = None) -> None:
+        async with asyncio.timeout(timeout):
+            await self._done.wait()
+
+    async def close(self) -> None:
+        await self.abort("request_ended")
+
+    # -- OpenAI shapes ------------------------------------------------------------------------------------
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.token_ids),
+                "total_tokens": self.prompt_tokens + len(self.token_ids)}
+
+    def chunk(self, text: str, finish_reason: str | None) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.state.model_id,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+    def completion(self) -> dict:
+        body = self.chunk(self.text, self.finish_reason or "stop")
+        return {**body, "usage": self.usage()}
+
+    def result(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "usage": self.usage()}
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = server_state(request)
+    try:
+        check_ready(state)
+        if streaming_input.is_streaming_input(request):
+            return await _streaming_input(request, state)
+        body = await read_json(request)
+        check_model(state, body.get("model"), "text")
+        prompt = parse_prompt(body, state)
+        params = sampling_params(body)
+        stream, include_usage = parse_stream(body)
+        text_input = TextInput(state, params, sse.EventLog() if stream else None, include_usage=include_usage)
+        handle = streaming_input.DrainHandle(text_input)
+        streaming_input.admit(state, handle)
+    except RequestError as exc:
+        state.metrics.errors.labels(code=exc.code).inc()
+        return exc.response()
+    try:
+        await text_input.start()
+        await text_input.append(prompt)
+        await text_input.finish()
+        if stream:
+            response, complete = await sse.stream_log(request, text_input.log)
+            if not complete:
+                await text_input.abort("client_disconnected")
+            return response
+        while not text_input.done:  # a plain response writes nothing until the end: watch the socket instead
+            try:
+                await text_input.wait(_DISCONNECT_POLL_S)
+            except TimeoutError:
+                pass
+            if sse.client_gone(request):
+                await text_input.abort("client_disconnected")
+                return web.Response(status=499)  # nobody reads it; aiohttp logs the status
+        if text_input.error is not None:
+            return engine_request_error(text_input.error).response()
+        if text_input.finish_reason is None:
+            return error_response(500, "aborted", "The completion produced no output")
+        return web.json_response(text_input.completion())
+    finally:
+        await asyncio.shield(streaming_input.end_request(state, handle))
+
+
+async def _streaming_input(request: web.Request, state) -> web.StreamResponse:
+    """Mode A: the NDJSON body's text chunks feed one completion session, answered as SSE meanwhile."""
+    objects = streaming_input.ndjson_objects(request, state.config.limits)
+    params, first_chunk = await streaming_input.first_object(objects)
+    if "model" in params:
+        check_model(state, params["model"], "text")
+    else:
+        check_kind(state, "text")
+    if streaming_input.parse_modality(params, "text") != "text":
+        raise RequestError(422, "unsupported_modality", "/v1/completions takes text", "modality")
+    if "prompt" in params:
+        raise RequestError(422, "invalid_request", "With streaming input the prompt comes as chunks", "prompt")
+    check_tokenizer(state)
+    policy = streaming_input.parse_start_policy(params, "text")
+    _, include_usage = parse_stream(params)
+    text_input = TextInput(state, sampling_params(params), sse.EventLog(), include_usage=include_usage)
+    return await streaming_input.serve_mode_a(request, state, text_input, policy, objects, first_chunk)
+
+
+def add_completion_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", holds_stream(completions))

@@ -1,0 +1,90 @@
+"""What every HTTP route of the server shares: the refusal (`RequestError`) and its OpenAI-shaped answer
+`{"error": {"message", "type", "param", "code"}}`, the engine-error-to-status map, the readiness and model
+checks, and reading a JSON body larger than the app's small default limit."""
+import json
+
+from aiohttp import web
+
+from jaxstream.errors import EngineError
+
+# Engine error code -> HTTP status. Capacity and draining are worth retrying elsewhere or later.
+_ENGINE_STATUS = {"capacity": 503, "draining": 503, "engine_dead": 503, "backlog": 503,
+                  "invalid_audio": 400, "invalid_request": 400, "session_closed": 409}
+
+
+class RequestError(Exception):
+    """A request the server refuses: HTTP status, OpenAI error code, message, offending parameter, and for
+    429/503 the seconds after which a retry may succeed."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None,
+                 retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.code, self.param, self.retry_after = status, code, param, retry_after
+
+    def response(self) -> web.Response:
+        return error_response(self.status, self.code, str(self), self.param, self.retry_after)
+
+
+def error_response(status: int, code: str, message: str, param: str | None = None,
+                   retry_after: int | None = None) -> web.Response:
+    error_type = "rate_limit_error" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
+    headers = {"Retry-After": str(retry_after or 1)} if status in (429, 503) else None
+    return web.json_response({"error": {"message": message, "type": error_type, "param": param, "code": code}},
+                             status=status, headers=headers)
+
+
+def engine_request_error(exc: EngineError) -> RequestError:
+    return RequestError(_ENGINE_STATUS.get(exc.code, 500), exc.code, str(exc))
+
+
+def server_state(request: web.Request):
+    from jaxstream.serving.app import SERVER  # app.py imports the route modules to register them
+
+    return request.app[SERVER]
+
+
+def check_ready(state) -> None:
+    """RequestError 503 while the model loads, the server drains or the engine is dead (as /health)."""
+    status, body = state.health()
+    if status != 200:
+        raise RequestError(503, body["status"], f"The server cannot serve requests now: {body['status']}")
+
+
+def check_model(state, model, kind: str) -> None:
+    """The request names the served model, and that model is of `kind` ("realtime" or "text")."""
+    if not isinstance(model, str) or not model:
+        raise RequestError(400, "invalid_request", "Missing required parameter: 'model'", "model")
+    if not state.serves_model(model, allow_empty=False):
+        raise RequestError(404, "model_not_found", f"The model `{model}` does not exist.", "model")
+    check_kind(state, kind)
+
+
+def check_kind(state, kind: str) -> None:
+    if state.engine.kind != kind:
+        what = "a speech-to-text (realtime) model" if kind == "realtime" else "a text language model"
+        raise RequestError(400, "unsupported_model", f"This endpoint needs {what}; the server serves "
+                           f"{state.model_id!r}, a {state.engine.kind} model", "model")
+
+
+async def read_json(request: web.Request) -> dict:
+    """The JSON object of a request body, read up to the protocol's frame limit (the app's own body limit
+    is sized for small requests, not audio chunks). An empty body is an empty object."""
+    limit = server_state(request).config.limits.max_message_bytes
+    body = bytearray()
+    while data := await request.content.read(64 << 10):
+        body += data
+        if len(body) > limit:
+            raise RequestError(413, "request_too_large", f"The request body is larger than {limit} bytes")
+    if not body:
+        return {}
+    return parse_json_object(bytes(body))
+
+
+def parse_json_object(data: bytes, what: str = "The body") -> dict:
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(422, "invalid_json", f"{what} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise RequestError(422, "invalid_json", f"{what} must be a JSON object")
+    return value

@@ -1,0 +1,325 @@
+"""Streaming input over HTTP, what Mode A and Mode B share (specs/realtime_protocols.md §7): the chunk
+object, start policies, the gate that applies in-order chunks to an engine input, the NDJSON body of a
+Mode A request, and the handle that lets the server's drain wait for an HTTP stream.
+
+An engine input is one of `http_transcriptions.AudioInput` (a transcription session) or
+`http_completions.TextInput` (a `generate` call over `StreamingInput` chunks). Both offer:
+
+    modality                 "audio" | "text"
+    log                      the sse.EventLog its output goes to (None: result only)
+    decode(payload) -> piece a chunk's base64 payload as PCM or text (RequestError 422 when it is not)
+    measure(piece)           (bytes, audio seconds) of a piece, for the payload cap and on_min_length
+    join(pieces) -> piece    the pieces buffered before the start, as one
+    started, done            an engine session exists / it ended (its output is complete)
+    succeeded, failure       it ended with a result / the EngineError it ended with
+    async start(), append(piece), finish(), abort(reason), close(), wait(timeout), result() -> dict
+    fail(code, message)      ends it with an `error` event (a bad chunk in the middle of a Mode A body)
+
+Start policies (the RFC's `streaming_input.start_policy`): `on_first_chunk` starts the engine with the
+first chunk; `on_min_length` buffers until `min_bytes` of payload (decoded: PCM16 or UTF-8 bytes) or
+`min_audio_seconds` of audio arrived; `on_end_only` buffers the whole input. The chunks buffered before the
+start become one first prompt (text) or one append (audio); each later chunk goes to the engine as it
+comes, a text chunk as its own `StreamingInput` (the engine's cumulative-prompt rule then applies chunk by
+chunk).
+"""
+import asyncio
+import base64
+import binascii
+import dataclasses
+import logging
+
+from aiohttp import web
+
+from jaxstream.errors import EngineError
+from jaxstream.serving import sse
+from jaxstream.serving.http_errors import RequestError, engine_request_error, parse_json_object
+from jaxstream.serving.limits import Breach
+
+logger = logging.getLogger(__name__)
+
+START_POLICIES = ("on_first_chunk", "on_min_length", "on_end_only")
+MODALITIES = ("audio", "text")
+_ADMIT_STATUS = {"capacity": 429}  # admission refusals other than these are 503 (loading, draining, dead)
+
+
+def decode_base64(payload: str) -> bytes:
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise RequestError(422, "invalid_chunk", f"payload is not base64: {exc}", "payload") from None
+
+
+# -- chunks and start policies ----------------------------------------------------------------------------
+def parse_chunk(body, modality: str, *, ordered: bool = True) -> dict:
+    """A chunk object `{sequence_id, modality, payload, end_of_input}` of a session of `modality`;
+    `sequence_id` is required when `ordered` (Mode B), optional in a Mode A body (lines arrive in order)."""
+    if not isinstance(body, dict):
+        raise RequestError(422, "invalid_chunk", "chunk must be an object", "chunk")
+    seq = body.get("sequence_id")
+    if (ordered or seq is not None) and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 0):
+        raise RequestError(422, "invalid_chunk", f"sequence_id must be a non-negative integer, got {seq!r}",
+                           "sequence_id")
+    chunk_modality = body.get("modality", modality)
+    if chunk_modality != modality:
+        raise RequestError(422, "unsupported_modality", f"This session takes {modality} chunks, not "
+                           f"{chunk_modality!r}", "modality")
+    payload = body.get("payload", "")
+    if not isinstance(payload, str):
+        raise RequestError(422, "invalid_chunk", "payload must be a base64 string", "payload")
+    end = body.get("end_of_input", False)
+    if not isinstance(end, bool):
+        raise RequestError(422, "invalid_chunk", "end_of_input must be true or false", "end_of_input")
+    if not payload and not end:
+        raise RequestError(422, "invalid_chunk", "payload is empty", "payload")
+    return {"sequence_id": seq, "payload": payload, "end_of_input": end}
+
+
+def parse_modality(body: dict, default: str) -> str:
+    modality = body.get("modality", default)
+    if modality not in MODALITIES:
+        raise RequestError(422, "unsupported_modality", f"modality must be one of {', '.join(MODALITIES)}, "
+                           f"got {modality!r}", "modality")
+    return modality
+
+
+@dataclasses.dataclass(frozen=True)
+class StartPolicy:
+    name: str = "on_first_chunk"
+    min_bytes: int | None = None
+    min_audio_seconds: float | None = None
+
+    def holds(self, received_bytes: int, audio_seconds: float) -> bool:
+        """Whether inference starts with this much input buffered (the end of input always starts it)."""
+        if self.name == "on_first_chunk":
+            return True
+        if self.name == "on_end_only":
+            return False
+        return ((self.min_bytes is not None and received_bytes >= self.min_bytes)
+                or (self.min_audio_seconds is not None and audio_seconds >= self.min_audio_seconds))
+
+
+def parse_start_policy(body: dict, modality: str) -> StartPolicy:
+    """The start policy of a create body or a Mode A parameters line: `start_policy` (a name) with
+    `min_bytes` / `min_audio_seconds`, at the top level or inside a `streaming_input` object."""
+    nested = body.get("streaming_input") or {}
+    if not isinstance(nested, dict):
+        raise RequestError(422, "invalid_request", "streaming_input must be an object", "streaming_input")
+    merged = {**nested, **{k: body[k] for k in ("start_policy", "min_bytes", "min_audio_seconds") if k in body}}
+    name = merged.get("start_policy", "on_first_chunk")
+    if name not in START_POLICIES:
+        raise RequestError(422, "unsupported_start_policy", f"start_policy {name!r} is not supported; use "
+                           f"{', '.join(START_POLICIES)}", "start_policy")
+    min_bytes, seconds = merged.get("min_bytes"), merged.get("min_audio_seconds")
+    if name != "on_min_length":
+        if min_bytes is not None or seconds is not None:
+            raise RequestError(422, "invalid_request", "min_bytes and min_audio_seconds go with start_policy "
+                               "on_min_length", "start_policy")
+        return StartPolicy(name)
+    if min_bytes is None and seconds is None:
+        raise RequestError(422, "invalid_request", "on_min_length needs min_bytes or min_audio_seconds",
+                           "min_bytes")
+    if min_bytes is not None and (isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 1):
+        raise RequestError(422, "invalid_request", f"min_bytes must be a positive integer, got {min_bytes!r}",
+                           "min_bytes")
+    if seconds is not None:
+        if modality != "audio":
+            raise RequestError(422, "invalid_request", "min_audio_seconds applies to audio input only",
+                               "min_audio_seconds")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise RequestError(422, "invalid_request", f"min_audio_seconds must be a positive number, got "
+                               f"{seconds!r}", "min_audio_seconds")
+    return StartPolicy(name, min_bytes, None if seconds is None else float(seconds))
+
+
+class InputFeed:
+    """Applies in-order pieces to an engine input under a start policy (see the module docstring)."""
+
+    def __init__(self, stream, policy: StartPolicy, max_payload_bytes: int):
+        self.stream = stream
+        self.policy = policy
+        self.max_payload_bytes = max_payload_bytes
+        self.payload_bytes = 0  # received, for the cap (Mode B counts chunks still held for a gap too)
+        self.applied_bytes = 0  # in order, for the start policy
+        self.audio_seconds = 0.0
+        self.ended = False
+        self._pending: list = []
+
+    def count(self, payload_bytes: int) -> bool:
+        """Adds received payload bytes; False once they exceed the cap."""
+        self.payload_bytes += payload_bytes
+        return self.payload_bytes <= self.max_payload_bytes
+
+    async def add(self, piece) -> None:
+        size, seconds = self.stream.measure(piece)
+        self.applied_bytes += size
+        self.audio_seconds += seconds
+        try:
+            if self.stream.started:
+                await self.stream.append(piece)
+                return
+            self._pending.append(piece)
+            if self.policy.holds(self.applied_bytes, self.audio_seconds):
+                await self._start()
+        except EngineError as exc:
+            raise engine_request_error(exc) from None
+
+    async def end(self) -> None:
+        """Ends the input (idempotent); starts the engine first when the policy was still buffering."""
+        if self.ended:
+            return
+        try:
+            if not self.stream.started:
+                if not self._pending:
+                    raise RequestError(422, "no_input", "The input ended before any payload arrived")
+                await self._start()
+            self.ended = True
+            await self.stream.finish()
+        except EngineError as exc:
+            raise engine_request_error(exc) from None
+
+    async def _start(self) -> None:
+        await self.stream.start()
+        piece, self._pending = self.stream.join(self._pending), []
+        await self.stream.append(piece)
+
+
+# -- draining -----------------------------------------------------------------------------------------------
+class DrainHandle:
+    """An HTTP stream (a request or a Mode B session) as the server's connection registry and drain see a
+    WebSocket connection (app.ServerState.admit / drain): busy while its engine session runs; drain ends
+    its input (`finish_for_drain`) or aborts it (`stop`)."""
+
+    def __init__(self, stream, feed: InputFeed | None = None, on_stop=None):
+        self.stream = stream
+        self.feed = feed
+        self.on_stop = on_stop  # called with the Breach instead of failing the stream (Mode B closes its session)
+        self.protocol = self  # drain asks `conn.protocol.busy()`: one object plays both parts
+
+    def busy(self) -> bool:
+        return self.stream.started and not self.stream.done
+
+    async def finish_for_drain(self) -> None:
+        if self.feed is not None and not self.feed.ended:
+            try:
+                await self.feed.end()
+            except RequestError as exc:
+                logger.info("drain could not end an HTTP stream's input: %s", exc)
+
+    def stop(self, breach: Breach) -> None:
+        if self.on_stop is not None:
+            self.on_stop(breach)
+        elif not self.stream.done:
+            self.stream.fail(breach.error_code or "server_shutdown", breach.message or breach.outcome)
+
+
+def admit(state, handle: DrainHandle) -> None:
+    """Counts `handle` among the server's open streams (drain waits for it); RequestError when the server
+    refuses (draining, loading, at its connection limit). The caller ends with `end_request`."""
+    refusal = state.admit(handle)
+    if refusal is not None:
+        raise RequestError(_ADMIT_STATUS.get(refusal.error_code, 503), refusal.error_code, refusal.message)
+
+
+async def end_request(state, handle: DrainHandle, *tasks: asyncio.Task) -> None:
+    """The end of a request's stream: cancels its `tasks`, aborts its engine session (a no-op once it
+    ended) and forgets `handle`. Callers shield it: a handler cancelled while it runs (the client went
+    away, the server shuts down) must still free the engine session and let drain go on."""
+    try:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await handle.stream.close()
+    finally:
+        state.forget(handle)
+
+
+# -- Mode A: one chunked request with an NDJSON body ---------------------------------------------------------
+def is_streaming_input(request: web.Request) -> bool:
+    return (request.headers.get("X-Streaming-Input", "").strip().lower() == "true"
+            or request.content_type == "application/x-multipart-streaming")
+
+
+async def ndjson_objects(request: web.Request, limits):
+    """The JSON objects of an NDJSON body, one per non-empty line, as the lines arrive; a line longer than
+    `limits.max_message_bytes` is refused (413), a body silent for `limits.idle_timeout_s` too (408: an
+    open input would otherwise hold its engine session forever, as an idle WebSocket would)."""
+    limit = limits.max_message_bytes
+    buffer = bytearray()
+    number = 0
+    while True:
+        try:
+            data = await asyncio.wait_for(request.content.readany(), limits.idle_timeout_s)
+        except TimeoutError:
+            raise RequestError(408, "idle_timeout", f"No input for {limits.idle_timeout_s:g} s") from None
+        buffer += data
+        while (newline := buffer.find(b"\n")) >= 0:
+            line, buffer = bytes(buffer[:newline]).strip(), buffer[newline + 1:]
+            number += 1
+            if line:
+                yield parse_json_object(line, f"Line {number} of the body")
+        if len(buffer) > limit:
+            raise RequestError(413, "request_too_large", f"Line {number + 1} of the body is longer than "
+                               f"{limit} bytes")
+        if not data:
+            if buffer.strip():
+                yield parse_json_object(bytes(buffer).strip(), f"Line {number + 1} of the body")
+            return
+
+
+async def first_object(objects) -> tuple[dict, dict | None]:
+    """(parameters, first chunk or None) of a Mode A body: the first line is the parameters object unless
+    it carries a payload, in which case the parameters are empty and it is the first chunk."""
+    try:
+        first = await anext(objects)
+    except StopAsyncIteration:
+        raise RequestError(422, "no_input", "The body holds no line") from None
+    if "payload" in first or "end_of_input" in first:
+        return {}, first
+    return first, None
+
+
+async def serve_mode_a(request: web.Request, state, stream, policy: StartPolicy, objects, first_chunk):
+    """Streams a Mode A request: the rest of the NDJSON body feeds `stream` while its output goes back as
+    SSE. The client going away aborts the engine session."""
+    feed = InputFeed(stream, policy, state.config.limits.max_payload_per_session)
+    handle = DrainHandle(stream, feed)
+    admit(state, handle)
+    reader = asyncio.create_task(_read_chunks(stream, feed, objects, first_chunk))
+    try:
+        # No first-event timeout: the client paces the input, so a quiet stream is not a stuck engine.
+        response, complete = await sse.stream_log(request, stream.log, first_event_timeout_s=None)
+        if not complete:
+            await stream.abort("client_disconnected")
+        return response
+    finally:
+        await asyncio.shield(end_request(state, handle, reader))
+
+
+async def _read_chunks(stream, feed: InputFeed, objects, first_chunk) -> None:
+    try:
+        pending = [first_chunk] if first_chunk is not None else []
+        async for body in _chain(pending, objects):
+            chunk = parse_chunk(body, stream.modality, ordered=False)
+            if chunk["payload"]:
+                piece = stream.decode(chunk["payload"])
+                if not feed.count(stream.measure(piece)[0]):
+                    raise RequestError(413, "payload_too_large", f"The input is larger than "
+                                       f"{feed.max_payload_bytes} bytes")
+                await feed.add(piece)
+            if chunk["end_of_input"]:
+                break
+        await feed.end()  # at end_of_input or at the end of the body
+    except RequestError as exc:
+        stream.fail(exc.code, str(exc))
+    except ConnectionError as exc:  # the client went away mid-body; the SSE side notices it too
+        stream.fail("client_disconnected", str(exc) or "the request body ended early")
+    except Exception as exc:  # noqa: BLE001 - the stream must end, with the failure logged
+        logger.exception("reading a streaming-input body failed")
+        stream.fail("server_error", f"Internal error while reading the input: {type(exc).__name__}")
+
+
+async def _chain(first: list, rest):
+    for item in first:
+        yield item
+    async for item in rest:
+        yield item

@@ -1,0 +1,86 @@
+"""The narrowband and trained-delay checks (models/audio_checks.py) against audio whose band is known by
+construction: the bundled wideband sample, the same speech through soxr down to 8 kHz and back, and through
+the synthetic phone line the tiny-v2 corpora use; and the engine's front end saying so once."""
+import logging
+
+import numpy as np
+import pytest
+import soxr
+
+from jaxstream.engine.audio_front_end import FrontEndWorker
+from jaxstream.models import audio_checks, loading
+from jaxstream.models.audio import StreamingLogMel, load_audio
+from jaxstream.models.config import VoxtralConfig
+from jaxstream.synth.augment import telephone
+
+SAMPLE = loading.BUILTIN_MODELS["tiny"].parent / "samples" / "sample.wav"
+
+
+@pytest.fixture(scope="module")
+def wideband():
+    return load_audio(SAMPLE)
+
+
+def test_wideband_speech_is_not_narrowband(wideband):
+    assert audio_checks.high_band_energy_share(wideband) > 100 * audio_checks.NARROWBAND_ENERGY_SHARE
+    assert audio_checks.narrowband_reason(wideband) is None
+    assert audio_checks.narrowband_reason(wideband, source_rate=44100) is None
+
+
+def test_upsampled_8khz_audio_is_narrowband(wideband):
+    upsampled = soxr.resample(soxr.resample(wideband, 16000, 8000), 8000, 16000)
+    assert "no energy above 4.2 kHz" in audio_checks.narrowband_reason(upsampled)
+    phone_line = telephone(wideband, np.random.default_rng(0))
+    assert audio_checks.narrowband_reason(phone_line) is not None
+    # The declared rate alone decides for an 8 kHz source, whatever the resampled samples look like.
+    assert audio_checks.narrowband_reason(wideband, source_rate=8000) == "the audio is sampled at 8000 Hz"
+
+
+def test_no_judgement_on_silence_or_too_little_audio(wideband):
+    assert audio_checks.high_band_energy_share(np.zeros(16000, np.float32)) is None
+    assert audio_checks.high_band_energy_share(wideband[:100]) is None
+    assert audio_checks.narrowband_reason(np.zeros(16000, np.float32)) is None
+
+
+def test_delay_outside_the_trained_range():
+    tiny = loading.inspect_checkpoint(loading.BUILTIN_MODELS["tiny"]).config
+    assert tiny.trained_delays_ms == (160, 960)  # configs/tiny.toml's delays_ms, recorded in the checkpoint
+    assert audio_checks.delay_warning(tiny, 480) is None
+    assert audio_checks.delay_warning(tiny, 960) is None
+    assert "outside the delays this model was trained at (160-960 ms)" in audio_checks.delay_warning(tiny, 2400)
+    assert audio_checks.delay_warning(tiny, 80) is not None
+    unknown = VoxtralConfig(encoder=tiny.encoder, text=tiny.text)  # a hub checkpoint records no range
+    assert audio_checks.delay_warning(unknown, 2400) is None
+
+
+def test_warn_once_logs_each_distinct_message_once(caplog):
+    warn = audio_checks.WarnOnce(logging.getLogger("jaxstream.test_audio_checks"))
+    with caplog.at_level(logging.WARNING):
+        for message in ("a", None, "b", "a", "b"):
+            warn(message)
+    assert [record.getMessage() for record in caplog.records] == ["a", "b"]
+
+
+async def _stream_through(worker, pcm, sample_rate=16000, piece=1280):
+    stream = worker.stream(StreamingLogMel(n_delay=6), sample_rate)
+    for start in range(0, pcm.size, piece):
+        await stream.push(pcm[start:start + piece])
+    await stream.finish()
+
+
+async def test_the_front_end_judges_each_stream_once(wideband):
+    warnings = []
+    worker = FrontEndWorker(warn=warnings.append)
+    try:
+        await _stream_through(worker, wideband)
+        assert warnings == []
+        upsampled = soxr.resample(soxr.resample(wideband, 16000, 8000), 8000, 16000)
+        await _stream_through(worker, upsampled)  # judged after PROBE_SECONDS, not again at the end
+        assert warnings == [audio_checks.narrowband_warning(audio_checks.narrowband_reason(upsampled))]
+        short = upsampled[:16000]  # shorter than the probe: judged at the end of the stream
+        await _stream_through(worker, short)
+        assert len(warnings) == 2
+        await _stream_through(worker, soxr.resample(wideband, 16000, 8000), sample_rate=8000)
+        assert warnings[-1] == audio_checks.narrowband_warning("the audio is sampled at 8000 Hz")
+    finally:
+        worker.close()

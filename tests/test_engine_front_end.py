@@ -1,0 +1,207 @@
+"""The engine's batched audio front end (jaxstream/engine/audio_front_end.py): appends of many sessions
+queued together are computed in one pass, yet every session gets exactly its offline features
+(`offline_features`, the oracle), in its own order; a bad append fails alone; a closed session's queued
+work is skipped. Then the same through `TranscriptionSession` (with a recording link instead of an engine)."""
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from jaxstream.engine import audio_front_end
+from jaxstream.engine.audio_front_end import FrontEndWorker
+from jaxstream.engine.transcription_session import TranscriptionSession
+from jaxstream.errors import EngineDeadError, InvalidAudioError
+from jaxstream.models import audio
+
+
+@pytest.fixture
+def worker():
+    worker = FrontEndWorker()
+    yield worker
+    worker.close()
+
+
+@pytest.fixture
+def passes(monkeypatch):
+    """The number of streams in each batched log-mel computation, in order."""
+    sizes = []
+    real = audio_front_end.take_ready
+
+    def recording(requests):
+        sizes.append(len(requests))
+        return real(requests)
+
+    monkeypatch.setattr(audio_front_end, "take_ready", recording)
+    return sizes
+
+
+class _GatedLogMel(audio.StreamingLogMel):
+    """Holds the worker inside its first push until `gate` is set, so that the jobs submitted meanwhile
+    are all queued when the worker comes back: they form one pass."""
+
+    def __init__(self):
+        super().__init__(n_delay=6)
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def push(self, pcm):
+        self.entered.set()
+        self.gate.wait()
+        return super().push(pcm)
+
+
+async def hold(worker):
+    gated = worker.stream(_GatedLogMel())
+    blocker = worker.submit(gated, np.zeros(10, np.float32))
+    await asyncio.to_thread(gated.log_mel.entered.wait)
+    return gated.log_mel.gate, blocker
+
+
+def recordings(count, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(0.1 * rng.standard_normal(int(rng.integers(12000, 20000)))).astype(np.float32) for _ in range(count)]
+
+
+async def test_one_pass_serves_many_sessions_each_in_its_own_order(worker, passes):
+    pcms, delays, piece = recordings(3), (1, 6, 15), 1280
+    streams = [worker.stream(audio.StreamingLogMel(n_delay)) for n_delay in delays]
+    gate, blocker = await hold(worker)
+    futures = [[] for _ in streams]
+    for begin in range(0, max(p.size for p in pcms), piece):  # interleaved: round r holds every stream's r-th piece
+        for stream, pcm, pending in zip(streams, pcms, futures):
+            if begin < pcm.size:
+                pending.append(worker.submit(stream, pcm[begin:begin + piece]))
+    for stream, pending in zip(streams, futures):
+        pending.append(worker.submit(stream, None))  # finish
+    gate.set()
+    await blocker
+    for stream, pcm, n_delay, pending in zip(streams, pcms, delays, futures):
+        slots = np.concatenate(await asyncio.gather(*pending))
+        np.testing.assert_allclose(slots.reshape(-1, 128), audio.offline_features(pcm, n_delay), rtol=0, atol=1e-6)
+        assert stream.log_mel.done
+    # After the blocker's pass, each computation takes one job of every stream that has one left: as
+    # many computations as the longest stream has jobs, covering every job.
+    assert passes[0] == 1 and len(passes) - 1 == max(map(len, futures)) and sum(passes) - 1 == sum(map(len, futures))
+
+
+async def test_bad_audio_fails_its_own_append_only(worker, passes):
+    good, other = recordings(2, seed=1)
+    bad_stream, good_stream = (worker.stream(audio.StreamingLogMel(6)) for _ in range(2))
+    gate, blocker = await hold(worker)
+    bad = worker.submit(bad_stream, np.array([0.0, np.nan], np.float32))
+    too_loud = worker.submit(bad_stream, np.full(100, 40000.0, np.float32))  # PCM16-scaled floats
+    fine = worker.submit(good_stream, good)
+    gate.set()
+    await blocker
+    with pytest.raises(audio.AudioError, match="NaN"):
+        await bad
+    with pytest.raises(audio.AudioError, match="magnitude"):
+        await too_loud
+    assert passes == [1, 1]  # the good append was computed in the same pass as the rejected ones
+    assert bad_stream.log_mel.samples_received == 0  # a rejected append leaves its stream as it was
+    slots = [await fine, await worker.submit(good_stream, None)]
+    np.testing.assert_allclose(np.concatenate(slots).reshape(-1, 128), audio.offline_features(good, 6), atol=1e-6)
+    # ... and the session that sent the bad audio goes on as if it never had.
+    slots = [await worker.submit(bad_stream, other), await worker.submit(bad_stream, None)]
+    np.testing.assert_allclose(np.concatenate(slots).reshape(-1, 128), audio.offline_features(other, 6), atol=1e-6)
+
+
+async def test_a_closed_stream_skips_its_queued_work(worker, passes):
+    stream = worker.stream(audio.StreamingLogMel(6))
+    gate, blocker = await hold(worker)
+    queued = worker.submit(stream, recordings(1)[0])
+    stream.close()
+    gate.set()
+    await blocker
+    assert (await queued).shape == (0, 8, 128)
+    assert stream.log_mel.samples_received == 0 and passes == [1]
+
+
+async def test_resampled_streams_match_their_resampled_audio(worker):
+    """Streams at 24 kHz and 8 kHz (soxr streaming on the worker), batched with a 16 kHz one: each gets the
+    offline features of what soxr's stream resampler makes of the same pieces."""
+    import soxr
+
+    pcm = recordings(1, seed=2)[0]
+    rates = (24000, 8000, 16000)
+    streams = [worker.stream(audio.StreamingLogMel(6), rate) for rate in rates]
+    inputs = [soxr.resample(pcm, 16000, rate).astype(np.float32) for rate in rates]
+    pieces = [np.array_split(x, 8) for x in inputs]
+    outputs = [[] for _ in rates]
+    for step in range(8):
+        results = await asyncio.gather(*(s.push(p[step]) for s, p in zip(streams, pieces)))
+        for out, result in zip(outputs, results):
+            out.append(result)
+    for stream, out, rate, parts in zip(streams, outputs, rates, pieces):
+        out.append(await stream.finish())
+        resampled = parts
+        if rate != 16000:
+            resampler = soxr.ResampleStream(rate, 16000, 1, dtype="float32", quality="HQ")
+            resampled = [resampler.resample_chunk(p) for p in parts] + [
+                resampler.resample_chunk(np.zeros(0, np.float32), last=True)]
+        expected = audio.offline_features(np.concatenate(resampled), 6)
+        np.testing.assert_allclose(np.concatenate(out).reshape(-1, 128), expected, rtol=0, atol=1e-6)
+
+
+async def test_close_answers_what_was_queued_and_refuses_the_rest():
+    worker = FrontEndWorker()
+    stream = worker.stream(audio.StreamingLogMel(6))
+    queued = worker.submit(stream, np.zeros(16000, np.float32))
+    await asyncio.to_thread(worker.close)
+    assert (await queued).shape == (audio.StreamingLogMel(6).push(np.zeros(16000, np.float32)), 8, 128)
+    with pytest.raises(EngineDeadError):
+        worker.submit(stream, np.zeros(10, np.float32))
+
+
+# -- through TranscriptionSession -----------------------------------------------------------------------------
+class _RecordingLink:
+    """Stands in for the engine: records the commands a session sends."""
+
+    def __init__(self):
+        self.audio, self.aborted = [], []
+
+    def send_audio(self, mel_slots, samples, total_slots=None):
+        self.audio.append((mel_slots, samples, total_slots))
+
+    def abort(self, reason):
+        self.aborted.append(reason)
+
+
+def session_on(worker, link, session_id="s"):
+    return TranscriptionSession(link, session_id, 480, worker.stream(audio.StreamingLogMel(6)), max_queued_slots=1000)
+
+
+async def test_sessions_send_their_own_slots_and_a_bad_append_raises_from_itself(worker):
+    pcms = recordings(2, seed=3)
+    links = [_RecordingLink(), _RecordingLink()]
+    sessions = [session_on(worker, link, f"s{i}") for i, link in enumerate(links)]
+    bad = np.array([np.inf], np.float32)
+
+    async def feed(session, pcm, with_bad):
+        for begin in range(0, pcm.size, 1280):
+            await session.append(pcm[begin:begin + 1280])
+            if with_bad and begin == 6400:
+                with pytest.raises(InvalidAudioError, match="NaN or infinite"):
+                    await session.append(bad)
+        await session.finish()
+
+    await asyncio.gather(*(feed(s, p, i == 0) for i, (s, p) in enumerate(zip(sessions, pcms))))
+    for link, pcm in zip(links, pcms):
+        slots = np.concatenate([mel for mel, _, _ in link.audio]).reshape(-1, 128)
+        np.testing.assert_allclose(slots, audio.offline_features(pcm, 6), atol=1e-6)
+        assert sum(samples for _, samples, _ in link.audio) == pcm.size
+        assert link.audio[-1][2] == slots.shape[0] // 8 and not link.aborted
+
+
+async def test_abort_while_the_append_is_queued(worker):
+    link = _RecordingLink()
+    session = session_on(worker, link)
+    gate, blocker = await hold(worker)
+    append = asyncio.create_task(session.append(recordings(1)[0]))
+    await asyncio.sleep(0)  # the append is now waiting for the worker
+    await session.abort("client_gone")
+    gate.set()
+    await blocker
+    await append  # returns quietly: the session ended while it waited
+    assert link.aborted == ["client_gone"] and link.audio == [] and session.outcome == "client_gone"
+    assert session._front.log_mel.samples_received == 0  # noqa: SLF001 - its queued work was skipped

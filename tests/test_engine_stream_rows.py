@@ -1,0 +1,102 @@
+"""The realtime scheduler's array state (jaxstream/engine/stream_rows.py, kv_cache.missing_pages) against
+plain-Python oracles: per-session page checks, FIFO audio queues, token buffers, row reuse and growth."""
+import collections
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxstream.engine.kv_cache import NULL_PAGE, PagePool, SessionPages, StackSpec, missing_pages
+from jaxstream.engine.residency import Status
+from jaxstream.engine.stream_rows import RowSession, StreamRows
+
+SPEC = StackSpec("decoder", num_layers=1, num_kv_heads=1, head_dim=1, page_size=4, ring=24, num_pages=64)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.booleans(), min_size=6, max_size=6), st.integers(0, 60), st.integers(0, 30)),
+                min_size=1, max_size=8))
+def test_missing_pages_equals_the_per_session_check(rows):
+    tables = np.array([[7 if held else NULL_PAGE for held in holding] for holding, _, _ in rows], np.int32)
+    start = np.array([s for _, s, _ in rows])
+    stop = start + np.array([n for _, _, n in rows])
+    index, logical = missing_pages(SPEC, tables, start, stop)
+    expected = []
+    for i, table in enumerate(tables):
+        pages = SessionPages(SPEC, table.copy())
+        expected += [(i, page) for page in sorted(pages.missing(int(start[i]), int(stop[i])))]
+    assert sorted(zip(index.tolist(), logical.tolist())) == expected
+
+
+def test_page_pool_hands_out_low_pages_first_and_takes_them_back():
+    pool = PagePool(8)
+    first = pool.allocate(3)
+    assert first.tolist() == [1, 2, 3] and pool.num_free == 4
+    pool.release(np.array([2, NULL_PAGE]))
+    assert pool.allocate(2).tolist() == [2, 4] and pool.num_free == 3
+
+
+class Session(RowSession):
+    def __init__(self, rows):
+        self.pages = rows.attach(self)
+        self.status = Status.WAITING
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40), st.integers(0, 20)), min_size=1, max_size=40))
+def test_audio_queues_are_fifo_through_ring_widening_slab_growth_and_row_reuse(ops):
+    rows = StreamRows({"decoder": SPEC}, (2, 3), token_width=8, capacity=2)
+    rows.mel = type(rows.mel)((2, 3), blocks=4)  # small, so the slab grows too
+    sessions, oracle, serial = {}, {}, [0]
+
+    def fresh_slots(n):
+        values = np.arange(serial[0], serial[0] + n, dtype=np.float32)
+        serial[0] += n
+        return np.broadcast_to(values[:, None, None], (n, 2, 3)).copy()
+
+    for which, appended, taken in ops:
+        if which not in sessions:
+            sessions[which], oracle[which] = Session(rows), collections.deque()
+        session = sessions[which]
+        slots = fresh_slots(appended)
+        rows.queue_audio(session.row, slots)
+        oracle[which].extend(slots[:, 0, 0].tolist())
+        if not taken:
+            continue  # appends of several sessions pile up until the next absorb (a tick)
+        rows.absorb()
+        count = min(taken, len(oracle[which]))
+        row = np.array([session.row])
+        blocks = rows.queued_blocks(row, rows.fed[row], np.array([count]), max(count, 1))
+        got = rows.mel.data[blocks[0, :count]][:, 0, 0].tolist()
+        rows.mel.release(blocks.ravel())
+        rows.fed[row] += count
+        assert got == [oracle[which].popleft() for _ in range(count)]
+        if taken % 7 == 3:  # the session ends: its row and its queued audio are freed
+            rows.detach(session)
+            assert session.row is None and session.status is Status.WAITING
+            del sessions[which], oracle[which]
+    for session in sessions.values():
+        rows.detach(session)
+    assert rows.mel._num_free == len(rows.mel.data) - 1  # every block is back
+
+
+def test_token_buffer_keeps_each_rows_ids_in_order():
+    rows = StreamRows({"decoder": SPEC}, (2, 3), token_width=6)
+    a, b = Session(rows), Session(rows)
+    index = np.array([a.row, b.row])
+    rows.buffer_tokens(index, np.array([[5, 6, -1], [7, -1, -1]]), np.array([2, 1]))
+    rows.buffer_tokens(index, np.array([[8, -1, -1], [9, 10, 11]]), np.array([1, 3]))
+    assert rows.take_tokens(np.array([b.row, a.row])) == [[7, 9, 10, 11], [5, 6, 8]]
+    assert rows.take_tokens(np.array([a.row])) == [[]]
+
+
+def test_rows_grow_and_page_tables_stay_the_sessions_views():
+    rows = StreamRows({"decoder": SPEC}, (2, 3), token_width=4, capacity=2)
+    sessions = [Session(rows) for _ in range(5)]  # capacity 2 (one usable row) doubles to 8
+    for i, session in enumerate(sessions):
+        session.pages["decoder"].table[0] = i + 1
+        session.fed = 10 * i
+    assert rows.capacity == 8 and len({s.row for s in sessions}) == 5
+    for i, session in enumerate(sessions):
+        assert rows.tables["decoder"][session.row, 0] == i + 1 and session.fed == 10 * i
+        assert np.shares_memory(session.pages["decoder"].table, rows.tables["decoder"])

@@ -1,0 +1,242 @@
+"""OpenAI-compatible `/v1/completions` and text streaming input over HTTP (specs/realtime_protocols.md §7,
+§8), against a server over a text LM (the tiny Llama fixture with a word-level tokenizer: "w5 w17" is the
+ids 5 and 17). The oracle is the engine API itself: `AsyncEngine.generate` with the same prompt, or with
+the same chunks as `StreamingInput`s (the cumulative-prompt rule makes the tokens independent of when the
+chunks arrive). Driven by the official `openai` SDK, aiohttp and `curl -N`."""
+import asyncio
+import base64
+import json
+import shutil
+import subprocess
+
+import aiohttp
+import openai
+import pytest
+
+from jaxstream.engine.async_engine import AsyncEngine
+from jaxstream.engine.config import EngineConfig
+from jaxstream.engine.requests import SamplingParams, StreamingInput
+from jaxstream.serving.config import ServerConfig
+from jaxstream.serving.limits import Limits
+from jaxstream.serving.testing import ServerThread, wait_engine_baseline
+from serve_fixtures import engine_returns_to_baseline, model, server  # noqa: F401 - pytest fixtures
+from test_engine_text_model import LLAMA, word_level_tokenizer
+from test_serve_http import call, parse_sse, read_sse
+
+pytestmark = pytest.mark.slow
+
+SESSIONS = "/v1/streaming_input/sessions"
+CHUNKS = ["w5 w17 w40", " w9", " w33 w4 w71", " w12"]
+MAX_TOKENS = 3
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama") / "llama"
+    shutil.copytree(LLAMA, directory)
+    word_level_tokenizer(directory / "tokenizer.json", 256)
+    engine = AsyncEngine.from_pretrained(directory, config=EngineConfig(
+        max_sessions=4, page_size=16, batch_buckets=(4,), prefill_buckets=((4, 8),), max_num_batched_tokens=64))
+    yield engine
+    engine.close()
+
+
+def greedy(max_tokens=MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+async def engine_tokens(engine, prompt, params=None, *, chunks: bool = False) -> tuple[list[int], str]:
+    """The engine API's own tokens and text for `prompt`, or for the list of chunks `prompt` streamed in as
+    StreamingInputs when `chunks`."""
+    if chunks:
+        async def inputs(pieces):
+            for piece in pieces:
+                yield StreamingInput(piece, params or greedy())
+        prompt = inputs(prompt)
+    tokens, text = [], ""
+    async for out in engine.generate(prompt, params or greedy()):
+        tokens += out.outputs[0].token_ids
+        text += out.outputs[0].text
+    return tokens, text
+
+
+@pytest.fixture(scope="module")
+def streamed(engine):
+    """The engine's tokens and text for CHUNKS as streaming input."""
+    return asyncio.run(engine_tokens(engine, CHUNKS, chunks=True))
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def ndjson_lines(model: str, chunks: list[str], **params) -> list[bytes]:
+    head = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0, **params}
+    lines = [head] + [{"modality": "text", "payload": b64(c), "end_of_input": i == len(chunks) - 1}
+                      for i, c in enumerate(chunks)]
+    return [json.dumps(line).encode() + b"\n" for line in lines]
+
+
+# -- /v1/completions with the openai SDK ----------------------------------------------------------------------
+def test_sdk_completion_plain_and_streamed(engine, server, model):
+    client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
+    tokens, text = asyncio.run(engine_tokens(engine, "w5 w17", greedy(6)))
+    result = client.completions.create(model=model, prompt="w5 w17", max_tokens=6, temperature=0)
+    assert result.choices[0].text == text and text
+    assert result.usage.completion_tokens == len(tokens) and result.usage.prompt_tokens == 3  # BOS w5 w17
+    assert result.choices[0].finish_reason == ("length" if len(tokens) == 6 else "stop")
+    chunks = list(client.completions.create(model=model, prompt=[5, 17], max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == asyncio.run(
+        engine_tokens(engine, [5, 17], greedy(6)))[1]
+    assert chunks[-2].choices[0].finish_reason in ("length", "stop")
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert len({c.id for c in chunks}) == 1 and chunks[0].object == "text_completion"
+
+
+@pytest.mark.parametrize("kwargs, error, code", [
+    ({"model": "other"}, openai.NotFoundError, "model_not_found"),
+    ({"stop": ["w9"]}, openai.BadRequestError, "invalid_request"),
+    ({"n": 2}, openai.BadRequestError, "invalid_request"),
+    ({"prompt": [5, 999]}, openai.BadRequestError, "invalid_request"),
+    ({"echo": True}, openai.BadRequestError, "unsupported_parameter"),
+])
+def test_sdk_errors_in_openai_shape(server, model, kwargs, error, code):
+    client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0)
+    with pytest.raises(error) as raised:
+        client.completions.create(**{"model": model, "prompt": "w5", "max_tokens": 2, **kwargs})
+    assert raised.value.body["code"] == code and raised.value.body["message"]
+
+
+async def test_speech_routes_refuse_a_text_model(server, model):
+    async with aiohttp.ClientSession() as http:
+        form = aiohttp.FormData()
+        form.add_field("file", b"RIFF", filename="a.wav")
+        form.add_field("model", model)
+        async with http.post(server.url("/v1/audio/transcriptions", "http"), data=form) as response:
+            assert response.status == 400 and (await response.json())["error"]["code"] == "unsupported_model"
+        async with http.post(server.url(SESSIONS, "http"), json={"modality": "audio"}) as response:
+            assert response.status == 400 and (await response.json())["error"]["code"] == "unsupported_model"
+
+
+# -- Mode B text sessions ---------------------------------------------------------------------------------------
+async def test_text_session_gives_the_engine_streaming_input_tokens(server, model, streamed):
+    chunks = [{"sequence_id": n, "modality": "text", "payload": b64(c), "end_of_input": n == len(CHUNKS) - 1}
+              for n, c in enumerate(CHUNKS)]
+    async with aiohttp.ClientSession() as http:
+        status, created = await call(http, server, "POST", SESSIONS, json={
+            "model": model, "modality": "text", "stream": True, "params": {"max_tokens": MAX_TOKENS, "temperature": 0}})
+        assert status == 201
+        base = f"{SESSIONS}/{created['session_id']}"
+        async with http.get(server.url(base + "/events", "http")) as response:
+            for n in (1, 0, 2, 2, 3):  # 1 waits for 0; 2 twice
+                status, answer = await call(http, server, "POST", base + "/chunks", json=chunks[n])
+                assert status in (200, 202)
+            events, _ = await read_sse(response)
+        status, result = await call(http, server, "GET", base + "/result")
+    assert status == 200 and result["token_ids"] == streamed[0] and result["text"] == streamed[1]
+    assert events[-1][1] == "[DONE]" and "".join(e["choices"][0]["text"] for _, e in events[:-1]) == streamed[1]
+    assert [i for i, _ in events] == list(range(1, len(events) + 1))
+
+
+@pytest.mark.parametrize("policy, first, started", [
+    ({"start_policy": "on_end_only"}, len(CHUNKS), [False] * len(CHUNKS)),
+    ({"streaming_input": {"start_policy": "on_min_length", "min_bytes": len("".join(CHUNKS[:2]))}}, 2,
+     [False, True, True, True]),
+])
+async def test_text_start_policies(engine, server, model, policy, first, started):
+    """The first `first` chunks are buffered and form the first prompt; each later chunk is its own
+    StreamingInput."""
+    chunks = [{"sequence_id": n, "payload": b64(c)} for n, c in enumerate(CHUNKS)]
+    async with aiohttp.ClientSession() as http:
+        _, created = await call(http, server, "POST", SESSIONS, json={
+            "model": model, "params": {"max_tokens": MAX_TOKENS, "temperature": 0}, **policy})
+        base = f"{SESSIONS}/{created['session_id']}"
+        answers = [(await call(http, server, "POST", base + "/chunks", json=chunk))[1] for chunk in chunks]
+        assert (await call(http, server, "POST", base + "/finish"))[1]["started"]
+        status, result = await call(http, server, "GET", base + "/result")
+    assert [answer["started"] for answer in answers] == started
+    expected = await engine_tokens(engine, ["".join(CHUNKS[:first])] + CHUNKS[first:], chunks=True)
+    assert status == 200 and result["token_ids"] == expected[0]
+
+
+# -- Mode A: one chunked request ----------------------------------------------------------------------------------
+async def test_mode_a_streams_output_while_input_arrives(server, model, streamed):
+    lines = ndjson_lines(model, CHUNKS)
+    first_event = asyncio.Event()
+
+    async def body():
+        yield lines[0] + lines[1]
+        await asyncio.wait_for(first_event.wait(), 30)  # output comes before the rest of the input is sent
+        for line in lines[2:]:
+            yield line
+
+    async with aiohttp.ClientSession() as http:
+        async with http.post(server.url("/v1/completions", "http"), data=body(),
+                             headers={"X-Streaming-Input": "true"}) as response:
+            assert response.status == 200 and response.headers["Content-Type"].startswith("text/event-stream")
+            raw = ""
+            async for line in response.content:
+                raw += line.decode()
+                first_event.set()
+    events = parse_sse(raw)
+    assert events[-1][1] == "[DONE]" and "".join(e["choices"][0]["text"] for _, e in events[:-1]) == streamed[1]
+
+
+def test_curl_mode_a(server, model, streamed, tmp_path):
+    path = tmp_path / "body.ndjson"
+    path.write_bytes(b"".join(ndjson_lines(model, CHUNKS)))
+    out = subprocess.run(["curl", "-sS", "-N", server.url("/v1/completions", "http"), "-H", "X-Streaming-Input: true",
+                          "-H", "Transfer-Encoding: chunked", "-H", "Content-Type: application/x-ndjson",
+                          "--data-binary", f"@{path}"], capture_output=True, text=True, timeout=60, check=True).stdout
+    events = parse_sse(out)
+    assert [i for i, _ in events] == list(range(1, len(events) + 1)) and events[-1][1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for _, e in events[:-1]) == streamed[1]
+
+
+async def test_mode_a_client_disconnect_frees_the_session(engine, server, model):
+    """A session parked between chunks holds its pages; the client going away aborts it and frees them."""
+    lines = ndjson_lines(model, CHUNKS)
+    async with aiohttp.ClientSession() as http:
+        response = await http.post(server.url("/v1/completions", "http"), data=_slow_body(lines[:2]),
+                                   headers={"X-Streaming-Input": "true"})
+        await read_sse(response, count=1)
+        await engine.wait_until_idle()  # the session has parked: its chunk is done, the input still open
+        for _ in range(100):  # the engine's metrics snapshot trails its state by up to a tick
+            metrics = engine.metrics()
+            if metrics.sessions:
+                break
+            await asyncio.sleep(0.02)
+        assert metrics.sessions == 1 and any(metrics.pages_used.values())
+        response.close()
+    await wait_engine_baseline(engine, timeout=10)
+
+
+async def _slow_body(lines):
+    for line in lines:
+        yield line
+    await asyncio.sleep(60)  # the input stays open: the client leaves first
+
+
+async def test_mode_a_errors_end_the_stream(engine, server, model):
+    """A bad chunk, or an input silent past the idle timeout, ends the stream with an error event and frees
+    the engine session; a bad parameters line is refused before any stream."""
+    lines = ndjson_lines(model, CHUNKS)
+    idle_server = ServerThread(engine, ServerConfig(limits=Limits(idle_timeout_s=0.5)))
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(server.url("/v1/completions", "http"), headers={"X-Streaming-Input": "true"},
+                                 data=lines[0] + lines[1] + b'{"payload": "%%"}\n') as response:
+                events, _ = await read_sse(response)
+            assert events[-2][1]["error"]["code"] == "invalid_chunk" and events[-1][1] == "[DONE]"
+            async with http.post(idle_server.url("/v1/completions", "http"), data=_slow_body(lines[:2]),
+                                 headers={"X-Streaming-Input": "true"}) as response:
+                events, _ = await read_sse(response)
+            assert events[-2][1]["error"]["code"] == "idle_timeout" and events[-1][1] == "[DONE]"
+            async with http.post(server.url("/v1/completions", "http"), headers={"X-Streaming-Input": "true"},
+                                 data=b'{"model": "other"}\n') as response:
+                assert response.status == 404 and (await response.json())["error"]["code"] == "model_not_found"
+        await wait_engine_baseline(engine)
+    finally:
+        idle_server.close()

@@ -1,0 +1,167 @@
+"""HTTP streaming input of audio (specs/realtime_protocols.md §7) beyond the Mode B basics of
+test_serve_http.py: Mode A (`X-Streaming-Input: true`, an NDJSON body) with aiohttp and `curl -N`, start
+policies, per-key limits shared with the WebSocket routes, and drain waiting for HTTP streams. The oracle
+is `engine.transcribe` of the same PCM16 audio (what `jaxstream transcribe` prints)."""
+import asyncio
+import json
+import subprocess
+
+import aiohttp
+import numpy as np
+import pytest
+import websockets
+
+from jaxstream.serving.app import drain
+from jaxstream.serving.audio_codecs import encode_pcm16_base64
+from jaxstream.serving.config import ServerConfig
+from jaxstream.serving.http_sessions import STREAMING_INPUT
+from jaxstream.serving.limits import Limits
+from jaxstream.serving.testing import ServerThread, wait_engine_baseline
+from serve_fixtures import audio, engine, engine_returns_to_baseline, model, server  # noqa: F401 - pytest fixtures
+from test_serve_http import CHUNK, SESSIONS, call, chunks_of, parse_sse, reference  # noqa: F401 - reference: a fixture
+
+pytestmark = pytest.mark.slow
+
+
+def ndjson(model: str | None, pcm: np.ndarray, *, end: bool = True, **params) -> list[bytes]:
+    """A Mode A body: the parameters line (unless `model` is None), then 0.5 s chunks, the last one
+    marked end_of_input when `end`."""
+    head = [{"model": model, **params}] if model is not None else []
+    pieces = [pcm[i:i + CHUNK] for i in range(0, pcm.size, CHUNK)]
+    chunks = [{"modality": "audio", "payload": encode_pcm16_base64(p), "end_of_input": end and n == len(pieces) - 1}
+              for n, p in enumerate(pieces)]
+    return [json.dumps(line).encode() + b"\n" for line in head + chunks]
+
+
+def transcript(events) -> str:
+    assert events[-1][1] == "[DONE]" and events[-2][1]["type"] == "transcript.text.done", events[-3:]
+    assert "".join(e["delta"] for _, e in events[:-2]) == events[-2][1]["text"]
+    return events[-2][1]["text"]
+
+
+async def test_mode_a_transcribes_while_the_audio_arrives(server, model, audio, reference):
+    lines = ndjson(model, audio)
+    first_delta = asyncio.Event()
+
+    async def body():
+        yield b"".join(lines[:4])  # the parameters and 1.5 s of audio
+        await asyncio.wait_for(first_delta.wait(), 60)  # text comes back before the rest is sent
+        for line in lines[4:]:
+            yield line
+
+    async with aiohttp.ClientSession() as http:
+        async with http.post(server.url("/v1/audio/transcriptions", "http"), data=body(),
+                             headers={"X-Streaming-Input": "true"}) as response:
+            assert response.status == 200 and response.headers["X-Accel-Buffering"] == "no"
+            raw = ""
+            async for line in response.content:
+                raw += line.decode()
+                if '"transcript.text.delta"' in raw:
+                    first_delta.set()
+    assert transcript(parse_sse(raw)) == reference.text
+
+
+def test_curl_mode_a_without_a_parameters_line(server, audio, reference, tmp_path):
+    path = tmp_path / "audio.ndjson"
+    path.write_bytes(b"".join(ndjson(None, audio)))
+    out = subprocess.run(["curl", "-sS", "-N", server.url("/v1/audio/transcriptions", "http"),
+                          "-H", "X-Streaming-Input: true", "-H", "Transfer-Encoding: chunked",
+                          "--data-binary", f"@{path}"], capture_output=True, text=True, timeout=120, check=True).stdout
+    events = parse_sse(out)
+    assert [i for i, _ in events] == list(range(1, len(events) + 1))
+    assert transcript(events) == reference.text
+
+
+@pytest.mark.parametrize("policy, started", [
+    ({"start_policy": "on_min_length", "min_audio_seconds": 1.0}, [False, True, True]),
+    ({"start_policy": "on_min_length", "min_bytes": 3 * 2 * CHUNK}, [False, False, True]),
+    ({"streaming_input": {"start_policy": "on_end_only"}}, [False, False, False]),
+])
+async def test_audio_start_policies(server, model, audio, reference, policy, started):
+    chunks = chunks_of(audio)
+    async with aiohttp.ClientSession() as http:
+        _, created = await call(http, server, "POST", SESSIONS, json={"model": model, **policy})
+        base = f"{SESSIONS}/{created['session_id']}"
+        answers = [(await call(http, server, "POST", base + "/chunks", json=c))[1] for c in chunks]
+        status, result = await call(http, server, "GET", base + "/result")
+    assert [a["started"] for a in answers[:3]] == started and answers[-1]["started"]
+    assert status == 200 and result["text"] == reference.text
+
+
+async def test_sequence_record_is_bounded(server, model, audio):
+    """The ids a session remembers do not grow with the number of chunks; an old duplicate is still
+    acknowledged once."""
+    short = audio[:4000]
+    pieces = [{"sequence_id": n, "payload": encode_pcm16_base64(short[n * 50:(n + 1) * 50])} for n in range(80)]
+    async with aiohttp.ClientSession() as http:
+        _, created = await call(http, server, "POST", SESSIONS, json={"model": model, "start_policy": "on_end_only"})
+        base = f"{SESSIONS}/{created['session_id']}"
+        for piece in pieces:
+            assert (await call(http, server, "POST", base + "/chunks", json=piece))[0] == 202
+        session = server.app[STREAMING_INPUT].sessions[created["session_id"]]
+        assert len(session.recent) < 80 and not session.held and session.next_seq == 80
+        assert (await call(http, server, "POST", base + "/chunks", json=pieces[0]))[1]["duplicate"]
+        other = encode_pcm16_base64(np.full(50, 0.25, np.float32))
+        status, body = await call(http, server, "POST", base + "/chunks", json={**pieces[79], "payload": other})
+        assert status == 409 and body["error"]["code"] == "sequence_conflict"
+        assert (await call(http, server, "POST", base + "/finish"))[0] == 200
+        assert (await call(http, server, "GET", base + "/result"))[0] == 200
+
+
+async def test_per_key_limits_are_shared_with_websockets(engine, model, audio):
+    config = ServerConfig(api_keys=("a", "b", "c"), limits=Limits(max_streams_per_key=1,
+                                                                  max_requests_per_minute_per_key=4))
+    server = ServerThread(engine, config)
+    try:
+        async with aiohttp.ClientSession() as http:
+            def key(k):
+                return {"Authorization": f"Bearer {k}"}
+            status, created = await call(http, server, "POST", SESSIONS, json={"model": server.state.model_id},
+                                         headers=key("a"))
+            assert status == 201  # key a holds its one stream
+            with pytest.raises(websockets.InvalidStatus) as refused:
+                await websockets.connect(server.url() + "?api_key=a")
+            assert refused.value.response.status_code == 429
+            assert int(refused.value.response.headers["Retry-After"]) >= 1
+            async with websockets.connect(server.url() + "?api_key=b"):
+                again = await call(http, server, "POST", SESSIONS, json={}, headers=key("b"))
+                assert again[0] == 429 and again[1]["error"]["code"] == "rate_limit_exceeded"
+            await call(http, server, "POST", f"{SESSIONS}/{created['session_id']}/chunks", headers=key("a"),
+                       json=chunks_of(audio)[0] | {"end_of_input": True})
+            statuses = []
+            for _ in range(3):  # key a's 4th request in the minute is its last one
+                async with http.get(server.url("/v1/models", "http"), headers=key("a")) as response:
+                    statuses.append((response.status, response.headers.get("Retry-After")))
+            assert [s for s, _ in statuses] == [200, 429, 429] and int(statuses[1][1]) > 1
+            async with http.get(server.url("/v1/models", "http"), headers=key("c")) as response:
+                assert response.status == 200  # other keys are not affected
+        await wait_engine_baseline(engine)
+    finally:
+        server.close()
+
+
+async def test_drain_ends_the_input_of_http_streams_and_waits_for_them(engine, audio, reference):
+    server = ServerThread(engine)
+    lines = ndjson(server.state.model_id, audio, end=False)
+
+    async def body():
+        yield b"".join(lines)  # all the audio, but the input never ends by itself
+        await asyncio.sleep(60)
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            _, idle = await call(http, server, "POST", SESSIONS, json={})  # a Mode B session that never starts
+            drained, raw = None, ""
+            async with http.post(server.url("/v1/audio/transcriptions", "http"), data=body(),
+                                 headers={"X-Streaming-Input": "true"}) as response:
+                async for line in response.content:
+                    raw += line.decode()
+                    if drained is None and "transcript.text.delta" in raw:
+                        drained = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
+                            drain(server.app, timeout=6.0), server.loop))
+            assert await drained  # nothing was cut off
+            assert (await call(http, server, "POST", f"{SESSIONS}/{idle['session_id']}/finish"))[0] == 410
+        assert transcript(parse_sse(raw)) == reference.text
+        await wait_engine_baseline(engine)
+    finally:
+        server.close()
