@@ -14,8 +14,7 @@ import pytest
 from jaxstream import cli, distributed
 from jaxstream.errors import UserError
 
-SENTENCES = ["the cat sat on the mat", "open the kitchen window", "seven boats left the harbour",
-             "please call me after lunch", "the green light is on"]
+SENTENCES = ["the cat sat on the mat", "open the kitchen window", "please call me after lunch"]
 
 
 def _args(coordinator=None, num_processes=None, process_id=None, mode=None):
@@ -67,13 +66,13 @@ def _free_port() -> int:
 
 
 def test_eval_shard_auto_over_two_processes_equals_one_process(corpus, tmp_path, capsys):
-    assert cli.main(["eval", str(corpus), "--concurrency", "2", "--report", str(tmp_path / "one.json")]) == 0
+    assert cli.main(["eval", str(corpus), "--concurrency", "1", "--report", str(tmp_path / "one.json")]) == 0
     capsys.readouterr()
 
     coordinator = f"127.0.0.1:{_free_port()}"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     processes = [subprocess.Popen(
-        [sys.executable, "-m", "jaxstream", "eval", str(corpus), "--concurrency", "2", "--shard", "auto",
+        [sys.executable, "-m", "jaxstream", "eval", str(corpus), "--concurrency", "1", "--shard", "auto",
          "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(index),
          "--report", str(tmp_path / "two.json")],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for index in range(2)]
@@ -84,7 +83,7 @@ def test_eval_shard_auto_over_two_processes_equals_one_process(corpus, tmp_path,
 
     one, two = (json.loads((tmp_path / name).read_text()) for name in ("one.json", "two.json"))
     parts = [json.loads((tmp_path / f"two.part-{i}-of-2.json").read_text()) for i in range(2)]
-    assert sorted(len(part["runs"][0]["utterances"]) for part in parts) == [2, 3]  # each process ran its part
+    assert sorted(len(part["runs"][0]["utterances"]) for part in parts) == [1, 2]  # each process ran its part
     by_id = lambda report: {u["id"]: u["hypothesis"] for u in report["runs"][0]["utterances"]}  # noqa: E731
     assert by_id(two) == by_id(one)
     assert len(by_id(one)) == len(SENTENCES)
