@@ -47,8 +47,7 @@ def main(argv=None):
     optimizer = make_optimizer(cfg.optimizer)
     weights = {"model": params, "ctc_head": init_ctc_head(cfg.model)}
     opt_state = optimizer.init(weights)
-    train_step = make_train_step(graphdef, cfg.model, optimizer, cfg.optimizer.ctc_weight,
-                                 cfg.optimizer.aligned_piece_weight)
+    train_step = make_train_step(graphdef, cfg.model, cfg.optimizer)
     delays = tuple(front_end.n_delay_from_ms(ms) for ms in cfg.delays_ms)
     stream = BatchStream(args.corpus, read_manifest(args.corpus), tokenizer, batch_size=cfg.batch_size,
                          delays_slots=delays, seed=cfg.seed)

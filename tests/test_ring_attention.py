@@ -282,7 +282,8 @@ def test_xla_gradients_match_dense_float64(case_name):
                                        implementation="xla")
         return jnp.sum(out * cotangent.astype(np.float32))
 
-    got = jax.grad(xla_loss, argnums=(0, 1, 2))(args["q"], args["k_new"], args["v_new"])
+    # Both gradients jitted: one compile each rather than one per eager op.
+    got = jax.jit(jax.grad(xla_loss, argnums=(0, 1, 2)))(args["q"], args["k_new"], args["v_new"])
     with jax.enable_x64(True):
         def dense_loss(q, k_new, v_new):
             k_rep, v_rep = (jnp.repeat(x, group, axis=2) for x in (k_new, v_new))
@@ -292,7 +293,7 @@ def test_xla_gradients_match_dense_float64(case_name):
                                            case.window, scale)
             return jnp.sum(out * cotangent)
 
-        expected = jax.grad(dense_loss, argnums=(0, 1, 2))(
+        expected = jax.jit(jax.grad(dense_loss, argnums=(0, 1, 2)))(
             *(jnp.asarray(np.asarray(args[name]), jnp.float64) for name in ("q", "k_new", "v_new")))
     for name, g, e in zip(("q", "k_new", "v_new"), got, expected):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=2e-5, rtol=2e-5, err_msg=f"d {name}")

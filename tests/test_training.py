@@ -185,10 +185,13 @@ def test_shared_prefix_forward_equals_offline_forward(corpus, tokenizer):
     assert batch.frames_valid.tolist() == [4 * (e.tokens.size - data.SHARED_PREFIX_SLOTS) for e in examples]
     for chars, padding, example in zip(batch.chars, batch.char_padding, examples):
         assert "".join(data.CTC_CHARACTERS[c - 1] for c in chars[padding == 0]) == example.text
-    logits, _, _ = stream_logits(model, cfg, jnp.asarray(batch.mel), jnp.asarray(batch.tokens), jnp.asarray(batch.n_delay))
+    # Jitted: one compile each instead of an eager compile per op and shape.
+    logits, _, _ = nnx.jit(stream_logits, static_argnums=1)(model, cfg, jnp.asarray(batch.mel),
+                                                            jnp.asarray(batch.tokens), jnp.asarray(batch.n_delay))
     silence = np.full((2, 8 * data.SHARED_PREFIX_SLOTS, 128), data._silence_mel_value(), np.float32)
     full_mel = np.concatenate([silence, batch.mel], axis=1)
-    expected = model.offline_logits(jnp.asarray(full_mel), jnp.asarray(batch.tokens), jnp.asarray(batch.n_delay))
+    expected = nnx.jit(VoxtralRealtime.offline_logits)(model, jnp.asarray(full_mel), jnp.asarray(batch.tokens),
+                                                       jnp.asarray(batch.n_delay))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(expected)[:, data.SHARED_PREFIX_SLOTS:], rtol=2e-4,
                                atol=2e-4)
 
@@ -209,7 +212,8 @@ def test_greedy_decode_agrees_with_teacher_forced_argmax(corpus):
         assert len(generated) == num_slots - prompt
         tokens = np.array([1] + [32] * (prompt - 1) + generated, np.int32)
         mel = front_end.offline_features(audio, n_delay)
-        logits = model.offline_logits(jnp.asarray(mel[None]), jnp.asarray(tokens[None]), jnp.full((1,), float(n_delay)))
+        logits = nnx.jit(VoxtralRealtime.offline_logits)(model, jnp.asarray(mel[None]), jnp.asarray(tokens[None]),
+                                                         jnp.full((1,), float(n_delay)))
         assert np.argmax(np.asarray(logits[0, prompt - 1 : num_slots - 1]), -1).tolist() == generated
 
 
@@ -220,9 +224,10 @@ def test_train_step_lowers_the_loss_on_a_fixed_batch(corpus, tokenizer):
     batch = data.collate(examples, [6, 6], data.bucket_slots(max(e.tokens.size for e in examples)))
     graphdef, params = nnx.split(VoxtralRealtime(cfg, rngs=nnx.Rngs(3)), nnx.Param)
     weights = {"model": params, "ctc_head": init_ctc_head(cfg)}
-    optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-2, warmup_steps=1, total_steps=20))
-    opt_state = optimizer.init(weights)
-    step = make_train_step(graphdef, cfg, optimizer, ctc_weight=0.3, aligned_piece_weight=0.3)
+    optimizer_cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=1, total_steps=20, ctc_weight=0.3,
+                                    aligned_piece_weight=0.3)
+    opt_state = make_optimizer(optimizer_cfg).init(weights)
+    step = make_train_step(graphdef, cfg, optimizer_cfg)
     losses, ctc, aligned = [], [], []
     for _ in range(10):
         weights, opt_state, metrics = step(weights, opt_state, batch)
@@ -270,6 +275,9 @@ def test_train_command_checks_steps_against_the_cooldown(corpus, tmp_path, capsy
     assert main(["train", "--config", os.fspath(tmp_path / "wsd.toml"), "--corpus", corpus_dir,
                  "--out", os.fspath(tmp_path / "run"), "--steps", "2", "--no-progress"]) == 2
     assert "cooldown_steps must be between 0 and total_steps - warmup_steps (1), got 2" in capsys.readouterr().err
+    assert main(["train", "--config", os.fspath(tmp_path / "wsd.toml"), "--corpus", corpus_dir,
+                 "--out", os.fspath(tmp_path / "run"), "--until-step", "0", "--no-progress"]) == 2
+    assert "--until-step must be at least 1, got 0" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 
@@ -283,7 +291,7 @@ def test_train_resumes_and_exports_a_loadable_model(corpus, tmp_path):
     (tmp_path / "tiny.toml").write_text(TINY_TOML)
     cfg = load_train_config(tmp_path / "tiny.toml")
     out = tmp_path / "run"
-    train(cfg, corpus_dir, os.fspath(out), steps=1, progress=False)
+    train(cfg, corpus_dir, os.fspath(out), until_step=1, progress=False)
     # The recipe's word tokenizer sizes the decoder; spelling_init set the word rows before step 1.
     word_tokenizer = SentencePieceTokenizer(out / "tokenizer.model")
     cfg = with_vocab_size(cfg, word_tokenizer.vocab_size)
@@ -292,10 +300,10 @@ def test_train_resumes_and_exports_a_loadable_model(corpus, tmp_path):
     exported = load_model(out / "model", dtype=jnp.float32).model
     after_one_step = np.asarray(exported.language_model.embed_tokens.embedding[...])
     np.testing.assert_allclose(after_one_step, expected, atol=5 * cfg.optimizer.learning_rate)  # Adam moves <= ~lr
-    train(cfg, corpus_dir, os.fspath(out), steps=2, progress=False)
-    train(cfg, corpus_dir, os.fspath(out), steps=3, progress=False)
+    train(cfg, corpus_dir, os.fspath(out), until_step=2, progress=False)
+    train(cfg, corpus_dir, os.fspath(out), progress=False)
     logged = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
-    assert logged == [1, 2, 3]  # each later run resumed
+    assert logged == [1, 2, 3]  # each later run resumed where the one before stopped
     import orbax.checkpoint as ocp
 
     with ocp.CheckpointManager(out / "checkpoints") as manager:
@@ -317,7 +325,7 @@ def test_init_from_starts_from_the_models_weights_and_tokenizer(corpus, tmp_path
     (tmp_path / "tiny.toml").write_text(TINY_TOML)
     cfg = load_train_config(tmp_path / "tiny.toml")
     source = tmp_path / "stage1"
-    train(cfg, corpus_dir, os.fspath(source), steps=2, progress=False)  # step 1 runs at the warmup's lr of 0
+    train(cfg, corpus_dir, os.fspath(source), until_step=2, progress=False)  # step 1 runs at the warmup's lr of 0
     # At a zero learning rate AdamW moves nothing: the fine-tuned run must hold the source's weights, bit for
     # bit: the exported model's from a model directory, and the CTC head's too from a run directory (named
     # relative to the working directory: Orbax restores only from absolute paths).

@@ -22,6 +22,8 @@ def register(subparsers) -> None:
                              "name such as tiny, or a directory) or from an earlier run directory (which also "
                              "carries its training-only CTC head); the architecture must match the recipe's")
     parser.add_argument("--steps", type=int, help="total steps (default: the recipe's optimizer.total_steps)")
+    parser.add_argument("--until-step", type=int, metavar="N",
+                        help="stop after step N with a checkpoint, keeping the schedule (rerun to go on)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)
 
@@ -47,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{corpus} has no {MANIFEST_NAME}: generate it with `jaxstream synth`")
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
+    if args.until_step is not None and args.until_step < 1:
+        raise UserError(f"--until-step must be at least 1, got {args.until_step}")
     try:
         cfg = load_train_config(resolve_config_path(args.config))
         if args.steps is not None:  # checked here, with the recipe's other optimizer settings
@@ -54,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         raise UserError(f"bad training config {args.config}: {exc}") from None
     metrics = train(cfg, args.corpus, args.out, eval_corpus_dir=args.eval_corpus, init_from=args.init_from,
-                    progress=not args.no_progress)
+                    until_step=args.until_step, progress=not args.no_progress)
     print(" ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
                    for key, value in metrics.items()))
     return 0

@@ -121,9 +121,12 @@ def read_corpora(corpus_dirs: list[str]) -> list[dict]:
 
 
 def train(cfg: TrainConfig, corpus_dir: str | list[str], out_dir: str, *, eval_corpus_dir: str | None = None,
-          steps: int | None = None, init_from: str | None = None, progress: bool = True) -> dict:
+          steps: int | None = None, until_step: int | None = None, init_from: str | None = None,
+          progress: bool = True) -> dict:
     """Trains (or resumes) a run; returns the final metrics. `corpus_dir` is a corpus folder or a list of
     them (pooled; a resumed run may be given more than it started with). `steps` overrides the recipe's total;
+    `until_step` stops this call after that step, with a checkpoint, leaving the schedule as it is (a later
+    call resumes there: a long run spread over sittings);
     `init_from` (a model name or directory, or an earlier run's directory) starts from that model's weights
     and tokenizer instead of a fresh initialisation, with a fresh optimizer and schedule (fine-tuning)."""
     import orbax.checkpoint as ocp
@@ -165,15 +168,16 @@ def train(cfg: TrainConfig, corpus_dir: str | list[str], out_dir: str, *, eval_c
     # Built after the checks above: it asks espeak-ng for the whole vocabulary (~10 s for eight accents).
     lexicon = PhonemeLexicon(records) if cfg.ctc_targets == "phonemes" else None
     graphdef, params = nnx.split(model, nnx.Param)
-    weights = {"model": params, "ctc_head": ctc_head}
+    # Committed to one device, like the arrays a resume restores, so a fresh run and a resumed one in the same
+    # process share one compiled step (jit keys committed and uncommitted arguments apart).
+    weights = jax.device_put({"model": params, "ctc_head": ctc_head}, jax.local_devices()[0])
     opt_state = optimizer.init(weights)
     manager = ocp.CheckpointManager(paths.checkpoints, options=ocp.CheckpointManagerOptions(max_to_keep=3))
     start = manager.latest_step() or 0
     if start:
         restored = manager.restore(start, args=ocp.args.StandardRestore({"weights": weights, "opt_state": opt_state}))
         weights, opt_state = restored["weights"], restored["opt_state"]
-    train_step = make_train_step(graphdef, cfg.model, optimizer, cfg.optimizer.ctc_weight,
-                                 cfg.optimizer.aligned_piece_weight)
+    train_step = make_train_step(graphdef, cfg.model, cfg.optimizer)
 
     eval_records = read_manifest(eval_corpus_dir)[: cfg.eval_utterances] if eval_corpus_dir else []
     best_wer = _best_wer(paths)
@@ -182,10 +186,11 @@ def train(cfg: TrainConfig, corpus_dir: str | list[str], out_dir: str, *, eval_c
     stream = BatchStream("", records, tokenizer, batch_size=cfg.batch_size, delays_slots=delays,
                          seed=cfg.seed * 1_000_003 + start, vtlp_range=cfg.vtlp_range,
                          ctc_labels=lexicon.ctc_labels if lexicon else None)
+    last_step = min(total_steps, until_step or total_steps)
     metrics: dict = {}
-    bar = tqdm(total=total_steps, initial=start, unit="step", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=last_step, initial=start, unit="step", disable=not progress, dynamic_ncols=True)
     try:
-        for step in range(start + 1, total_steps + 1):
+        for step in range(start + 1, last_step + 1):
             batch = next(stream)
             began = time.perf_counter()
             weights, opt_state, step_metrics = train_step(weights, opt_state, batch)
@@ -195,7 +200,7 @@ def train(cfg: TrainConfig, corpus_dir: str | list[str], out_dir: str, *, eval_c
             bar.update()
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.3f}")
             _log(paths, metrics)
-            if step % cfg.checkpoint_every == 0 or step == total_steps:
+            if step % cfg.checkpoint_every == 0 or step == last_step:
                 manager.save(step, args=ocp.args.StandardSave({"weights": weights, "opt_state": opt_state}))
                 manager.wait_until_finished()
                 export_model(params, cfg, graphdef, paths.tokenizer, paths.out / "model")

@@ -175,13 +175,18 @@ def stream_loss(weights: dict, graphdef, cfg: VoxtralConfig, batch: Batch, ctc_w
     return total, metrics
 
 
-def make_train_step(graphdef, cfg: VoxtralConfig, optimizer: optax.GradientTransformation, ctc_weight: float = 0.0,
-                    aligned_piece_weight: float = 0.0):
+@functools.lru_cache(maxsize=8)
+def make_train_step(graphdef, cfg: VoxtralConfig, optimizer_cfg: OptimizerConfig):
     """A jitted pure step (weights, opt_state, batch) -> (weights, opt_state, metrics), weights = {"model":
-    the model's nnx.Param state, "ctc_head": `init_ctc_head(...)`}; weights and state are donated."""
+    the model's nnx.Param state, "ctc_head": `init_ctc_head(...)`}, opt_state = `make_optimizer(optimizer_cfg)
+    .init(weights)`; weights and state are donated. One step per (model structure, config, optimizer recipe)
+    per process, so a run resumed or fine-tuned in the same process reuses its compiled program (~10 s even
+    for a one-layer model)."""
+    optimizer = make_optimizer(optimizer_cfg)
 
     def loss_fn(weights, batch):
-        return stream_loss(weights, graphdef, cfg, batch, ctc_weight, aligned_piece_weight)
+        return stream_loss(weights, graphdef, cfg, batch, optimizer_cfg.ctc_weight,
+                           optimizer_cfg.aligned_piece_weight)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def train_step(weights, opt_state, batch: Batch):
