@@ -17,8 +17,13 @@ jaxstream choices where OpenAI's behaviour does not carry over:
   minimal 160 ms, low 320 ms, medium 480 ms, high 960 ms, xhigh 2400 ms; absent or null: the engine's
   default. Longer delays see more right context and make fewer errors, at that much more latency.
 - `language`, `prompt` and `noise_reduction` are validated and echoed but do not condition the model
-  (Voxtral Realtime transcribes with a fixed prompt); `include` (logprobs) is accepted and answered
-  with `include: []`, the effective setting.
+  (Voxtral Realtime transcribes with a fixed prompt).
+- `include: ["item.input_audio_transcription.logprobs"]` adds `logprobs` to every `...transcription.delta`
+  (the delta's tokens) and `.completed` (the whole transcript's): `[{token, logprob, bytes}]` per text token,
+  its natural-log probability under the model at the step that chose it (decoding is greedy: the
+  step's highest). Control tokens (the stream's pads and word markers) carry no text and are left out. A
+  byte-fallback piece of a multi-byte character has its raw `bytes` and a `token` of U+FFFD; join `bytes`
+  for the text.
 - `turn_detection` is null (manual commits) until the client asks for VAD.
 - `conversation.item.added` (beta: `conversation.item.created`) is sent when the item opens, before its
   first delta; `input_audio_buffer.clear` drops the open item, which then ends with
@@ -56,6 +61,8 @@ MIN_COMMIT_MS = 100  # OpenAI's minimum committed buffer
 FORMAT_RATES = {"audio/pcm": 24000, "audio/pcmu": 8000, "audio/pcma": 8000}
 BETA_FORMATS = {"pcm16": "audio/pcm", "g711_ulaw": "audio/pcmu", "g711_alaw": "audio/pcma"}
 NOISE_REDUCTION = ("near_field", "far_field")
+LOGPROBS = "item.input_audio_transcription.logprobs"
+INCLUDABLE = (LOGPROBS,)  # what `session.include` may name
 
 
 class ClientError(Exception):
@@ -91,6 +98,7 @@ class OpenAiRealtime:
         self.format = "audio/pcm"
         self.transcription = {"model": server.model_id, "language": None, "prompt": "", "delay": None}
         self.noise_reduction: str | None = None
+        self.include: list[str] = []
         self.turn_detection: dict | None = None
         self.segmenter: TurnSegmenter | None = None  # with turn_detection
         self.open: _Item | None = None  # the item audio goes to now
@@ -213,8 +221,15 @@ class OpenAiRealtime:
             if key in holder:
                 param = f"session.{key}" if beta else f"session.audio.input.{key}"
                 changes[name] = getattr(self, f"_parse_{name}")(holder[key], param, beta)
-        if "include" in session and not (isinstance(session["include"], list) or session["include"] is None):
-            raise ClientError("invalid_type", "include must be a list of strings", "session.include")
+        if "include" in session:
+            include = session["include"] or []
+            if not (isinstance(include, list) and all(isinstance(x, str) for x in include)):
+                raise ClientError("invalid_type", "include must be a list of strings", "session.include")
+            unknown = [x for x in include if x not in INCLUDABLE]
+            if unknown:
+                raise ClientError("invalid_value", f"include: unknown value {_shown(unknown[0])}; supported: "
+                                  + ", ".join(INCLUDABLE), "session.include")
+            changes["include"] = list(dict.fromkeys(include))
         # The format and the VAD decide where audio goes: they change only between items.
         moved = [name for name in ("format", "turn_detection") if changes.get(name, getattr(self, name))
                  != getattr(self, name)]
@@ -224,6 +239,7 @@ class OpenAiRealtime:
         self.format = changes.get("format", self.format)
         self.transcription.update(changes.get("transcription", {}))
         self.noise_reduction = changes.get("noise_reduction", self.noise_reduction)
+        self.include = changes.get("include", self.include)
         self.turn_detection = changes.get("turn_detection", self.turn_detection)
         if moved:
             self._restart_vad()
@@ -425,7 +441,8 @@ class OpenAiRealtime:
                         metrics.first_delta.observe(time.monotonic() - item.first_audio_at)
                         item.first_audio_at = None
                     await self._send("conversation.item.input_audio_transcription.delta", item_id=item.id,
-                                     content_index=0, delta=event.text)
+                                     content_index=0, delta=event.text,
+                                     **self._logprobs(event.token_ids, event.logprobs))
                 elif isinstance(event, TranscriptionDone):
                     done = event
             if done is None:
@@ -448,7 +465,8 @@ class OpenAiRealtime:
             audio_tokens = round(done.usage.audio_seconds / SLOT_SECONDS)
             text_tokens, output = done.usage.prompt_tokens, done.usage.output_tokens
             await self._send("conversation.item.input_audio_transcription.completed", item_id=item.id,
-                             content_index=0, transcript=done.text, usage={
+                             content_index=0, transcript=done.text, **self._logprobs(done.token_ids, done.logprobs),
+                             usage={
                                  "type": "tokens", "input_tokens": text_tokens + audio_tokens,
                                  "output_tokens": output, "total_tokens": text_tokens + audio_tokens + output,
                                  "input_token_details": {"text_tokens": text_tokens, "audio_tokens": audio_tokens}})
@@ -469,14 +487,27 @@ class OpenAiRealtime:
             return {"id": self.session_id, "object": "realtime.transcription_session",
                     "input_audio_format": {v: k for k, v in BETA_FORMATS.items()}[self.format],
                     "input_audio_transcription": transcription, "turn_detection": self.turn_detection,
-                    "input_audio_noise_reduction": noise, "include": []}
+                    "input_audio_noise_reduction": noise, "include": self.include}
         audio_format = {"type": self.format}
         if self.format == "audio/pcm":
             audio_format["rate"] = self.rate
         return {"id": self.session_id, "object": "realtime.transcription_session", "type": "transcription",
                 "audio": {"input": {"format": audio_format, "noise_reduction": noise,
                                     "transcription": transcription, "turn_detection": self.turn_detection}},
-                "include": []}
+                "include": self.include}
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> dict:
+        """`{"logprobs": [...]}` for the text tokens among `token_ids` when the session includes them."""
+        if LOGPROBS not in self.include:
+            return {}
+        tokenizer = self.server.engine.tokenizer
+        entries = []
+        for token_id, logprob in zip(token_ids, logprobs):
+            if not tokenizer.is_control(token_id):
+                raw = tokenizer.token_bytes(token_id)
+                entries.append({"token": raw.decode("utf-8", errors="replace"), "logprob": logprob,
+                                "bytes": list(raw)})
+        return {"logprobs": entries}
 
     @staticmethod
     def _item_object(item: _Item, status: str, transcript: str | None) -> dict:

@@ -80,14 +80,16 @@ def test_audio_queues_are_fifo_through_ring_widening_slab_growth_and_row_reuse(o
     assert rows.mel._num_free == len(rows.mel.data) - 1  # every block is back
 
 
-def test_token_buffer_keeps_each_rows_ids_in_order():
+def test_token_buffer_keeps_each_rows_ids_and_logprobs_in_order():
     rows = StreamRows({"decoder": SPEC}, (2, 3), token_width=6)
     a, b = Session(rows), Session(rows)
     index = np.array([a.row, b.row])
-    rows.buffer_tokens(index, np.array([[5, 6, -1], [7, -1, -1]]), np.array([2, 1]))
-    rows.buffer_tokens(index, np.array([[8, -1, -1], [9, 10, 11]]), np.array([1, 3]))
-    assert rows.take_tokens(np.array([b.row, a.row])) == [[7, 9, 10, 11], [5, 6, 8]]
-    assert rows.take_tokens(np.array([a.row])) == [[]]
+    first, second = np.array([[5, 6, -1], [7, -1, -1]]), np.array([[8, -1, -1], [9, 10, 11]])
+    rows.buffer_tokens(index, first, -first / 4, np.array([2, 1]))  # logprobs: -id / 4, exact in f32
+    rows.buffer_tokens(index, second, -second / 4, np.array([1, 3]))
+    assert rows.take_tokens(np.array([b.row, a.row])) == [([7, 9, 10, 11], [-1.75, -2.25, -2.5, -2.75]),
+                                                          ([5, 6, 8], [-1.25, -1.5, -2.0])]
+    assert rows.take_tokens(np.array([a.row])) == [([], [])]
 
 
 def test_rows_grow_and_page_tables_stay_the_sessions_views():

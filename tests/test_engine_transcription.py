@@ -57,12 +57,25 @@ async def stream(session, audio, rng, *, pause=None):
     return [event async for event in session]
 
 
-def check_events(events, tokens, tokenizer, audio_seconds, delay_ms):
+def expected_logprobs(reference, delay_ms):
+    """float64 log-softmax of transformers' generate logits at each token it chose."""
+    from scipy.special import log_softmax
+
+    logits = reference[f"generate_logits_d{n_delay_from_ms(delay_ms)}"].astype(np.float64)
+    return log_softmax(logits, axis=-1)[np.arange(len(logits)), logits.argmax(-1)]
+
+
+def check_events(events, tokens, tokenizer, audio_seconds, delay_ms, logprobs=None):
     *deltas, done = events
     assert isinstance(done, TranscriptionDone) and all(isinstance(d, TranscriptionDelta) for d in deltas)
     assert done.token_ids == tokens and done.delay_ms == delay_ms
     assert done.text == tokenizer.decode(tokens) == "".join(d.text for d in deltas)
-    assert [t for d in deltas for t in d.token_ids] == tokens[: len([t for d in deltas for t in d.token_ids])]
+    streamed = [t for d in deltas for t in d.token_ids]
+    assert streamed == tokens[: len(streamed)]
+    assert [lp for d in deltas for lp in d.logprobs] == done.logprobs[: len(streamed)]
+    assert len(done.logprobs) == len(tokens) and all(lp <= 0 for lp in done.logprobs)
+    if logprobs is not None:
+        np.testing.assert_allclose(done.logprobs, logprobs, atol=2e-4)
     assert done.usage.audio_seconds == audio_seconds and done.usage.output_tokens == len(tokens)
     assert done.usage.prompt_tokens == prompt_length(n_delay_from_ms(delay_ms))
 
@@ -74,7 +87,8 @@ async def test_random_chunkings_match_transformers_generate(engine, reference):
     results = await asyncio.gather(*(stream(s, audio, np.random.default_rng(seed))
                                      for s, (_, seed) in zip(sessions, runs)))
     for (delay, _), events in zip(runs, results):
-        check_events(events, expected_tokens(reference, delay), engine.tokenizer, len(audio) / 16000, delay)
+        check_events(events, expected_tokens(reference, delay), engine.tokenizer, len(audio) / 16000, delay,
+                     expected_logprobs(reference, delay))
 
 
 async def test_concurrent_sessions_with_every_delay_equal_their_solo_runs(engine, reference):

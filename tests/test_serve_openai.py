@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from websockets.sync.client import connect as sync_connect
 
 from jaxstream.serving.audio_codecs import G711_TABLES, encode_pcm16_base64
+from jaxstream.serving.openai_realtime import LOGPROBS
 from jaxstream.serving.testing import ServerThread, sample_audio, wait_engine_baseline
 from serve_fixtures import engine, engine_returns_to_baseline, model, server  # noqa: F401 - pytest fixtures
 
@@ -100,12 +101,17 @@ def transcripts(events: list[dict]) -> dict[str, str]:
 
 
 # -- GA, through the official SDK -----------------------------------------------------------------------
-async def test_sdk_manual_turns_pipeline(server, model, speech, reference):
+async def test_sdk_manual_turns_pipeline(server, engine, model, speech, reference):
     """Two turns on one connection with manual commits, the second streamed right after the first commit:
     the SDK parses every event, items chain by previous_item_id, each transcript matches the 16 kHz one,
-    and concatenated deltas equal the completed transcript."""
+    and concatenated deltas equal the completed transcript. With logprobs included, every text token comes
+    with its bytes and log-probability, as `engine.transcribe` gives them for the 16 kHz audio."""
     from openai import AsyncOpenAI
 
+    audio = at_24k(speech)
+    # The engine's own answer for this 24 kHz audio, resampled as a session's front end does (in one piece rather
+    # than per append, and batched otherwise: equal to f32 rounding), for the logprobs.
+    solo = await engine.transcribe(soxr.resample(audio, 24000, 16000, quality="HQ"), delay_ms=480)
     client = AsyncOpenAI(api_key="unused", websocket_base_url=server.url("/v1"))
     async with client.realtime.connect(model=model) as conn:
         created = await conn.recv()
@@ -116,12 +122,12 @@ async def test_sdk_manual_turns_pipeline(server, model, speech, reference):
             ("audio_seconds", int(server.state.config.limits.max_audio_seconds), None),
             ("session_seconds", int(server.state.config.limits.max_session_seconds), None)]
         assert all(0 <= r.limit - r.remaining <= 1 for r in limits.rate_limits)
-        await conn.session.update(session=ga_update(model, delay="medium")["session"])
+        await conn.session.update(session={**ga_update(model, delay="medium")["session"], "include": [LOGPROBS]})
         updated = await conn.recv()
         assert updated.type == "session.updated"
         assert (await conn.recv()).type == "rate_limits.updated"
         assert updated.session.audio.input.transcription.delay == "medium"
-        audio = at_24k(speech)
+        assert updated.session.include == [LOGPROBS]
         for _ in range(2):
             for chunk in pcm_base64(audio, 24000):
                 await conn.input_audio_buffer.append(audio=chunk)
@@ -144,6 +150,13 @@ async def test_sdk_manual_turns_pipeline(server, model, speech, reference):
         assert item.usage.total_tokens == item.usage.input_tokens + item.usage.output_tokens
         assert item.usage.input_token_details.audio_tokens > 0
         assert item.transcript == reference  # the engine resamples 24 kHz; the words do not move
+        streamed = [lp for e in events if e.type.endswith("transcription.delta") and e.item_id == item.item_id
+                    for lp in e.logprobs]
+        assert [lp.model_dump() for lp in streamed] == [lp.model_dump() for lp in item.logprobs]
+        # The bytes spell the transcript (SentencePiece's decode drops the first word's leading space).
+        assert bytes(b for lp in item.logprobs for b in lp.bytes).decode().removeprefix(" ") == item.transcript
+        expected = [lp for token, lp in zip(solo.token_ids, solo.logprobs) if not engine.tokenizer.is_control(token)]
+        np.testing.assert_allclose([lp.logprob for lp in item.logprobs], expected, atol=2e-3)
     done_items = [e.item for e in events if e.type == "conversation.item.done"]
     assert [i.id for i in done_items] == [c.item_id for c in committed]
     assert all(i.status == "completed" and i.content[0].transcript for i in done_items)
@@ -315,6 +328,9 @@ async def test_errors_echo_the_event_id_and_keep_the_socket(server, model, speec
          "session.audio.input.format.rate"),
         (ga_update(model, delay="instant"), "invalid_value", "session.audio.input.transcription.delay"),
         ({"type": "session.update", "session": {"type": "realtime"}}, "invalid_value", "session.type"),
+        ({"type": "session.update", "session": {"include": ["item.input_audio_transcription.words"]}},
+         "invalid_value", "session.include"),
+        ({"type": "session.update", "session": {"include": "logprobs"}}, "invalid_type", "session.include"),
     ]
     for n, (event, code, param) in enumerate(cases):
         await client.send({**event, "event_id": f"evt_{n}"})

@@ -150,21 +150,22 @@ def realtime_prefill_step(model, state, batch, *, attention_impl):
                                   batch["dec_table"], batch["dec_lengths"], batch["num_slots"],
                                   logits_at=jnp.maximum(batch["num_slots"] - 1, 0), attention_impl=attention_impl)
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return {"tokens": token}, _realtime_state(state, batch, conv, enc, dec, token)
+    return {"tokens": token, "logprobs": _chosen_logprob(logits, token)}, _realtime_state(
+        state, batch, conv, enc, dec, token)
 
 
 def realtime_decode_step(model, state, batch, *, eos_id, attention_impl):
     """Up to K 80 ms steps per session in one dispatch: the encoder runs over the K slots as one chunk,
     then K decoder steps each feed the previous greedy token with the slot's audio embedding (on-device
     feedback). Rows stop after `num_slots` steps or after sampling EOS. Returns tokens [S, K] (-1 where
-    no step ran)."""
+    no step ran) and their log-probabilities [S, K] (0 where no step ran)."""
     embeds, conv, enc = _audio(model, state, batch, fresh=False, attention_impl=attention_impl)
     num_rows, num_steps = embeds.shape[:2]
     token = _gather_rows(state["slots"]["last_token"], batch["slot"])
     zeros = jnp.zeros(num_rows, jnp.int32)
 
     def body(k, carry):
-        token, dec, out, done = carry
+        token, dec, out, out_logprobs, done = carry
         valid = (k < batch["num_slots"]) & ~done
         embed = jax.lax.dynamic_slice_in_dim(embeds, k, 1, axis=1)
         logits, dec = model.text_step(token[:, None], embed, batch["n_delay"], dec, batch["dec_table"],
@@ -173,9 +174,19 @@ def realtime_decode_step(model, state, batch, *, eos_id, attention_impl):
         sampled = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         token = jnp.where(valid, sampled, token)
         out = out.at[:, k].set(jnp.where(valid, sampled, -1))
-        return token, dec, out, done | (valid & (sampled == eos_id))
+        out_logprobs = out_logprobs.at[:, k].set(jnp.where(valid, _chosen_logprob(logits, sampled), 0.0))
+        return token, dec, out, out_logprobs, done | (valid & (sampled == eos_id))
 
     out = jnp.full((num_rows, num_steps), -1, jnp.int32)
-    carry = (token, state["stacks"]["decoder"], out, jnp.zeros(num_rows, bool))
-    token, dec, out, _ = jax.lax.fori_loop(0, num_steps, body, carry)
-    return {"tokens": out}, _realtime_state(state, batch, conv, enc, dec, token)
+    carry = (token, state["stacks"]["decoder"], out, jnp.zeros((num_rows, num_steps), jnp.float32),
+             jnp.zeros(num_rows, bool))
+    token, dec, out, out_logprobs, _ = jax.lax.fori_loop(0, num_steps, body, carry)
+    return {"tokens": out, "logprobs": out_logprobs}, _realtime_state(state, batch, conv, enc, dec, token)
+
+
+def _chosen_logprob(logits, token):
+    """log softmax(logits)[token] per row, in f32 (OpenAI's transcription `logprobs`); one logsumexp over
+    the vocabulary, next to the matmul that made the logits."""
+    logits = logits.astype(jnp.float32)
+    chosen = jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0]
+    return chosen - jax.nn.logsumexp(logits, axis=-1)

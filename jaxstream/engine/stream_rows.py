@@ -130,6 +130,7 @@ class StreamRows:
                        for name, spec in specs.items()}
         self.ring = np.zeros((capacity, 16), np.int64)  # slab block of queued slot p at [row, p % width]
         self.tokens = np.zeros((capacity, token_width), np.int32)  # generated ids, `buffered` per row
+        self.logprobs = np.zeros((capacity, token_width), np.float32)  # each buffered id's log-probability
         self.sessions: list = [None] * capacity  # row -> RowSession
         self.mel = MelSlab(slot_shape)
         self._incoming: list = []  # (row, slots, arrival time) noted by `queue_audio`, stored by `absorb`
@@ -179,6 +180,7 @@ class StreamRows:
             self.tables[name] = grown
         self.ring = np.concatenate([self.ring, np.zeros_like(self.ring)])
         self.tokens = np.concatenate([self.tokens, np.zeros_like(self.tokens)])
+        self.logprobs = np.concatenate([self.logprobs, np.zeros_like(self.logprobs)])
         self.sessions += [None] * old
         self.capacity = new
         self._free_rows = list(range(new - 1, old - 1, -1)) + self._free_rows
@@ -236,16 +238,19 @@ class StreamRows:
         return np.where(valid, self.ring[rows[:, None], positions % self.ring.shape[1]], 0)
 
     # -- generated ids ----------------------------------------------------------------------------
-    def buffer_tokens(self, rows: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
-        """Appends the first `counts[i]` ids of `tokens[i]` to row `rows[i]`'s buffer."""
+    def buffer_tokens(self, rows: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray, counts: np.ndarray) -> None:
+        """Appends the first `counts[i]` ids of `tokens[i]`, and their `logprobs[i]`, to row `rows[i]`'s buffer."""
         columns = np.arange(tokens.shape[1])
         valid = columns < counts[:, None]
         r, k = np.nonzero(valid)
-        self.tokens[rows[r], self.buffered[rows[r]] + k] = tokens[r, k]
+        at = self.buffered[rows[r]] + k
+        self.tokens[rows[r], at] = tokens[r, k]
+        self.logprobs[rows[r], at] = logprobs[r, k]
         self.buffered[rows] += counts
 
-    def take_tokens(self, rows: np.ndarray) -> list[list[int]]:
-        """Empties the buffers of `rows`; returns each one's ids in order."""
+    def take_tokens(self, rows: np.ndarray) -> list[tuple[list[int], list[float]]]:
+        """Empties the buffers of `rows`; returns each one's (ids, logprobs) in order."""
         counts = self.buffered[rows].tolist()
         self.buffered[rows] = 0
-        return [ids[:count] for ids, count in zip(self.tokens[rows].tolist(), counts)]
+        return [(ids[:count], logprobs[:count])
+                for ids, logprobs, count in zip(self.tokens[rows].tolist(), self.logprobs[rows].tolist(), counts)]

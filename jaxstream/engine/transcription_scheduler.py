@@ -53,6 +53,7 @@ class RealtimeSession(RowSession, SessionBase):
         self.prompt_ids = list(prompt_ids)
         self.samples = 0.0  # real audio received, in 16 kHz samples
         self.generated: list[int] = []  # ids moved out of the row's buffer, in order
+        self.logprobs: list[float] = []  # each generated id's log-probability
         self.undelivered: list[int] = []  # ids not yet carried by a delta
         self.decoder = decoder
         self.text = ""
@@ -226,7 +227,7 @@ class RealtimeScheduler(Residency):
             return 0.0
         now = time.perf_counter()
         for dispatch, out in zip(dispatched, fetched):
-            self._advance(dispatch, np.asarray(out["tokens"]), now)
+            self._advance(dispatch, np.asarray(out["tokens"]), np.asarray(out["logprobs"]), now)
         return waited
 
     def _schedule(self) -> list[Dispatch]:
@@ -372,7 +373,7 @@ class RealtimeScheduler(Residency):
         return batch
 
     # -- results --------------------------------------------------------------------------------------
-    def _advance(self, dispatch: Dispatch, tokens: np.ndarray, now: float) -> None:
+    def _advance(self, dispatch: Dispatch, tokens: np.ndarray, logprobs: np.ndarray, now: float) -> None:
         """Buffers a dispatch's generated ids, records their latency, and streams text and ends; Python runs
         only for the rows with text, an end, or a full buffer."""
         rows = self.rows
@@ -380,17 +381,17 @@ class RealtimeScheduler(Residency):
         alive = rows.generation[dispatch.rows] == dispatch.generations
         if dispatch.prefill:  # one id, sampled after the prompt's last slot once the whole prompt is in
             eligible = alive & (dispatch.starts + dispatch.counts >= rows.prompt_len[dispatch.rows])
-            tokens = tokens[:used, None]
+            tokens, logprobs = tokens[:used, None], logprobs[:used, None]
             arrived = dispatch.arrived[np.arange(used), dispatch.counts - 1][:, None]
             produced = eligible.astype(np.int64)
         else:
             eligible = alive
-            tokens = tokens[:used]
+            tokens, logprobs = tokens[:used], logprobs[:used]
             arrived = dispatch.arrived
             produced = np.where(alive, (tokens >= 0).sum(axis=1), 0)
         valid = np.arange(tokens.shape[1]) < produced[:, None]
         self.token_latency.record(now - arrived[valid])
-        rows.buffer_tokens(dispatch.rows, tokens, produced)
+        rows.buffer_tokens(dispatch.rows, tokens, logprobs, produced)
         text = valid & self._is_text(tokens)
         ended = (valid & (tokens == self.eos_id)).any(axis=1) | (
             (rows.fed[dispatch.rows] >= rows.limit[dispatch.rows]) & (rows.in_flight[dispatch.rows] == 0))
@@ -414,22 +415,29 @@ class RealtimeScheduler(Residency):
         return (tokens >= size) | self._text_table[np.clip(tokens, 0, size - 1)]
 
     @staticmethod
-    def _decode(session: RealtimeSession, new: list[int]) -> str:
-        """Moves ids taken from the row's buffer to the session's lists through its detokenizer; returns
-        their text."""
-        session.generated += new
-        session.undelivered += new
-        return "".join(session.decoder.push(t) for t in new)
+    def _decode(session: RealtimeSession, new: tuple[list[int], list[float]]) -> str:
+        """Moves (ids, logprobs) taken from the row's buffer to the session's lists through its detokenizer;
+        returns their text."""
+        ids, logprobs = new
+        session.generated += ids
+        session.logprobs += logprobs
+        session.undelivered += ids
+        return "".join(session.decoder.push(t) for t in ids)
 
-    def _stream_tokens(self, session: RealtimeSession, new: list[int], *, ended: bool) -> None:
+    def _stream_tokens(self, session: RealtimeSession, new: tuple[list[int], list[float]], *, ended: bool) -> None:
         text = self._decode(session, new)
         if text:
             session.text += text
             audio_seconds = to_ms(min(token_time(len(session.generated) - 1), session.samples / SAMPLING_RATE))
-            deliver(session, TranscriptionDelta(text, session.undelivered, audio_seconds))
-            session.undelivered = []
+            self._deliver_delta(session, text, audio_seconds)
         if ended:
             self._done(session)
+
+    @staticmethod
+    def _deliver_delta(session: RealtimeSession, text: str, audio_seconds: float) -> None:
+        first = len(session.logprobs) - len(session.undelivered)
+        deliver(session, TranscriptionDelta(text, session.undelivered, audio_seconds, session.logprobs[first:]))
+        session.undelivered = []
 
     def _done(self, session: RealtimeSession) -> None:
         [new] = self.rows.take_tokens(np.array([session.row]))
@@ -437,10 +445,11 @@ class RealtimeScheduler(Residency):
         audio_seconds = session.samples / SAMPLING_RATE
         if tail:
             session.text += tail
-            deliver(session, TranscriptionDelta(tail, session.undelivered, to_ms(audio_seconds)))
+            self._deliver_delta(session, tail, to_ms(audio_seconds))
         usage = TranscriptionUsage(audio_seconds, session.prompt_len, len(session.generated))
         words = word_timings(session.generated, self.tokenizer, audio_seconds)
-        done = TranscriptionDone(session.text, list(session.generated), words, usage, session.delay_ms)
+        done = TranscriptionDone(session.text, list(session.generated), words, usage, session.delay_ms,
+                                 list(session.logprobs))
         self.release(session)
         deliver(session, done)
 

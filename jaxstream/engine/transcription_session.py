@@ -43,6 +43,9 @@ class TranscriptionDelta:
     # Real-audio time the newest token of this delta describes (`token_time`); it was emitted once
     # `delay_ms` more audio had been consumed.
     audio_seconds: float
+    # Each of `token_ids`' log-probability under the model (decoding is greedy: the step's highest). Left out of
+    # the repr, which people print.
+    logprobs: list[float] = dataclasses.field(repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +55,7 @@ class TranscriptionDone:
     words: list[WordTiming]
     usage: TranscriptionUsage
     delay_ms: int
+    logprobs: list[float] = dataclasses.field(repr=False)  # each of `token_ids`' log-probability
 
 
 def transcription_prompt(model_cfg, n_delay: int) -> list[int]:
