@@ -200,61 +200,73 @@ async def test_g711_input(server, engine, model, speech, reference, law):
 
 
 async def test_beta_shape(server, model, speech, reference):
-    """The beta client: `OpenAI-Beta: realtime=v1`, transcription_session.update with pcm16, items
-    announced by conversation.item.created and no conversation.item.done."""
-    client = await Client.connect(server, query="", additional_headers={"OpenAI-Beta": "realtime=v1"})
-    created = await client.event()
-    assert created["type"] == "transcription_session.created"
-    await client.send({"type": "transcription_session.update", "event_id": "u1", "session": {
-        "input_audio_format": "pcm16", "input_audio_transcription": {"model": model, "language": "en"},
-        "turn_detection": None}})
-    updated = (await client.until("transcription_session.updated"))[-1]
-    assert updated["session"]["input_audio_transcription"]["language"] == "en"
-    for chunk in pcm_base64(at_24k(speech), 24000):
-        await client.send({"type": "input_audio_buffer.append", "audio": chunk})
-    await client.send({"type": "input_audio_buffer.commit"})
-    events = await client.until("conversation.item.input_audio_transcription.completed")
-    kinds = {e["type"] for e in events}
+    """The SDK's beta client (`OpenAI-Beta: realtime=v1`): transcription_session.update with pcm16 and
+    logprobs, items announced by conversation.item.created and no conversation.item.done."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(api_key="unused", websocket_base_url=server.url("/v1"))
+    async with client.beta.realtime.connect(model=model) as conn:
+        created = json.loads(await conn.recv_bytes())  # the beta SDK has no model of this event
+        assert created["type"] == "transcription_session.created"
+        await conn.transcription_session.update(session={
+            "input_audio_format": "pcm16", "input_audio_transcription": {"model": model, "language": "en"},
+            "turn_detection": None, "include": [LOGPROBS]}, event_id="u1")
+        while (updated := await conn.recv()).type != "transcription_session.updated":
+            pass
+        assert updated.session.input_audio_transcription.language == "en" and updated.session.include == [LOGPROBS]
+        for chunk in pcm_base64(at_24k(speech), 24000):
+            await conn.input_audio_buffer.append(audio=chunk)
+        await conn.input_audio_buffer.commit()
+        events = []
+        while not events or events[-1].type != "conversation.item.input_audio_transcription.completed":
+            events.append(await asyncio.wait_for(conn.recv(), 60))
+    await client.close()
+    kinds = {e.type for e in events}
     assert "conversation.item.created" in kinds and "conversation.item.added" not in kinds
-    assert wer(reference, events[-1]["transcript"]) <= 0.1
-    await client.ws.close()
+    completed = events[-1]
+    assert wer(reference, completed.transcript) <= 0.1
+    assert [lp.token for lp in completed.logprobs] and all(lp.logprob <= 0 for lp in completed.logprobs)
 
 
 # -- server VAD -----------------------------------------------------------------------------------------
 async def test_server_vad_splits_two_sentences(server, model, speech, reference):
-    """Two sentences with 1.5 s of silence between them in one stream: two items committed by the server,
-    speech_started/stopped within 150 ms of where the speech really starts and stops."""
+    """Two sentences with 1.5 s of silence between them in one stream, through the SDK: two items committed by
+    the server, speech_started/stopped within 150 ms of where the speech really starts and stops."""
     silence = lambda s: np.zeros(int(s * 16000), np.float32)  # noqa: E731
     stream = np.concatenate([silence(0.6), speech, silence(1.5), speech, silence(1.2)])
     loud = np.convolve(np.abs(speech), np.ones(160) / 160, "same") > 0.02
     first, last = np.flatnonzero(loud)[[0, -1]] / 16000
     starts = [0.6 + first, 0.6 + speech.size / 16000 + 1.5 + first]
     stops = [0.6 + last, 0.6 + speech.size / 16000 + 1.5 + last]
-    client = await Client.connect(server)
-    await client.until("session.created")
-    await client.send(ga_update(model, turn_detection={"type": "server_vad", "threshold": 0.5,
-                                                       "prefix_padding_ms": 300, "silence_duration_ms": 800}))
-    updated = (await client.until("session.updated"))[-1]
-    assert updated["session"]["audio"]["input"]["turn_detection"]["silence_duration_ms"] == 800
-    for chunk in pcm_base64(at_24k(stream), 24000):
-        await client.send({"type": "input_audio_buffer.append", "audio": chunk})
-    events = []
-    while sum(e["type"] == "conversation.item.done" for e in events) < 2:
-        events.append(await client.event())
-    started = [e for e in events if e["type"] == "input_audio_buffer.speech_started"]
-    stopped = [e for e in events if e["type"] == "input_audio_buffer.speech_stopped"]
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(api_key="unused", websocket_base_url=server.url("/v1"))
+    async with client.realtime.connect(model=model) as conn:
+        await conn.session.update(session=ga_update(model, turn_detection={
+            "type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 800})["session"])
+        while (updated := await conn.recv()).type != "session.updated":
+            pass
+        assert updated.session.audio.input.turn_detection.silence_duration_ms == 800
+        for chunk in pcm_base64(at_24k(stream), 24000):
+            await conn.input_audio_buffer.append(audio=chunk)
+        events = []
+        while sum(e.type == "conversation.item.done" for e in events) < 2:
+            events.append(await asyncio.wait_for(conn.recv(), 60))
+    await client.close()
+    started = [e for e in events if e.type == "input_audio_buffer.speech_started"]
+    stopped = [e for e in events if e.type == "input_audio_buffer.speech_stopped"]
     assert len(started) == len(stopped) == 2
     for event, expected in zip(started, starts):
-        assert abs(event["audio_start_ms"] / 1000 - expected) <= 0.15, (event, expected)
+        assert abs(event.audio_start_ms / 1000 - expected) <= 0.15, (event, expected)
     for event, expected in zip(stopped, stops):
-        assert abs(event["audio_end_ms"] / 1000 - expected) <= 0.15, (event, expected)
-    texts = transcripts(events)
-    assert list(texts) == [e["item_id"] for e in started] == [e["item_id"] for e in stopped]
+        assert abs(event.audio_end_ms / 1000 - expected) <= 0.15, (event, expected)
+    texts = {e.item_id: e.transcript for e in events
+             if e.type == "conversation.item.input_audio_transcription.completed"}
+    assert list(texts) == [e.item_id for e in started] == [e.item_id for e in stopped]
     for text in texts.values():
         # Each item also holds 300 ms of prefix padding and the silence up to the stop's detection: a
         # different context than the bare speech, which may move the tiny model's last word.
         assert wer(reference, text) <= 0.2, (reference, text)
-    await client.ws.close()
 
 
 async def test_idle_timeout_and_semantic_vad(server, model):
