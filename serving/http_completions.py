@@ -89,7 +89,7 @@ def parse_stream(body: dict) -> tuple[bool, bool]:
     return stream, bool(options.get("include_usage", False))
 
 
-class TextInput:
+class TextInput(streaming_input.EngineInput):
     """The engine side of one text completion: a `generate` session fed `StreamingInput` chunks as they
     are appended, its output kept and, when `log` is given, streamed as `text_completion` chunks (see
     streaming_input.py for the interface)."""
@@ -98,9 +98,8 @@ class TextInput:
 
     def __init__(self, state, params: SamplingParams, log: sse.EventLog | None = None, *,
                  include_usage: bool = False):
-        self.state = state
+        super().__init__(state, log)
         self.params = params
-        self.log = log
         self.include_usage = include_usage
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -111,16 +110,10 @@ class TextInput:
         self.error: EngineError | None = None
         self.aborted = False
         self._chunks: asyncio.Queue = asyncio.Queue()
-        self._pump: asyncio.Task | None = None
-        self._done = asyncio.Event()
 
     @property
     def started(self) -> bool:
         return self._pump is not None
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
 
     @property
     def failure(self) -> EngineError | None:
@@ -196,14 +189,8 @@ class TextInput:
             self.log.close()
         self._done.set()
 
-    def fail(self, code: str, message: str) -> None:
-        if self.log is not None and not self.log.closed:
-            self.log.append(sse.error_payload(message, code))
-        asyncio.ensure_future(self.abort(code))
-
     async def wait(self, timeout: float | None = None) -> None:
-        async with asyncio.timeout(timeout):
-            await self._done.wait()
+        await self._wait_done(timeout)
 
     async def close(self) -> None:
         await self.abort("request_ended")

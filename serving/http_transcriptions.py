@@ -81,28 +81,21 @@ async def pump_transcription(session, log: sse.EventLog | None, metrics, first_a
     return None
 
 
-class AudioInput:
+class AudioInput(streaming_input.EngineInput):
     """The engine side of one streamed audio input: a transcription session, started on demand, whose
     events go to `log` (see streaming_input.py for the interface)."""
 
     modality = "audio"
 
     def __init__(self, state, delay_ms: int | None = None, log: sse.EventLog | None = None):
-        self.state = state
+        super().__init__(state, log)
         self.delay_ms = delay_ms
-        self.log = log
         self.session = None
         self.outcome: TranscriptionDone | EngineError | None = None
-        self._pump: asyncio.Task | None = None
-        self._done = asyncio.Event()
 
     @property
     def started(self) -> bool:
         return self.session is not None
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
 
     @property
     def failure(self) -> EngineError | None:
@@ -154,15 +147,9 @@ class AudioInput:
                 self.log.close()
             self._done.set()
 
-    def fail(self, code: str, message: str) -> None:
-        if self.log is not None and not self.log.closed:
-            self.log.append(sse.error_payload(message, code))
-        asyncio.ensure_future(self.abort(code))
-
     async def wait(self, timeout: float | None = None) -> TranscriptionDone | EngineError | None:
         """The outcome once the session ended: its result, its error, or None when it was aborted."""
-        async with asyncio.timeout(timeout):
-            await self._done.wait()
+        await self._wait_done(timeout)
         return self.outcome
 
     async def close(self) -> None:

@@ -3,7 +3,7 @@ object, start policies, the gate that applies in-order chunks to an engine input
 Mode A request, and the handle that lets the server's drain wait for an HTTP stream.
 
 An engine input is one of `http_transcriptions.AudioInput` (a transcription session) or
-`http_completions.TextInput` (a `generate` call over `StreamingInput` chunks). Both offer:
+`http_completions.TextInput` (a `generate` call over `StreamingInput` chunks), both `EngineInput`s. They offer:
 
     modality                 "audio" | "text"
     log                      the sse.EventLog its output goes to (None: result only)
@@ -22,6 +22,7 @@ start become one first prompt (text) or one append (audio); each later chunk goe
 comes, a text chunk as its own `StreamingInput` (the engine's cumulative-prompt rule then applies chunk by
 chunk).
 """
+import abc
 import asyncio
 import base64
 import binascii
@@ -129,6 +130,34 @@ def parse_start_policy(body: dict, modality: str) -> StartPolicy:
             raise RequestError(422, "invalid_request", f"min_audio_seconds must be a positive number, got "
                                f"{seconds!r}", "min_audio_seconds")
     return StartPolicy(name, min_bytes, None if seconds is None else float(seconds))
+
+
+class EngineInput(abc.ABC):
+    """What both engine inputs share: the server state, the output log, the task pumping the engine's output
+    and the event set when that output is complete."""
+
+    def __init__(self, state, log: sse.EventLog | None):
+        self.state = state
+        self.log = log
+        self._pump: asyncio.Task | None = None
+        self._done = asyncio.Event()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def fail(self, code: str, message: str) -> None:
+        if self.log is not None and not self.log.closed:
+            self.log.append(sse.error_payload(message, code))
+        asyncio.ensure_future(self.abort(code))
+
+    @abc.abstractmethod
+    async def abort(self, reason: str) -> None:
+        """Stops the engine session (if any) and ends the output; idempotent."""
+
+    async def _wait_done(self, timeout: float | None) -> None:
+        async with asyncio.timeout(timeout):
+            await self._done.wait()
 
 
 class InputFeed:
