@@ -85,7 +85,7 @@ def _hop_windows(samples: np.ndarray, num_frames: int) -> np.ndarray:
     return windows[: (num_frames - 1) * HOP_LENGTH + 1 : HOP_LENGTH]
 
 
-def _check_pcm(audio, what: str = "audio") -> np.ndarray:
+def check_pcm(audio, what: str = "audio") -> np.ndarray:
     """Validated 1-D finite float PCM as float64 (the dtype the front end computes in)."""
     array = np.asarray(audio)
     if array.ndim != 1:
@@ -123,7 +123,7 @@ def log_mel(audio, sampling_rate: int = SAMPLING_RATE, *, mel_filters: np.ndarra
     _check_rate(sampling_rate)
     if np.shape(mel_filters) != MEL_FILTERS.shape:
         raise AudioError(f"mel_filters must have shape {MEL_FILTERS.shape}, got {np.shape(mel_filters)}")
-    samples = _check_pcm(audio)
+    samples = check_pcm(audio)
     if samples.size <= _HALF_WINDOW:
         raise AudioError(f"audio must be longer than {_HALF_WINDOW} samples for the centred STFT, got {samples.size}")
     samples = np.pad(samples, _HALF_WINDOW, mode="reflect")
@@ -167,7 +167,7 @@ def right_pad_samples(num_samples: int, n_delay: int) -> int:
 
 def pad_for_offline(audio, n_delay: int, n_left_pad_tokens: int = N_LEFT_PAD_TOKENS) -> np.ndarray:
     """Left and right padded float32 audio; its length is a multiple of 1280 (one slot per 1280 samples)."""
-    samples = _check_pcm(audio).astype(np.float32)
+    samples = check_pcm(audio).astype(np.float32)
     return np.concatenate([
         np.zeros(left_pad_samples(n_left_pad_tokens), np.float32),
         samples,
@@ -269,7 +269,7 @@ class StreamingLogMel:
         """Append float PCM at 16 kHz (any number of samples); returns `slots_ready`."""
         if self.finished:
             raise ValueError("cannot push audio after finish()")
-        samples = _check_pcm(pcm)
+        samples = check_pcm(pcm)
         self._append(samples)
         self.samples_received += samples.size
         return self.slots_ready
@@ -340,7 +340,7 @@ def resample_to_16k(audio, sampling_rate: int) -> np.ndarray:
     """1-D float audio at any positive rate -> float32 at 16 kHz (soxr "HQ", as mistral-common resamples)."""
     if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, (int, np.integer)) or sampling_rate <= 0:
         raise AudioError(f"sampling rate must be a positive integer number of Hz, got {sampling_rate!r}")
-    samples = _check_pcm(audio).astype(np.float32)
+    samples = check_pcm(audio).astype(np.float32)
     if sampling_rate == SAMPLING_RATE:
         return samples
     import soxr

@@ -85,6 +85,26 @@ async def test_out_of_range_audio_is_rejected_and_cannot_poison_later_sessions(e
     await engine.wait_until_idle()
 
 
+async def test_a_rejected_append_leaves_a_resampled_stream_unchanged(engine):
+    """At 24 kHz the audio goes through a streaming resampler: a refused append (NaN, or PCM16-scaled) must
+    not reach its filter state, so the rest of the stream transcribes as if it had never been sent."""
+    import soxr
+
+    audio = soxr.resample(SAMPLE, 16000, 24000).astype(np.float32)
+    half = audio.size // 2
+    results = []
+    for bad in (None, np.full(2400, np.nan, np.float32), audio[half:half + 2400] * 32768):
+        session = await engine.start_transcription(sample_rate=24000)
+        await session.append(audio[:half])
+        if bad is not None:
+            with pytest.raises(InvalidAudioError):
+                await session.append(bad)
+        await session.append(audio[half:])
+        await session.finish()
+        results.append([event async for event in session][-1].token_ids)
+    assert results[1] == results[0] and results[2] == results[0]
+
+
 async def test_queued_audio_bound_counts_audio_not_yet_applied(engine):
     """With max_queued_audio_seconds=3 and the engine thread stalled, 1 s appends used to be accepted
     without bound (the check read the scheduler's applied state, not the command queue)."""

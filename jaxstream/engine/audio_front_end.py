@@ -24,7 +24,8 @@ import numpy as np
 
 from jaxstream.errors import EngineDeadError
 from jaxstream.models.audio import (
-    MEL_FRAMES_PER_SLOT, NUM_MEL_BINS, SAMPLING_RATE, AudioError, StreamingLogMel, take_ready,
+    MAX_SAMPLE_MAGNITUDE, MEL_FRAMES_PER_SLOT, NUM_MEL_BINS, SAMPLING_RATE, AudioError, StreamingLogMel, check_pcm,
+    take_ready,
 )
 from jaxstream.models.audio_checks import BandProbe, narrowband_warning
 
@@ -188,7 +189,11 @@ def _apply(stream: StreamFrontEnd, pcm: np.ndarray | None) -> tuple[int, str | N
             log_mel.push(stream.resampler.resample_chunk(np.zeros(0, np.float32), last=True))
         return log_mel.finish(), stream.band.finish()
     if stream.resampler is not None:
-        pcm = stream.resampler.resample_chunk(pcm.astype(np.float32))
+        # Checked before the resampler sees it: a refused append must not reach the filter's state, or its
+        # NaN or out-of-range samples would come out of every later append. The filter's ringing can
+        # overshoot valid input a little; clipping keeps it within what the input was checked against.
+        pcm = stream.resampler.resample_chunk(check_pcm(pcm).astype(np.float32))
+        pcm = np.clip(pcm, -MAX_SAMPLE_MAGNITUDE, MAX_SAMPLE_MAGNITUDE)
     slots = log_mel.push(pcm)  # validates: the probe sees only audio the stream accepted
     return slots, stream.band.feed(pcm)
 
