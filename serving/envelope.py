@@ -351,9 +351,9 @@ class EnvelopeProtocol:
     # -- server VAD -----------------------------------------------------------------------------------
     async def _segment(self, pcm: np.ndarray, session_id: str | None) -> None:
         """Routes `pcm` by the segmenter's turn events: speech (with its prefix padding) to the utterance it
-        opens, the rest nowhere. Silero runs inline: ~0.6 ms per 32 ms window (serving/openai_realtime.py)."""
+        opens, the rest nowhere."""
         segmenter = self.segmenter
-        for turn in segmenter.push(pcm):
+        for turn in await segmenter.push(pcm):
             if turn.kind in ("started", "timeout"):
                 self.vad_turns += 1
                 utterance = await self._start(session_id, f"vad-{self.vad_turns}")

@@ -261,7 +261,7 @@ class KyutaiAsr:
         if not all(type(v) in (float, int) for v in pcm):
             raise KyutaiError("invalid_audio", "Audio.pcm must hold numbers only")
         samples = np.asarray(pcm, np.float64)
-        # Checked here, not left to the engine: its check runs after the resampler, an append or two late.
+        # Checked here: the error is then Kyutai's, and neither the engine nor the VAD sees the samples.
         if not np.isfinite(samples).all():
             raise KyutaiError("invalid_audio", "Audio.pcm holds a NaN or an infinity")
         if samples.size and np.abs(samples).max() > MAX_SAMPLE_MAGNITUDE:
@@ -277,7 +277,7 @@ class KyutaiAsr:
         await self.session.append(samples)  # waits while the engine has too much of this stream queued
         self.conn.audio_seconds += seconds
         self.server.metrics.audio_seconds.inc(seconds)
-        self._steps(samples)
+        await self._steps(samples)
 
     def _on_marker(self, marker_id) -> None:
         if type(marker_id) is not int or not -2**63 <= marker_id < 2**63:
@@ -294,10 +294,10 @@ class KyutaiAsr:
         self.markers.append(_Marker(marker_id, slot))
         self._marker_added.set()
 
-    def _steps(self, samples: np.ndarray) -> None:
+    async def _steps(self, samples: np.ndarray) -> None:
         """One Step per 80 ms frame the new samples complete, with the VAD's pause estimates."""
         self.samples += samples.size
-        events = self.detector.push(samples)  # in stream order; the VAD reports a little late
+        events = await self.detector.push(samples)  # in stream order; the VAD reports a little late
         buffered = self.session.backlog.queued * FRAME_SAMPLES
         for step in range(self.steps, self.samples // FRAME_SAMPLES):
             end = (step + 1) * FRAME_SAMPLES

@@ -299,10 +299,9 @@ class VllmRealtime:
 
     async def _segment(self, pcm: np.ndarray) -> None:
         """VAD: each turn is an utterance, started at speech start and finalised at speech end. A turn whose
-        start or audio fails is reported and the rest of it dropped; the next turn starts afresh. Silero runs
-        inline on the event loop (about 0.6 ms per 32 ms window)."""
+        start or audio fails is reported and the rest of it dropped; the next turn starts afresh."""
         segmenter = self.segmenter
-        for turn in segmenter.push(pcm):
+        for turn in await segmenter.push(pcm):
             try:
                 if turn.kind == "started":
                     await self.conn.send({"type": "jaxstream.speech_started",

@@ -138,21 +138,23 @@ async def test_idle_timeout_is_reported_without_an_utterance(server, model, engi
     await client.close()
 
 
-def test_segmenter_keeps_the_connection_clock_and_every_sample(stream):
+async def test_segmenter_keeps_the_connection_clock_and_every_sample(stream):
     """TurnSegmenter alone: started after earlier audio it finds the same turns, shifted by that audio; a
     turn's audio is the stream itself from prefix_padding_ms before the speech on, no sample lost or doubled."""
     audio, _ = stream
     config = vad_config(parse_turn_detection(VAD))
     step, offset = int(0.32 * SAMPLING_RATE), 12345
 
-    def turns(stream_start):
+    async def turns(stream_start):
         segmenter = TurnSegmenter(config, SAMPLING_RATE, stream_start)
-        events = [event for begin in range(0, audio.size, step) for event in segmenter.push(audio[begin:begin + step])]
+        events = []
+        for begin in range(0, audio.size, step):
+            events += await segmenter.push(audio[begin:begin + step])
         segmenter.close()
         return events
 
-    plain = turns(0)
-    assert [(e.kind, e.sample) for e in turns(offset)] == [(e.kind, e.sample + offset) for e in plain]
+    plain = await turns(0)
+    assert [(e.kind, e.sample) for e in await turns(offset)] == [(e.kind, e.sample + offset) for e in plain]
     assert [e.kind for e in plain if e.kind != "speech"] == ["started", "stopped"] * len(SENTENCES)
     for event in plain:
         if event.kind == "started":
