@@ -1,5 +1,6 @@
 """Starting an engine transcription session from a request or connection handler, safe against
-cancellation, and naming what ended one. Every protocol (WebSocket and HTTP alike) uses these."""
+cancellation, naming what ended one, and OpenAI's shape of token logprobs. Every protocol (WebSocket and
+HTTP alike) uses these."""
 import asyncio
 import logging
 
@@ -35,3 +36,15 @@ def failure_of(connection_id: str, exc: Exception) -> tuple[str, str]:
         return exc.code, str(exc) or type(exc).__name__
     logger.error("%s: the engine's event stream failed", connection_id, exc_info=exc)
     return "processing_error", "Internal error in the transcription"
+
+
+def token_logprobs(tokenizer, token_ids, logprobs) -> list[dict]:
+    """OpenAI's `logprobs` entries, `{token, logprob, bytes}`, for the text tokens among `token_ids` (control
+    tokens, the stream's pads and word markers, carry no text and are left out). A byte-fallback piece of a
+    multi-byte character has its raw `bytes` and a `token` of U+FFFD: joined, the bytes spell the text."""
+    entries = []
+    for token_id, logprob in zip(token_ids, logprobs):
+        if not tokenizer.is_control(token_id):
+            raw = tokenizer.token_bytes(token_id)
+            entries.append({"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)})
+    return entries

@@ -1,8 +1,9 @@
 """OpenAI's `POST /v1/audio/transcriptions` over the realtime engine (specs/realtime_protocols.md §7.1, §8).
 
 A multipart upload as OpenAI's SDK sends it: `file`, `model`, `response_format` (json | text | verbose_json
-| srt | vtt), `timestamp_granularities[]` (segment, word), `stream`, and fields we accept and ignore
-(`language`, `prompt`, `temperature`, `include[]`: the model neither needs nor uses them). The file is decoded
+| srt | vtt), `timestamp_granularities[]` (segment, word), `stream`, `include[]=logprobs` (json only, as
+OpenAI: each text token's `{token, logprob, bytes}` in the answer and the stream events), and fields we accept
+and ignore (`language`, `prompt`, `temperature`: the model neither needs nor uses them). The file is decoded
 with soundfile and resampled to 16 kHz (`load_audio`) off the event loop, then streamed into one engine
 session. With `stream=true` the answer is SSE: `transcript.text.delta` events then `transcript.text.done`,
 and the engine session is aborted as soon as the client goes away.
@@ -26,7 +27,7 @@ from jaxstream.errors import EngineError
 from jaxstream.models.audio import SAMPLING_RATE, AudioError, load_audio
 from jaxstream.serving import sse, streaming_input
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_pcm16_base64
-from jaxstream.serving.engine_sessions import start_session
+from jaxstream.serving.engine_sessions import start_session, token_logprobs
 from jaxstream.serving.http_errors import (
     RequestError, check_kind, check_model, check_ready, engine_request_error, error_response, server_state,
 )
@@ -50,9 +51,15 @@ def text_usage(done) -> dict:
             "seconds": done.usage.audio_seconds}
 
 
-async def pump_transcription(session, log: sse.EventLog | None, metrics, first_audio_at: float):
+async def pump_transcription(session, log: sse.EventLog | None, metrics, first_audio_at: float,
+                             tokenizer=None):
     """Iterates an engine session to its end, appending OpenAI stream events to `log` (when given), and
-    returns the TranscriptionDone; EngineError when it failed, None when it was aborted."""
+    returns the TranscriptionDone; EngineError when it failed, None when it was aborted. With `tokenizer`,
+    the events carry `logprobs`."""
+
+    def logprobs(event):
+        return None if tokenizer is None else token_logprobs(tokenizer, event.token_ids, event.logprobs)
+
     first = True
     try:
         async for event in session:
@@ -61,11 +68,11 @@ async def pump_transcription(session, log: sse.EventLog | None, metrics, first_a
                     first = False
                     metrics.first_delta.observe(time.monotonic() - first_audio_at)
                 if log is not None and event.text:
-                    log.append({"type": "transcript.text.delta", "delta": event.text, "logprobs": None})
+                    log.append({"type": "transcript.text.delta", "delta": event.text, "logprobs": logprobs(event)})
             elif isinstance(event, TranscriptionDone):
                 metrics.utterances.labels(outcome="done").inc()
                 if log is not None:
-                    log.append({"type": "transcript.text.done", "text": event.text, "logprobs": None,
+                    log.append({"type": "transcript.text.done", "text": event.text, "logprobs": logprobs(event),
                                 "usage": text_usage(event)})
                 return event
     except EngineError as exc:
@@ -87,9 +94,11 @@ class AudioInput(streaming_input.EngineInput):
 
     modality = "audio"
 
-    def __init__(self, state, delay_ms: int | None = None, log: sse.EventLog | None = None):
+    def __init__(self, state, delay_ms: int | None = None, log: sse.EventLog | None = None, *,
+                 logprobs: bool = False):
         super().__init__(state, log)
         self.delay_ms = delay_ms
+        self.logprobs = logprobs
         self.session = None
         self.outcome: TranscriptionDone | EngineError | None = None
 
@@ -126,7 +135,8 @@ class AudioInput(streaming_input.EngineInput):
 
     async def _run_pump(self, started_at: float) -> None:
         try:
-            self.outcome = await pump_transcription(self.session, self.log, self.state.metrics, started_at)
+            self.outcome = await pump_transcription(self.session, self.log, self.state.metrics, started_at,
+                                                    self.state.engine.tokenizer if self.logprobs else None)
         except EngineError as exc:
             self.outcome = exc
         finally:
@@ -178,25 +188,26 @@ async def _read_part(part, limit: int, name: str) -> bytes:
     return bytes(data)
 
 
-async def _parse_form(request: web.Request) -> tuple[bytes, dict, list[str]]:
-    """(file bytes, the other fields, timestamp granularities). The multipart reader is used directly:
-    the app's body limit is sized for small JSON, not uploads."""
+async def _parse_form(request: web.Request) -> tuple[bytes, dict, dict[str, list[str]]]:
+    """(file bytes, the other fields, the list fields `timestamp_granularities` and `include`). The
+    multipart reader is used directly: the app's body limit is sized for small JSON, not uploads."""
     if not request.content_type.startswith("multipart/form-data"):
         raise RequestError(400, "invalid_request", "Send the audio as multipart/form-data with a `file` field")
     reader = await request.multipart()
-    audio, fields, granularities = None, {}, []
+    audio, fields, lists = None, {}, {"timestamp_granularities": [], "include": []}
     async for part in reader:
         if part.name == "file":
             audio = await _read_part(part, MAX_FILE_BYTES, "file")
         elif part.name:
             value = (await _read_part(part, _FIELD_BYTES, part.name)).decode("utf-8", "replace")
-            if part.name in ("timestamp_granularities[]", "timestamp_granularities"):
-                granularities.append(value)
+            name = part.name.removesuffix("[]")
+            if name in lists:
+                lists[name].append(value)
             else:
                 fields[part.name] = value
     if not audio:
         raise RequestError(400, "invalid_request", "Missing required parameter: 'file'", "file")
-    return audio, fields, granularities
+    return audio, fields, lists
 
 
 def _flag(fields: dict, name: str) -> bool:
@@ -247,7 +258,8 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
         check_ready(state)
         if streaming_input.is_streaming_input(request):
             return await _streaming_input(request, state)
-        audio, fields, granularities = await _parse_form(request)
+        audio, fields, lists = await _parse_form(request)
+        granularities = lists["timestamp_granularities"]
         check_model(state, fields.get("model"), "realtime")
         response_format = fields.get("response_format", "json")
         if response_format not in RESPONSE_FORMATS:
@@ -257,12 +269,20 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
         if unknown:
             raise RequestError(400, "invalid_request", f"Unknown timestamp granularity {sorted(unknown)[0]!r}; "
                                "use word or segment", "timestamp_granularities[]")
+        unknown = set(lists["include"]) - {"logprobs"}
+        if unknown:
+            raise RequestError(400, "invalid_request", f"Unknown include value {sorted(unknown)[0]!r}; use logprobs",
+                               "include[]")
+        logprobs = "logprobs" in lists["include"]
+        if logprobs and response_format != "json":
+            raise RequestError(400, "invalid_request", "include[]=logprobs needs response_format json",
+                               "include[]")
         stream = _flag(fields, "stream")
         if stream and response_format not in _STREAM_FORMATS:
             raise RequestError(400, "invalid_request", f"response_format {response_format!r} cannot be "
                                "streamed; use json or text", "response_format")
         pcm = await _decode(audio, state)
-        audio_input = AudioInput(state, log=sse.EventLog() if stream else None)
+        audio_input = AudioInput(state, log=sse.EventLog() if stream else None, logprobs=logprobs)
         handle = streaming_input.DrainHandle(audio_input)
         streaming_input.admit(state, handle)
         try:
@@ -296,7 +316,8 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
             return engine_request_error(done).response()
         if done is None:
             return error_response(500, "aborted", "The transcription was aborted")
-        return _answer(done, response_format, granularities, fields)
+        return _answer(done, response_format, granularities, fields,
+                       token_logprobs(state.engine.tokenizer, done.token_ids, done.logprobs) if logprobs else None)
     finally:
         await asyncio.shield(streaming_input.end_request(state, handle, feeder))
 
@@ -317,12 +338,13 @@ async def _streaming_input(request: web.Request, state) -> web.StreamResponse:
 
 
 # -- answers ----------------------------------------------------------------------------------------------
-def _answer(done, response_format: str, granularities: list[str], fields: dict) -> web.Response:
+def _answer(done, response_format: str, granularities: list[str], fields: dict,
+            logprobs: list[dict] | None) -> web.Response:
     if response_format == "text":
         return web.Response(text=done.text + "\n", content_type="text/plain")
     if response_format == "json":
-        return web.json_response({"text": done.text, "usage": {"type": "duration",
-                                                              "seconds": done.usage.audio_seconds}})
+        body = {"text": done.text, "usage": {"type": "duration", "seconds": done.usage.audio_seconds}}
+        return web.json_response(body if logprobs is None else {**body, "logprobs": logprobs})
     segments = _segments(done.words)
     if response_format == "srt":
         return web.Response(text=_subtitles(segments, ","), content_type="application/x-subrip")

@@ -21,9 +21,7 @@ jaxstream choices where OpenAI's behaviour does not carry over:
 - `include: ["item.input_audio_transcription.logprobs"]` adds `logprobs` to every `...transcription.delta`
   (the delta's tokens) and `.completed` (the whole transcript's): `[{token, logprob, bytes}]` per text token,
   its natural-log probability under the model at the step that chose it (decoding is greedy: the
-  step's highest). Control tokens (the stream's pads and word markers) carry no text and are left out. A
-  byte-fallback piece of a multi-byte character has its raw `bytes` and a `token` of U+FFFD; join `bytes`
-  for the text.
+  step's highest); `engine_sessions.token_logprobs` says which tokens and how bytes come.
 - `turn_detection` is null (manual commits) until the client asks for VAD.
 - `conversation.item.added` (beta: `conversation.item.created`) is sent when the item opens, before its
   first delta; `input_audio_buffer.clear` drops the open item, which then ends with
@@ -50,7 +48,7 @@ from jaxstream.engine.transcription_session import TranscriptionDelta, Transcrip
 from jaxstream.errors import EngineError
 from jaxstream.models.audio import SLOT_SECONDS
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_g711_base64, decode_pcm16_base64
-from jaxstream.serving.engine_sessions import start_session
+from jaxstream.serving.engine_sessions import start_session, token_logprobs
 from jaxstream.serving.vad import TurnDetectionError, TurnSegmenter, parse_turn_detection, vad_config
 from jaxstream.serving.websocket import ConnectionClosed
 
@@ -499,14 +497,7 @@ class OpenAiRealtime:
         """`{"logprobs": [...]}` for the text tokens among `token_ids` when the session includes them."""
         if LOGPROBS not in self.include:
             return {}
-        tokenizer = self.server.engine.tokenizer
-        entries = []
-        for token_id, logprob in zip(token_ids, logprobs):
-            if not tokenizer.is_control(token_id):
-                raw = tokenizer.token_bytes(token_id)
-                entries.append({"token": raw.decode("utf-8", errors="replace"), "logprob": logprob,
-                                "bytes": list(raw)})
-        return {"logprobs": entries}
+        return {"logprobs": token_logprobs(self.server.engine.tokenizer, token_ids, logprobs)}
 
     @staticmethod
     def _item_object(item: _Item, status: str, transcript: str | None) -> dict:

@@ -49,11 +49,23 @@ def client(server):
 
 
 # -- /v1/audio/transcriptions with the openai SDK ----------------------------------------------------------
-def test_sdk_json_and_text(client, model, wav, reference):
+def expected_logprobs(engine, done) -> list[float]:
+    """engine.transcribe's logprobs of the text tokens (the ones OpenAI's `logprobs` list)."""
+    return [lp for token, lp in zip(done.token_ids, done.logprobs) if not engine.tokenizer.is_control(token)]
+
+
+def test_sdk_json_and_text(client, engine, model, wav, reference):
     result = client.audio.transcriptions.create(model=model, file=("sample.wav", wav))
-    assert result.text == reference.text and result.text
+    assert result.text == reference.text and result.text and result.logprobs is None
     text = client.audio.transcriptions.create(model=model, file=("sample.wav", wav), response_format="text")
     assert text.strip() == reference.text
+    # include[]=logprobs: each text token's bytes and logprob, as the engine gives them for the same audio (to
+    # f32 rounding: the upload is fed in other pieces).
+    result = client.audio.transcriptions.create(model=model, file=("sample.wav", wav), include=["logprobs"])
+    # (This SDK model types `bytes` as floats.)
+    assert bytes(int(b) for lp in result.logprobs for b in lp.bytes).decode().removeprefix(" ") == reference.text
+    np.testing.assert_allclose([lp.logprob for lp in result.logprobs], expected_logprobs(engine, reference),
+                               atol=2e-3)
 
 
 def test_sdk_verbose_json_with_words_and_subtitles(client, model, wav, reference):
@@ -70,19 +82,24 @@ def test_sdk_verbose_json_with_words_and_subtitles(client, model, wav, reference
     assert vtt.startswith("WEBVTT\n\n00:00:0") and "." in vtt.splitlines()[2]
 
 
-def test_sdk_stream(client, model, wav, reference):
-    events = list(client.audio.transcriptions.create(model=model, file=("sample.wav", wav), stream=True))
+def test_sdk_stream(client, engine, model, wav, reference):
+    events = list(client.audio.transcriptions.create(model=model, file=("sample.wav", wav), stream=True,
+                                                     include=["logprobs"]))
     assert [e.type for e in events[:-1]] == ["transcript.text.delta"] * (len(events) - 1)
     done = events[-1]
     assert done.type == "transcript.text.done" and done.text == reference.text
     assert "".join(e.delta for e in events[:-1]) == reference.text
     assert done.usage.output_tokens == reference.usage.output_tokens
+    assert [lp.model_dump() for e in events[:-1] for lp in e.logprobs] == [lp.model_dump() for lp in done.logprobs]
+    np.testing.assert_allclose([lp.logprob for lp in done.logprobs], expected_logprobs(engine, reference), atol=2e-3)
 
 
 @pytest.mark.parametrize("kwargs, error, code", [
     ({"model": "no-such-model"}, openai.NotFoundError, "model_not_found"),
     ({"response_format": "xml"}, openai.BadRequestError, "invalid_request"),
     ({"response_format": "srt", "stream": True}, openai.BadRequestError, "invalid_request"),
+    ({"include": ["words"]}, openai.BadRequestError, "invalid_request"),
+    ({"include": ["logprobs"], "response_format": "verbose_json"}, openai.BadRequestError, "invalid_request"),
     ({"file": ("noise.wav", b"RIFF not really audio")}, openai.BadRequestError, "invalid_audio"),
 ])
 def test_sdk_errors_in_openai_shape(client, model, wav, kwargs, error, code):
