@@ -4,8 +4,8 @@ Every process of a multi-host job runs the same command; JAX's multi-controller 
 one coordinator (process 0's address). Where the settings come from, first match wins:
   1. flags: `--coordinator HOST:PORT --num-processes N --process-id I`;
   2. `JAXSTREAM_COORDINATOR`, `JAXSTREAM_NUM_PROCESSES`, `JAXSTREAM_PROCESS_ID`;
-  3. a Kubernetes LeaderWorkerSet's own variables: `LWS_LEADER_ADDRESS`, `LWS_GROUP_SIZE`, `LWS_WORKER_INDEX`
-     (deploy/k8s/multihost), with `JAXSTREAM_COORDINATOR_PORT` (default 8476);
+  3. a Kubernetes LeaderWorkerSet's own variables: `LWS_LEADER_ADDRESS`, `LWS_GROUP_SIZE`, `LWS_WORKER_INDEX`,
+     with `JAXSTREAM_COORDINATOR_PORT` (default 8476);
   4. none of these: one process, unless `--distributed auto` asks JAX to detect its cluster (TPU pods, SLURM,
      Open MPI), which it does from the environment those provide.
 On CPU the processes exchange data over gloo, the CPU collectives JAX ships.
