@@ -43,7 +43,7 @@ from jaxstream.serving.http_completions import TextInput, check_tokenizer, sampl
 from jaxstream.serving.http_errors import (
     RequestError, check_kind, check_model, check_ready, engine_request_error, read_json,
 )
-from jaxstream.serving.http_transcriptions import AudioInput, parse_delay_ms
+from jaxstream.serving.http_transcriptions import AudioInput, parse_delay_ms, parse_include
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +261,8 @@ def _new_session(body: dict, registry: StreamingInputSessions, key: str) -> tupl
         raise RequestError(422, "invalid_request", "stream must be true or false", "stream")
     log = sse.EventLog() if stream else None
     if modality == "audio":
-        engine_input = AudioInput(state, parse_delay_ms(params, state, "params.delay_ms"), log)
+        engine_input = AudioInput(state, parse_delay_ms(params, state, "params.delay_ms"), log,
+                                  logprobs=parse_include(params, "params.include"))
     else:
         check_tokenizer(state)
         try:

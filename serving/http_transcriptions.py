@@ -9,7 +9,7 @@ session. With `stream=true` the answer is SSE: `transcript.text.delta` events th
 and the engine session is aborted as soon as the client goes away.
 
 With `X-Streaming-Input: true` the body is Mode A's NDJSON instead (streaming_input.py): an optional
-parameters line (`model`, `delay_ms`, `start_policy`, ...), then chunks of base64 PCM16 16 kHz audio; the
+parameters line (`model`, `delay_ms`, `include: ["logprobs"]`, `start_policy`, ...), then chunks of base64 PCM16 16 kHz audio; the
 answer is the same SSE stream, produced while the audio still arrives.
 
 `AudioInput` is the engine side of an audio stream for Mode A and Mode B (http_sessions.py) alike;
@@ -173,8 +173,11 @@ class AudioInput(streaming_input.EngineInput):
 
     def result(self) -> dict:
         done = self.outcome
-        return {"text": done.text, "usage": text_usage(done),
-                "words": [{"word": w.word, "start": w.start, "end": w.end} for w in done.words]}
+        result = {"text": done.text, "usage": text_usage(done),
+                  "words": [{"word": w.word, "start": w.start, "end": w.end} for w in done.words]}
+        if self.logprobs:
+            result["logprobs"] = token_logprobs(self.state.engine.tokenizer, done.token_ids, done.logprobs)
+        return result
 
 
 # -- the request ------------------------------------------------------------------------------------------
@@ -242,6 +245,14 @@ async def _feed(stream: AudioInput, pcm) -> None:
         await stream.finish()
     except EngineError as exc:  # the session ended meanwhile (aborted or failed): its outcome says why
         logger.debug("feeding the upload stopped: %s", exc)
+
+
+def parse_include(params: dict, param: str) -> bool:
+    """Whether a streaming-input request's `include` (a list, as OpenAI's `include[]`) asks for logprobs."""
+    include = params.get("include") or []
+    if not isinstance(include, list) or any(value != "logprobs" for value in include):
+        raise RequestError(422, "invalid_request", "include must be a list holding only \"logprobs\"", param)
+    return bool(include)
 
 
 def parse_delay_ms(fields: dict, state, param: str) -> int | None:
@@ -333,7 +344,8 @@ async def _streaming_input(request: web.Request, state) -> web.StreamResponse:
     if streaming_input.parse_modality(params, "audio") != "audio":
         raise RequestError(422, "unsupported_modality", "/v1/audio/transcriptions takes audio", "modality")
     policy = streaming_input.parse_start_policy(params, "audio")
-    audio_input = AudioInput(state, parse_delay_ms(params, state, "delay_ms"), sse.EventLog())
+    audio_input = AudioInput(state, parse_delay_ms(params, state, "delay_ms"), sse.EventLog(),
+                             logprobs=parse_include(params, "include"))
     return await streaming_input.serve_mode_a(request, state, audio_input, policy, objects, first_chunk)
 
 

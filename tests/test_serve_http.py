@@ -227,11 +227,13 @@ async def call(http, server, method, path, **kwargs):
         return response.status, await response.json()
 
 
-async def test_out_of_order_and_duplicate_chunks_give_engine_transcribe_result(server, model, audio, reference):
+async def test_out_of_order_and_duplicate_chunks_give_engine_transcribe_result(server, engine, model, audio,
+                                                                                reference):
     chunks = chunks_of(audio)
     order = [1, 0, 3, 3, 2] + list(range(4, len(chunks)))  # 1 and 3 wait for a gap; 3 twice
     async with aiohttp.ClientSession() as http:
-        async with http.post(server.url(SESSIONS, "http"), json={"model": model, "modality": "audio"}) as response:
+        async with http.post(server.url(SESSIONS, "http"), json={"model": model, "modality": "audio",
+                                                                  "params": {"include": ["logprobs"]}}) as response:
             status, created = response.status, await response.json()
             # The replica a gateway routes the session's later requests to (deploy/README.md).
             assert response.headers[REPLICA_HEADER] == os.environ.get("JAXSTREAM_REPLICA_ID", socket.gethostname())
@@ -245,6 +247,8 @@ async def test_out_of_order_and_duplicate_chunks_give_engine_transcribe_result(s
         status, result = await call(http, server, "GET", base + "/result")
         assert status == 200 and result["text"] == reference.text
         assert [w["word"] for w in result["words"]] == [w.word for w in reference.words]
+        np.testing.assert_allclose([lp["logprob"] for lp in result["logprobs"]], expected_logprobs(engine, reference),
+                                   atol=2e-3)
         again = await call(http, server, "POST", base + "/finish")
         assert again[0] == 200 and again[1]["state"] == "finished"  # finish after end_of_input: no effect
         late = await call(http, server, "POST", base + "/chunks", json={**chunks[0], "sequence_id": 99})
@@ -295,6 +299,9 @@ async def test_session_errors_and_idle_timeout(server, model, audio, monkeypatch
         for body in ({"start_policy": "sometimes"}, {"start_policy": "on_min_length"}, {"modality": "video"},
                      {"stream": "yes"}, {"start_policy": "on_first_chunk", "min_bytes": 4}):
             assert (await call(http, server, "POST", SESSIONS, json=body))[0] == 422
+        for include in (["words"], "logprobs"):
+            status, answer = await call(http, server, "POST", SESSIONS, json={"params": {"include": include}})
+            assert status == 422 and answer["error"]["param"] == "params.include", answer
         _, created = await call(http, server, "POST", SESSIONS, json={"model": model})
         base = f"{SESSIONS}/{created['session_id']}"
         for bad in ({"sequence_id": -1, "payload": chunk["payload"]}, {"sequence_id": 0, "payload": "%%"},

@@ -18,7 +18,8 @@ from jaxstream.serving.http_sessions import STREAMING_INPUT
 from jaxstream.serving.limits import Limits
 from jaxstream.serving.testing import ServerThread, wait_engine_baseline
 from serve_fixtures import audio, engine, engine_returns_to_baseline, model, server  # noqa: F401 - pytest fixtures
-from test_serve_http import CHUNK, SESSIONS, call, chunks_of, parse_sse, reference  # noqa: F401 - reference: a fixture
+from test_serve_http import (  # noqa: F401 - reference: a fixture
+    CHUNK, SESSIONS, call, chunks_of, expected_logprobs, parse_sse, reference)
 
 pytestmark = pytest.mark.slow
 
@@ -39,8 +40,8 @@ def transcript(events) -> str:
     return events[-2][1]["text"]
 
 
-async def test_mode_a_transcribes_while_the_audio_arrives(server, model, audio, reference):
-    lines = ndjson(model, audio)
+async def test_mode_a_transcribes_while_the_audio_arrives(server, engine, model, audio, reference):
+    lines = ndjson(model, audio, include=["logprobs"])
     first_delta = asyncio.Event()
 
     async def body():
@@ -58,7 +59,12 @@ async def test_mode_a_transcribes_while_the_audio_arrives(server, model, audio, 
                 raw += line.decode()
                 if '"transcript.text.delta"' in raw:
                     first_delta.set()
-    assert transcript(parse_sse(raw)) == reference.text
+    events = parse_sse(raw)
+    assert transcript(events) == reference.text
+    done = events[-2][1]
+    assert [lp for _, e in events[:-2] for lp in e["logprobs"]] == done["logprobs"]
+    np.testing.assert_allclose([lp["logprob"] for lp in done["logprobs"]], expected_logprobs(engine, reference),
+                               atol=2e-3)
 
 
 def test_curl_mode_a_without_a_parameters_line(server, audio, reference, tmp_path):
