@@ -9,8 +9,8 @@ session. With `stream=true` the answer is SSE: `transcript.text.delta` events th
 and the engine session is aborted as soon as the client goes away.
 
 With `X-Streaming-Input: true` the body is Mode A's NDJSON instead (streaming_input.py): an optional
-parameters line (`model`, `delay_ms`, `include: ["logprobs"]`, `start_policy`, ...), then chunks of base64 PCM16 16 kHz audio; the
-answer is the same SSE stream, produced while the audio still arrives.
+parameters line (`model`, `delay_ms`, `include: ["logprobs"]`, `start_policy`, ...), then chunks of base64
+PCM16 16 kHz audio; the answer is the same SSE stream, produced while the audio still arrives.
 
 `AudioInput` is the engine side of an audio stream for Mode A and Mode B (http_sessions.py) alike;
 `pump_transcription` turns an engine session's events into the OpenAI stream events.
