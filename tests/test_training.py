@@ -302,8 +302,11 @@ def test_train_resumes_and_exports_a_loadable_model(corpus, tmp_path):
     np.testing.assert_allclose(after_one_step, expected, atol=5 * cfg.optimizer.learning_rate)  # Adam moves <= ~lr
     train(cfg, corpus_dir, os.fspath(out), until_step=2, progress=False)
     train(cfg, corpus_dir, os.fspath(out), progress=False)
-    logged = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
-    assert logged == [1, 2, 3]  # each later run resumed where the one before stopped
+    logged = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [entry["step"] for entry in logged] == [1, 2, 3]  # each later run resumed where the one before stopped
+    # ... on the recipe's schedule: stopping early (until_step) did not shorten it.
+    schedule = learning_rate_schedule(cfg.optimizer)
+    assert [entry["learning_rate"] for entry in logged] == [float(schedule(step)) for step in range(3)]
     import orbax.checkpoint as ocp
 
     with ocp.CheckpointManager(out / "checkpoints") as manager:

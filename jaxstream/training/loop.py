@@ -34,7 +34,7 @@ from jaxstream.training.decode import transcribe_corpus, word_error_rate
 from jaxstream.training.phonemes import PHONEME_CLASSES, PhonemeLexicon
 from jaxstream.training.spelling import init_word_embeddings
 from jaxstream.training.spm import train_sentencepiece
-from jaxstream.training.step import init_ctc_head, make_optimizer, make_train_step
+from jaxstream.training.step import init_ctc_head, learning_rate_schedule, make_optimizer, make_train_step
 
 TOKENIZER_FILE = "tokenizer.model"
 
@@ -187,6 +187,7 @@ def train(cfg: TrainConfig, corpus_dir: str | list[str], out_dir: str, *, eval_c
                          seed=cfg.seed * 1_000_003 + start, vtlp_range=cfg.vtlp_range,
                          ctc_labels=lexicon.ctc_labels if lexicon else None)
     last_step = min(total_steps, until_step or total_steps)
+    schedule = learning_rate_schedule(cfg.optimizer)
     metrics: dict = {}
     bar = tqdm(total=last_step, initial=start, unit="step", disable=not progress, dynamic_ncols=True)
     try:
@@ -196,7 +197,9 @@ def train(cfg: TrainConfig, corpus_dir: str | list[str], out_dir: str, *, eval_c
             weights, opt_state, step_metrics = train_step(weights, opt_state, batch)
             params = weights["model"]
             metrics = {key: float(value) for key, value in step_metrics.items()}
-            metrics.update(step=step, seconds=round(time.perf_counter() - began, 3))
+            # The rate this step applied (optax counts the updates before it).
+            metrics.update(step=step, learning_rate=float(schedule(step - 1)),
+                           seconds=round(time.perf_counter() - began, 3))
             bar.update()
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.3f}")
             _log(paths, metrics)
