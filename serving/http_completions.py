@@ -31,7 +31,6 @@ from jaxstream.serving.limits import holds_stream
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-_DISCONNECT_POLL_S = 0.25
 _END = object()  # ends a TextInput's chunk queue
 # OpenAI fields jaxstream cannot honour, with the value that means "not used".
 _NEUTRAL = {"echo": False, "suffix": None, "best_of": 1, "logprobs": None, "presence_penalty": 0,
@@ -234,19 +233,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         await text_input.start()
         await text_input.append(prompt)
         await text_input.finish()
-        if stream:
-            response, complete = await sse.stream_log(request, text_input.log)
-            if not complete:
-                await text_input.abort("client_disconnected")
+        response = await text_input.serve_output(request)
+        if response is not None:
             return response
-        while not text_input.done:  # a plain response writes nothing until the end: watch the socket instead
-            try:
-                await text_input.wait(_DISCONNECT_POLL_S)
-            except TimeoutError:
-                pass
-            if sse.client_gone(request):
-                await text_input.abort("client_disconnected")
-                return web.Response(status=499)  # nobody reads it; aiohttp logs the status
         if text_input.error is not None:
             return engine_request_error(text_input.error).response()
         if text_input.finish_reason is None:

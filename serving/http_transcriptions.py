@@ -42,7 +42,6 @@ _STREAM_FORMATS = ("json", "text")  # as OpenAI: a stream carries text events, n
 _SEGMENT_GAP_S = 1.0  # a pause this long between words starts a new segment
 _SEGMENT_MAX_S = 30.0
 _PUMP_END_S = 5.0
-_DISCONNECT_POLL_S = 0.25
 
 
 def text_usage(done) -> dict:
@@ -309,19 +308,9 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
         return exc.response()
     feeder = asyncio.create_task(_feed(audio_input, pcm))
     try:
-        if stream:
-            response, complete = await sse.stream_log(request, audio_input.log)
-            if not complete:
-                await audio_input.abort("client_disconnected")
+        response = await audio_input.serve_output(request)
+        if response is not None:
             return response
-        while not audio_input.done:  # a plain response writes nothing until the end: watch the socket instead
-            try:
-                await audio_input.wait(_DISCONNECT_POLL_S)
-            except TimeoutError:
-                pass
-            if sse.client_gone(request):
-                await audio_input.abort("client_disconnected")
-                return web.Response(status=499)  # nobody reads it; aiohttp logs the status
         done = audio_input.outcome
         if isinstance(done, EngineError):
             return engine_request_error(done).response()

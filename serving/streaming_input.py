@@ -38,6 +38,8 @@ from jaxstream.serving.limits import Breach
 
 logger = logging.getLogger(__name__)
 
+_DISCONNECT_POLL_S = 0.25  # how often a plain (non-streamed) response checks that its client is still there
+
 START_POLICIES = ("on_first_chunk", "on_min_length", "on_end_only")
 MODALITIES = ("audio", "text")
 _ADMIT_STATUS = {"capacity": 429}  # admission refusals other than these are 503 (loading, draining, dead)
@@ -158,6 +160,25 @@ class EngineInput(abc.ABC):
     async def _wait_done(self, timeout: float | None) -> None:
         async with asyncio.timeout(timeout):
             await self._done.wait()
+
+    async def serve_output(self, request: web.Request) -> web.StreamResponse | None:
+        """The request's answer while the output is produced. With a log: the SSE response (the input is
+        aborted if the client leaves before the end). Without: waits for the end watching the socket, since a
+        plain response writes nothing until then; None once the output is complete, 499 if the client left."""
+        if self.log is not None:
+            response, complete = await sse.stream_log(request, self.log)
+            if not complete:
+                await self.abort("client_disconnected")
+            return response
+        while not self.done:
+            try:
+                await self._wait_done(_DISCONNECT_POLL_S)
+            except TimeoutError:
+                pass
+            if sse.client_gone(request):
+                await self.abort("client_disconnected")
+                return web.Response(status=499)  # nobody reads it; aiohttp logs the status
+        return None
 
 
 class InputFeed:
