@@ -156,6 +156,12 @@ def left_pad_samples(n_left_pad_tokens: int = N_LEFT_PAD_TOKENS) -> int:
     return n_left_pad_tokens * SAMPLES_PER_SLOT
 
 
+def silent_prefix_slots(n_left_pad_tokens: int = N_LEFT_PAD_TOKENS) -> int:
+    """Leading slots whose features come from the left padding alone (31 of the 32: the last one's frames
+    look 40 samples into the audio). They are the same in every stream, so an engine may compute them once."""
+    return (left_pad_samples(n_left_pad_tokens) - LOOK_AHEAD_SAMPLES) // SAMPLES_PER_SLOT
+
+
 def right_pad_samples(num_samples: int, n_delay: int) -> int:
     """Zeros appended after `num_samples` real samples at the end of a stream.
 

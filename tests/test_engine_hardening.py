@@ -5,6 +5,7 @@ queued-audio bound, and the lifecycle calls that hung or were silently ignored a
 import asyncio
 import threading
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -71,18 +72,28 @@ async def test_out_of_range_audio_is_rejected_and_cannot_poison_later_sessions(e
         await session.append(SAMPLE * 40000)  # PCM16-scaled floats
     await session.abort()
 
-    # Whatever stale values free pages hold (NaN here, in every page of every pool, the null page too),
-    # a new session's output cannot change: attention selects masked entries away.
+    # Whatever stale values free pages hold (NaN here, in every page of every pool but the engine's cached
+    # prefix, the null page too), a new session's output cannot change: attention selects masked entries away.
+    prefix = engine.core.prefix
+    kept = {"encoder": prefix.encoder_pages, "decoder": prefix.decoder_pages[prefix.decoder_pages != 0]}
+
     def poison():
         state = engine.core.cache.state
-        state["stacks"] = {name: [(k * np.nan, v * np.nan) for k, v in layers]
+        stale = {name: np.isin(np.arange(layers[0][0].shape[0]), kept[name], invert=True)
+                 for name, layers in state["stacks"].items()}
+        state["stacks"] = {name: [(_poisoned(k, stale[name]), _poisoned(v, stale[name])) for k, v in layers]
                            for name, layers in state["stacks"].items()}
 
     engine._send(poison)  # noqa: SLF001 - writes the device state on the engine thread, between ticks
     await engine.wait_until_idle()
     assert (await engine.transcribe(SAMPLE)).token_ids == expected
-    engine._send(engine.core.cache.reset_state)  # noqa: SLF001 - leave clean pools for the next tests
+    engine._send(engine.core.reset_device_state)  # noqa: SLF001 - clean pools (and prefix) for the next tests
     await engine.wait_until_idle()
+    assert (await engine.transcribe(SAMPLE)).token_ids == expected
+
+
+def _poisoned(pages, stale):
+    return jnp.where(stale[:, None, None, None], jnp.nan, pages)
 
 
 async def test_a_rejected_append_leaves_a_resampled_stream_unchanged(engine):

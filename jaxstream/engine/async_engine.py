@@ -89,8 +89,8 @@ class AsyncEngine:
         that stops text generation at the EOS ids the checkpoint declares (else its tokenizer's).
 
         Returns once every program is compiled. The default `EngineConfig` serves 64 sessions and compiles
-        14 programs (about 20 s for the tiny model on a 2-core CPU); `EngineConfig(max_sessions=1)`
-        compiles 4 (about 6 s) and is the one for a script transcribing one stream at a time (see
+        16 programs (about 20 s for the tiny model on a 2-core CPU); `EngineConfig(max_sessions=1)`
+        compiles 5 (about 6 s) and is the one for a script transcribing one stream at a time (see
         `EngineConfig`, "Start-up cost")."""
         from jaxstream.engine import builders
 

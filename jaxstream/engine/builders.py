@@ -130,6 +130,7 @@ def check_pool(spec: kv_cache.StackSpec) -> None:
 
 
 def build_realtime_core(model, engine_cfg: EngineConfig, tokenizer, *, warm_up=True):
+    from jaxstream.engine import prefix_cache
     from jaxstream.engine.transcription_scheduler import RealtimeScheduler
     from jaxstream.models.audio import ALLOWED_DELAYS_MS, n_delay_from_ms, prompt_length
 
@@ -148,6 +149,11 @@ def build_realtime_core(model, engine_cfg: EngineConfig, tokenizer, *, warm_up=T
     specs = fit_pools(specs, engine_cfg, placement)
     for spec in specs:
         check_pool(spec)
+    # The prefix cache's pages come on top of the pools sized above.
+    by_name = {spec.name: spec for spec in specs}
+    prefix_slots, _ = prefix_cache.prefix_layout(cfg, by_name, engine_cfg.cache_silent_prefix)
+    held_out = prefix_cache.held_out_pages(cfg, by_name, engine_cfg.cache_silent_prefix)
+    specs = [dataclasses.replace(spec, num_pages=spec.num_pages + held_out[spec.name]) for spec in specs]
     slot_shapes = {
         "conv1": ((2, enc.num_mel_bins), jnp.float32),  # float32 holds any compute dtype exactly
         "conv2": ((1, enc.hidden_size), jnp.float32),
@@ -155,13 +161,15 @@ def build_realtime_core(model, engine_cfg: EngineConfig, tokenizer, *, warm_up=T
     }
     cache = kv_cache.DeviceCache(specs, slot_shapes, engine_cfg.max_sessions, engine_dtype(engine_cfg),
                                  shardings={spec.name: placement.kv_sharding(spec) for spec in specs},
-                                 slot_sharding=placement.replicated())
+                                 slot_sharding=placement.replicated(),
+                                 reserved_slots=prefix_cache.RESERVED_SLOTS if prefix_slots else 0)
     programs = steps.Programs(model, cache, **placement.program_shardings(model, cache))
     buckets = engine_cfg.realtime_prefill_buckets
     if buckets is None:
-        longest = max(prompt_length(n_delay_from_ms(ms), cfg.n_left_pad_tokens) for ms in ALLOWED_DELAYS_MS)
-        chunk = -(-longest // 16) * 16
-        buckets = tuple(sorted({(min(rows, engine_cfg.max_sessions), chunk) for rows in (1, 8)}))
+        default_ms = engine_cfg.default_delay_ms or cfg.default_delay_ms
+        chunks = {-(-(prompt_length(n_delay_from_ms(ms), cfg.n_left_pad_tokens) - prefix_slots) // 16) * 16
+                  for ms in (default_ms, max(ALLOWED_DELAYS_MS))}
+        buckets = tuple(sorted({(min(rows, engine_cfg.max_sessions), chunk) for rows in (1, 8) for chunk in chunks}))
     scheduler = RealtimeScheduler(programs, engine_cfg, cfg, tokenizer, prefill_buckets=buckets)
     if warm_up:
         _warm_up(scheduler)

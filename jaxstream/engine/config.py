@@ -15,10 +15,10 @@ class EngineConfig:
     so serving never recompiles (a realtime server must not compile while streams wait).
 
     Start-up cost grows with the number of programs: a Voxtral engine compiles
-    `len(decode_batch_buckets) * len(realtime_step_buckets)` decode programs plus its prefill buckets, 14
-    with the defaults (batch buckets 1, 4, 16, 64 from `max_sessions=64`; steps 1, 4, 16; 2 prefill
+    `len(decode_batch_buckets) * len(realtime_step_buckets)` decode programs plus its prefill buckets, 16
+    with the defaults (batch buckets 1, 4, 16, 64 from `max_sessions=64`; steps 1, 4, 16; 4 prefill
     buckets); a text engine compiles `len(decode_batch_buckets) + len(prefill_buckets)`. On a 2-core CPU
-    the tiny model starts in about 20 s with the defaults and 6 s with `EngineConfig(max_sessions=1)` (4
+    the tiny model starts in about 20 s with the defaults and 6 s with `EngineConfig(max_sessions=1)` (5
     programs), the setting for a script that runs one stream at a time. A server sized for N streams
     compiles fewer with `batch_buckets=(N,)` (every batch padded to N rows) or fewer
     `realtime_step_buckets`. `jaxstream -v` logs the count and time at start-up.
@@ -63,8 +63,12 @@ class EngineConfig:
     # Realtime 80 ms steps one dispatch may run per session when audio is queued (catch-up).
     realtime_step_buckets: tuple[int, ...] = (1, 4, 16)
     # (rows, slots) buckets of realtime prompt prefill; None: rows (1, 8) and slots enough for the
-    # longest prompt (BOS + 32 + 30 delay slots at 2400 ms). A longer prompt is prefilled in pieces.
+    # default delay's prompt and for the longest one (2400 ms) after the cached prefix (or, without it,
+    # BOS + 32 + 30 delay slots). A longer prompt is prefilled in pieces.
     realtime_prefill_buckets: tuple[tuple[int, int], ...] | None = None
+    # Compute the 31 silent left-pad slots every transcription stream starts with once per delay, and
+    # copy them into each new stream (engine/prefix_cache.py); False computes them in every stream.
+    cache_silent_prefix: bool = True
     max_model_len: int | None = None  # None: the model's maximum positions
     host_offload_bytes: int = 8 << 30
     max_queued_audio_seconds: float = 600.0
@@ -100,6 +104,8 @@ class EngineConfig:
             _set_buckets(self, "batch_buckets", pairs=False)
         if self.realtime_prefill_buckets is not None:
             _set_buckets(self, "realtime_prefill_buckets", pairs=True)
+        if not isinstance(self.cache_silent_prefix, bool):
+            _fail("cache_silent_prefix", self.cache_silent_prefix, "true or false")
         if self.compat not in ("vllm", "strict"):
             _fail("compat", self.compat, "'vllm' or 'strict'")
         _check_choices(self)

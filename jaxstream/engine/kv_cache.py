@@ -70,6 +70,13 @@ class PagePool:
         self._num_free -= count
         return self._free[top - count : top][::-1].copy()
 
+    def pin(self, count: int) -> np.ndarray:
+        """Takes `count` pages out of circulation for good (the engine's own data, such as a cached prompt
+        prefix): they are never handed out again and no longer count in `capacity`."""
+        pages = self.allocate(count)
+        self.capacity -= count
+        return pages
+
     def release(self, pages) -> None:
         pages = np.asarray(pages, np.int32).ravel()
         pages = pages[pages != NULL_PAGE]
@@ -158,14 +165,15 @@ class DeviceCache:
     """The engine's device-resident session state and its host-side bookkeeping.
 
     `state` is the pytree every step program takes (donated) and returns: `{"stacks": {name: [(k, v)
-    per layer]}, "slots": {name: [max_sessions, ...]}}`; the per-slot arrays hold small per-session
-    device state (Voxtral's conv state and last sampled token) at the session's slot index. Sessions
+    per layer]}, "slots": {name: [max_sessions + reserved_slots, ...]}}`; the per-slot arrays hold small
+    per-session device state (Voxtral's conv state and last sampled token) at the session's slot index; the
+    `reserved_slots` rows past `max_sessions` are never handed to a session (the engine's own rows). Sessions
     leave and return through `offload` / `restore`, which copy a session's pages and slot rows to host
     memory and back bit for bit.
     """
 
     def __init__(self, specs: list[StackSpec], slot_shapes: dict, max_sessions: int, dtype, shardings=None,
-                 slot_sharding=None):
+                 slot_sharding=None, reserved_slots: int = 0):
         self.specs = {spec.name: spec for spec in specs}
         self.pools = {spec.name: PagePool(spec.num_pages) for spec in specs}
         self.max_sessions = max_sessions
@@ -176,7 +184,8 @@ class DeviceCache:
         def fresh_state():
             return {
                 "stacks": {spec.name: init_stack(spec, dtype, shardings.get(spec.name)) for spec in specs},
-                "slots": {name: jax.device_put(jnp.zeros((max_sessions, *shape), slot_dtype), slot_sharding)
+                "slots": {name: jax.device_put(jnp.zeros((max_sessions + reserved_slots, *shape), slot_dtype),
+                                               slot_sharding)
                           for name, (shape, slot_dtype) in slot_shapes.items()},
             }
 

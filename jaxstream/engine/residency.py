@@ -261,7 +261,16 @@ class Residency:
             logger.error("the failed dispatch consumed the device state: ending every resident session")
             for session in [s for s in self.sessions.values() if s.resident]:
                 self.fail(session, error)
-            self.cache.reset_state()
+            self.reset_device_state()
+
+    def reset_device_state(self) -> None:
+        """Rebuilds the device state from zeros (no session may be resident), then the scheduler's own
+        device data in it (`state_reset`)."""
+        self.cache.reset_state()
+        self.state_reset()
+
+    def state_reset(self) -> None:
+        """Restores what a scheduler keeps in the device state besides sessions (nothing by default)."""
 
     def at_baseline(self) -> bool:
         return not self.sessions and self.host_bytes == 0 and self.cache.at_baseline()

@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jaxstream.engine import sampling
+from jaxstream.engine.kv_cache import NULL_PAGE
 from jaxstream.models.voxtral import ConvState
 
 logger = logging.getLogger(__name__)
@@ -106,9 +107,17 @@ def text_step(model, state, batch, *, stack, attention_impl):
 # -- Voxtral Realtime transcription ----------------------------------------------------------------------
 # State: stacks "encoder" / "decoder"; slot rows "conv1", "conv2" (the conv stem's carried frames) and
 # "last_token" (the token sampled last, fed back with the next 80 ms slot without leaving the device).
+#
+# The silent prefix: every stream starts with the same slots of left-pad silence and the same prompt ids,
+# so the engine computes them once per delay (the scheduler's prefix cache) and a new stream's first
+# prefill copies those pages into its own ("prefix_enc" / "prefix_dec": [rows, 2, pages] source and
+# destination physical pages, null where nothing is copied) and starts its conv stem from the cache's slot
+# row ("conv_from").
 
-def realtime_batch(rows: int, slots: int, cfg, enc_pages: int, dec_pages: int, *, with_tokens: bool):
-    """An all-padding batch of the realtime programs (slot index `-1` rows are padding)."""
+def realtime_batch(rows: int, slots: int, cfg, enc_pages: int, dec_pages: int, *, with_tokens: bool,
+                   prefix_pages: tuple[int, int] = (1, 1)):
+    """An all-padding batch of the realtime programs (slot index `-1` rows are padding); prefill batches
+    (`with_tokens`) also carry the prefix copies of `prefix_pages` = (encoder, decoder) pages per row."""
     batch = {
         "slot": np.full(rows, -1, np.int32),
         "mel": np.zeros((rows, cfg.mel_frames_per_token * slots, cfg.encoder.num_mel_bins), np.float32),
@@ -120,6 +129,9 @@ def realtime_batch(rows: int, slots: int, cfg, enc_pages: int, dec_pages: int, *
     }
     if with_tokens:
         batch["token_ids"] = np.zeros((rows, slots), np.int32)
+        batch["conv_from"] = np.full(rows, -1, np.int32)
+        batch["prefix_enc"] = np.zeros((rows, 2, prefix_pages[0]), np.int32)
+        batch["prefix_dec"] = np.zeros((rows, 2, prefix_pages[1]), np.int32)
     return batch
 
 
@@ -132,10 +144,23 @@ def _scatter_rows(rows, slot, values):
     return rows.at[target].set(values.astype(rows.dtype), mode="drop")
 
 
+def _copy_prefix(state, batch):
+    """Copies the cached prefix pages of the rows that start from it (`prefix_enc` / `prefix_dec`)."""
+    stacks = dict(state["stacks"])
+    for name, key in (("encoder", "prefix_enc"), ("decoder", "prefix_dec")):
+        source, target = batch[key][:, 0].ravel(), batch[key][:, 1].ravel()
+        layers = stacks[name]
+        target = jnp.where(target == NULL_PAGE, layers[0][0].shape[0], target)  # no copy: dropped
+        stacks[name] = [(k.at[target].set(k[source], mode="drop"), v.at[target].set(v[source], mode="drop"))
+                        for k, v in layers]
+    return {"stacks": stacks, "slots": state["slots"]}
+
+
 def _audio(model, state, batch, *, fresh, attention_impl):
     """The encoder over the batch's slots; returns (audio_embeds, conv rows to store, encoder cache)."""
     slots = state["slots"]
-    conv1, conv2 = _gather_rows(slots["conv1"], batch["slot"]), _gather_rows(slots["conv2"], batch["slot"])
+    source = batch["conv_from"] if fresh else batch["slot"]
+    conv1, conv2 = _gather_rows(slots["conv1"], source), _gather_rows(slots["conv2"], source)
     if fresh:  # a session's first chunk starts from zero conv context, whatever its slot held before
         start = (batch["dec_lengths"] == 0)[:, None, None]
         conv1, conv2 = jnp.where(start, 0, conv1), jnp.where(start, 0, conv2)
@@ -157,8 +182,10 @@ def _realtime_state(state, batch, conv, enc, dec, last_token):
 
 
 def realtime_prefill_step(model, state, batch, *, attention_impl):
-    """Prompt slots (given tokens + their audio) of S sessions; the greedy token after the last one is
-    kept on device as the session's next input and returned."""
+    """Prompt slots (given tokens + their audio) of S sessions, after copying the cached prefix of those
+    that start from it; the greedy token after the last one is kept on device as the session's next input
+    and returned."""
+    state = _copy_prefix(state, batch)
     embeds, conv, enc = _audio(model, state, batch, fresh=True, attention_impl=attention_impl)
     logits, dec = model.text_step(batch["token_ids"], embeds, batch["n_delay"], state["stacks"]["decoder"],
                                   batch["dec_table"], batch["dec_lengths"], batch["num_slots"],

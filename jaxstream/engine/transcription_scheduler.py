@@ -2,7 +2,8 @@
 
 A session's decoder position p is fed the token sampled at p - 1 plus the audio embedding of 80 ms slot p
 (`specs/voxtral_realtime.md` §4). Positions 0..prompt_len-1 are the prompt (BOS + 32 left-pad + n_delay
-`[STREAMING_PAD]`), prefilled with the first prompt_len slots; then every slot of audio runs one decoder
+`[STREAMING_PAD]`), prefilled with the first prompt_len slots, of which the first 31 (pure left-pad
+silence) are copied from the engine's prefix cache (prefix_cache.py); then every slot of audio runs one decoder
 step. The sampled token stays on the device (`last_token` slot row) and is fed back there, so a dispatch
 can run up to K steps per session when audio is queued (catch-up) and the host only reads tokens back to
 stream them. At the end of the stream (right padding appended by the front end) positions up to
@@ -24,6 +25,7 @@ import numpy as np
 
 from jaxstream.engine import steps
 from jaxstream.engine.kv_cache import missing_pages
+from jaxstream.engine.prefix_cache import PrefixCache
 from jaxstream.engine.residency import Residency, SessionBase, Status, TickStats, deliver
 from jaxstream.engine.stream_rows import STATUS_CODE, UNKNOWN_LIMIT, RowSession, StreamRows
 from jaxstream.engine.transcription_session import (
@@ -52,6 +54,7 @@ class RealtimeSession(RowSession, SessionBase):
         self.delay_ms = delay_ms
         self.prompt_ids = list(prompt_ids)
         self.samples = 0.0  # real audio received, in 16 kHz samples
+        self.skip = 0  # leading mel slots still to drop (the cached prefix computed them)
         self.generated: list[int] = []  # ids moved out of the row's buffer, in order
         self.logprobs: list[float] = []  # each generated id's log-probability
         self.undelivered: list[int] = []  # ids not yet carried by a delta
@@ -105,6 +108,7 @@ class RealtimeScheduler(Residency):
         slot_shape = (model_cfg.mel_frames_per_token, model_cfg.encoder.num_mel_bins)
         self.rows = StreamRows(self.cache.specs, slot_shape, TOKEN_BUFFER + max(engine_cfg.realtime_step_buckets))
         self._text_table = _text_id_table(tokenizer)
+        self.prefix = PrefixCache(self.cache, model_cfg, engine_cfg.cache_silent_prefix)
 
     # -- start-up -------------------------------------------------------------------------------------
     def warm_up(self) -> None:
@@ -123,9 +127,14 @@ class RealtimeScheduler(Residency):
                 batch = steps.realtime_batch(rows, k, self.model_cfg, enc, dec, with_tokens=False)
                 self.programs.compile(("decode", rows, k), decode, batch)
         for rows, chunk in self.prefill_buckets:
-            batch = steps.realtime_batch(rows, chunk, self.model_cfg, enc, dec, with_tokens=True)
+            batch = steps.realtime_batch(rows, chunk, self.model_cfg, enc, dec, with_tokens=True,
+                                         prefix_pages=self.prefix.pages_per_row)
             self.programs.compile(("prefill", rows, chunk), prefill, batch)
         self.cache.warm_up()
+        self.prefix.build(self.programs, self.prefill_buckets)
+
+    def state_reset(self) -> None:
+        self.prefix.build(self.programs, self.prefill_buckets)
 
     # -- commands (engine thread) ---------------------------------------------------------------------
     def add_session(self, request_id: str, *, n_delay: int, delay_ms: int, prompt_ids, sink, backlog) -> None:
@@ -133,6 +142,8 @@ class RealtimeScheduler(Residency):
         session = RealtimeSession(request_id, sink, self.rows, n_delay=n_delay, delay_ms=delay_ms,
                                   prompt_ids=prompt_ids, decoder=self.tokenizer.stream_decoder(), backlog=backlog,
                                   arrival=self._arrivals)
+        # The stream starts after the cached prefix: its slots are dropped on arrival, never computed.
+        session.skip = self.rows.fed[session.row] = self.rows.received[session.row] = self.prefix.slots
         self.sessions[request_id] = session
         self.touch(session)
 
@@ -140,6 +151,11 @@ class RealtimeScheduler(Residency):
         session = self.sessions.get(request_id)
         if session is None:
             return
+        if session.skip:
+            dropped = min(session.skip, len(mel_slots))
+            session.skip -= dropped
+            session.backlog.consumed += dropped
+            mel_slots = mel_slots[dropped:]
         self.rows.queue_audio(session.row, np.asarray(mel_slots, np.float32))
         session.samples += samples
         if total_slots is not None:
@@ -284,8 +300,13 @@ class RealtimeScheduler(Residency):
                    for name, spec in self.cache.specs.items())
 
     def _spans(self, fed, counts) -> dict:
+        """Positions the next `counts` slots from `fed` write, with the cached prefix a first prefill copies."""
         frames = self.model_cfg.downsample_factor
-        return {"encoder": (frames * fed, frames * (fed + counts)), "decoder": (fed, fed + counts)}
+        start = fed
+        if self.prefix.slots:
+            start = np.where(np.asarray(fed) == self.prefix.slots, 0, fed)
+            start = int(start) if start.ndim == 0 else start
+        return {"encoder": (frames * start, frames * (fed + counts)), "decoder": (start, fed + counts)}
 
     def _place(self, candidates: np.ndarray, counts: np.ndarray):
         """Admits the rows (in order) and reserves pages for their next `counts` slots; returns the rows
@@ -361,6 +382,8 @@ class RealtimeScheduler(Residency):
         sessions = rows.sessions
         if dispatch.prefill:
             batch["token_ids"] = np.zeros((num_rows, num_slots), np.int32)
+            self.prefix.fill(batch, dispatch.starts, rows.tables["encoder"][dispatch.rows],
+                             rows.tables["decoder"][dispatch.rows], rows.n_delay[dispatch.rows])
             for i, (row, start, count) in enumerate(zip(dispatch.rows.tolist(), dispatch.starts.tolist(),
                                                         dispatch.counts.tolist())):
                 batch["token_ids"][i, :count] = sessions[row].prompt_ids[start : start + count]
