@@ -35,6 +35,9 @@ def register(subparsers) -> None:
                         "value is compiled (default: 1,4)")
     parser.add_argument("--batch-buckets", default=None, metavar="N[,N...]",
                         help="decode batch sizes to compile (default: the --streams values)")
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="compute the 31 silent left-pad slots in every stream instead of copying them from "
+                        "the engine's prefix cache (for comparing the two)")
     parser.add_argument("--dtype", default=None, help="compute and KV dtype, e.g. bfloat16 (default: float32 on "
                         "CPU, bfloat16 on accelerators)")
     parser.add_argument("--seed", type=int, default=0, metavar="N",
@@ -79,7 +82,8 @@ async def _run(args, counts, steps, buckets) -> int:
     max_streams = max(counts)
     config = EngineConfig(max_sessions=max_streams, page_size=args.page_size,
                           encoder_page_size=args.encoder_page_size, realtime_step_buckets=steps, dtype=args.dtype,
-                          batch_buckets=buckets, max_queued_audio_seconds=max(600.0, 2 * args.seconds))
+                          batch_buckets=buckets, max_queued_audio_seconds=max(600.0, 2 * args.seconds),
+                          cache_silent_prefix=not args.no_prefix_cache)
     if args.config:
         model, tokenizer = _random_model(args.config, config, args.seed)
         config = _pools_for(config, model.cfg, args.seconds, max_streams)
