@@ -45,7 +45,7 @@ def run(streams: int, ticks: int, seed: int = 0) -> dict:
             core.add_audio(f"s{i}", slots[tick, i], 1280.0)
         core.step()
         with_commands.append(time.thread_time() - cpu_start)
-    stats = list(core.tick_stats)[first - core.ticks_recorded:][2:]  # the first ticks warm the programs up
+    stats = core.tick_stats.window(first + 2, core.ticks_recorded)  # the first ticks warm the programs up
     cpu = np.array([t.host_cpu_s for t in stats]) * 1e3
     commands = np.array(with_commands[2:]) * 1e3
     host = np.array([t.host_s for t in stats]) * 1e3

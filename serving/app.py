@@ -40,6 +40,7 @@ from jaxstream.serving.limits import (
     CLOSE_CAPACITY, CLOSE_GOING_AWAY, CLOSE_INTERNAL_ERROR, CLOSE_TRY_AGAIN_LATER, Breach, KeyLimits,
     key_limits_middleware,
 )
+from jaxstream.serving.memory import TRIM_PERIOD_S, malloc_trimmer
 from jaxstream.serving.metrics import ServerMetrics
 from jaxstream.serving.vllm_realtime import BINARY_AS_TEXT, BINARY_CLOSE, BINARY_ERROR, VllmRealtime
 from jaxstream.serving.websocket import run_websocket
@@ -189,8 +190,10 @@ def _lifecycle(engine_factory):
         if engine_factory is not None:
             loading = asyncio.create_task(_load_engine(state, engine_factory))
         sampler = asyncio.create_task(_sample_ticks(state))
+        trimmer = asyncio.create_task(_trim_memory())
         yield
         sampler.cancel()
+        trimmer.cancel()
         if loading is not None:
             loading.cancel()
             await asyncio.gather(loading, return_exceptions=True)
@@ -239,6 +242,14 @@ def _settle(future: asyncio.Future, result, error) -> None:
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+async def _trim_memory() -> None:
+    """Returns freed heap pages to the system now and then (serving/memory.py: without it RSS creeps)."""
+    trim = malloc_trimmer()
+    while trim is not None:
+        await asyncio.sleep(TRIM_PERIOD_S)
+        await asyncio.to_thread(trim)
 
 
 async def _sample_ticks(state: ServerState) -> None:

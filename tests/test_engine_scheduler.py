@@ -7,7 +7,7 @@ import pytest
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.builders import build_text_core
 from jaxstream.engine.requests import SamplingParams
-from jaxstream.engine.residency import END_OF_STREAM, Status
+from jaxstream.engine.residency import END_OF_STREAM, Status, TickLog, TickStats
 from jaxstream.engine.testing import ToyLM, toy_config, toy_next_token
 from jaxstream.errors import InvalidRequestError
 
@@ -390,3 +390,22 @@ def test_a_one_token_budget_still_serves_every_session():
     for rid, prompt in prompts.items():
         assert sinks[rid].chunks() == reference([(prompt, 4, None)])[0]
     assert small.at_baseline()
+
+
+def test_tick_log_keeps_the_last_ticks_in_order_as_it_wraps():
+    """The preallocated tick log against a bounded deque of the same ticks."""
+    import collections
+
+    log, oracle = TickLog(capacity=5), collections.deque(maxlen=5)
+    for number in range(13):
+        stats = TickStats(number, 2 * number, number / 10, number / 100, None if number % 3 else number / 1000)
+        log.append(stats)
+        oracle.append(stats)
+        assert len(log) == len(oracle) and log.recorded == number + 1
+        assert [log[i] for i in range(len(log))] == list(oracle)
+        assert log[-1] == stats and log[-len(log)] == oracle[0]
+        assert log.window(0, number + 1) == list(oracle)
+        assert log.window(number - 1, number + 1) == list(oracle)[-2:]
+    with pytest.raises(IndexError):
+        log[5]
+

@@ -192,11 +192,9 @@ async def run_streams(engine: AsyncEngine, *, streams: int, seconds: float, pace
     finally:
         watcher.cancel()
     wall = time.perf_counter() - start
-    stats = list(core.tick_stats)
-    offset = core.ticks_recorded - len(stats)  # ticks the bounded deque has dropped
     begin = window["start"] if window["start"] is not None else first_tick
     end = window["end"] if window["end"] is not None else core.ticks_recorded
-    ticks = stats[max(0, begin - offset) : max(0, end - offset)]
+    ticks = core.tick_stats.window(begin, end)
     tick_ms = [t.total_s * 1e3 for t in ticks]
     step_ms = [t.total_s * 1e3 / max(1, t.steps / max(1, t.rows)) for t in ticks]
     host_ms = [t.host_s * 1e3 for t in ticks]

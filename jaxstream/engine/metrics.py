@@ -33,8 +33,8 @@ def snapshot(scheduler: Residency) -> EngineMetrics:
         counts[session.status] += 1
         evicted += session.offloaded is not None
     pools = scheduler.cache.pools
-    stats = scheduler.tick_stats
-    recent = [stats[i].total_s for i in range(max(0, len(stats) - RECENT_TICKS), len(stats))]
+    recorded = scheduler.ticks_recorded
+    recent = [tick.total_s for tick in scheduler.tick_stats.window(recorded - RECENT_TICKS, recorded)]
     return EngineMetrics(
         sessions=len(scheduler.sessions), waiting=counts[Status.WAITING], running=counts[Status.RUNNING],
         parked=counts[Status.PARKED], evicted=evicted,

@@ -7,7 +7,6 @@ parked session is evicted: its pages and slot rows are copied to host memory (bo
 `host_offload_bytes`) and restored bit for bit on its next input. A session that cannot be offloaded
 (host budget spent) is dropped to recompute when its scheduler allows that (text), otherwise it stays.
 """
-import collections
 import dataclasses
 import enum
 import logging
@@ -46,6 +45,38 @@ class TickStats:
     @property
     def host_s(self) -> float:
         return self.total_s - self.wait_s
+
+
+class TickLog:
+    """The `TickStats` of the last `capacity` ticks in preallocated numpy columns, ticks numbered from 0 in
+    the order recorded. Its memory is taken once, up front, so a server's memory does not creep while the log
+    fills (as a deque of objects did: 0.25 KB per tick, 70 ticks a second under load, for 24 minutes)."""
+
+    def __init__(self, capacity: int = 100_000):
+        self._columns = np.zeros((capacity, 5), np.float64)  # rows, steps, total_s, wait_s, host_cpu_s (NaN: None)
+        self.recorded = 0  # ticks recorded, including those overwritten since
+
+    def append(self, stats: TickStats) -> None:
+        cpu = np.nan if stats.host_cpu_s is None else stats.host_cpu_s
+        self._columns[self.recorded % len(self._columns)] = (stats.rows, stats.steps, stats.total_s, stats.wait_s, cpu)
+        self.recorded += 1
+
+    def __len__(self) -> int:
+        return min(self.recorded, len(self._columns))
+
+    def __getitem__(self, index: int) -> TickStats:
+        """The index-th tick held, oldest first (negative: from the newest)."""
+        held = len(self)
+        if not -held <= index < held:
+            raise IndexError(f"tick index {index} out of range ({held} held)")
+        number = self.recorded - held + index % held
+        return self.window(number, number + 1)[0]
+
+    def window(self, begin: int, end: int) -> list[TickStats]:
+        """Ticks number `begin` to `end - 1`, those still held."""
+        numbers = np.arange(max(begin, self.recorded - len(self)), min(end, self.recorded))
+        return [TickStats(int(rows), int(steps), total, wait, None if np.isnan(cpu) else cpu)
+                for rows, steps, total, wait, cpu in self._columns[numbers % len(self._columns)].tolist()]
 
 
 class LatencyHistogram:
@@ -105,16 +136,19 @@ class Residency:
         self._clock = 0  # orders activity (LRU eviction) and admissions
         self.tick = 0
         self.evictions = 0  # sessions moved off the device (to host memory or to recompute)
-        self.tick_stats: collections.deque[TickStats] = collections.deque(maxlen=100_000)
-        self.ticks_recorded = 0  # every tick that did work, including those the deque has dropped
+        self.tick_stats = TickLog()
         # Seconds from the time an input reached the engine to the time the id generated from it was read
         # back on the host, for every generated id, control ids included (recorded by the transcription
         # scheduler: an 80 ms audio slot -> the id sampled at its position).
         self.token_latency = LatencyHistogram()
 
+    @property
+    def ticks_recorded(self) -> int:
+        """Every tick that did work, including those the tick log no longer holds."""
+        return self.tick_stats.recorded
+
     def record_tick(self, stats: TickStats) -> None:
         self.tick_stats.append(stats)
-        self.ticks_recorded += 1
 
     def fetch(self, outputs):
         """Blocks on the device results of a tick; returns (host copies, seconds waited)."""
