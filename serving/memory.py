@@ -6,7 +6,7 @@ keeps the pages of memory freed inside an arena: the resident set crept up for a
 Measured with 64 real-time streams on a 2-core machine, RSS by minute after a warm-up (first delta p99):
 
     glibc's default                        894 897 920 921 922 930 932 937 941 942 MiB   (777 ms)
-    malloc_trim(0) every 30 s (20-28 ms)   828 836 837 838 829 847 MiB                   (764 ms)
+    malloc_trim(0) every 30 s (20-28 ms)   806 805 814 804 805 827 825 824 828 827 MiB   (759 ms)
     two arenas (mallopt M_ARENA_MAX)       779 778 780 783 780 792 785 782 782 779 MiB   (890 ms)
     fixed 128 KiB mmap threshold           787 787 785 785 773 778 MiB                   (977 ms)
 
