@@ -57,7 +57,7 @@ class Tokenizer(abc.ABC):
     def decode(self, ids: Iterable[int]) -> str:
         """Text of all text ids (control ids skipped), decoding their concatenated bytes as UTF-8."""
         decoder = self.stream_decoder()
-        return "".join(decoder.push(token_id) for token_id in ids) + decoder.flush()
+        return decoder.push_many(ids) + decoder.flush()
 
     def stream_decoder(self) -> "StreamDecoder":
         return StreamDecoder(self)
@@ -89,7 +89,11 @@ class StreamDecoder:
         return "".join(self._parts)
 
     def push(self, token_id: int) -> str:
-        data = self._token_bytes(token_id)
+        return self.push_many((token_id,))
+
+    def push_many(self, token_ids: Iterable[int]) -> str:
+        """`push` of each id in turn, in one go (one UTF-8 decode of their joined bytes): the deltas joined."""
+        data = b"".join(map(self._token_bytes, token_ids))
         if self._strip_space and data:
             self._strip_space = False
             data = data.removeprefix(b" ")
@@ -297,6 +301,9 @@ class HFStreamDecoder:
         if delta:
             self._parts.append(delta)
         return delta
+
+    def push_many(self, token_ids: Iterable[int]) -> str:
+        return "".join(map(self.push, token_ids))
 
     def flush(self) -> str:
         """End of the token stream: what `decode` gives beyond the text so far (an incomplete character

@@ -278,7 +278,7 @@ def test_bad_chunk_fails_only_its_session(core):
 
 def test_detokenizer_failure_is_isolated(core):
     class Exploding:
-        def push(self, token):
+        def push_many(self, tokens):
             raise RuntimeError("boom")
 
     good, bad = Collector(), Collector()

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from jaxstream.engine.kv_cache import NULL_PAGE, PagePool, SessionPages, StackSpec, missing_pages
 from jaxstream.engine.residency import Status
-from jaxstream.engine.stream_rows import RowSession, StreamRows
+from jaxstream.engine.stream_rows import MelSlab, RowSession, StreamRows
 
 SPEC = StackSpec("decoder", num_layers=1, num_kv_heads=1, head_dim=1, page_size=4, ring=24, num_pages=64)
 
@@ -78,6 +78,22 @@ def test_audio_queues_are_fifo_through_ring_widening_slab_growth_and_row_reuse(o
     for session in sessions.values():
         rows.detach(session)
     assert rows.mel._num_free == len(rows.mel.data) - 1  # every block is back
+
+
+def test_a_ticks_slots_come_back_as_one_run_and_are_stored_in_one_copy():
+    slab = MelSlab((2, 3), blocks=16)
+    parts = [np.full((n, 2, 3), value, np.float32) for value, n in ((1, 2), (2, 1), (3, 3))]
+    blocks = slab.store(parts, np.arange(6.0))
+    assert blocks.tolist() == [1, 2, 3, 4, 5, 6]
+    slab.release(blocks[[4, 0, 5, 2, 1, 3]])  # consumed in batch-row order, not slab order
+    again = slab.store(parts[::-1], np.zeros(6))
+    assert again.tolist() == [1, 2, 3, 4, 5, 6]
+    assert slab.data[again][:, 0, 0].tolist() == [3, 3, 3, 2, 1, 1]
+    # Free blocks that are not one run (some still queued) go through the scattered path, same contents.
+    slab.release(again[[0, 2, 4]])
+    scattered = slab.store(parts, np.zeros(6))
+    assert scattered[:3].tolist() == [1, 3, 5]
+    assert slab.data[scattered][:, 0, 0].tolist() == [1, 1, 2, 3, 3, 3]
 
 
 def test_token_buffer_keeps_each_rows_ids_and_logprobs_in_order():

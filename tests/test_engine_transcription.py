@@ -189,7 +189,7 @@ async def test_a_failing_session_does_not_affect_another(engine, reference):
     good, bad = await engine.start_transcription(), await engine.start_transcription()
 
     class Exploding:
-        def push(self, token):
+        def push_many(self, tokens):
             raise RuntimeError("detokenizer failure")
 
     await bad.append(audio[:20000])

@@ -37,6 +37,11 @@ def stream_decode(tokenizer, ids) -> tuple[list[str], str]:
     deltas = [decoder.push(token_id) for token_id in ids]
     deltas.append(decoder.flush())
     assert decoder.text == "".join(deltas)
+    # `push_many` over runs of ids (what the schedulers call) gives the same text as one push per id.
+    for run in (2, 3, len(ids) or 1):
+        batched = tokenizer.stream_decoder()
+        parts = [batched.push_many(ids[i : i + run]) for i in range(0, len(ids), run)]
+        assert "".join(parts) + batched.flush() == decoder.text
     return deltas, decoder.text
 
 

@@ -125,7 +125,7 @@ def measure_bandwidth(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
 
 
 def memory_floor_seconds(engine: AsyncEngine, kv_bytes: float, bandwidth: float) -> float:
-    params = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(engine.core.programs.params))
+    params = sum(leaf.nbytes for leaf in engine.core.programs.param_leaves)
     return (params + kv_bytes) / bandwidth
 
 

@@ -90,20 +90,26 @@ class MelSlab:
         self._free = np.arange(blocks - 1, 0, -1, dtype=np.int64)
         self._num_free = blocks - 1
 
-    def store(self, slots: np.ndarray, arrived: np.ndarray) -> np.ndarray:
-        """Copies `slots` into free blocks (with their arrival times); returns the blocks, in order."""
-        count = len(slots)
+    def store(self, parts: list[np.ndarray], arrived: np.ndarray) -> np.ndarray:
+        """Copies the slots of `parts` (arrays of slots, in order) into free blocks, with each slot's arrival
+        time; returns the blocks, in order."""
+        count = len(arrived)
         while count > self._num_free:
             self._grow()
         top = self._num_free
         self._num_free -= count
         blocks = self._free[top - count : top][::-1].copy()
-        self.data[blocks] = slots
+        if count and (np.diff(blocks) == 1).all():  # one ascending run (the steady state): a single copy
+            np.concatenate(parts, out=self.data[blocks[0] : blocks[0] + count])
+        else:
+            self.data[blocks] = np.concatenate(parts)
         self.arrived[blocks] = arrived
         return blocks
 
     def release(self, blocks: np.ndarray) -> None:
-        blocks = blocks[blocks != 0]
+        """Frees blocks; they are handed out again lowest first, so a tick's slots, consumed together by the
+        next tick, come back as one ascending run."""
+        blocks = np.sort(blocks[blocks != 0])[::-1]
         self._free[self._num_free : self._num_free + blocks.size] = blocks
         self._num_free += blocks.size
 
@@ -204,7 +210,6 @@ class StreamRows:
         counts = np.array([len(slots) for _, slots, _ in incoming])
         owners = np.repeat([row for row, _, _ in incoming], counts)  # the row of every new slot
         arrived = np.repeat([now for _, _, now in incoming], counts)
-        slots = np.concatenate([slots for _, slots, _ in incoming])
         # Each new slot's rank among its row's new slots: a stable sort groups them, arrival order kept.
         order = np.argsort(owners, kind="stable")
         grouped = owners[order]
@@ -216,7 +221,7 @@ class StreamRows:
         if needed > self.ring.shape[1]:
             self._widen_ring(needed)
         positions = self.received[owners] + rank
-        self.ring[owners, positions % self.ring.shape[1]] = self.mel.store(slots, arrived)
+        self.ring[owners, positions % self.ring.shape[1]] = self.mel.store([part for _, part, _ in incoming], arrived)
         self.received += added
 
     def _widen_ring(self, needed: int) -> None:

@@ -368,7 +368,7 @@ class TextScheduler(Residency):
     def _output(self, session: TextSession, tokens, logprobs, reason, stop_reason, *, finished) -> RequestOutput:
         text = ""
         if session.detokenizer is not None and tokens:
-            text = "".join(session.detokenizer.push(token) for token in tokens)
+            text = session.detokenizer.push_many(tokens)
         session.streamed += tokens
         session.streamed_logprobs += logprobs
         session.text += text

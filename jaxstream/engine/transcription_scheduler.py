@@ -58,8 +58,7 @@ class RealtimeSession(RowSession, SessionBase):
         self.generated: list[int] = []  # ids moved out of the row's buffer, in order
         self.logprobs: list[float] = []  # each generated id's log-probability
         self.undelivered: list[int] = []  # ids not yet carried by a delta
-        self.decoder = decoder
-        self.text = ""
+        self.decoder = decoder  # its `text` is the transcript so far
 
     @property
     def last_position(self) -> int | None:
@@ -444,12 +443,11 @@ class RealtimeScheduler(Residency):
         session.generated += ids
         session.logprobs += logprobs
         session.undelivered += ids
-        return "".join(session.decoder.push(t) for t in ids)
+        return session.decoder.push_many(ids)
 
     def _stream_tokens(self, session: RealtimeSession, new: tuple[list[int], list[float]], *, ended: bool) -> None:
         text = self._decode(session, new)
         if text:
-            session.text += text
             audio_seconds = to_ms(min(token_time(len(session.generated) - 1), session.samples / SAMPLING_RATE))
             self._deliver_delta(session, text, audio_seconds)
         if ended:
@@ -466,11 +464,10 @@ class RealtimeScheduler(Residency):
         tail = self._decode(session, new) + session.decoder.flush()
         audio_seconds = session.samples / SAMPLING_RATE
         if tail:
-            session.text += tail
             self._deliver_delta(session, tail, to_ms(audio_seconds))
         usage = TranscriptionUsage(audio_seconds, session.prompt_len, len(session.generated))
         words = word_timings(session.generated, self.tokenizer, audio_seconds)
-        done = TranscriptionDone(session.text, list(session.generated), words, usage, session.delay_ms,
+        done = TranscriptionDone(session.decoder.text, list(session.generated), words, usage, session.delay_ms,
                                  list(session.logprobs))
         self.release(session)
         deliver(session, done)
