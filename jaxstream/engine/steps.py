@@ -2,8 +2,8 @@
 
 The model is split once (`graphdef, params = nnx.split(model)`, the params kept as a flat list of arrays)
 and merged inside each trace; the device state (KV pages and per-slot rows, see `kv_cache.DeviceCache`) is
-donated to every call and rebound from its result. Every (program, batch bucket) pair is lowered and compiled at start-up, and calls go to the
-compiled executables, so serving cannot recompile.
+donated to every call and rebound from its result. Every (program, batch bucket) pair is lowered and
+compiled at start-up, and calls go to the compiled executables, so serving cannot recompile.
 """
 import functools
 import logging
