@@ -111,20 +111,26 @@ async def test_silence_gap_mid_utterance_then_transcription_resumes(server, mode
 
 async def test_engine_capacity_is_an_error_and_a_retry_works(server, model, engine, audio):
     clients = [await connected(server, model) for _ in range(engine.config.max_sessions + 1)]
-    for client in clients:
-        await client.commit()
-    extra = clients[-1]
-    event = await extra.event()
-    assert event["type"] == "error" and event["code"] == "capacity"
-    await clients[0].close()
-    await wait_for(lambda: engine.metrics().sessions < engine.config.max_sessions)
-    result = await stream_utterance(extra, audio[:20000])
-    assert result["done"]["text"]
-    for client in clients[1:]:
-        await client.close()
+    try:
+        # The server reads each socket on its own task, so commits sent in a row may start their sessions in
+        # any order: each one is held before the next is sent, and the last client is the one refused.
+        for held, client in enumerate(clients[:-1], start=1):
+            await client.commit()
+            await wait_for(lambda held=held: engine.metrics().sessions >= held)
+        extra = clients[-1]
+        await extra.commit()
+        event = await extra.event()
+        assert event["type"] == "error" and event["code"] == "capacity"
+        await clients[0].close()
+        await wait_for(lambda: engine.metrics().sessions < engine.config.max_sessions)
+        result = await stream_utterance(extra, audio[:20000])
+        assert result["done"]["text"]
+    finally:  # a failure here must not leave sessions behind for the module's next tests
+        for client in clients:
+            await client.close()
 
 
-async def wait_for(condition, timeout=5.0):
+async def wait_for(condition, timeout=30.0):
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "condition not reached"
