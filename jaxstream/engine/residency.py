@@ -64,14 +64,6 @@ class TickLog:
     def __len__(self) -> int:
         return min(self.recorded, len(self._columns))
 
-    def __getitem__(self, index: int) -> TickStats:
-        """The index-th tick held, oldest first (negative: from the newest)."""
-        held = len(self)
-        if not -held <= index < held:
-            raise IndexError(f"tick index {index} out of range ({held} held)")
-        number = self.recorded - held + index % held
-        return self.window(number, number + 1)[0]
-
     def window(self, begin: int, end: int) -> list[TickStats]:
         """Ticks number `begin` to `end - 1`, those still held."""
         numbers = np.arange(max(begin, self.recorded - len(self)), min(end, self.recorded))
