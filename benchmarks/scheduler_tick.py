@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from jaxstream.engine.builders import build_realtime_core
+from jaxstream.engine.builders import build_realtime_core, freeze_startup_heap
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.transcription_session import AudioBacklog, transcription_prompt
 from jaxstream.models import loading
@@ -24,6 +24,7 @@ def run(streams: int, ticks: int, seed: int = 0) -> dict:
     config = EngineConfig(max_sessions=streams, batch_buckets=(streams,), realtime_step_buckets=(1,),
                           realtime_prefill_buckets=((min(streams, 16), 48),))
     core = build_realtime_core(loaded.model, config, tokenizer)
+    freeze_startup_heap()  # as `jaxstream serve` does
     cfg = loaded.model.cfg
     n_delay = 6
     prompt = transcription_prompt(cfg, n_delay)

@@ -77,6 +77,7 @@ async def _run(args, counts, steps, buckets) -> int:
 
     from jaxstream.engine import benchmark
     from jaxstream.engine.async_engine import AsyncEngine
+    from jaxstream.engine.builders import freeze_startup_heap
     from jaxstream.engine.config import EngineConfig
 
     max_streams = max(counts)
@@ -92,6 +93,7 @@ async def _run(args, counts, steps, buckets) -> int:
         engine = AsyncEngine.from_pretrained(model_source(args.model), config=config)
     if engine.kind != "realtime":
         raise UserError("jaxstream bench runs realtime transcription streams: it needs a Voxtral Realtime model")
+    freeze_startup_heap()  # as `jaxstream serve` does: no full garbage collection of the engine's objects
     try:
         for streams in counts:
             result = await benchmark.run_streams(engine, streams=streams, seconds=args.seconds, paced=not args.fast,

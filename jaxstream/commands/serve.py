@@ -155,9 +155,15 @@ async def _serve(model: str, config, engine_config) -> int:
     from aiohttp import web
 
     from jaxstream.engine.async_engine import AsyncEngine
+    from jaxstream.engine.builders import freeze_startup_heap
     from jaxstream.serving.app import SERVER, create_app, drain
 
-    app = create_app(config, engine_factory=lambda: AsyncEngine.from_pretrained(model, config=engine_config))
+    def build_engine():
+        engine = AsyncEngine.from_pretrained(model, config=engine_config)
+        freeze_startup_heap()  # full garbage collections would stop the server for ~150 ms each
+        return engine
+
+    app = create_app(config, engine_factory=build_engine)
     state = app[SERVER]
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
