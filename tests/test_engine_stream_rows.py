@@ -96,6 +96,25 @@ def test_a_ticks_slots_come_back_as_one_run_and_are_stored_in_one_copy():
     assert slab.data[scattered][:, 0, 0].tolist() == [1, 1, 2, 3, 3, 3]
 
 
+def test_a_batch_of_consecutive_slots_is_an_aligned_view_and_any_other_a_zero_padded_copy():
+    slab = MelSlab((4, 4), blocks=8)  # 64-byte slots, as the real ones (4 KB) are a multiple of
+    parts = [np.arange(i * 16, i * 16 + 48, dtype=np.float32).reshape(3, 4, 4) for i in range(2)]
+    blocks = slab.store(parts, np.zeros(6))  # blocks 1-6
+    view = slab.batch(np.array([[3], [4], [5], [0]]), used=3)  # the padding row reads block 6, not zeros
+    assert np.shares_memory(view, slab.data) and view.ctypes.data % 64 == 0
+    expected = np.concatenate(parts)[2:5, None]
+    np.testing.assert_array_equal(view[:3], expected)
+    for rows, used in (([[4], [3], [5], [0]], 3), ([[3, 4], [5, 0]], 2), ([[6], [7], [0], [0]], 2)):
+        copy = slab.batch(np.array(rows), used)  # out of order; two slots per row; past the slab's end
+        assert not np.shares_memory(copy, slab.data)
+        np.testing.assert_array_equal(copy, slab.data[np.array(rows)])
+        assert not copy[np.array(rows) == 0].any()
+    slab.release(blocks)
+    slab.store([np.ones((12, 4, 4), np.float32)], np.zeros(12))  # grows the slab: the view keeps its data
+    np.testing.assert_array_equal(view[:3], expected)
+    assert slab.data.ctypes.data % 64 == 0 and not slab.data[0].any()
+
+
 def test_token_buffer_keeps_each_rows_ids_and_logprobs_in_order():
     rows = StreamRows({"decoder": SPEC}, (2, 3), token_width=6)
     a, b = Session(rows), Session(rows)

@@ -8,8 +8,8 @@ reads `session.fed` or `session.slot` as before.
 
 Queued audio lives in one slab of 80 ms mel slots shared by all sessions (`MelSlab`); a session's queue
 is a ring of slab block indices (`ring[row, position % ring_width]`), so gathering a batch's mel is one
-fancy index. Each block also holds the time its slot reached the engine, the start of that token's
-latency.
+fancy index, or no copy at all when the batch's slots sit in consecutive blocks. Each block also holds the
+time its slot reached the engine, the start of that token's latency.
 """
 import time
 
@@ -21,6 +21,9 @@ from jaxstream.engine.residency import Status
 STATUSES = tuple(Status)
 STATUS_CODE = {status: code for code, status in enumerate(STATUSES)}
 UNKNOWN_LIMIT = np.iinfo(np.int64).max // 2  # `limit` of a stream whose end is not known yet
+# XLA:CPU reads a host array in place only when its data is 64-byte aligned (numpy aligns to 16); any other
+# array is copied once more when a program is called with it.
+DEVICE_ALIGNMENT = 64
 
 # name -> (dtype, value of a free row and of the padding row 0)
 COLUMNS = {
@@ -85,7 +88,7 @@ class MelSlab:
     padding rows and padding steps read)."""
 
     def __init__(self, slot_shape: tuple[int, ...], blocks: int = 1024):
-        self.data = np.zeros((blocks, *slot_shape), np.float32)
+        self.data = aligned_zeros((blocks, *slot_shape), np.float32)
         self.arrived = np.zeros(blocks, np.float64)  # perf_counter time the slot reached the engine
         self._free = np.arange(blocks - 1, 0, -1, dtype=np.int64)
         self._num_free = blocks - 1
@@ -106,6 +109,19 @@ class MelSlab:
         self.arrived[blocks] = arrived
         return blocks
 
+    def batch(self, blocks: np.ndarray, used: int) -> np.ndarray:
+        """The mel of a batch whose row i reads the slots `blocks[i]` ([rows, slots]), rows past `used` being
+        padding. One slot per row in consecutive blocks (a tick's slots are stored as one ascending run) is a
+        view of the slab, read in place by the device: its blocks must stay allocated until the dispatch
+        is collected, and the padding rows read whatever follows (their results are dropped). Otherwise
+        a copy, with zeros (block 0) for the padding rows."""
+        rows, width = blocks.shape
+        first = int(blocks[0, 0])
+        if (width == 1 and first and first + rows <= len(self.data)
+                and (blocks[:used, 0] == np.arange(first, first + used)).all()):
+            return self.data[first : first + rows, None]
+        return self.data[blocks]
+
     def release(self, blocks: np.ndarray) -> None:
         """Frees blocks; they are handed out again lowest first, so a tick's slots, consumed together by the
         next tick, come back as one ascending run."""
@@ -115,12 +131,23 @@ class MelSlab:
 
     def _grow(self) -> None:
         old = len(self.data)
-        self.data = np.concatenate([self.data, np.zeros_like(self.data)])
+        data = aligned_zeros((2 * old, *self.data.shape[1:]), self.data.dtype)
+        data[:old] = self.data  # batches being read keep viewing the old array
+        self.data = data
         self.arrived = np.concatenate([self.arrived, np.zeros_like(self.arrived)])
         # New blocks go under the free ones already there, which keep being handed out first.
         self._free = np.concatenate([np.arange(2 * old - 1, old - 1, -1), self._free[: self._num_free],
                                      np.zeros(old - 1 - self._num_free, np.int64)])
         self._num_free += old
+
+
+def aligned_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """A zero array whose data starts on a `DEVICE_ALIGNMENT` boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.zeros(nbytes + DEVICE_ALIGNMENT, np.uint8)
+    offset = -raw.ctypes.data % DEVICE_ALIGNMENT
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
 class StreamRows:

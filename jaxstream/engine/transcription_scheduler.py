@@ -80,6 +80,7 @@ class Dispatch:
     starts: np.ndarray
     counts: np.ndarray
     arrived: np.ndarray | None = None  # [rows, slots] perf_counter times
+    blocks: np.ndarray | None = None  # the mel slab blocks the batch reads, freed once it is collected
     outputs: dict | None = None
 
     @property
@@ -225,9 +226,15 @@ class RealtimeScheduler(Residency):
                 for row in d.rows[rows.generation[d.rows] == d.generations].tolist()]
 
     def _drop_in_flight(self, dispatches) -> None:
+        """Dispatches that were collected or failed: their rows' in-flight counts drop, and their slab blocks
+        are freed (the device may still read them until the fetch that follows returns, but the slab is only
+        written by the next tick's `absorb`)."""
         rows = self.rows
         for d in dispatches:
             rows.in_flight[d.rows[rows.generation[d.rows] == d.generations]] -= 1
+            if d.blocks is not None:
+                rows.mel.release(d.blocks)
+                d.blocks = None
 
     def _collect(self, dispatched: list[Dispatch]) -> float:
         """Fetches a dispatched tick's tokens and streams them; returns the seconds spent waiting."""
@@ -263,6 +270,10 @@ class RealtimeScheduler(Residency):
             decode = decode[: self.cfg.decode_batch_buckets[-1]]
             decode, counts = self._place(decode, np.minimum(ready[decode], steps_k))
             if decode.size:
+                # Rows in the order of their next slot's slab block: a tick's slots are stored as one
+                # ascending run, so the batch's mel is then a view of the slab (MelSlab.batch), not a copy.
+                order = np.argsort(rows.ring[decode, rows.fed[decode] % rows.ring.shape[1]], kind="stable")
+                decode, counts = decode[order], counts[order]
                 batch_rows = next(b for b in self.cfg.decode_batch_buckets if b >= decode.size)
                 scheduled.append(self._book(("decode", batch_rows, steps_k), decode, counts))
         prefill = candidates[~decoding]
@@ -366,9 +377,9 @@ class RealtimeScheduler(Residency):
         starts = np.zeros(num_rows, np.int64)
         starts[:used] = dispatch.starts
         blocks = rows.queued_blocks(index, starts, counts, num_slots)
-        mel = rows.mel.data[blocks]  # a fresh array: the device may read it zero-copy while the host goes on
+        mel = rows.mel.batch(blocks, used)
         dispatch.arrived = rows.mel.arrived[blocks[:used]]
-        rows.mel.release(blocks[:used].ravel())
+        dispatch.blocks = blocks[:used].ravel()
         batch = {
             "slot": rows.slot[index],
             "mel": mel.reshape(num_rows, num_slots * mel.shape[2], mel.shape[3]),
