@@ -36,29 +36,31 @@ from jaxstream.training.config import with_vocab_size
 from jaxstream.training.data import CTC_CLASSES, SHARED_PREFIX_SLOTS, Batch
 from jaxstream.training.step import init_ctc_head, stream_logits, stream_loss
 
-from ring_attention import timed  # benchmarks/ring_attention.py (this script's directory is on sys.path)
+from ring_attention import timed_alternately  # benchmarks/ring_attention.py (this script's directory is on sys.path)
 
 
 def timed_jit(function, *args, reps):
     """Median seconds of a jitted `function(*args)` after one warm-up (compile) call."""
     jitted = jax.jit(function)
-    return timed(lambda: jitted(*args), reps)
+    [seconds] = timed_alternately([lambda: jitted(*args)], reps)
+    return seconds
 
 
-def thread_time_by_operation(jitted, args, reps=3) -> collections.Counter:
-    """Thread milliseconds per call of each (JAX operation, output shape) in a jitted function's compiled
-    module, from a profiler trace of `reps` calls joined to the module's HLO metadata."""
+def thread_time_by_operation(hlo_text: str, call, reps=3) -> collections.Counter:
+    """Thread milliseconds per call of each (JAX operation, output shape) of a compiled module (its
+    `as_text()`), from a profiler trace of `reps` calls of `call` (which runs it and waits for the result)
+    joined to the module's HLO metadata."""
     operations = {}
-    for line in jitted.lower(*args).compile().as_text().splitlines():
+    for line in hlo_text.splitlines():
         found = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+) .*op_name=\"([^\"]*)\"", line)
         if found:
             operations[found.group(1)] = (found.group(3), found.group(2))
-    jax.block_until_ready(jitted(*args))
+    call()
     totals = collections.Counter()
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             for _ in range(reps):
-                jax.block_until_ready(jitted(*args))
+                call()
         (path,) = glob.glob(f"{trace_dir}/plugins/profile/*/*.trace.json.gz")
         with gzip.open(path) as f:
             events = json.load(f)["traceEvents"]
@@ -148,7 +150,9 @@ def main(argv=None):
     print(f"step: {step_flops / 1e9:.1f} GFLOP at {step_gflops:.1f} GFLOP/s = "
           f"{100 * step_gflops / matmul_gflops:.1f} % of a {n}x{n} f32 matmul ({matmul_gflops:.1f} GFLOP/s)")
     if args.profile:
-        by_operation = thread_time_by_operation(jax.jit(jax.grad(loss)), (weights,))
+        gradient = jax.jit(jax.grad(loss))
+        by_operation = thread_time_by_operation(gradient.lower(weights).compile().as_text(),
+                                                lambda: jax.block_until_ready(gradient(weights)))
         print(f"thread time per step: {sum(by_operation.values()):.1f} ms, the costliest operations:")
         for (operation, shape), ms in by_operation.most_common(args.profile):
             print(f"{ms:8.1f} ms  {operation.removeprefix('jit(loss)/')}  {shape}")

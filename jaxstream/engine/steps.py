@@ -73,6 +73,10 @@ class Programs:
         """Zeros shaped like the batches of program `key`."""
         return jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), self._batch_shapes[key])
 
+    def hlo_text(self, key) -> str:
+        """The compiled program's optimized HLO (what a profile's operation names refer to)."""
+        return self._compiled[key].as_text()
+
     def run(self, key, batch):
         """Dispatches one compiled program (asynchronously) and rebinds the donated state."""
         if self.leader is not None:
