@@ -234,3 +234,40 @@ async def test_tensor_parallel_over_four_devices_gives_identical_tokens(referenc
         await engine.shutdown()
     for delay, events in zip((480, 160), results):
         assert events[-1].token_ids == expected_tokens(reference, delay)
+
+
+def test_a_failed_dispatch_ends_the_sessions_of_its_tick_and_frees_their_audio(monkeypatch):
+    """A tick's first program call raises: the sessions of every dispatch of that tick end with the error,
+    the dispatch never run included, and the slab blocks of their booked slots come back with their pages."""
+    from jaxstream.engine.builders import build_realtime_core
+    from jaxstream.engine.transcription_session import AudioBacklog, transcription_prompt
+    from jaxstream.models import loading
+
+    loaded = loading.load_model(FIXTURES / "voxtral_tiny", dtype="float32")
+    config = EngineConfig(max_sessions=4, page_size=4, encoder_page_size=4, batch_buckets=(4,),
+                          realtime_step_buckets=(1,), realtime_prefill_buckets=((4, 40),))
+    core = build_realtime_core(loaded.model, config, load_tokenizer(FIXTURES / "voxtral_tiny" / "tekken.json"))
+    cfg, n_delay = loaded.model.cfg, n_delay_from_ms(480)
+    prompt = transcription_prompt(cfg, n_delay)
+    slots = np.random.default_rng(0).standard_normal((len(prompt) + 1, cfg.mel_frames_per_token,
+                                                      cfg.encoder.num_mel_bins)).astype(np.float32)
+    events = {"decoding": [], "prefilling": []}
+    for name, sink in events.items():
+        core.add_session(name, n_delay=n_delay, delay_ms=480, prompt_ids=prompt, sink=sink.append,
+                         backlog=AudioBacklog())
+    core.add_audio("decoding", slots[: len(prompt)], 0.0)
+    while core.has_work():
+        core.step()
+    assert core.sessions["decoding"].fed == len(prompt) and not core.rows.mel.num_held  # prefilled
+    core.add_audio("decoding", slots[len(prompt):], 1280.0)
+    core.add_audio("prefilling", slots[: len(prompt)], 0.0)
+
+    def run(key, batch):
+        assert key[0] == "decode"  # scheduled first; the prefill is booked but never called
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(core.programs, "run", run)
+    core.step()
+    for sink in events.values():
+        assert isinstance(sink[-1], RuntimeError) and str(sink[-1]) == "device lost"
+    assert core.at_baseline() and core.rows.mel.num_held == 0

@@ -93,6 +93,11 @@ class MelSlab:
         self._free = np.arange(blocks - 1, 0, -1, dtype=np.int64)
         self._num_free = blocks - 1
 
+    @property
+    def num_held(self) -> int:
+        """Blocks holding queued or in-flight slots."""
+        return len(self.data) - 1 - self._num_free
+
     def store(self, parts: list[np.ndarray], arrived: np.ndarray) -> np.ndarray:
         """Copies the slots of `parts` (arrays of slots, in order) into free blocks, with each slot's arrival
         time; returns the blocks, in order."""

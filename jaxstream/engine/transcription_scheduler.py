@@ -80,7 +80,7 @@ class Dispatch:
     starts: np.ndarray
     counts: np.ndarray
     arrived: np.ndarray | None = None  # [rows, slots] perf_counter times
-    blocks: np.ndarray | None = None  # the mel slab blocks the batch reads, freed once it is collected
+    blocks: np.ndarray | None = None  # [rows, slots] mel slab blocks of the booked slots, freed once collected
     outputs: dict | None = None
 
     @property
@@ -180,6 +180,9 @@ class RealtimeScheduler(Residency):
         super().release(session)
         self.rows.detach(session)
 
+    def at_baseline(self) -> bool:
+        return super().at_baseline() and self.rows.mel.num_held == 0
+
     def has_work(self) -> bool:
         self.rows.absorb()
         return bool(self._in_flight) or bool(self._feedable().any())
@@ -226,15 +229,13 @@ class RealtimeScheduler(Residency):
                 for row in d.rows[rows.generation[d.rows] == d.generations].tolist()]
 
     def _drop_in_flight(self, dispatches) -> None:
-        """Dispatches that were collected or failed: their rows' in-flight counts drop, and their slab blocks
-        are freed (the device may still read them until the fetch that follows returns, but the slab is only
-        written by the next tick's `absorb`)."""
+        """Dispatches that were collected or failed (run or not): their rows' in-flight counts drop, and their
+        slab blocks are freed (the device may still read them until the fetch that follows returns, but the
+        slab is only written by the next tick's `absorb`)."""
         rows = self.rows
         for d in dispatches:
             rows.in_flight[d.rows[rows.generation[d.rows] == d.generations]] -= 1
-            if d.blocks is not None:
-                rows.mel.release(d.blocks)
-                d.blocks = None
+            rows.mel.release(d.blocks.ravel())
 
     def _collect(self, dispatched: list[Dispatch]) -> float:
         """Fetches a dispatched tick's tokens and streams them; returns the seconds spent waiting."""
@@ -358,12 +359,13 @@ class RealtimeScheduler(Residency):
         return ok
 
     def _book(self, key, chosen: np.ndarray, counts: np.ndarray) -> Dispatch:
-        """Books the slots of the chosen rows into the tick being built."""
+        """Books the slots of the chosen rows (and their slab blocks) into the tick being built."""
         rows = self.rows
         starts = rows.fed[chosen].copy()
+        blocks = rows.queued_blocks(chosen, starts, counts, key[2])
         rows.fed[chosen] += counts
         rows.in_flight[chosen] += 1
-        return Dispatch(key, chosen, rows.generation[chosen].copy(), starts, counts)
+        return Dispatch(key, chosen, rows.generation[chosen].copy(), starts, counts, blocks=blocks)
 
     def _batch(self, dispatch: Dispatch):
         """The dispatch's batch, gathered from the rows (padding rows read row 0: slot -1, no slots)."""
@@ -376,10 +378,10 @@ class RealtimeScheduler(Residency):
         counts[:used] = dispatch.counts
         starts = np.zeros(num_rows, np.int64)
         starts[:used] = dispatch.starts
-        blocks = rows.queued_blocks(index, starts, counts, num_slots)
+        blocks = np.zeros((num_rows, num_slots), np.int64)
+        blocks[:used] = dispatch.blocks
         mel = rows.mel.batch(blocks, used)
-        dispatch.arrived = rows.mel.arrived[blocks[:used]]
-        dispatch.blocks = blocks[:used].ravel()
+        dispatch.arrived = rows.mel.arrived[dispatch.blocks]
         batch = {
             "slot": rows.slot[index],
             "mel": mel.reshape(num_rows, num_slots * mel.shape[2], mel.shape[3]),
