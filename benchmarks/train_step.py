@@ -34,14 +34,15 @@ from jaxstream.tpu_kernels.ring_attention import ring_attention
 from jaxstream.training import load_train_config
 from jaxstream.training.config import with_vocab_size
 from jaxstream.training.data import CTC_CLASSES, SHARED_PREFIX_SLOTS, Batch
-from jaxstream.training.step import init_ctc_head, stream_logits, stream_loss
+from jaxstream.training.step import init_ctc_head, stream_logits, stream_loss, training_compiler_options
 
 from ring_attention import timed_alternately  # benchmarks/ring_attention.py (this script's directory is on sys.path)
 
 
 def timed_jit(function, *args, reps):
-    """Median seconds of a jitted `function(*args)` after one warm-up (compile) call."""
-    jitted = jax.jit(function)
+    """Median seconds of a jitted `function(*args)` after one warm-up (compile) call, compiled as training
+    steps are."""
+    jitted = jax.jit(function, compiler_options=training_compiler_options())
     [seconds] = timed_alternately([lambda: jitted(*args)], reps)
     return seconds
 
@@ -150,7 +151,7 @@ def main(argv=None):
     print(f"step: {step_flops / 1e9:.1f} GFLOP at {step_gflops:.1f} GFLOP/s = "
           f"{100 * step_gflops / matmul_gflops:.1f} % of a {n}x{n} f32 matmul ({matmul_gflops:.1f} GFLOP/s)")
     if args.profile:
-        gradient = jax.jit(jax.grad(loss))
+        gradient = jax.jit(jax.grad(loss), compiler_options=training_compiler_options())
         by_operation = thread_time_by_operation(gradient.lower(weights).compile().as_text(),
                                                 lambda: jax.block_until_ready(gradient(weights)))
         print(f"thread time per step: {sum(by_operation.values()):.1f} ms, the costliest operations:")

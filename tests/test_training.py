@@ -6,6 +6,9 @@ import json
 import math
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -539,3 +542,36 @@ def test_a_failing_batch_loader_stops_training_instead_of_hanging(corpus, tokeni
             next(stream)
     finally:
         stream.close()
+
+
+def test_xla_gradients_run_and_agree_under_the_training_compiler_options():
+    """Training steps compile with `training_compiler_options()` (on CPU, YNNPACK for dots only). Under it,
+    autodiff's sum of the query blocks' key/value gradient slices compiled into a program that crashed the
+    process (from 6 query blocks of 16 sessions), so this runs in a subprocess: the gradients of a
+    multi-block chunk run there and equal those of XLA's default compilation."""
+    script = textwrap.dedent("""
+        import numpy as np, jax, jax.numpy as jnp
+        from jaxstream.models.layers import init_kv_cache
+        from jaxstream.tpu_kernels.ring_attention.api import ring_attention
+        from jaxstream.training.step import training_compiler_options
+        rng = np.random.default_rng(0)
+        sessions, chunk, heads, head_dim, window = 16, 388, 2, 64, 128
+        q, k, v = (jnp.asarray(rng.standard_normal((sessions, chunk, heads, head_dim)), jnp.float32) for _ in range(3))
+        k_pages, v_pages = init_kv_cache(1, 2, heads, window, head_dim, jnp.float32)[0]
+        table, lengths = jnp.ones((sessions, 1), jnp.int32), jnp.full((sessions,), 124, jnp.int32)
+        num_new = jnp.full((sessions,), chunk, jnp.int32)
+        def loss(q, k, v):
+            out, _, _ = ring_attention(q, k, v, k_pages, v_pages, table, lengths, num_new, window=window,
+                                       implementation="xla")
+            return jnp.mean(out ** 2)
+        grad = jax.grad(loss, argnums=(0, 1, 2))
+        options = training_compiler_options()
+        got = jax.jit(grad, compiler_options=options)(q, k, v)
+        expected = jax.jit(grad)(q, k, v)
+        print(options is not None, max(float(jnp.max(jnp.abs(g - e))) for g, e in zip(got, expected)))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    applied, difference = result.stdout.split()
+    assert applied == "True" and float(difference) < 1e-6, result.stdout

@@ -175,6 +175,29 @@ def stream_loss(weights: dict, graphdef, cfg: VoxtralConfig, batch: Batch, ctc_w
     return total, metrics
 
 
+# XLA:CPU hands dots, reductions and elementwise fusions to YNNPACK by default. For the backward pass that is
+# slow: its elementwise fusions write transposed layouts for the weight-gradient dots (the silu backward of
+# an encoder MLP, [512, 4160], took 32 ms per layer). With YNNPACK for the dots alone, the tiny-v2 recipe's step
+# (benchmarks/train_step.py --config configs/tiny_v2.toml --vocab-size 4000 --batch 16 --slots 96, 2-core
+# CPU) took 909 / 901 ms against 1,404 / 1,383 ms, runs alternated. (The XLA ring attention's backward has its
+# own span accumulation because of this option: see `_blocked_attention`.) Inference keeps the default: the
+# engine's decode programs were slower this way (mid-size model, 32 streams: 49-57 against 42-45 ms a step).
+_CPU_TRAINING_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
+
+
+@functools.cache
+def training_compiler_options() -> dict | None:
+    """XLA options for compiling training steps on this process's backend (None: the defaults), checked
+    once against this XLA (the option is experimental: where it is unknown, training keeps the defaults)."""
+    if jax.default_backend() != "cpu":
+        return None
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=_CPU_TRAINING_OPTIONS).lower(1.0).compile()
+    except Exception:  # noqa: BLE001 - an XLA without the option: the defaults are correct, only slower
+        return None
+    return _CPU_TRAINING_OPTIONS
+
+
 @functools.lru_cache(maxsize=8)
 def make_train_step(graphdef, cfg: VoxtralConfig, optimizer_cfg: OptimizerConfig):
     """A jitted pure step (weights, opt_state, batch) -> (weights, opt_state, metrics), weights = {"model":
@@ -188,7 +211,7 @@ def make_train_step(graphdef, cfg: VoxtralConfig, optimizer_cfg: OptimizerConfig
         return stream_loss(weights, graphdef, cfg, batch, optimizer_cfg.ctc_weight,
                            optimizer_cfg.aligned_piece_weight)
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    @functools.partial(jax.jit, donate_argnums=(0, 1), compiler_options=training_compiler_options())
     def train_step(weights, opt_state, batch: Batch):
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(weights, batch)
         updates, opt_state = optimizer.update(grads, opt_state, weights)
