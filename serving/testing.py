@@ -40,10 +40,21 @@ def engine_at_baseline(engine) -> bool:
 
 async def wait_engine_baseline(engine, timeout: float = 5.0) -> float:
     """Seconds until the engine holds no session and no page; raises AssertionError after `timeout`."""
+    return await _wait_engine(engine, lambda: engine_at_baseline(engine), "back at baseline", timeout)
+
+
+async def wait_engine_sessions(engine, count: int, timeout: float = 5.0) -> float:
+    """Seconds until the engine's metrics show `count` sessions (its snapshot follows its commands by up to a
+    tick); raises AssertionError after `timeout`."""
+    return await _wait_engine(engine, lambda: engine.metrics().sessions == count, f"holding {count} sessions",
+                              timeout)
+
+
+async def _wait_engine(engine, condition, description: str, timeout: float) -> float:
     start = time.monotonic()
-    while not engine_at_baseline(engine):
+    while not condition():
         if time.monotonic() - start > timeout:
-            raise AssertionError(f"engine not back at baseline after {timeout:g} s: {engine.metrics()}")
+            raise AssertionError(f"engine not {description} after {timeout:g} s: {engine.metrics()}")
         await asyncio.sleep(0.02)
     return time.monotonic() - start
 

@@ -106,7 +106,7 @@ def freeze_startup_heap() -> None:
     A full collection visits every tracked object: with the ~260,000 a loaded engine holds, each one stopped
     every thread (the engine's tick and the event loop alike) for 140-190 ms, and the allocations of a
     busy engine trigger one every few seconds to minutes (the 99th-percentile tick of 256 tiny-model streams:
-    50-65 ms, 4.4 ms frozen; benchmarks/scheduler_tick.py). Frozen objects are still freed by reference
+    49-65 ms, 4.0-4.8 ms frozen; benchmarks/scheduler_tick.py). Frozen objects are still freed by reference
     counting; only cycles among them would stay, and these objects live as long as the engine. vLLM freezes
     its heap after warm-up for the same reason. Not for a process that builds engines over and over (tests).
     """
