@@ -30,8 +30,10 @@ for script in sys.argv[2:]:
 print('\\n'.join(failed))
 """
 
+
 def test_there_are_benchmark_scripts():
     assert {"realtime_step.py", "scheduler_tick.py", "train_step.py", "vs_transformers.py"} <= set(SCRIPTS)
+
 
 def test_every_benchmark_script_prints_its_help():
     result = subprocess.run([sys.executable, "-c", _HELP_OF_EACH, str(BENCHMARKS), *SCRIPTS], capture_output=True,

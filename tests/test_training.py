@@ -547,7 +547,7 @@ def test_a_failing_batch_loader_stops_training_instead_of_hanging(corpus, tokeni
 def test_xla_gradients_run_and_agree_under_the_training_compiler_options():
     """Training steps compile with `training_compiler_options()` (on CPU, YNNPACK for dots only). Under it,
     autodiff's sum of the query blocks' key/value gradient slices compiled into a program that crashed the
-    process (from 6 query blocks of 16 sessions), so this runs in a subprocess: the gradients of a
+    process (16 sessions of 388 frames: 7 query blocks), so this runs in a subprocess: the gradients of a
     multi-block chunk run there and equal those of XLA's default compilation."""
     script = textwrap.dedent("""
         import numpy as np, jax, jax.numpy as jnp
