@@ -38,25 +38,28 @@ def engine_at_baseline(engine) -> bool:
     return m.sessions == 0 and not any(m.pages_used.values())
 
 
+async def wait_until(condition, timeout: float = 5.0, failure=lambda: "condition not reached") -> float:
+    """Seconds until `condition()` holds, checked every 20 ms; raises AssertionError(`failure()`) after
+    `timeout`."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(failure())
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
 async def wait_engine_baseline(engine, timeout: float = 5.0) -> float:
     """Seconds until the engine holds no session and no page; raises AssertionError after `timeout`."""
-    return await _wait_engine(engine, lambda: engine_at_baseline(engine), "back at baseline", timeout)
+    return await wait_until(lambda: engine_at_baseline(engine), timeout,
+                            lambda: f"engine not back at baseline after {timeout:g} s: {engine.metrics()}")
 
 
 async def wait_engine_sessions(engine, count: int, timeout: float = 5.0) -> float:
     """Seconds until the engine's metrics show `count` sessions (its snapshot follows its commands by up to a
     tick); raises AssertionError after `timeout`."""
-    return await _wait_engine(engine, lambda: engine.metrics().sessions == count, f"holding {count} sessions",
-                              timeout)
-
-
-async def _wait_engine(engine, condition, description: str, timeout: float) -> float:
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"engine not {description} after {timeout:g} s: {engine.metrics()}")
-        await asyncio.sleep(0.02)
-    return time.monotonic() - start
+    return await wait_until(lambda: engine.metrics().sessions == count, timeout,
+                            lambda: f"engine not holding {count} sessions after {timeout:g} s: {engine.metrics()}")
 
 
 class ServerThread:

@@ -5,7 +5,6 @@ connection (vLLM #34532). After each cut the engine holds no session and no page
 connection, and it still transcribes."""
 import asyncio
 import json
-import time
 
 import msgpack
 import numpy as np
@@ -15,19 +14,12 @@ import websockets
 
 from jaxstream.serving.audio_codecs import encode_pcm16_base64
 from jaxstream.serving.kyutai import FRAME_SAMPLES, ROUTE as KYUTAI_ROUTE
-from jaxstream.serving.testing import RealtimeClient, stream_utterance, wait_engine_baseline
+from jaxstream.serving.testing import RealtimeClient, stream_utterance, wait_engine_baseline, wait_until
 from serve_fixtures import audio, engine, engine_returns_to_baseline, model, server  # noqa: F401 - pytest fixtures
 
 pytestmark = pytest.mark.slow
 
 _TALK = 24000  # samples of the 16 kHz sample sent before the later points (1.5 s)
-
-
-async def wait_for(condition, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
 
 
 def engine_took_a_session(engine):
@@ -55,7 +47,7 @@ class VllmDriver:
         await self.send({"type": "session.update", "model": self.model})
         await self.client.until("session.updated")
         await self.send({"type": "input_audio_buffer.commit"})
-        await wait_for(engine_took_a_session(self.engine))
+        await wait_until(engine_took_a_session(self.engine))
         if point == "session_started":
             return self.client.ws
         for begin in range(0, _TALK, 4000):
@@ -99,7 +91,7 @@ class OpenAiDriver:
             return self.ws
         await self.send({"type": "input_audio_buffer.append", "audio": encode_pcm16_base64(self.audio[:2400])})
         await self.until("conversation.item.added")
-        await wait_for(engine_took_a_session(self.engine))
+        await wait_until(engine_took_a_session(self.engine))
         if point == "session_started":
             return self.ws
         for begin in range(2400, _TALK * 3 // 2, 6000):
@@ -136,7 +128,7 @@ class KyutaiDriver:
         # from reading the server's side of the closing handshake.
         self.ws = await websockets.connect(self.server.url(KYUTAI_ROUTE), max_size=None, max_queue=None)
         await self.until("Ready")
-        await wait_for(engine_took_a_session(self.engine))
+        await wait_until(engine_took_a_session(self.engine))
         if point == "connected":
             return self.ws
         # A word is out once the next one begins: the later points send the whole sample.
@@ -165,7 +157,7 @@ async def test_disconnect_frees_the_engine(server, model, engine, audio, dialect
     else:  # abnormal: the TCP connection vanishes without a closing handshake
         ws.transport.abort()
     await wait_engine_baseline(engine, timeout=5)
-    await wait_for(lambda: not server.state.connections)
+    await wait_until(lambda: not server.state.connections)
     assert engine.healthy
 
 

@@ -3,6 +3,7 @@ exactly their own transcripts (disconnects at every protocol point: test_serve_d
 first delta arrives within delay + 300 ms, silence gaps, engine capacity, backpressure, slow readers, and
 the graceful drain."""
 import asyncio
+import functools
 import time
 
 import aiohttp
@@ -15,7 +16,7 @@ from jaxstream.models.audio import SAMPLES_PER_SLOT, SAMPLING_RATE
 from jaxstream.serving.app import drain
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.limits import Limits
-from jaxstream.serving.testing import RealtimeClient, ServerThread, stream_utterance
+from jaxstream.serving.testing import RealtimeClient, ServerThread, stream_utterance, wait_until
 from jaxstream.serving.websocket import Connection, ConnectionClosed
 from serve_fixtures import audio, engine, engine_returns_to_baseline, model  # noqa: F401 - pytest fixtures
 
@@ -130,11 +131,8 @@ async def test_engine_capacity_is_an_error_and_a_retry_works(server, model, engi
             await client.close()
 
 
-async def wait_for(condition, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
+# This module's conditions wait on sessions started under load.
+wait_for = functools.partial(wait_until, timeout=30.0)
 
 
 # -- bounded memory -------------------------------------------------------------------------------------------
