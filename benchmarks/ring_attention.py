@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxstream import allocator
 from jaxstream.tpu_kernels.ring_attention import api, positions
 
 FILLS = ("early", "half", "full")
@@ -161,6 +162,8 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=None, help="timed calls per case (default 20, quick 5)")
     parser.add_argument("--json", help="also write the rows as JSON to this path")
     args = parser.parse_args(argv)
+    if argv is None:  # a process of its own: on the allocator the jaxstream commands use
+        allocator.reexecute_with_tcmalloc()
 
     backend = jax.default_backend()
     dtype = jnp.dtype(args.dtype or ("float32" if backend == "cpu" else "bfloat16"))

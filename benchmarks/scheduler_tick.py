@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from jaxstream import allocator
 from jaxstream.engine.builders import build_realtime_core, freeze_startup_heap
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.transcription_session import AudioBacklog, transcription_prompt
@@ -62,6 +63,7 @@ def main() -> None:
     parser.add_argument("--streams", default="64,256")
     parser.add_argument("--ticks", type=int, default=60)
     args = parser.parse_args()
+    allocator.reexecute_with_tcmalloc()  # on the allocator the jaxstream commands use
     for streams in (int(n) for n in args.streams.split(",")):
         start = time.perf_counter()
         result = run(streams, args.ticks)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxstream import allocator
 from jaxstream.models.layers import init_kv_cache
 from jaxstream.models.tokenizers import NUM_CONTROL_IDS
 from jaxstream.models.voxtral import VoxtralRealtime
@@ -97,6 +98,8 @@ def main(argv=None):
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also list the N costliest operations of the step by thread time")
     args = parser.parse_args(argv)
+    if argv is None:  # a process of its own: on the allocator the jaxstream commands use
+        allocator.reexecute_with_tcmalloc()
 
     cfg = load_train_config(args.config)
     cfg = with_vocab_size(cfg, args.vocab_size)

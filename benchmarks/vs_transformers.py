@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxstream import allocator
 from jaxstream.engine.async_engine import AsyncEngine
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.transcription_session import TranscriptionDone
@@ -302,6 +303,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "avoids OpenMP's collapse under oversubscription")
     parser.add_argument("--seed", type=int, default=0, help="seed of the audio and of built weights (default: 0)")
     args = parser.parse_args(argv)
+    if argv is None:  # a process of its own: on the allocator the jaxstream commands use
+        allocator.reexecute_with_tcmalloc()
     if args.seconds <= 0 or args.repeats < 1 or (args.threads is not None and args.threads < 1):
         parser.error("--seconds must be positive, --repeats and --threads at least 1")
     return args

@@ -10,7 +10,7 @@ import sys
 
 from threadpoolctl import threadpool_limits
 
-from jaxstream import __version__
+from jaxstream import __version__, allocator
 from jaxstream.errors import UserError
 
 DESCRIPTION = """\
@@ -23,6 +23,8 @@ example: jaxstream transcribe models/assets/samples/sample.wav
 Run `jaxstream COMMAND --help` for a command's options."""
 
 COMMANDS = ("serve", "transcribe", "eval", "convert", "bench", "train", "synth")
+# The commands that run compiled programs again and again, and so run faster on TCMalloc (jaxstream/allocator.py).
+PROGRAM_COMMANDS = ("serve", "transcribe", "eval", "bench", "train")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +63,14 @@ def _configure_logging(verbosity: int) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None and args.command in PROGRAM_COMMANDS:  # the process's own command line, not a caller's
+        try:
+            allocator.reexecute_with_tcmalloc()
+        except ValueError as exc:
+            print(f"jaxstream {args.command}: error: {exc}", file=sys.stderr)
+            return 2
     _configure_logging(getattr(args, "verbose", 0))
+    logging.getLogger("jaxstream").info("memory allocator: %s", allocator.loaded_allocator())
     try:
         # numpy's BLAS only multiplies small matrices here (the mel filterbank, on the host). Its worker
         # threads wait for cores that XLA's threads hold: beside a training step the filterbank product took
