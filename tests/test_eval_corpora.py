@@ -62,6 +62,14 @@ def test_jsonl_manifest_with_word_times(tmp_path):
         assert second.words == tuple(WordTiming(w["word"], w["start"], w["end"]) for w in records[0]["words"])
 
 
+def test_a_synthetic_corpus_voice_is_its_speaker_unless_a_speaker_is_given(tmp_path):
+    _write_audio(tmp_path / "a.wav")
+    rows = [{"path": "a.wav", "id": "x", "text": "hi", "engine": "flite", "voice": "slt"},
+            {"path": "a.wav", "id": "y", "text": "hi", "voice": "slt", "speaker": "p225"}]
+    (tmp_path / "manifest.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert [(u.id, u.speaker) for u in read_corpus(tmp_path).utterances] == [("x", "slt"), ("y", "p225")]
+
+
 @pytest.mark.parametrize("suffix,delimiter", [(".csv", ","), (".tsv", "\t")])
 def test_csv_and_tsv_manifests(tmp_path, suffix, delimiter):
     rows = [{"path": "x1.flac", "transcript": 'say "yes", then no', "speaker": "a",

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import soundfile
 
+from jaxstream.evaluation.corpora import read_corpus
 from jaxstream.synth import (
     HELD_OUT_VARIANTS, TRAIN_VARIANTS, CorpusSpec, SentenceSampler, VoiceSpec, generate_corpus,
     is_held_out_sentence, number_words, read_manifest, synthesize_words,
@@ -115,6 +116,9 @@ def test_held_out_corpus_uses_only_held_out_sentences_and_voices(tmp_path):
         assert is_held_out_sentence(record["text"].split())
         assert record["voice"].split("+")[1] in HELD_OUT_VARIANTS
         assert "voice_edits" not in record  # held-out voices are the variants' own files
+    # `jaxstream eval` reads the voice as the speaker: its per-speaker WER is the model card's per-voice WER.
+    by_id = {record["id"]: record["voice"] for record in records}
+    assert {u.id: u.speaker for u in read_corpus(tmp_path).utterances} == by_id
 
 
 @needs_espeak

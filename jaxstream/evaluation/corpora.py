@@ -8,7 +8,7 @@ Layouts (`read_corpus(path, layout=None)` picks one when `layout` is None):
 - `manifest`: a JSONL, CSV or TSV file (or a directory holding exactly one `*.jsonl` or `*.csv` manifest),
   one utterance per row. Columns (first match wins): audio `audio_filepath | audio_path | audio | path |
   file | wav`; reference text `text | transcript | transcription | sentence | normalized_text`; optional
-  `id | utterance_id`, `speaker | speaker_id | client_id`, `duration`, and `words` (a list of `{"word",
+  `id | utterance_id`, `speaker | speaker_id | client_id | voice`, `duration`, and `words` (a list of `{"word",
   "start", "end"}` in seconds; a JSON string in CSV/TSV). Relative audio paths are relative to the
   manifest's folder. This is the format `jaxstream synth` writes (`manifest.jsonl`, with exact word
   timings). Rows with `token_ids` are `jaxstream transcribe --json` output, whose `text` is the model's
@@ -43,7 +43,8 @@ MANIFEST_SUFFIXES = (".jsonl", ".csv", ".tsv")
 _AUDIO_KEYS = ("audio_filepath", "audio_path", "audio", "path", "file", "wav")
 _TEXT_KEYS = ("text", "transcript", "transcription", "sentence", "normalized_text")
 _ID_KEYS = ("id", "utterance_id")
-_SPEAKER_KEYS = ("speaker", "speaker_id", "client_id")
+# `voice` last: in a `jaxstream synth` corpus the voice is the speaker, so the per-speaker WER is per voice.
+_SPEAKER_KEYS = ("speaker", "speaker_id", "client_id", "voice")
 _HYPOTHESIS_KEYS = ("token_ids",)  # `jaxstream transcribe --json` rows: their `text` is the model's output
 _ROOT_MANIFEST_PATTERNS = ("*.jsonl", "*.csv")
 _FLEURS_COLUMNS = 7
