@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxstream import allocator
 from jaxstream.cli import main
 from jaxstream.engine.benchmark import BenchResult, keeps_up, percentiles
 from jaxstream.engine.residency import LatencyHistogram
@@ -61,6 +62,8 @@ def test_no_latency_samples_is_reported_as_such_and_never_keeps_up():
     text = "\n".join(result.lines())
     assert "latency" in text and "p50/p99: no samples / no samples" in text
     assert " 0 ms" not in text and "falls behind" in text
+    # Which malloc the numbers came from (10-25 % apart on CPU): this process's, read from its mappings.
+    assert result.allocator == allocator.loaded_allocator() and f"memory allocator {result.allocator}" in text
 
 
 @pytest.mark.parametrize("tick_p99, latency_p99, expected", [

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxstream import allocator
 from jaxstream.engine.async_engine import AsyncEngine
 from jaxstream.engine.residency import LatencyHistogram
 from jaxstream.models.audio import SAMPLES_PER_SLOT, SLOT_SECONDS, n_delay_from_ms, prompt_length
@@ -91,6 +92,8 @@ class BenchResult:
     keeps_up: bool
     floor_ms: float  # memory-bound floor of one step at this batch
     step_over_floor: float | None
+    # The process's malloc (jaxstream/allocator.py): on CPU, glibc's makes steps 8-25 % slower than TCMalloc.
+    allocator: str = dataclasses.field(default_factory=allocator.loaded_allocator)
 
     def lines(self) -> list[str]:
         mode = "paced at real time" if self.paced else "as fast as possible"
@@ -98,7 +101,7 @@ class BenchResult:
         over = "" if self.step_over_floor is None else f"; p50 step / floor = {self.step_over_floor:.1f}"
         return [
             f"streams={self.streams} ({mode}, {self.audio_seconds:g} s audio each): wall {self.wall_seconds:.2f} s, "
-            f"{self.ticks} steady ticks, {rows} sessions per tick",
+            f"{self.ticks} steady ticks, {rows} sessions per tick; memory allocator {self.allocator}",
             f"  tick ms p50/p90/p99: {_ms(self.tick_ms_p50)} / {_ms(self.tick_ms_p90)} / {_ms(self.tick_ms_p99)}; "
             f"per 80 ms step p50 {_ms(self.step_ms_p50)} ms",
             f"  host work per tick ms: mean {_ms(self.host_ms_mean)}, p50 {_ms(self.host_ms_p50)}, "
