@@ -70,7 +70,9 @@ def main(argv=None) -> int:
             print(f"jaxstream {args.command}: error: {exc}", file=sys.stderr)
             return 2
     _configure_logging(getattr(args, "verbose", 0))
-    logging.getLogger("jaxstream").info("memory allocator: %s", allocator.loaded_allocator())
+    logger = logging.getLogger("jaxstream")
+    if logger.isEnabledFor(logging.INFO):  # reading the process's mappings is for -v only
+        logger.info("memory allocator: %s", allocator.loaded_allocator())
     try:
         # numpy's BLAS only multiplies small matrices here (the mel filterbank, on the host). Its worker
         # threads wait for cores that XLA's threads hold: beside a training step the filterbank product took
