@@ -98,10 +98,9 @@ class MelSlab:
         """Blocks holding queued or in-flight slots."""
         return len(self.data) - 1 - self._num_free
 
-    def store(self, parts: list[np.ndarray], arrived: np.ndarray) -> np.ndarray:
-        """Copies the slots of `parts` (arrays of slots, in order) into free blocks, with each slot's arrival
-        time; returns the blocks, in order."""
-        count = len(arrived)
+    def store(self, parts, arrived: np.ndarray, count: int) -> np.ndarray:
+        """Copies the `count` slots of `parts` (arrays of slots, in order) into free blocks, with each slot's
+        arrival time; returns the blocks, in order."""
         while count > self._num_free:
             self._grow()
         top = self._num_free
@@ -239,21 +238,27 @@ class StreamRows:
         if not self._incoming:
             return
         incoming, self._incoming = self._incoming, []
-        counts = np.array([len(slots) for _, slots, _ in incoming])
-        owners = np.repeat([row for row, _, _ in incoming], counts)  # the row of every new slot
-        arrived = np.repeat([now for _, _, now in incoming], counts)
-        # Each new slot's rank among its row's new slots: a stable sort groups them, arrival order kept.
-        order = np.argsort(owners, kind="stable")
-        grouped = owners[order]
-        starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])
-        rank = np.empty(owners.size, np.int64)
-        rank[order] = np.arange(owners.size) - np.repeat(starts, np.diff(np.r_[starts, owners.size]))
+        rows, parts, times = zip(*incoming)
+        total = sum(map(len, parts))
+        if total == len(parts):  # one slot per append command: the paced steady state
+            owners, arrived = np.array(rows), np.array(times)
+        else:
+            counts = np.fromiter(map(len, parts), np.int64, len(parts))
+            owners, arrived = np.repeat(rows, counts), np.repeat(times, counts)  # the row of every new slot
         added = np.bincount(owners, minlength=self.capacity)
+        positions = self.received[owners]
+        if owners.size > np.count_nonzero(added):  # some row got several slots: offset each by its rank
+            # Each new slot's rank among its row's new slots: a stable sort groups them, arrival order kept.
+            order = np.argsort(owners, kind="stable")
+            grouped = owners[order]
+            starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])
+            rank = np.empty(owners.size, np.int64)
+            rank[order] = np.arange(owners.size) - np.repeat(starts, np.diff(np.r_[starts, owners.size]))
+            positions += rank
         needed = int((self.received + added - self.fed).max())
         if needed > self.ring.shape[1]:
             self._widen_ring(needed)
-        positions = self.received[owners] + rank
-        self.ring[owners, positions % self.ring.shape[1]] = self.mel.store([part for _, part, _ in incoming], arrived)
+        self.ring[owners, positions % self.ring.shape[1]] = self.mel.store(parts, arrived, total)
         self.received += added
 
     def _widen_ring(self, needed: int) -> None:
