@@ -406,5 +406,6 @@ def test_tick_log_keeps_the_last_ticks_in_order_as_it_wraps():
         assert log.window(0, number + 1) == list(oracle)
         assert log.window(number, number + 1) == [stats]
         assert log.window(number - 1, number + 1) == list(oracle)[-2:]
+        assert log.durations(number - 3, number + 1) == tuple(t.total_s for t in list(oracle)[-4:])
     assert log.window(0, 8) == []  # ticks overwritten since are not held
-    assert log.window(13, 20) == []  # nor ticks not recorded yet
+    assert log.window(13, 20) == [] and log.durations(13, 20) == ()  # nor ticks not recorded yet

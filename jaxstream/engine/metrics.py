@@ -34,11 +34,11 @@ def snapshot(scheduler: Residency) -> EngineMetrics:
         evicted += session.offloaded is not None
     pools = scheduler.cache.pools
     recorded = scheduler.ticks_recorded
-    recent = [tick.total_s for tick in scheduler.tick_stats.window(recorded - RECENT_TICKS, recorded)]
     return EngineMetrics(
         sessions=len(scheduler.sessions), waiting=counts[Status.WAITING], running=counts[Status.RUNNING],
         parked=counts[Status.PARKED], evicted=evicted,
         pages_used={name: pool.capacity - pool.num_free for name, pool in pools.items()},
         pages_total={name: pool.capacity for name, pool in pools.items()},
-        host_offload_bytes=scheduler.host_bytes, evictions=scheduler.evictions, ticks=scheduler.ticks_recorded,
-        recent_tick_seconds=tuple(recent), max_sessions=scheduler.cache.max_sessions)
+        host_offload_bytes=scheduler.host_bytes, evictions=scheduler.evictions, ticks=recorded,
+        recent_tick_seconds=scheduler.tick_stats.durations(recorded - RECENT_TICKS, recorded),
+        max_sessions=scheduler.cache.max_sessions)

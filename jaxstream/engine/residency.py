@@ -66,9 +66,17 @@ class TickLog:
 
     def window(self, begin: int, end: int) -> list[TickStats]:
         """Ticks number `begin` to `end - 1`, those still held."""
-        numbers = np.arange(max(begin, self.recorded - len(self)), min(end, self.recorded))
         return [TickStats(int(rows), int(steps), total, wait, None if np.isnan(cpu) else cpu)
-                for rows, steps, total, wait, cpu in self._columns[numbers % len(self._columns)].tolist()]
+                for rows, steps, total, wait, cpu in self._held(begin, end).tolist()]
+
+    def durations(self, begin: int, end: int) -> tuple[float, ...]:
+        """`total_s` of the ticks `window` returns, without building them (the engine thread's metrics
+        snapshot reads 256 of them whenever it goes idle: building TickStats took ~8 % of its time)."""
+        return tuple(self._held(begin, end)[:, 2].tolist())
+
+    def _held(self, begin: int, end: int) -> np.ndarray:
+        numbers = np.arange(max(begin, self.recorded - len(self)), min(end, self.recorded))
+        return self._columns[numbers % len(self._columns)]
 
 
 class LatencyHistogram:
