@@ -61,10 +61,16 @@ CASES = {
 }
 
 # The XLA path gathers only the old positions a batch can reach, in static buckets picked per batch by its
-# longest visible history, min(length, W - 1) over sessions with new rows (xla.reach_buckets: 256, 512 and
-# 599 old positions for W = 600); the Pallas kernels visit only the pages holding such positions. One
+# longest visible history, min(length, W - 1) over sessions with new rows (xla.reach_buckets: 64, 128, 256,
+# 512 and 599 old positions for W = 600); the Pallas kernels visit only the pages holding such positions. One
 # batch per bucket edge, checked on every implementation (R = 640, so lengths past 640 have wrapped).
 REACH_CASES = {
+    # The smallest bucket's edge (64 positions) beside a first token and a short history.
+    "reach_smallest": Case(lengths=(64, 0, 3), num_new=(1, 1, 1), chunk=1, window=600, page_size=128, group=4,
+                           head_dim=64, num_kv_heads=1),
+    # One past it, with a two-token chunk: the second bucket.
+    "reach_past_smallest": Case(lengths=(65, 20), num_new=(2, 1), chunk=2, window=600, page_size=128, group=2,
+                                head_dim=64, num_kv_heads=2),
     # Exactly the first bucket's edge (256 positions) beside an empty session, a first token, and idle
     # sessions (num_new = 0) whose long, wrapped histories must neither widen the reach nor show in their
     # (zero) outputs.

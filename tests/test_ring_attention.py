@@ -135,18 +135,19 @@ def test_nan_queries_leave_the_writes_intact(implementation, interpret):
 
 
 @pytest.mark.parametrize("case_name,reach", [
-    ("reach_at_edge", 256), ("reach_past_edge", 512), ("reach_mixed_long_short", 599),
-    ("reach_chunk_mid_bucket", 512)])
+    ("reach_smallest", 64), ("reach_past_smallest", 128), ("reach_at_edge", 256), ("reach_past_edge", 512),
+    ("reach_mixed_long_short", 599), ("reach_chunk_mid_bucket", 512)])
 def test_reach_cases_take_the_bucket_they_name(case_name, reach):
     """The shared reach cases sit where they say (so every branch of the XLA path and every edge runs)."""
     case = REACH_CASES[case_name]
-    assert xla.reach_buckets(case.window) == (256, 512, 599)
+    assert xla.reach_buckets(case.window) == (64, 128, 256, 512, 599)
     bucket = xla.reach_bucket(jnp.asarray(case.lengths, jnp.int32), jnp.asarray(case.num_new, jnp.int32), case.window)
     assert xla.reach_buckets(case.window)[int(bucket)] == reach
 
 
-@pytest.mark.parametrize("window,expected", [(1, (0,)), (24, (23,)), (257, (256,)), (258, (256, 257)),
-                                             (750, (256, 512, 749)), (8192, (256, 512, 1024, 2048, 4096, 8191))])
+@pytest.mark.parametrize("window,expected", [
+    (1, (0,)), (24, (23,)), (129, (128,)), (257, (256,)), (258, (64, 128, 256, 257)),
+    (750, (64, 128, 256, 512, 749)), (8192, (64, 128, 256, 512, 1024, 2048, 4096, 8191))])
 def test_reach_buckets(window, expected):
     assert xla.reach_buckets(window) == expected
 

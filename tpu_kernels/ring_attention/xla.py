@@ -4,11 +4,11 @@ runs a masked softmax in f32.
 Runs on every backend; it is what CPU serving and CPU training use, and the fallback of the dispatcher.
 The keys are laid out in position order, the last `reach` written positions then the chunk. Its cost
 follows the filled positions, not the window: `reach` is one of a few static buckets (`reach_buckets`:
-256 old positions, doubling up to the whole window W - 1), and one `lax.switch` inside the single compiled
+64 old positions, doubling up to the whole window W - 1), and one `lax.switch` inside the single compiled
 program picks, on device, the smallest bucket that covers the longest history any active session of the
-batch can see, min(length, W - 1). Only the taken branch runs, so a 10 s stream in Voxtral's 8192-token
-decoder window gathers and scores 256 old keys, not 8191; the engine still compiles one program per
-(step, batch bucket). Windows of at most MIN_REACH + 1 positions have a single bucket and no switch.
+batch can see, min(length, W - 1). Only the taken branch runs, so a 5 s stream in Voxtral's 8192-token
+decoder window gathers and scores 64 old keys, not 8191; the engine still compiles one program per
+(step, batch bucket). Windows of at most SINGLE_BUCKET_REACH + 1 positions have a single bucket and no switch.
 
 Long chunks are cut into blocks of QUERY_BLOCK queries, each scored only against the keys it can see, at
 most W - 1 + QUERY_BLOCK: a whole-chunk score matrix would be (reach + C) wide for every query, and on CPU
@@ -25,18 +25,26 @@ from jax import lax
 from jaxstream.tpu_kernels.ring_attention import positions
 
 QUERY_BLOCK = 64
-# The smallest reach bucket, in old positions (20 s of Voxtral decoder slots, 5 s of encoder frames); each
-# further bucket doubles it, the last is W - 1. Powers of two make every bucket but the last a whole number
-# of pages for power-of-two page sizes up to 256.
-MIN_REACH = 256
+# The smallest reach bucket, in old positions (5 s of Voxtral decoder slots, 1.3 s of encoder frames); each
+# further bucket doubles it, the last is W - 1. Voice-agent turns last seconds: with 256 as the smallest
+# bucket, a 4 s stream's decoder steps gathered 4x the keys they can see (benchmarks/realtime_step.py, the
+# random mid-size Voxtral, 32 rows at fill 40: K = 16 dispatches 440 -> 351-361 ms with 64).
+MIN_REACH = 64
+# Windows up to this many old positions have one bucket, the whole window, and no switch: gathering a short
+# window whole is cheap, while each switch costs (~0.25 ms a call in a mid-size K = 1 step) and makes
+# training's reverse mode keep a residual per branch. The tiny models' 128-position windows stay switch-free.
+SINGLE_BUCKET_REACH = 256
 
 
 def reach_buckets(window):
-    """Static numbers of old positions the XLA path may gather: MIN_REACH, 2 MIN_REACH, ... < W - 1, then W - 1.
+    """Static numbers of old positions the XLA path may gather: MIN_REACH, 2 MIN_REACH, ... < W - 1, then W - 1;
+    only W - 1 for windows of at most SINGLE_BUCKET_REACH + 1 positions.
 
-    Past MIN_REACH, doubling bounds the gathered positions at 2x the needed ones with about
-    log2(W / MIN_REACH) + 1 branches (6 for W = 8192, 3 for W = 750, 1 for W <= MIN_REACH + 1).
+    Doubling bounds the gathered positions at 2x the needed ones (past MIN_REACH) with about
+    log2(W / MIN_REACH) + 1 branches (8 for W = 8192, 5 for W = 750).
     """
+    if window - 1 <= SINGLE_BUCKET_REACH:
+        return (window - 1,)
     reaches = []
     reach = MIN_REACH
     while reach < window - 1:
