@@ -6,9 +6,10 @@ The keys are laid out in position order, the last `reach` written positions then
 follows the filled positions, not the window: `reach` is one of a few static buckets (`reach_buckets`:
 64 old positions, doubling up to the whole window W - 1), and one `lax.switch` inside the single compiled
 program picks, on device, the smallest bucket that covers the longest history any active session of the
-batch can see, min(length, W - 1). Only the taken branch runs, so a 5 s stream in Voxtral's 8192-token
-decoder window gathers and scores 64 old keys, not 8191; the engine still compiles one program per
-(step, batch bucket). Windows of at most SINGLE_BUCKET_REACH + 1 positions have a single bucket and no switch.
+batch can see, min(length, W - 1). Only the taken branch runs, so a Voxtral stream's first 128 decoder
+positions (its 39-slot prompt and 7 s of audio) gather and score at most 128 old keys of the 8192-token
+window, not 8191; the engine still compiles one program per (step, batch bucket). Windows of at most
+SINGLE_BUCKET_REACH + 1 positions have a single bucket and no switch.
 
 Long chunks are cut into blocks of QUERY_BLOCK queries, each scored only against the keys it can see, at
 most W - 1 + QUERY_BLOCK: a whole-chunk score matrix would be (reach + C) wide for every query, and on CPU
@@ -25,10 +26,11 @@ from jax import lax
 from jaxstream.tpu_kernels.ring_attention import positions
 
 QUERY_BLOCK = 64
-# The smallest reach bucket, in old positions (5 s of Voxtral decoder slots, 1.3 s of encoder frames); each
-# further bucket doubles it, the last is W - 1. Voice-agent turns last seconds: with 256 as the smallest
-# bucket, a 4 s stream's decoder steps gathered 4x the keys they can see (benchmarks/realtime_step.py, the
-# random mid-size Voxtral, 32 rows at fill 40: K = 16 dispatches 440 -> 351-361 ms with 64). Every branch is
+# The smallest reach bucket, in old positions (64 Voxtral decoder slots of 80 ms, the 39-slot prompt included;
+# 1.3 s of encoder frames); each further bucket doubles it, the last is W - 1. Voice-agent turns last seconds:
+# with 256 as the smallest bucket, a new stream's decoder steps gathered 4x the keys they can see
+# (benchmarks/realtime_step.py, the random mid-size Voxtral, 32 rows at fill 40: K = 16 dispatches
+# 440 -> 351-361 ms with 64). Every branch is
 # compiled into every program: that model's engine builds in 101-137 s instead of 83-104 (a single 64 bucket
 # before 256, 512, ... took 126 s where this took 137: it keeps 5-10 s streams at 256 keys for little less).
 MIN_REACH = 64
