@@ -71,7 +71,7 @@ class TickLog:
 
     def durations(self, begin: int, end: int) -> tuple[float, ...]:
         """`total_s` of the ticks `window` returns, without building them (the engine thread's metrics
-        snapshot reads 256 of them whenever it goes idle: building TickStats took ~8 % of its time)."""
+        snapshot reads 256 of them whenever it goes idle: 0.14 ms a snapshot with TickStats, 0.05 without)."""
         return tuple(self._held(begin, end)[:, 2].tolist())
 
     def _held(self, begin: int, end: int) -> np.ndarray:

@@ -30,9 +30,9 @@ QUERY_BLOCK = 64
 # 1.3 s of encoder frames); each further bucket doubles it, the last is W - 1. Voice-agent turns last seconds:
 # with 256 as the smallest bucket, a new stream's decoder steps gathered 4x the keys they can see
 # (benchmarks/realtime_step.py, the random mid-size Voxtral, 32 rows at fill 40: K = 16 dispatches
-# 440 -> 351-361 ms with 64). Every branch is
-# compiled into every program: that model's engine builds in 101-137 s instead of 83-104 (a single 64 bucket
-# before 256, 512, ... took 126 s where this took 137: it keeps 5-10 s streams at 256 keys for little less).
+# 440 -> 351-361 ms with 64). Every branch is compiled into every program: that model's engine builds in
+# 101-137 s instead of 83-104 (with 64 then 256, 512, ... it took 126 s where this took 137, but a stream's
+# 3rd to 17th second of audio then reads 256 keys).
 MIN_REACH = 64
 # Windows up to this many old positions have one bucket, the whole window, and no switch: gathering a short
 # window whole is cheap, while each switch costs (~0.25 ms a call in a mid-size K = 1 step) and makes
