@@ -95,8 +95,8 @@ def main() -> None:
         result = run(streams, args.ticks)
         print(f"streams={result['streams']}: {result['ticks']} ticks, median {result['rows_p50']:g} rows; host CPU "
               f"per tick p50/p99 {result['cpu_ms_p50']:.2f} / {result['cpu_ms_p99']:.2f} ms (in XLA's calls p50 "
-              f"{result['xla_calls_ms_p50']:.2f}, the scheduler p50 {result['scheduler_ms_p50']:.2f}); host wall (tick minus "
-              f"device wait) p50/p99 {result['host_ms_p50']:.2f} / {result['host_ms_p99']:.2f} ms; CPU with the "
+              f"{result['xla_calls_ms_p50']:.2f}, the scheduler p50 {result['scheduler_ms_p50']:.2f}); host wall "
+              f"(tick minus device wait) p50/p99 {result['host_ms_p50']:.2f} / {result['host_ms_p99']:.2f} ms; CPU with the "
               f"append commands p50 {result['with_commands_ms_p50']:.2f} ms "
               f"({time.perf_counter() - start:.0f} s)", flush=True)
 

@@ -83,15 +83,15 @@ def test_audio_queues_are_fifo_through_ring_widening_slab_growth_and_row_reuse(o
 def test_a_ticks_slots_come_back_as_one_run_and_are_stored_in_one_copy():
     slab = MelSlab((2, 3), blocks=16)
     parts = [np.full((n, 2, 3), value, np.float32) for value, n in ((1, 2), (2, 1), (3, 3))]
-    blocks = slab.store(parts, np.arange(6.0), 6)
+    blocks = slab.store(parts, np.arange(6.0))
     assert blocks.tolist() == [1, 2, 3, 4, 5, 6]
     slab.release(blocks[[4, 0, 5, 2, 1, 3]])  # consumed in batch-row order, not slab order
-    again = slab.store(parts[::-1], np.zeros(6), 6)
+    again = slab.store(parts[::-1], np.zeros(6))
     assert again.tolist() == [1, 2, 3, 4, 5, 6]
     assert slab.data[again][:, 0, 0].tolist() == [3, 3, 3, 2, 1, 1]
     # Free blocks that are not one run (some still queued) go through the scattered path, same contents.
     slab.release(again[[0, 2, 4]])
-    scattered = slab.store(parts, np.zeros(6), 6)
+    scattered = slab.store(parts, np.zeros(6))
     assert scattered[:3].tolist() == [1, 3, 5]
     assert slab.data[scattered][:, 0, 0].tolist() == [1, 1, 2, 3, 3, 3]
 
@@ -99,7 +99,7 @@ def test_a_ticks_slots_come_back_as_one_run_and_are_stored_in_one_copy():
 def test_a_batch_of_consecutive_slots_is_an_aligned_view_and_any_other_a_zero_padded_copy():
     slab = MelSlab((4, 4), blocks=8)  # 64-byte slots, as the real ones (4 KB) are a multiple of
     parts = [np.arange(i * 16, i * 16 + 48, dtype=np.float32).reshape(3, 4, 4) for i in range(2)]
-    blocks = slab.store(parts, np.zeros(6), 6)  # blocks 1-6
+    blocks = slab.store(parts, np.zeros(6))  # blocks 1-6
     view = slab.batch(np.array([[3], [4], [5], [0]]), used=3)  # the padding row reads block 6, not zeros
     assert np.shares_memory(view, slab.data) and view.ctypes.data % 64 == 0
     expected = np.concatenate(parts)[2:5, None]
@@ -110,7 +110,7 @@ def test_a_batch_of_consecutive_slots_is_an_aligned_view_and_any_other_a_zero_pa
         np.testing.assert_array_equal(copy, slab.data[np.array(rows)])
         assert not copy[np.array(rows) == 0].any()
     slab.release(blocks)
-    slab.store([np.ones((12, 4, 4), np.float32)], np.zeros(12), 12)  # grows the slab: the view keeps its data
+    slab.store([np.ones((12, 4, 4), np.float32)], np.zeros(12))  # grows the slab: the view keeps its data
     np.testing.assert_array_equal(view[:3], expected)
     assert slab.data.ctypes.data % 64 == 0 and not slab.data[0].any()
 

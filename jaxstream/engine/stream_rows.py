@@ -98,9 +98,10 @@ class MelSlab:
         """Blocks holding queued or in-flight slots."""
         return len(self.data) - 1 - self._num_free
 
-    def store(self, parts, arrived: np.ndarray, count: int) -> np.ndarray:
-        """Copies the `count` slots of `parts` (arrays of slots, in order) into free blocks, with each slot's
-        arrival time; returns the blocks, in order."""
+    def store(self, parts, arrived: np.ndarray) -> np.ndarray:
+        """Copies the slots of `parts` (arrays of slots, in order) into free blocks, with each slot's arrival
+        time; returns the blocks, in order."""
+        count = len(arrived)
         while count > self._num_free:
             self._grow()
         top = self._num_free
@@ -258,7 +259,7 @@ class StreamRows:
         needed = int((self.received + added - self.fed).max())
         if needed > self.ring.shape[1]:
             self._widen_ring(needed)
-        self.ring[owners, positions % self.ring.shape[1]] = self.mel.store(parts, arrived, total)
+        self.ring[owners, positions % self.ring.shape[1]] = self.mel.store(parts, arrived)
         self.received += added
 
     def _widen_ring(self, needed: int) -> None:
