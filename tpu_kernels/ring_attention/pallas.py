@@ -1,7 +1,9 @@
 """Portable Pallas kernel of `ring_attention`: one source for TPU Mosaic, GPU Triton and the interpreters.
 
-Grid (S, Hkv), one program per session and KV head. Its blocks are the session's folded queries
-[rows, D] and chunk keys/values [C_pad, D], and the *whole page pool* of its KV head
+Grid (S, Hkv, row blocks), one program per session, KV head and block of folded query rows (on Triton
+blocks of at most ROW_BLOCK rows, so a long chunk's queries, state and output fit in shared memory; one
+block elsewhere). Its blocks are those query rows [rows, D], the chunk keys/values [C_pad, D], and the
+*whole page pool* of its KV head
 [num_pages, page_size, D]: on Triton a block is only a pointer, so the kernel reads just the pages it
 indexes; on TPU the pool slice is copied to VMEM, so this kernel suits small pools there (tests, small
 configs) and `pallas_tpu` is the TPU production path. Per-session scalars (lengths, num_new, the
@@ -23,6 +25,12 @@ from jaxstream.tpu_kernels.ring_attention.xla import write_new_entries
 
 # On TPU the whole pool slice of a head (K and V, double-buffered) must fit in scoped VMEM.
 TPU_POOL_VMEM_BUDGET = 8 * 1024 * 1024
+# Triton tiles: folded query rows per program, and keys per step of the loops over the chunk and over each
+# page. Triton stages the operands of both dots of a step in shared memory (227 KiB on an H100/H200): a
+# whole 150-token chunk of GQA pairs at float32 asked for 481 KiB, 64 rows against whole 256-entry pages
+# of head_dim 128 for 272 KiB.
+ROW_BLOCK = 64
+KEY_BLOCK = 64
 
 
 def check_supported(k_pages, *, interpret=False, platform=None):
@@ -43,7 +51,7 @@ def check_supported(k_pages, *, interpret=False, platform=None):
 
 
 def _kernel(lengths_ref, num_new_ref, table_ref, q_ref, k_chunk_ref, v_chunk_ref, k_pool_ref, v_pool_ref, out_ref, *,
-            window, group, pages_per_window, scale):
+            window, group, pages_per_window, scale, chunk_block, page_block):
     session = pl.program_id(0)
     length = lengths_ref[session]
     num_new = num_new_ref[session]
@@ -51,20 +59,27 @@ def _kernel(lengths_ref, num_new_ref, table_ref, q_ref, k_chunk_ref, v_chunk_ref
     ring = pages_per_window * page_size
     q = q_ref[...]
     rows, head_dim = q.shape
-    block = common.chunk_block(k_chunk_ref.shape[0])
+    first_row = pl.program_id(2) * rows
+    block = common.chunk_block(k_chunk_ref.shape[0], chunk_block)
 
     def chunk_body(b, carry):
         start = pl.multiple_of(b * block, block)
-        return common.chunk_step(q, k_chunk_ref, v_chunk_ref, start, block, num_new, group, window, scale, carry)
+        return common.chunk_step(q, k_chunk_ref, v_chunk_ref, start, block, num_new, group, window, scale, carry,
+                                 first_row)
 
-    carry = lax.fori_loop(0, pl.cdiv(num_new, block), chunk_body, common.initial_state(rows, head_dim))
+    # Chunk keys after this block's last token are never visible to it.
+    keys = jnp.minimum(num_new, lax.div(first_row + rows - 1, group) + 1)
+    carry = lax.fori_loop(0, pl.cdiv(keys, block), chunk_body, common.initial_state(rows, head_dim))
     first, count = positions.visible_pages(length, num_new, window, page_size, pages_per_window)
 
     def page_body(t, carry):
         logical = lax.rem(first + t, pages_per_window)
         page = table_ref[session * pages_per_window + logical]
-        return common.page_step(q, k_pool_ref[page], v_pool_ref[page], logical, length, group, window, ring, scale,
-                                carry)
+        for start in range(0, page_size, page_block):
+            entries = pl.ds(start, page_block)
+            carry = common.page_step(q, k_pool_ref[page, entries, :], v_pool_ref[page, entries, :],
+                                     logical * page_size + start, length, group, window, ring, scale, carry, first_row)
+        return carry
 
     _, l, acc = lax.fori_loop(0, count, page_body, carry)
     out_ref[...] = common.normalise(l, acc, out_ref.dtype)
@@ -88,19 +103,25 @@ def ring_attention_pallas(q, k_new, v_new, k_pages, v_pages, page_table, lengths
     if target != "tpu":  # Triton-style whole blocks need power-of-two sizes.
         scalars = [common.pad_axis(x, 0, common.next_power_of_two(x.shape[0])) for x in scalars]
 
-    rows_spec = pl.BlockSpec((None, None, rows, head_dim), lambda s, h: (s, h, 0, 0))
-    chunk_spec = pl.BlockSpec((None, None, chunk_keys, head_dim), lambda s, h: (s, h, 0, 0))
-    pool_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda s, h: (0, h, 0, 0))
-    kernel = functools.partial(_kernel, window=window, group=group, pages_per_window=pages_per_window, scale=scale)
+    # Powers of two, so the blocks tile the padded rows and the pages exactly.
+    if target == "tpu":
+        row_block, chunk_block, page_block = rows, common.CHUNK_BLOCK, page_size
+    else:
+        row_block, chunk_block, page_block = min(rows, ROW_BLOCK), KEY_BLOCK, min(page_size, KEY_BLOCK)
+    rows_spec = pl.BlockSpec((None, None, row_block, head_dim), lambda s, h, r: (s, h, r, 0))
+    chunk_spec = pl.BlockSpec((None, None, chunk_keys, head_dim), lambda s, h, r: (s, h, 0, 0))
+    pool_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda s, h, r: (0, h, 0, 0))
+    kernel = functools.partial(_kernel, window=window, group=group, pages_per_window=pages_per_window, scale=scale,
+                               chunk_block=chunk_block, page_block=page_block)
     out = pl.pallas_call(
         kernel,
-        grid=(sessions, num_kv_heads),
+        grid=(sessions, num_kv_heads, rows // row_block),
         in_specs=[*(common.scalar_spec(target, x.shape[0]) for x in scalars), rows_spec, chunk_spec, chunk_spec,
                   pool_spec, pool_spec],
         out_specs=rows_spec,
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
         name="ring_attention_pallas",
-        **common.call_kwargs(target, interpret, ("parallel", "parallel")),
+        **common.call_kwargs(target, interpret, ("parallel", "parallel", "parallel")),
     )(*scalars, q_rows, k_chunk, v_chunk, k_pages, v_pages)
 
     k_pages, v_pages = write_new_entries(k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, after=out)

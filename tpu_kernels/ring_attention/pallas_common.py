@@ -84,8 +84,8 @@ def padded_chunk(chunk):
     return max(MIN_TILE, next_power_of_two(chunk))
 
 
-def chunk_block(chunk_keys):
-    return min(chunk_keys, CHUNK_BLOCK)
+def chunk_block(chunk_keys, limit=CHUNK_BLOCK):
+    return min(chunk_keys, limit)
 
 
 def pad_axis(x, axis, size):
@@ -174,26 +174,28 @@ def normalise(l, acc, dtype):
     return (acc / jnp.where(l == 0.0, 1.0, l)).astype(dtype)
 
 
-def chunk_step(q, k_ref, v_ref, start, block, num_new, group, window, scale, carry):
+def chunk_step(q, k_ref, v_ref, start, block, num_new, group, window, scale, carry, first_row=0):
     """Online-softmax step over chunk keys [start, start + block): key i' is visible to the query of token
-    i when i' <= i, i - i' < window and i' < num_new (padding keys are never visible)."""
+    i when i' <= i, i - i' < window and i' < num_new (padding keys are never visible). q holds the folded
+    rows from `first_row` on."""
     rows = q.shape[0]
     k = k_ref[pl.ds(start, block), :]
     v = v_ref[pl.ds(start, block), :]
-    token = lax.div(lax.broadcasted_iota(jnp.int32, (rows, block), 0), group)
+    token = lax.div(first_row + lax.broadcasted_iota(jnp.int32, (rows, block), 0), group)
     key = start + lax.broadcasted_iota(jnp.int32, (rows, block), 1)
     valid = (key <= token) & (token - key < window) & (key < num_new)
     return online_softmax_step(scores(q, k, scale), valid, v, carry)
 
 
-def page_step(q, k, v, logical_page, length, group, window, ring, scale, carry):
-    """Online-softmax step over one page of the old ring (k, v: [page_size, D], logical page index
-    `logical_page`). An entry is visible to the query of token i (position length + i) when it holds a
-    written position inside that query's window; every old position is < length, so causality holds."""
+def page_step(q, k, v, first_index, length, group, window, ring, scale, carry, first_row=0):
+    """Online-softmax step over entries of the old ring (k, v: [N, D], a page or part of one, the first
+    at ring index `first_index`). An entry is visible to the query of token i (position length + i) when
+    it holds a written position inside that query's window; every old position is < length, so causality
+    holds."""
     rows = q.shape[0]
-    page_size = k.shape[0]
-    token = lax.div(lax.broadcasted_iota(jnp.int32, (rows, page_size), 0), group)
-    ring_index = logical_page * page_size + lax.broadcasted_iota(jnp.int32, (rows, page_size), 1)
+    entries = k.shape[0]
+    token = lax.div(first_row + lax.broadcasted_iota(jnp.int32, (rows, entries), 0), group)
+    ring_index = first_index + lax.broadcasted_iota(jnp.int32, (rows, entries), 1)
     held = positions.position_at(length - 1, ring, ring_index)
     valid = (held >= 0) & (held > length + token - window)
     return online_softmax_step(scores(q, k.astype(q.dtype), scale), valid, v.astype(q.dtype), carry)

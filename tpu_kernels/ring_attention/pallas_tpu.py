@@ -64,7 +64,8 @@ def _kernel(lengths_ref, num_new_ref, table_ref, q_ref, k_chunk_ref, v_chunk_ref
     @pl.when(step < count)
     def _visit_page():
         logical = lax.rem(first + step, pages_per_window)
-        carry = common.page_step(q_ref[...], k_page_ref[...], v_page_ref[...], logical, length, group, window,
+        carry = common.page_step(q_ref[...], k_page_ref[...], v_page_ref[...], logical * page_size, length, group,
+                                 window,
                                  pages_per_window * page_size, scale, load_state())
         store_state(carry)
 
