@@ -40,6 +40,9 @@ def register(subparsers) -> None:
                         "the engine's prefix cache (for comparing the two)")
     parser.add_argument("--dtype", default=None, help="compute and KV dtype, e.g. bfloat16 (default: float32 on "
                         "CPU, bfloat16 on accelerators)")
+    parser.add_argument("--attention", choices=("xla", "pallas", "pallas_tpu"), default=None,
+                        help="ring attention implementation (default: the best on this backend: pallas_tpu on TPU, "
+                        "pallas on GPU, xla elsewhere)")
     parser.add_argument("--seed", type=int, default=0, metavar="N",
                         help="seed of the synthetic audio and of --random-weights (default: 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per run instead of text")
@@ -84,10 +87,11 @@ async def _run(args, counts, steps, buckets) -> int:
     config = EngineConfig(max_sessions=max_streams, page_size=args.page_size,
                           encoder_page_size=args.encoder_page_size, realtime_step_buckets=steps, dtype=args.dtype,
                           batch_buckets=buckets, max_queued_audio_seconds=max(600.0, 2 * args.seconds),
-                          cache_silent_prefix=not args.no_prefix_cache)
+                          cache_silent_prefix=not args.no_prefix_cache, attention_impl=args.attention)
     if args.config:
         model, tokenizer = _random_model(args.config, config, args.seed)
-        config = _pools_for(config, model.cfg, args.seconds, max_streams)
+        # The engine sizes the pools (full windows for every stream, fitted to device memory): admission
+        # commits a stream's full windows, so pools sized for short streams would hold fewer at once.
         engine = AsyncEngine(model, config=config, tokenizer=tokenizer)
     else:
         engine = AsyncEngine.from_pretrained(model_source(args.model), config=config)
@@ -105,29 +109,6 @@ async def _run(args, counts, steps, buckets) -> int:
     finally:
         await engine.shutdown()
     return 0
-
-
-def _pools_for(config, model_cfg, seconds: float, streams: int):
-    """Page pools sized for `streams` sessions of `seconds` of audio (plus prompt and end padding), not for
-    full windows: the paged rings let short sessions hold only what they use."""
-    import dataclasses
-    import math
-
-    from jaxstream.models.audio import (
-        ALLOWED_DELAYS_MS, SAMPLES_PER_SLOT, SLOT_SECONDS, n_delay_from_ms, prompt_length, right_pad_samples,
-    )
-
-    longest = n_delay_from_ms(max(ALLOWED_DELAYS_MS))  # the prompt and the end padding grow with the delay
-    slots = (math.ceil(seconds / SLOT_SECONDS) + prompt_length(longest, model_cfg.n_left_pad_tokens)
-             + right_pad_samples(0, longest) // SAMPLES_PER_SLOT)
-    frames = slots * model_cfg.downsample_factor
-    dec_window, enc_window = model_cfg.text.attention_window, model_cfg.encoder.sliding_window
-    dec = math.ceil(min(slots, dec_window) / config.page_size) + 1
-    enc = math.ceil(min(frames, enc_window) / config.encoder_page_size) + 1
-    # The engine refuses a pool that cannot hold one session's whole window, however short the streams.
-    return dataclasses.replace(
-        config, num_pages=max(streams * dec, math.ceil(dec_window / config.page_size)) + 1,
-        encoder_num_pages=max(streams * enc, math.ceil(enc_window / config.encoder_page_size)) + 1)
 
 
 def _random_model(name: str, engine_config, seed: int):

@@ -92,6 +92,8 @@ class BenchResult:
     keeps_up: bool
     floor_ms: float  # memory-bound floor of one step at this batch
     step_over_floor: float | None
+    # Parked streams moved to host memory: the device held fewer streams at once than the run has.
+    evictions: int = 0
     # The process's malloc (jaxstream/allocator.py): on CPU, glibc's makes steps 8-25 % slower than TCMalloc.
     allocator: str = dataclasses.field(default_factory=allocator.loaded_allocator)
 
@@ -112,6 +114,8 @@ class BenchResult:
             f"  output tokens/s {self.output_tokens_per_s:.0f}; audio x real time (all streams) "
             f"{self.realtime_factor:.1f}; {'keeps up with' if self.keeps_up else 'falls behind'} real time",
             f"  memory-bound floor at the median batch {self.floor_ms:.3f} ms/step{over}",
+            *([f"  {self.evictions} evictions of parked streams to host memory: the device held fewer than "
+               f"{self.streams} streams at once"] if self.evictions else []),
         ]
 
 
@@ -153,6 +157,7 @@ async def run_streams(engine: AsyncEngine, *, streams: int, seconds: float, pace
     window = {"start": None, "end": None}
     first_tick = core.ticks_recorded
     latency_before = core.token_latency.counts.copy()
+    evictions_before = engine.metrics().evictions
     live_kv = [0]
     sessions = [await engine.start_transcription(delay_ms=delay_ms) for _ in range(streams)]
     prompt_slots = prompt_length(n_delay_from_ms(sessions[0].delay_ms), engine.model_config.n_left_pad_tokens)
@@ -195,6 +200,7 @@ async def run_streams(engine: AsyncEngine, *, streams: int, seconds: float, pace
     finally:
         watcher.cancel()
     wall = time.perf_counter() - start
+    await engine.wait_until_idle()  # and its metrics current
     begin = window["start"] if window["start"] is not None else first_tick
     end = window["end"] if window["end"] is not None else core.ticks_recorded
     ticks = core.tick_stats.window(begin, end)
@@ -221,4 +227,5 @@ async def run_streams(engine: AsyncEngine, *, streams: int, seconds: float, pace
         output_tokens_per_s=tokens / wall, realtime_factor=streams * seconds / wall,
         keeps_up=keeps_up(paced=paced, tick_ms_p99=tick_p99, latency_ms_p99=latency_p99, wall_seconds=wall,
                           audio_seconds=seconds),
-        floor_ms=floor, step_over_floor=None if step_p50 is None else step_p50 / floor)
+        floor_ms=floor, step_over_floor=None if step_p50 is None else step_p50 / floor,
+        evictions=engine.metrics().evictions - evictions_before)
