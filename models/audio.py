@@ -13,6 +13,7 @@ multiple of 1280 samples plus `n_delay + 11` silent slots (spec §1.2). `Streami
 offline features of that padded stream exactly while the audio arrives in pieces of any size (spec §1.3).
 """
 import io
+import math
 import os
 
 import numpy as np
@@ -169,6 +170,13 @@ def right_pad_samples(num_samples: int, n_delay: int) -> int:
     """
     align = -num_samples % SAMPLES_PER_SLOT
     return align + (n_delay + 1 + END_OF_STREAM_BUFFER_SLOTS) * SAMPLES_PER_SLOT
+
+
+def stream_slot_bound(seconds: float, n_delay: int, n_left_pad_tokens: int = N_LEFT_PAD_TOKENS) -> int:
+    """The most slots a stream of at most `seconds` of audio has: the left padding, the audio (plus one slot
+    for a resampler's rounding) and the end padding of `right_pad_samples`."""
+    audio_slots = math.ceil(seconds * SAMPLING_RATE / SAMPLES_PER_SLOT) + 1
+    return n_left_pad_tokens + audio_slots + n_delay + 1 + END_OF_STREAM_BUFFER_SLOTS
 
 
 def pad_for_offline(audio, n_delay: int, n_left_pad_tokens: int = N_LEFT_PAD_TOKENS) -> np.ndarray:

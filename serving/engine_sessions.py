@@ -10,11 +10,13 @@ from jaxstream.models.audio import SAMPLING_RATE
 logger = logging.getLogger(__name__)
 
 
-async def start_session(engine, delay_ms, sample_rate: int = SAMPLING_RATE):
+async def start_session(engine, delay_ms, sample_rate: int = SAMPLING_RATE, *, max_audio_seconds: float | None):
     """`engine.start_transcription`, safe against cancellation: a session the engine creates after the
     caller was torn down (a client that went away mid-start) is aborted, never left holding engine
-    capacity."""
-    task = asyncio.ensure_future(engine.start_transcription(delay_ms, sample_rate=sample_rate))
+    capacity. `max_audio_seconds` is the most audio the session can take (the engine reserves memory for
+    that much): a file's length, or the connection's audio limit."""
+    task = asyncio.ensure_future(engine.start_transcription(delay_ms, sample_rate=sample_rate,
+                                                            max_audio_seconds=max_audio_seconds))
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:

@@ -381,7 +381,8 @@ class EnvelopeProtocol:
     async def _start(self, session_id: str | None, request_id: str | None) -> _Utterance:
         if self.server.draining:
             raise EnvelopeError("draining", "draining", "The server is shutting down and starts no new utterance")
-        session = await start_session(self.server.engine, self.delay_ms)
+        session = await start_session(self.server.engine, self.delay_ms,
+                                      max_audio_seconds=self.limits.max_audio_seconds)
         utterance = _Utterance(session, session_id, request_id)
         self.open = utterance
         self.live.append(utterance)

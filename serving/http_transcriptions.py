@@ -94,9 +94,11 @@ class AudioInput(streaming_input.EngineInput):
     modality = "audio"
 
     def __init__(self, state, delay_ms: int | None = None, log: sse.EventLog | None = None, *,
-                 logprobs: bool = False):
+                 logprobs: bool = False, seconds: float | None = None):
         super().__init__(state, log)
         self.delay_ms = delay_ms
+        # The most audio this input can carry: a decoded file's length, else the server's limit.
+        self.seconds = state.config.limits.max_audio_seconds if seconds is None else seconds
         self.logprobs = logprobs
         self.session = None
         self.outcome: TranscriptionDone | EngineError | None = None
@@ -129,7 +131,7 @@ class AudioInput(streaming_input.EngineInput):
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     async def start(self) -> None:
-        self.session = await start_session(self.state.engine, self.delay_ms)
+        self.session = await start_session(self.state.engine, self.delay_ms, max_audio_seconds=self.seconds)
         self._pump = asyncio.create_task(self._run_pump(time.monotonic()))
 
     async def _run_pump(self, started_at: float) -> None:
@@ -292,7 +294,8 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
             raise RequestError(400, "invalid_request", f"response_format {response_format!r} cannot be "
                                "streamed; use json or text", "response_format")
         pcm = await _decode(audio, state)
-        audio_input = AudioInput(state, log=sse.EventLog() if stream else None, logprobs=logprobs)
+        audio_input = AudioInput(state, log=sse.EventLog() if stream else None, logprobs=logprobs,
+                                 seconds=pcm.size / SAMPLING_RATE)
         handle = streaming_input.DrainHandle(audio_input)
         streaming_input.admit(state, handle)
         try:

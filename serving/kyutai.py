@@ -210,7 +210,8 @@ class KyutaiAsr:
                                   "This server serves a text model: speech-to-text is not available"))
             return False
         try:
-            self.session = await start_session(engine, None, sample_rate=INPUT_RATE)
+            self.session = await start_session(engine, None, sample_rate=INPUT_RATE,
+                                               max_audio_seconds=self.limits.max_audio_seconds)
         except CapacityError:
             self.conn.stop(Breach("refused_capacity", CLOSE_CAPACITY, "capacity", NO_FREE_CHANNELS))
             return False

@@ -374,7 +374,8 @@ class OpenAiRealtime:
         if self.server.draining:
             raise ClientError("draining", "The server is shutting down and starts no new transcription")
         delay = self.transcription["delay"]
-        session = await start_session(self.server.engine, DELAY_MS[delay] if delay else None, self.rate)
+        session = await start_session(self.server.engine, DELAY_MS[delay] if delay else None, self.rate,
+                                      max_audio_seconds=self.limits.max_audio_seconds)
         item = _Item(item_id or _item_id(), self.last_item_id, session)
         self.last_item_id = item.id
         self.open = item

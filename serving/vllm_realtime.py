@@ -363,7 +363,8 @@ class VllmRealtime:
     async def _start(self, after: asyncio.Task | None = None) -> None:
         if self.server.draining:
             raise ProtocolError("draining", "The server is shutting down and starts no new transcription")
-        session = await start_session(self.server.engine, self.delay_ms)
+        session = await start_session(self.server.engine, self.delay_ms,
+                                      max_audio_seconds=self.limits.max_audio_seconds)
         utterance = _Utterance(session)
         utterance.after = after
         self.utterance = utterance

@@ -86,7 +86,8 @@ def test_bench_of_a_config_holds_every_stream_at_once(tmp_path, capsys):
     full windows, so pools sized for short streams (as bench once made them) held one stream at a time and
     rotated the others through host memory, 8x slower than real time for the 4B model on an H200."""
     toml = (Path(__file__).parents[1] / "configs" / "tiny.toml").read_text()
-    toml = toml.replace("sliding_window = 128", "sliding_window = 256").replace("sliding_window = 64", "sliding_window = 512")
+    toml = toml.replace("sliding_window = 128", "sliding_window = 256")
+    toml = toml.replace("sliding_window = 64", "sliding_window = 512")
     assert toml.count("sliding_window = 256") == 1 and toml.count("sliding_window = 512") == 1
     config = tmp_path / "long_windows.toml"
     config.write_text(toml)

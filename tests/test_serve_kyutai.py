@@ -245,7 +245,7 @@ class _FullEngine:
         return SimpleNamespace(sessions=4, waiting=0, running=4, parked=0, evicted=0, max_sessions=4,
                                pages_used={}, pages_total={}, ticks=0, recent_tick_seconds=())
 
-    async def start_transcription(self, delay_ms=None, *, session_id=None, sample_rate=16000):
+    async def start_transcription(self, delay_ms=None, *, session_id=None, sample_rate=16000, max_audio_seconds=None):
         raise CapacityError("the engine holds 4 sessions, its limit; try again later")
 
 

@@ -267,7 +267,7 @@ class _DyingEngine:
         return SimpleNamespace(sessions=0, waiting=0, running=0, parked=0, evicted=0, max_sessions=4,
                                pages_used={}, pages_total={}, ticks=0, recent_tick_seconds=())
 
-    async def start_transcription(self, delay_ms=None, *, session_id=None, sample_rate=16000):
+    async def start_transcription(self, delay_ms=None, *, session_id=None, sample_rate=16000, max_audio_seconds=None):
         from jaxstream.errors import EngineDeadError
 
         if not self.healthy:

@@ -16,6 +16,8 @@ a caller sees is an `EngineError` with a stable `code` (jaxstream/errors.py).
 import asyncio
 import dataclasses
 import logging
+import math
+import numbers
 import queue
 import threading
 import time
@@ -33,7 +35,7 @@ from jaxstream.errors import (
     CapacityError, DrainingError, EngineDeadError, EngineError, InvalidRequestError, ProcessGroupError,
 )
 from jaxstream.models import audio_checks
-from jaxstream.models.audio import SAMPLING_RATE, SLOT_SECONDS
+from jaxstream.models.audio import SAMPLING_RATE, SLOT_SECONDS, stream_slot_bound
 
 logger = logging.getLogger(__name__)
 _METRICS_PERIOD_S = 0.05  # how often a busy engine thread republishes its metrics snapshot
@@ -361,9 +363,15 @@ class AsyncEngine:
 
     # -- transcription --------------------------------------------------------------------------------
     async def start_transcription(self, delay_ms: int | None = None, *, session_id: str | None = None,
-                                  sample_rate: int = SAMPLING_RATE) -> TranscriptionSession:
+                                  sample_rate: int = SAMPLING_RATE,
+                                  max_audio_seconds: float | None = None) -> TranscriptionSession:
         """A new realtime transcription session (see `jaxstream.transcription`) taking float PCM at
         `sample_rate` Hz (resampled to 16 kHz as it streams).
+
+        `max_audio_seconds` limits the audio the session takes (appends past it are refused). The engine
+        reserves device memory for each session's largest size, so a limit shorter than the attention
+        windows (e.g. a file of known length, or a server's per-connection audio limit) lets more
+        sessions run at once.
 
         Answers at once: `CapacityError` when `max_live_sessions` sessions are live, `DrainingError` while
         draining, `EngineDeadError` after shutdown, `InvalidRequestError` for a bad delay or rate.
@@ -383,6 +391,11 @@ class AsyncEngine:
             raise _rejected(InvalidRequestError(f"sample_rate must be an integer number of Hz in [8000, 192000], "
                                                 f"got {sample_rate!r}"))
         self._input_warnings(audio_checks.delay_warning(cfg, delay_ms))
+        if max_audio_seconds is not None and (isinstance(max_audio_seconds, bool)
+                                              or not isinstance(max_audio_seconds, numbers.Real)
+                                              or not 0 < max_audio_seconds < math.inf):
+            raise _rejected(InvalidRequestError(f"max_audio_seconds must be a positive number of seconds or None, "
+                                                f"got {max_audio_seconds!r}"))
         if len(self._live) >= self.max_live_sessions:
             raise _rejected(CapacityError(f"the engine holds {len(self._live)} sessions, its limit; try again later"))
         session_id = session_id or uuid.uuid4().hex
@@ -390,14 +403,18 @@ class AsyncEngine:
         front_end = self._front_end.stream(StreamingLogMel(n_delay, n_left_pad_tokens=cfg.n_left_pad_tokens),
                                            sample_rate)
         session = TranscriptionSession(_SessionLink(self, session_id), session_id, int(delay_ms), front_end,
-                                       sample_rate=sample_rate, max_queued_slots=max_slots)
+                                       sample_rate=sample_rate, max_queued_slots=max_slots,
+                                       max_audio_seconds=max_audio_seconds)
+        stream_slots = None if max_audio_seconds is None else stream_slot_bound(
+            max_audio_seconds, n_delay, cfg.n_left_pad_tokens)
         prompt = transcription_prompt(cfg, n_delay)
         events = _SessionEvents(session, self)
         self._register(session_id, events)
         sink = self._sink(events)
         try:
             self._send(lambda: self.core.add_session(session_id, n_delay=n_delay, delay_ms=int(delay_ms),
-                                                     prompt_ids=prompt, sink=sink, backlog=session.backlog),
+                                                     prompt_ids=prompt, sink=sink, backlog=session.backlog,
+                                                     max_slots=stream_slots),
                        session_id, sink)
         except EngineError:
             self._unregister(session_id)

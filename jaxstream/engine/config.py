@@ -34,7 +34,8 @@ class EngineConfig:
     * When the page pool runs out, parked sessions are evicted first; if none is parked, the most recently
       admitted running text session is preempted (its KV is recomputed later, vLLM's rule). A
       transcription session cannot recompute (its audio is gone), so its admission commits a whole window
-      of every pool to it: every admitted stream can always advance, and a stream that finds the pools
+      of every pool to it, or the pages of its whole length when `start_transcription(max_audio_seconds=)`
+      caps it shorter: every admitted stream can always advance, and a stream that finds the pools
       committed waits (after parked sessions are evicted) until one ends.
     * `max_live_sessions` (default `max_sessions`) bounds the transcription sessions the engine accepts at
       once, running, parked or evicted: `start_transcription` beyond it raises `CapacityError` at once

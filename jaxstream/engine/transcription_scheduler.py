@@ -31,6 +31,7 @@ from jaxstream.engine.stream_rows import STATUS_CODE, UNKNOWN_LIMIT, RowSession,
 from jaxstream.engine.transcription_session import (
     PROGRESS, TranscriptionDelta, TranscriptionDone, TranscriptionUsage, to_ms, token_time, word_timings,
 )
+from jaxstream.errors import InvalidRequestError
 from jaxstream.models.audio import SAMPLING_RATE
 from jaxstream.models.tokenizers import NUM_CONTROL_IDS, Tokenizer
 
@@ -45,7 +46,7 @@ class RealtimeSession(RowSession, SessionBase):
     `status`, ...), the rest here."""
 
     def __init__(self, request_id, sink, rows: StreamRows, *, n_delay: int, delay_ms: int, prompt_ids, decoder,
-                 backlog, arrival: int):
+                 backlog, arrival: int, max_slots: int | None, commitment: dict[str, int]):
         super().__init__(request_id, sink, rows.attach(self))
         rows.n_delay[self.row] = n_delay
         rows.prompt_len[self.row] = len(prompt_ids)
@@ -59,6 +60,8 @@ class RealtimeSession(RowSession, SessionBase):
         self.logprobs: list[float] = []  # each generated id's log-probability
         self.undelivered: list[int] = []  # ids not yet carried by a delta
         self.decoder = decoder  # its `text` is the transcript so far
+        self.max_slots = max_slots  # None: a stream of any length
+        self.commitment = commitment  # pages per pool admission reserves for it (RealtimeScheduler.admit)
 
     @property
     def last_position(self) -> int | None:
@@ -109,6 +112,7 @@ class RealtimeScheduler(Residency):
         self.rows = StreamRows(self.cache.specs, slot_shape, TOKEN_BUFFER + max(engine_cfg.realtime_step_buckets))
         self._text_table = _text_id_table(tokenizer)
         self.prefix = PrefixCache(self.cache, model_cfg, engine_cfg.cache_silent_prefix)
+        self._committed = {name: 0 for name in self.cache.specs}  # the resident sessions' commitments
 
     # -- start-up -------------------------------------------------------------------------------------
     def warm_up(self) -> None:
@@ -137,11 +141,14 @@ class RealtimeScheduler(Residency):
         self.prefix.build(self.programs, self.prefill_buckets)
 
     # -- commands (engine thread) ---------------------------------------------------------------------
-    def add_session(self, request_id: str, *, n_delay: int, delay_ms: int, prompt_ids, sink, backlog) -> None:
+    def add_session(self, request_id: str, *, n_delay: int, delay_ms: int, prompt_ids, sink, backlog,
+                    max_slots: int | None = None) -> None:
+        """`max_slots`: the most mel slots the stream can have (prompt and end padding included), or None
+        for a stream of any length; admission commits pages for that many (see `admit`)."""
         self._arrivals += 1
         session = RealtimeSession(request_id, sink, self.rows, n_delay=n_delay, delay_ms=delay_ms,
                                   prompt_ids=prompt_ids, decoder=self.tokenizer.stream_decoder(), backlog=backlog,
-                                  arrival=self._arrivals)
+                                  arrival=self._arrivals, max_slots=max_slots, commitment=self._commitment(max_slots))
         # The stream starts after the cached prefix: its slots are dropped on arrival, never computed.
         session.skip = self.rows.fed[session.row] = self.rows.received[session.row] = self.prefix.slots
         self.sessions[request_id] = session
@@ -156,6 +163,10 @@ class RealtimeScheduler(Residency):
             session.skip -= dropped
             session.backlog.consumed += dropped
             mel_slots = mel_slots[dropped:]
+        if session.max_slots is not None and self.rows.received[session.row] + len(mel_slots) > session.max_slots:
+            # The caller checks the session's audio limit; past it, its pages were never committed.
+            self.fail(session, InvalidRequestError(f"session {request_id}: more audio than its limit"))
+            return
         self.rows.queue_audio(session.row, np.asarray(mel_slots, np.float32))
         session.samples += samples
         if total_slots is not None:
@@ -177,8 +188,16 @@ class RealtimeScheduler(Residency):
             deliver(session, None)
 
     def release(self, session: RealtimeSession) -> None:
+        if session.resident:
+            self._commit(session, -1)
         super().release(session)
         self.rows.detach(session)
+
+    def evict(self, session: RealtimeSession) -> bool:
+        evicted = super().evict(session)
+        if evicted:
+            self._commit(session, -1)
+        return evicted
 
     def at_baseline(self) -> bool:
         return super().at_baseline() and self.rows.mel.num_held == 0
@@ -293,22 +312,36 @@ class RealtimeScheduler(Residency):
                    key=lambda k: (int(np.minimum(counts, k).sum()) / (k + 1), k))
 
     def admit(self, session: RealtimeSession) -> bool:
-        """Admission commits a whole window of every pool to the session (pages are still assigned as the
-        stream grows). A transcription session cannot give its KV back (its audio is gone), so without the
+        """Admission commits to the session, in every pool, the pages of its whole window, or of its whole
+        stream when it has a length limit and that is shorter (pages are still assigned as the stream
+        grows). A transcription session cannot give its KV back (its audio is gone), so without the
         commitment two growing streams could each hold part of the pool and wait for each other forever;
-        with it, every resident stream can always reach its full window, and the rest wait their turn."""
+        with it, every resident stream can always reach its largest size, and the rest wait their turn."""
         if session.resident:
             return True
-        while not self._window_fits():
+        while not self._commitment_fits(session):
             if not self.evict_one_parked(protect=(session,)):
                 return False
-        return super().admit(session)
+        if not super().admit(session):
+            return False
+        self._commit(session, +1)
+        return True
 
-    def _window_fits(self) -> bool:
-        """One more resident session's full windows fit beside those of the resident ones."""
-        resident = self.num_resident
-        return all((resident + 1) * spec.pages_per_window <= self.cache.pools[name].capacity
-                   for name, spec in self.cache.specs.items())
+    def _commitment(self, max_slots: int | None) -> dict[str, int]:
+        """Pages per pool a stream of at most `max_slots` slots (None: any length) can ever hold."""
+        positions = {"decoder": max_slots, "encoder": None if max_slots is None
+                     else max_slots * self.model_cfg.downsample_factor}
+        return {name: spec.pages_per_window if positions[name] is None
+                else min(spec.pages_per_window, -(-positions[name] // spec.page_size))
+                for name, spec in self.cache.specs.items()}
+
+    def _commitment_fits(self, session: RealtimeSession) -> bool:
+        return all(self._committed[name] + session.commitment[name] <= self.cache.pools[name].capacity
+                   for name in self.cache.specs)
+
+    def _commit(self, session: RealtimeSession, sign: int) -> None:
+        for name, pages in session.commitment.items():
+            self._committed[name] += sign * pages
 
     def _spans(self, fed, counts) -> dict:
         """Positions the next `counts` slots from `fed` write, with the cached prefix a first prefill copies."""

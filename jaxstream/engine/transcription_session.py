@@ -14,7 +14,7 @@ import logging
 
 import numpy as np
 
-from jaxstream.errors import BacklogError, EngineError, InvalidAudioError, SessionClosedError
+from jaxstream.errors import BacklogError, EngineError, InvalidAudioError, InvalidRequestError, SessionClosedError
 from jaxstream.models.audio import SAMPLING_RATE, SLOT_SECONDS, AudioError
 
 logger = logging.getLogger(__name__)
@@ -145,10 +145,12 @@ class TranscriptionSession:
     """
 
     def __init__(self, link, session_id: str, delay_ms: int, front_end, *, sample_rate: int = SAMPLING_RATE,
-                 max_queued_slots: int):
+                 max_queued_slots: int, max_audio_seconds: float | None = None):
         self.session_id = session_id
         self.delay_ms = delay_ms
         self.sample_rate = sample_rate
+        self.max_audio_seconds = max_audio_seconds  # None: no limit
+        self._samples = 0  # appended, at `sample_rate`
         self._link = link  # the engine's `SessionLink`: sends commands, never touches scheduler state
         self._front = front_end  # audio_front_end.StreamFrontEnd at `sample_rate`
         self.backlog = AudioBacklog()
@@ -165,9 +167,10 @@ class TranscriptionSession:
 
         While more than `max_queued_audio_seconds` of this session's audio waits to be computed, it waits
         for the engine to catch up (backpressure), or raises `BacklogError` with `wait=False`. Raises
-        `InvalidAudioError` for unusable audio, `SessionClosedError` after `finish`/`abort` or once the
-        session failed. Audio that arrives after the model ended the transcription on its own
-        (end-of-text token) is ignored.
+        `InvalidAudioError` for unusable audio, `InvalidRequestError` for audio past the session's
+        `max_audio_seconds` (the append is refused whole; the session goes on), `SessionClosedError`
+        after `finish`/`abort` or once the session failed. Audio that arrives after the model ended the
+        transcription on its own (end-of-text token) is ignored.
         """
         if self._closed or (self.outcome is not None and self.outcome != "done"):
             raise SessionClosedError(f"transcription session {self.session_id} is "
@@ -179,10 +182,16 @@ class TranscriptionSession:
         if self.outcome == "done":
             return
         async with self._order:
+            limit = self.max_audio_seconds
+            if limit is not None and (self._samples + pcm.size) / self.sample_rate > limit:
+                raise self._rejected(InvalidRequestError(
+                    f"session {self.session_id}: this append would pass the session's limit of {limit:g} s of "
+                    f"audio (it has {self._samples / self.sample_rate:g} s); none of it was queued"))
             try:
                 slots = await self._front.push(pcm)
             except AudioError as exc:
                 raise self._rejected(InvalidAudioError(str(exc))) from None
+            self._samples += pcm.size
             await self._wait_for_room(len(slots), wait=wait)
             if self.outcome is not None:
                 return  # ended (aborted, failed or the model finished) while this append waited

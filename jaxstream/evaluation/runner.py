@@ -175,9 +175,9 @@ async def stream_audio(engine, pcm: np.ndarray, *, delay_ms: int | None = None, 
     from jaxstream.engine.transcription_session import TranscriptionDone
 
     loop = asyncio.get_running_loop()
-    session = await engine.start_transcription(delay_ms=delay_ms)
-    record = StreamRecord()
     duration = pcm.size / SAMPLING_RATE
+    session = await engine.start_transcription(delay_ms=delay_ms, max_audio_seconds=max(duration, 1 / SAMPLING_RATE))
+    record = StreamRecord()
     generated = 0  # ids generated so far: one per 80 ms slot, `delay_ms` behind the audio consumed
     decoder = engine.tokenizer.stream_decoder()  # the session's detokenizer, replayed to split deltas by token
     start = loop.time()
