@@ -200,7 +200,7 @@ class RealtimeScheduler(Residency):
         return evicted
 
     def at_baseline(self) -> bool:
-        return super().at_baseline() and self.rows.mel.num_held == 0
+        return super().at_baseline() and self.rows.mel.num_held == 0 and not any(self._committed.values())
 
     def has_work(self) -> bool:
         self.rows.absorb()
