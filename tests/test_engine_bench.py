@@ -30,6 +30,19 @@ def test_bench_runs_streams_and_reports(capsys):
     assert result["floor_ms"] > 0
 
 
+def test_a_run_that_never_catches_up_reports_its_whole_run(capsys):
+    """0.4 s streams end before their 39-slot prompt can be computed (it needs 0.48 s of audio), so the
+    streams never all catch up: the ticks reported are the whole run's, said to be so, and the run does
+    not keep up (it used to print no tick figures at all)."""
+    code = main(["bench", "--model", str(FIXTURE), "--streams", "2", "--seconds", "0.4", "--json",
+                 "--steps-per-dispatch", "1", "--page-size", "4", "--encoder-page-size", "4"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert not result["steady"] and result["ticks"] >= 1 and result["tick_ms_p50"] is not None
+    assert not result["keeps_up"]
+    assert "never steady" in "\n".join(BenchResult(**result).lines())
+
+
 def test_bench_user_errors(capsys):
     assert main(["bench", "--config", "tiny", "--streams", "2"]) == 2
     assert main(["bench", "--streams", "0,x"]) == 2
