@@ -131,7 +131,9 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping:
+                cpu = time.thread_time()
                 self._drain_commands()
+                self.core.command_cpu_s += time.thread_time() - cpu  # the next tick's host CPU counts it
                 worked = False
                 if self.core.has_work():
                     try:

@@ -38,8 +38,9 @@ class TickStats:
     steps: int  # 80 ms steps / tokens advanced in total
     total_s: float
     wait_s: float
-    # CPU time the engine thread spent on the tick (device work runs on other threads): its host work, not
-    # inflated by waiting for a core on a loaded machine as `host_s` is. None where not measured.
+    # CPU time the engine thread spent on the tick (device work runs on other threads), and on the commands
+    # it ran since the previous tick (appends, session starts): its host work, not inflated by waiting for
+    # a core on a loaded machine as `host_s` is. None where not measured.
     host_cpu_s: float | None = None
 
     @property
@@ -137,6 +138,7 @@ class Residency:
         self.tick = 0
         self.evictions = 0  # sessions moved off the device (to host memory or to recompute)
         self.tick_stats = TickLog()
+        self.command_cpu_s = 0.0  # the engine thread's CPU on commands since the last tick (AsyncEngine adds it)
         # Seconds from the time an input reached the engine to the time the id generated from it was read
         # back on the host, for every generated id, control ids included (recorded by the transcription
         # scheduler: an 80 ms audio slot -> the id sampled at its position).
@@ -148,6 +150,9 @@ class Residency:
         return self.tick_stats.recorded
 
     def record_tick(self, stats: TickStats) -> None:
+        if stats.host_cpu_s is not None:
+            stats = dataclasses.replace(stats, host_cpu_s=stats.host_cpu_s + self.command_cpu_s)
+        self.command_cpu_s = 0.0
         self.tick_stats.append(stats)
 
     def fetch(self, outputs):
