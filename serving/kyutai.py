@@ -41,7 +41,6 @@ import math
 import msgpack
 import numpy as np
 
-from jaxstream.engine.transcription_session import to_ms
 from jaxstream.errors import CapacityError, DrainingError, EngineError, InvalidAudioError
 from jaxstream.models.audio import MAX_SAMPLE_MAGNITUDE, SLOT_SECONDS, n_delay_from_ms, prompt_length
 from jaxstream.serving.engine_sessions import start_session
@@ -83,7 +82,7 @@ class WordStream:
 
     It runs `word_timings` (the engine's rule, so the words equal `TranscriptionDone.words`) over a window
     that starts where the word in progress starts, not over the whole stream: cost per delta stays
-    small on streams of any length. Times in the window are relative to its first id (`base`)."""
+    small on streams of any length. `base` is the stream index of the window's first id."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -115,12 +114,13 @@ class WordStream:
         return self._take(len(bounds), round(bounds[-1].end / SLOT_SECONDS) - 1, audio_seconds)
 
     def _take(self, count: int, keep_from: int, audio_seconds: float) -> list[WordTiming]:
-        """The window's first `count` words in stream time; the window then starts at its id `keep_from`."""
-        offset = self.base * SLOT_SECONDS
-        words = word_timings(self.window, self.tokenizer, audio_seconds - offset)[:count]
+        """The window's first `count` words in stream time; the window then starts at its id `keep_from`.
+        (Stream times come from the ids' stream indices, not from shifting window times by an offset,
+        whose float rounding moved a time by a millisecond.)"""
+        words = word_timings(self.window, self.tokenizer, audio_seconds, first_index=self.base)[:count]
         self.window = self.window[keep_from:]
         self.base += keep_from
-        return [WordTiming(w.word, to_ms(w.start + offset), to_ms(w.end + offset)) for w in words]
+        return words
 
 
 class _Marker:

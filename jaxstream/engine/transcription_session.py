@@ -75,8 +75,9 @@ def token_time(index: int) -> float:
     return to_ms((index + 1) * SLOT_SECONDS)
 
 
-def word_timings(token_ids, tokenizer, audio_seconds: float) -> list[WordTiming]:
-    """Words and their times from generated ids (see the module docstring for the rule)."""
+def word_timings(token_ids, tokenizer, audio_seconds: float, first_index: int = 0) -> list[WordTiming]:
+    """Words and their times from generated ids (see the module docstring for the rule); `token_ids` may be
+    a stream's ids from its `first_index`-th on (times stay the stream's, computed as for the whole)."""
     words: list[WordTiming] = []
     current: list[int] = []  # text ids of the word being built
     start = None
@@ -95,7 +96,7 @@ def word_timings(token_ids, tokenizer, audio_seconds: float) -> list[WordTiming]
         if token == tokenizer.streaming_word_id:
             if current:
                 close()
-            marker = token_time(index)
+            marker = token_time(first_index + index)
             continue
         if tokenizer.is_control(token):
             continue
@@ -103,10 +104,10 @@ def word_timings(token_ids, tokenizer, audio_seconds: float) -> list[WordTiming]
         if current and piece[:1].isspace() and marker is None:
             close()
         if not current:
-            start = marker if marker is not None else token_time(index)
+            start = marker if marker is not None else token_time(first_index + index)
             marker = None
         current.append(token)
-        last_time = token_time(index)
+        last_time = token_time(first_index + index)
     if current:
         close()
     return words
