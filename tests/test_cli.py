@@ -155,3 +155,36 @@ def test_audio_constants_have_one_owner():
                 assert not names & _AUDIO_CONSTANTS, f"{relative}:{node.lineno} redefines {names & _AUDIO_CONSTANTS}"
             if isinstance(node, ast.Constant) and not isinstance(node.value, bool):
                 assert node.value not in (16000, 0.08), f"{relative}:{node.lineno}: {node.value!r} literal"
+
+
+def test_program_commands_keep_compiled_programs_on_disk(tmp_path):
+    """A command's process keeps XLA's compiled programs in $XDG_CACHE_HOME/jaxstream/xla, so its next start
+    skips compiling (`cli.use_compilation_cache`)."""
+    import os
+    import subprocess
+    import sys
+
+    from jaxstream.models.loading import BUILTIN_MODELS
+
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "JAXSTREAM_XLA_CACHE")}
+    env.update(XDG_CACHE_HOME=str(tmp_path), JAX_PLATFORMS="cpu")
+    sample = BUILTIN_MODELS["tiny"].parent / "samples" / "sample.wav"
+    done = subprocess.run([sys.executable, "-m", "jaxstream", "transcribe", str(sample)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert any((tmp_path / "jaxstream" / "xla").iterdir())
+
+
+def test_the_compilation_cache_follows_jax_and_turns_off(monkeypatch, tmp_path):
+    import jax
+
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    try:
+        monkeypatch.setenv("JAXSTREAM_XLA_CACHE", "off")
+        assert cli.use_compilation_cache() is None and jax.config.jax_compilation_cache_dir == before[0]
+        monkeypatch.delenv("JAXSTREAM_XLA_CACHE")
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "chosen"))  # JAX_COMPILATION_CACHE_DIR's
+        assert cli.use_compilation_cache() == str(tmp_path / "chosen")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
