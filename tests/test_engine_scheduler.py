@@ -420,3 +420,23 @@ def test_a_ticks_host_cpu_counts_the_commands_run_since_the_previous_tick(core):
     first, second = core.tick_stats.window(core.ticks_recorded - 2, core.ticks_recorded)
     assert first.host_cpu_s == pytest.approx(0.007) and second.host_cpu_s == pytest.approx(0.003)
     assert core.command_cpu_s == 0.0
+
+
+def test_default_pools_fit_the_hosts_memory_on_a_cpu():
+    """A CPU device reports no memory limit: default pools are fitted to the host's available memory
+    (4,096 full windows of Voxtral 4B's decoder would be ~3.6 TB), keeping at least one window."""
+    import jax.numpy as jnp
+
+    from jaxstream.engine import builders, kv_cache, sharding
+
+    cfg = EngineConfig(max_sessions=4096, dtype="bfloat16")
+    spec = kv_cache.stack_spec("decoder", num_layers=26, num_kv_heads=8, head_dim=128, page_size=64, ring=8192,
+                               num_pages=None, max_sessions=cfg.max_sessions)
+    placement = sharding.Placement(None, "tp")
+    free = builders._free_device_bytes(placement)
+    if free is None:
+        pytest.skip("this host reports no available memory (not Linux)")
+    [fitted] = builders.fit_pools([spec], cfg, placement)
+    assert fitted.pages_per_window <= fitted.num_pages - 1 < spec.num_pages - 1
+    assert (fitted.num_pages - 1) * fitted.bytes_per_page(jnp.bfloat16) <= max(
+        cfg.kv_memory_fraction * free, fitted.pages_per_window * fitted.bytes_per_page(jnp.bfloat16))

@@ -115,18 +115,18 @@ def freeze_startup_heap() -> None:
 
 
 def fit_pools(specs: list[kv_cache.StackSpec], engine_cfg: EngineConfig, placement) -> list[kv_cache.StackSpec]:
-    """Scales default-sized pools down to `kv_memory_fraction` of the device's free memory.
+    """Scales default-sized pools down to `kv_memory_fraction` of the device's free memory (on CPU, the
+    host's available memory).
 
-    Pools the user sized explicitly are kept. With paged rings, short sessions hold few pages, so a
-    smaller pool still serves `max_sessions` sessions unless they all grow to full windows (then the limit
-    rules of `EngineConfig` apply).
+    Pools the user sized explicitly are kept. A smaller pool holds fewer sessions at once: text sessions
+    hold only the pages they use, while a transcription stream is committed its full windows, or its whole
+    length when it has an audio limit (the limit rules of `EngineConfig`).
     """
     explicit = {"text": engine_cfg.num_pages, "decoder": engine_cfg.num_pages,
                 "encoder": engine_cfg.encoder_num_pages}
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "bytes_limit" not in stats:
-        return specs  # CPU: no reported limit
-    free = (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * placement.size
+    free = _free_device_bytes(placement)
+    if free is None:
+        return specs
     dtype = engine_dtype(engine_cfg)
     defaulted = [spec for spec in specs if explicit.get(spec.name) is None]
     wanted = sum((spec.num_pages - 1) * spec.bytes_per_page(dtype) for spec in defaulted)
@@ -135,8 +135,29 @@ def fit_pools(specs: list[kv_cache.StackSpec], engine_cfg: EngineConfig, placeme
     if wanted <= budget:
         return specs
     scale = max(budget, 0) / wanted
+    logger.info("page pools scaled to %.0f %% of %d sessions' full windows to fit %.1f GB of free memory",
+                100 * scale, engine_cfg.max_sessions, free / 1e9)
     return [dataclasses.replace(spec, num_pages=1 + max(spec.pages_per_window, int((spec.num_pages - 1) * scale)))
             if spec in defaulted else spec for spec in specs]
+
+
+def _free_device_bytes(placement) -> int | None:
+    """Free memory of the devices the pools live on, or None where unknown. A CPU device reports no limit:
+    its memory is the host's, so the host's available memory stands in (without it, a CPU engine with the
+    windows of Voxtral 4B allocated 1-2 GB per session up front until the kernel killed it)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) * placement.size
+    if jax.default_backend() != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None  # not Linux: no reading
 
 
 def check_pool(spec: kv_cache.StackSpec) -> None:
