@@ -52,7 +52,7 @@ class EngineConfig:
     page_size: int = 64  # decoder / text KV positions per page
     encoder_page_size: int = 64  # Voxtral encoder KV frames per page
     # Pages per pool including the null page. None: `max_sessions` full windows, scaled down (all pools
-    # alike) to fit `kv_memory_fraction` of the free device memory where the device reports it.
+    # alike) to fit `kv_memory_fraction` of the free device memory (a CPU's: the host's available memory).
     num_pages: int | None = None
     encoder_num_pages: int | None = None
     kv_memory_fraction: float = 0.85
