@@ -65,8 +65,7 @@ def run(streams: int, ticks: int, seed: int = 0) -> dict:
         # at 256 streams).
         slots = rng.standard_normal((streams, 1, *slot_shape)).astype(np.float32)
         cpu_start, in_xla[0] = time.thread_time(), 0.0
-        for i in range(streams):
-            core.add_audio(f"s{i}", slots[i], 1280.0)
+        core.add_audio_many([(f"s{i}", slots[i], 1280.0, None) for i in range(streams)])  # as the engine thread
         core.step()
         with_commands.append(time.thread_time() - cpu_start)
         xla_cpu.append(in_xla[0])

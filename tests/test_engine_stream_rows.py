@@ -3,7 +3,7 @@ plain-Python oracles: per-session page checks, FIFO audio queues, token buffers,
 import collections
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jaxstream.engine.kv_cache import NULL_PAGE, PagePool, SessionPages, StackSpec, missing_pages
@@ -44,10 +44,11 @@ class Session(RowSession):
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40), st.integers(0, 20)), min_size=1, max_size=40))
+@example([(0, 0, 0), (1, 2, 1)])  # an empty append beside one of two slots: as many slots as appends
 def test_audio_queues_are_fifo_through_ring_widening_slab_growth_and_row_reuse(ops):
     rows = StreamRows({"decoder": SPEC}, (2, 3), token_width=8, capacity=2)
     rows.mel = type(rows.mel)((2, 3), blocks=4)  # small, so the slab grows too
-    sessions, oracle, serial = {}, {}, [0]
+    sessions, oracle, serial, appended_since = {}, {}, [0], []
 
     def fresh_slots(n):
         values = np.arange(serial[0], serial[0] + n, dtype=np.float32)
@@ -59,11 +60,13 @@ def test_audio_queues_are_fifo_through_ring_widening_slab_growth_and_row_reuse(o
             sessions[which], oracle[which] = Session(rows), collections.deque()
         session = sessions[which]
         slots = fresh_slots(appended)
-        rows.queue_audio(session.row, slots)
+        appended_since.append((session.row, slots))
         oracle[which].extend(slots[:, 0, 0].tolist())
         if not taken:
-            continue  # appends of several sessions pile up until the next absorb (a tick)
-        rows.absorb()
+            continue  # appends of several sessions (some of one row) are stored together, as between ticks
+        owners, parts = zip(*appended_since)
+        rows.store_audio(np.array(owners), list(parts))
+        appended_since.clear()
         count = min(taken, len(oracle[which]))
         row = np.array([session.row])
         blocks = rows.queued_blocks(row, rows.fed[row], np.array([count]), max(count, 1))

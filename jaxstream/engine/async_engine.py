@@ -21,9 +21,11 @@ import numbers
 import queue
 import threading
 import time
+import typing
 import uuid
 
 import jax
+import numpy as np
 
 from jaxstream.engine import metrics as engine_metrics
 from jaxstream.engine.audio_front_end import FrontEndWorker
@@ -131,11 +133,13 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping:
+                # The thread's CPU outside ticks (commands, the audio they store, handing outputs over) is
+                # host work too: the next tick's host CPU counts it.
                 cpu = time.thread_time()
                 self._drain_commands()
-                self.core.command_cpu_s += time.thread_time() - cpu  # the next tick's host CPU counts it
                 worked = False
                 if self.core.has_work():
+                    self.core.off_tick_cpu_s += time.thread_time() - cpu
                     try:
                         worked = self.core.step()
                     except ProcessGroupError:
@@ -143,6 +147,7 @@ class AsyncEngine:
                     except Exception as exc:  # noqa: BLE001 - an engine bug: end every session, keep serving
                         logger.exception("engine tick failed; ending every session")
                         self._fail_everything(exc)
+                    cpu = time.thread_time()
                 now = time.monotonic()
                 if not worked or now - self._metrics_time > _METRICS_PERIOD_S:
                     self._metrics, self._metrics_time = engine_metrics.snapshot(self.core), now
@@ -150,6 +155,7 @@ class AsyncEngine:
                     waiters, self._idle_waiters = self._idle_waiters, []
                     self._outbox.extend((loop, _Resolve(future), None) for loop, future in waiters)
                 self._flush_outbox()
+                self.core.off_tick_cpu_s += time.thread_time() - cpu
                 if not worked:
                     self._wake.wait(timeout=0.05)
                     self._wake.clear()
@@ -177,11 +183,18 @@ class AsyncEngine:
             self._flush_outbox()
 
     def _drain_commands(self) -> None:
+        appends = []  # consecutive audio appends, applied together (one per stream per 80 ms in steady state)
         while True:
             try:
                 request_id, command, sink = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
+            if type(command) is _Append:
+                appends.append(command)
+                continue
+            if appends:
+                self._apply_appends(appends)
+                appends = []
             try:
                 command()
             except Exception as exc:  # noqa: BLE001 - a command that raises ends its own session only
@@ -195,14 +208,27 @@ class AsyncEngine:
                 logger.error("a command for %s failed before its session existed", request_id, exc_info=exc)
                 if sink is not None:
                     sink(exc)
+        if appends:
+            self._apply_appends(appends)
+
+    def _apply_appends(self, appends: list["_Append"]) -> None:
+        try:
+            self.core.add_audio_many(appends)
+        except Exception as exc:  # noqa: BLE001 - an engine bug: end the sessions that appended, not the others
+            logger.error("applying %d audio appends failed; ending their sessions", len(appends), exc_info=exc)
+            for request_id in dict.fromkeys(append.request_id for append in appends):
+                session = self.core.sessions.get(request_id)
+                if session is not None:
+                    self.core.fail(session, exc)
 
     def _fail_everything(self, exc: BaseException) -> None:
         for session in list(self.core.sessions.values()):
             self.core.fail(session, exc)
 
     def _send(self, command, request_id: str | None = None, sink=None) -> None:
-        """Runs `command` on the engine thread before its next tick (commands run in order). If it raises,
-        its session ends with the error; with no session, the error goes to `sink` (the caller's)."""
+        """Runs `command` (a callable, or an `_Append`) on the engine thread before its next tick (commands
+        run in order). If it raises, its session ends with the error; with no session, the error goes to
+        `sink` (the caller's)."""
         self._check_alive()
         self._commands.put((request_id, command, sink))
         self._wake.set()
@@ -513,6 +539,15 @@ class _Resolve:
             self._future.set_result(None)
 
 
+class _Append(typing.NamedTuple):
+    """An audio append command; the engine thread applies consecutive ones with one `add_audio_many`."""
+
+    request_id: str
+    mel_slots: np.ndarray
+    samples: float
+    total_slots: int | None
+
+
 class _SessionLink:
     """What a `TranscriptionSession` may ask of its engine: commands for its own session id."""
 
@@ -521,8 +556,7 @@ class _SessionLink:
         self._session_id = session_id
 
     def send_audio(self, mel_slots, samples: float, total_slots: int | None = None) -> None:
-        engine, session_id = self._engine, self._session_id
-        engine._send(lambda: engine.core.add_audio(session_id, mel_slots, samples, total_slots), session_id)
+        self._engine._send(_Append(self._session_id, mel_slots, samples, total_slots), self._session_id)
 
     def abort(self, reason: str) -> None:
         engine, session_id = self._engine, self._session_id

@@ -82,7 +82,7 @@ class BenchResult:
     host_ms_mean: float | None
     host_ms_p50: float | None
     host_ms_p99: float | None
-    host_cpu_ms_p50: float | None  # the engine thread's CPU time per tick, commands included (robust to load)
+    host_cpu_ms_p50: float | None  # the engine thread's CPU time per tick, its work between ticks included (robust to load)
     host_cpu_ms_p99: float | None
     latency_samples: int  # generated ids over the whole run
     latency_ms_p50: float | None  # None: no samples
@@ -109,7 +109,7 @@ class BenchResult:
             f"  tick ms p50/p90/p99: {_ms(self.tick_ms_p50)} / {_ms(self.tick_ms_p90)} / {_ms(self.tick_ms_p99)}; "
             f"per 80 ms step p50 {_ms(self.step_ms_p50)} ms",
             f"  host work per tick ms: mean {_ms(self.host_ms_mean)}, p50 {_ms(self.host_ms_p50)}, "
-            f"p99 {_ms(self.host_ms_p99)}; engine-thread CPU (its commands included) p50 {_ms(self.host_cpu_ms_p50)}, "
+            f"p99 {_ms(self.host_ms_p99)}; engine-thread CPU (between ticks included) p50 {_ms(self.host_cpu_ms_p50)}, "
             f"p99 {_ms(self.host_cpu_ms_p99)}",
             f"  token latency ms (slot at the engine -> id on the host, {self.latency_samples} ids, whole run) "
             f"p50/p99: {_ms(self.latency_ms_p50, 1)} / {_ms(self.latency_ms_p99, 1)}",

@@ -138,7 +138,7 @@ class Residency:
         self.tick = 0
         self.evictions = 0  # sessions moved off the device (to host memory or to recompute)
         self.tick_stats = TickLog()
-        self.command_cpu_s = 0.0  # the engine thread's CPU on commands since the last tick (AsyncEngine adds it)
+        self.off_tick_cpu_s = 0.0  # the engine thread's CPU outside ticks since the last one (AsyncEngine adds it)
         # Seconds from the time an input reached the engine to the time the id generated from it was read
         # back on the host, for every generated id, control ids included (recorded by the transcription
         # scheduler: an 80 ms audio slot -> the id sampled at its position).
@@ -151,8 +151,8 @@ class Residency:
 
     def record_tick(self, stats: TickStats) -> None:
         if stats.host_cpu_s is not None:
-            stats = dataclasses.replace(stats, host_cpu_s=stats.host_cpu_s + self.command_cpu_s)
-        self.command_cpu_s = 0.0
+            stats = dataclasses.replace(stats, host_cpu_s=stats.host_cpu_s + self.off_tick_cpu_s)
+        self.off_tick_cpu_s = 0.0
         self.tick_stats.append(stats)
 
     def fetch(self, outputs):

@@ -171,7 +171,6 @@ class StreamRows:
         self.logprobs = np.zeros((capacity, token_width), np.float32)  # each buffered id's log-probability
         self.sessions: list = [None] * capacity  # row -> RowSession
         self.mel = MelSlab(slot_shape)
-        self._incoming: list = []  # (row, slots, arrival time) noted by `queue_audio`, stored by `absorb`
         self._free_rows = list(range(capacity - 1, 0, -1))
 
     # -- rows -------------------------------------------------------------------------------------
@@ -190,7 +189,6 @@ class StreamRows:
         row = session.row
         if row is None:
             return
-        self._incoming = [entry for entry in self._incoming if entry[0] != row]
         queued = np.arange(self.fed[row], self.received[row])
         self.mel.release(self.ring[row, queued % self.ring.shape[1]])
         detached = {name: getattr(session, name) for name in ("slot", "status", "last_active", "fed", "in_flight",
@@ -228,38 +226,31 @@ class StreamRows:
                     pages.table = self.tables[name][row]
 
     # -- queued audio -----------------------------------------------------------------------------
-    def queue_audio(self, row: int, slots: np.ndarray) -> None:
-        """Queues a session's new 80 ms mel slots. This runs once per append command, so it only notes them;
-        `absorb` stores everything that arrived since the last tick in one go."""
-        if len(slots):
-            self._incoming.append((row, slots, time.perf_counter()))
-
-    def absorb(self) -> None:
-        """Stores the audio queued since the last call in the slab and the rows' rings, in arrival order."""
-        if not self._incoming:
+    def store_audio(self, owners: np.ndarray, parts: list[np.ndarray]) -> None:
+        """Queues new 80 ms mel slots: `parts[i]` (slots, in order) for row `owners[i]`. The engine thread
+        applies every append queued since its last tick with one call, so the slots are stored in the slab
+        and the rows' rings in one go (and, in the paced steady state, as one ascending run of blocks)."""
+        counts = np.fromiter(map(len, parts), np.int64, len(parts))
+        total = int(counts.sum())
+        if not total:
             return
-        incoming, self._incoming = self._incoming, []
-        rows, parts, times = zip(*incoming)
-        total = sum(map(len, parts))
-        if total == len(parts):  # one slot per append command: the paced steady state
-            owners, arrived = np.array(rows), np.array(times)
-        else:
-            counts = np.fromiter(map(len, parts), np.int64, len(parts))
-            owners, arrived = np.repeat(rows, counts), np.repeat(times, counts)  # the row of every new slot
-        added = np.bincount(owners, minlength=self.capacity)
-        positions = self.received[owners]
-        if owners.size > np.count_nonzero(added):  # some row got several slots: offset each by its rank
+        # The row of every new slot (one slot per append in the paced steady state).
+        slots = owners if (counts == 1).all() else np.repeat(owners, counts)
+        added = np.bincount(slots, minlength=self.capacity)
+        positions = self.received[slots]
+        if slots.size > np.count_nonzero(added):  # some row got several slots: offset each by its rank
             # Each new slot's rank among its row's new slots: a stable sort groups them, arrival order kept.
-            order = np.argsort(owners, kind="stable")
-            grouped = owners[order]
+            order = np.argsort(slots, kind="stable")
+            grouped = slots[order]
             starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]])
-            rank = np.empty(owners.size, np.int64)
-            rank[order] = np.arange(owners.size) - np.repeat(starts, np.diff(np.r_[starts, owners.size]))
+            rank = np.empty(slots.size, np.int64)
+            rank[order] = np.arange(slots.size) - np.repeat(starts, np.diff(np.r_[starts, slots.size]))
             positions += rank
         needed = int((self.received + added - self.fed).max())
         if needed > self.ring.shape[1]:
             self._widen_ring(needed)
-        self.ring[owners, positions % self.ring.shape[1]] = self.mel.store(parts, arrived)
+        arrived = np.full(total, time.perf_counter())
+        self.ring[slots, positions % self.ring.shape[1]] = self.mel.store(parts, arrived)
         self.received += added
 
     def _widen_ring(self, needed: int) -> None:

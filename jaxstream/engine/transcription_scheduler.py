@@ -155,25 +155,51 @@ class RealtimeScheduler(Residency):
         self.touch(session)
 
     def add_audio(self, request_id: str, mel_slots: np.ndarray, samples: float, total_slots=None) -> None:
-        session = self.sessions.get(request_id)
-        if session is None:
-            return
-        if session.skip:
-            dropped = min(session.skip, len(mel_slots))
-            session.skip -= dropped
-            session.backlog.consumed += dropped
-            mel_slots = mel_slots[dropped:]
-        if session.max_slots is not None and self.rows.received[session.row] + len(mel_slots) > session.max_slots:
-            # The caller checks the session's audio limit; past it, its pages were never committed.
-            self.fail(session, InvalidRequestError(f"session {request_id}: more audio than its limit"))
-            return
-        self.rows.queue_audio(session.row, np.asarray(mel_slots, np.float32))
-        session.samples += samples
-        if total_slots is not None:
-            self.rows.limit[session.row] = total_slots - 1
-        self.touch(session)
-        if self._input_consumed(session):
-            self._done(session)
+        self.add_audio_many([(request_id, mel_slots, samples, total_slots)])
+
+    def add_audio_many(self, appends) -> None:
+        """Applies appends `(request_id, mel slots, samples, total slots or None)` of any sessions, in order.
+        The engine thread hands it every append queued since its last tick: per append the Python is a
+        lookup and a few checks; the slots are stored, and the sessions touched, as arrays in one go."""
+        rows = self.rows
+        owners, parts, finished = [], [], []
+        pending: dict[int, int] = {}  # slots of this call not stored yet, per row with an audio limit
+        for request_id, mel_slots, samples, total_slots in appends:
+            session = self.sessions.get(request_id)
+            if session is None:
+                continue
+            if session.skip:
+                dropped = min(session.skip, len(mel_slots))
+                session.skip -= dropped
+                session.backlog.consumed += dropped
+                mel_slots = mel_slots[dropped:]
+            row = session.row
+            if session.max_slots is not None:
+                held = pending.get(row, 0) + len(mel_slots)
+                if rows.received[row] + held > session.max_slots:
+                    # The caller checks the session's audio limit; past it, its pages were never committed.
+                    self._store_audio(owners, parts)  # the session's earlier appends, before its row is freed
+                    owners, parts, pending = [], [], {}
+                    self.fail(session, InvalidRequestError(f"session {request_id}: more audio than its limit"))
+                    continue
+                pending[row] = held
+            owners.append(row)
+            parts.append(np.asarray(mel_slots, np.float32))
+            session.samples += samples
+            if total_slots is not None:
+                rows.limit[row] = total_slots - 1
+                finished.append(session)
+        self._store_audio(owners, parts)
+        for session in finished:
+            if session.row is not None and self._input_consumed(session):
+                self._done(session)
+
+    def _store_audio(self, owners: list[int], parts: list[np.ndarray]) -> None:
+        if owners:
+            owners = np.array(owners)
+            self.rows.store_audio(owners, parts)
+            # Touched in append order; a row appended to twice keeps its later (larger) clock value.
+            np.maximum.at(self.rows.last_active, owners, self.next_clock(owners.size) + np.arange(owners.size))
 
     @staticmethod
     def _input_consumed(session: RealtimeSession) -> bool:
@@ -203,7 +229,6 @@ class RealtimeScheduler(Residency):
         return super().at_baseline() and self.rows.mel.num_held == 0 and not any(self._committed.values())
 
     def has_work(self) -> bool:
-        self.rows.absorb()
         return bool(self._in_flight) or bool(self._feedable().any())
 
     def _feedable(self) -> np.ndarray:
@@ -250,7 +275,7 @@ class RealtimeScheduler(Residency):
     def _drop_in_flight(self, dispatches) -> None:
         """Dispatches that were collected or failed (run or not): their rows' in-flight counts drop, and their
         slab blocks are freed (the device may still read them until the fetch that follows returns, but the
-        slab is only written by the next tick's `absorb`)."""
+        slab is only written by `add_audio_many`, between ticks)."""
         rows = self.rows
         for d in dispatches:
             rows.in_flight[d.rows[rows.generation[d.rows] == d.generations]] -= 1
@@ -273,7 +298,6 @@ class RealtimeScheduler(Residency):
 
     def _schedule(self) -> list[Dispatch]:
         rows = self.rows
-        rows.absorb()
         ready = self._feedable()
         resident = rows.slot >= 0
         rows.status[resident & (ready == 0) & (rows.status != PARKED)] = PARKED

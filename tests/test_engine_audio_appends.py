@@ -1,0 +1,113 @@
+"""Audio appends applied in batches (`RealtimeScheduler.add_audio_many`, which the engine thread calls with
+every append queued since its last tick): any interleaving of sessions, several appends of one session in
+one batch, an end of input mid-batch and an append refused mid-batch give each stream exactly
+transformers' greedy `generate` tokens, and free everything."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxstream.engine.async_engine import AsyncEngine
+from jaxstream.engine.builders import build_realtime_core
+from jaxstream.engine.config import EngineConfig
+from jaxstream.engine.transcription_session import AudioBacklog, TranscriptionDone
+from jaxstream.errors import EngineError, InvalidRequestError
+from jaxstream.models import loading
+from jaxstream.models.audio import n_delay_from_ms, prompt_length
+from jaxstream.models.tokenizers import load_tokenizer
+
+FIXTURES = Path(__file__).parent / "fixtures"
+N_DELAY = n_delay_from_ms(480)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return dict(np.load(FIXTURES / "voxtral_tiny_reference.npz"))
+
+
+@pytest.fixture(scope="module")
+def core():
+    loaded = loading.load_model(FIXTURES / "voxtral_tiny", dtype="float32")
+    config = EngineConfig(max_sessions=4, page_size=4, encoder_page_size=4, batch_buckets=(4,),
+                          realtime_step_buckets=(1, 4), realtime_prefill_buckets=((4, 40),))
+    return build_realtime_core(loaded.model, config, load_tokenizer(FIXTURES / "voxtral_tiny" / "tekken.json"))
+
+
+def mel_slots(reference):
+    """transformers' log-mel of the fixture audio at 480 ms, as 80 ms slots [slots, 8, 128]."""
+    features = reference[f"features_d{N_DELAY}"][0].T
+    return np.ascontiguousarray(features.reshape(-1, 8, features.shape[1]), np.float32)
+
+
+def test_batched_appends_give_each_stream_transformers_tokens(core, reference):
+    slots = mel_slots(reference)
+    expected = reference[f"generate_d{N_DELAY}"][0, prompt_length(N_DELAY):].tolist()
+    events = {name: [] for name in ("a", "b", "c", "limited")}
+    limit = 5
+    for name, sink in events.items():
+        core.add_session(name, n_delay=N_DELAY, delay_ms=480, prompt_ids=reference[f"prompt_ids_d{N_DELAY}"][0],
+                         sink=sink.append, backlog=AudioBacklog(), max_slots=limit if name == "limited" else None)
+    rng = np.random.default_rng(0)
+    sent = {"a": 0, "b": 0, "c": 0}
+    batches = 0
+    while any(position < len(slots) for position in sent.values()):
+        appends = []
+        for _ in range(int(rng.integers(1, 7))):  # sessions in random order, some twice in a batch
+            unfinished = [n for n, position in sent.items() if position < len(slots)]
+            if not unfinished:
+                break
+            name = str(rng.choice(unfinished))
+            size = int(rng.choice([0, 1, 1, 2, 5]))
+            chunk = slots[sent[name] : sent[name] + size]
+            sent[name] += len(chunk)
+            total = len(slots) if sent[name] == len(slots) else None  # the end of input, mid-batch
+            appends.append((name, chunk, 1280.0 * len(chunk), total))
+        if batches == 3:  # within the limit, then past it in the same batch: refused, the session ends
+            appends[1:1] = [("limited", slots[:3], 3840.0, None), ("limited", slots[3:8], 6400.0, None)]
+        core.add_audio_many(appends)
+        batches += 1
+        for _ in range(int(rng.integers(0, 3))):
+            if core.has_work():
+                core.step()
+    while core.has_work():
+        core.step()
+    for name in ("a", "b", "c"):
+        done = events[name][-1]
+        assert isinstance(done, TranscriptionDone) and done.token_ids == expected, name
+        assert done.usage.audio_seconds == pytest.approx(len(slots) * 0.08)
+    [error] = events["limited"]
+    assert isinstance(error, InvalidRequestError) and "more audio than its limit" in str(error)
+    assert core.at_baseline() and core.rows.mel.num_held == 0
+
+
+async def test_a_batch_of_appends_that_fails_ends_only_the_sessions_in_it(reference, monkeypatch):
+    """An engine bug while applying a batch of appends ends the sessions that appended in it, with the
+    error; a session with nothing in that batch goes on, and the engine keeps serving."""
+    config = EngineConfig(max_sessions=4, page_size=4, encoder_page_size=4, batch_buckets=(4,),
+                          realtime_step_buckets=(1, 4), realtime_prefill_buckets=((4, 40),))
+    async with AsyncEngine.from_pretrained(FIXTURES / "voxtral_tiny", config=config, dtype="float32") as engine:
+        audio = reference["audio"]
+        expected = (await engine.transcribe(audio)).token_ids
+        bystander = await engine.start_transcription()
+        await bystander.append(audio[:20000])
+        await engine.wait_until_idle()
+        victim = await engine.start_transcription()
+        add_audio_many = engine.core.add_audio_many
+
+        def failing(appends):
+            if any(append.request_id == victim.session_id for append in appends):
+                raise RuntimeError("a bug in the append path")
+            add_audio_many(appends)
+
+        monkeypatch.setattr(engine.core, "add_audio_many", failing)
+        await victim.append(audio[:4000])
+        with pytest.raises(EngineError, match="a bug in the append path"):
+            async for _ in victim:
+                pass
+        monkeypatch.undo()
+        await bystander.append(audio[20000:])
+        await bystander.finish()
+        assert [event async for event in bystander][-1].token_ids == expected
+        assert (await engine.transcribe(audio)).token_ids == expected
+        await engine.wait_until_idle()
+        assert engine.core.at_baseline()
