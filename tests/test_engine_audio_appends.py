@@ -2,6 +2,7 @@
 every append queued since its last tick): any interleaving of sessions, several appends of one session in
 one batch, an end of input mid-batch and an append refused mid-batch give each stream exactly
 transformers' greedy `generate` tokens, and free everything."""
+import time
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from jaxstream.engine.async_engine import AsyncEngine
 from jaxstream.engine.builders import build_realtime_core
 from jaxstream.engine.config import EngineConfig
+from jaxstream.engine.residency import TickStats
 from jaxstream.engine.transcription_session import AudioBacklog, TranscriptionDone
 from jaxstream.errors import EngineError, InvalidRequestError
 from jaxstream.models import loading
@@ -111,3 +113,59 @@ async def test_a_batch_of_appends_that_fails_ends_only_the_sessions_in_it(refere
         assert (await engine.transcribe(audio)).token_ids == expected
         await engine.wait_until_idle()
         assert engine.core.at_baseline()
+
+
+def test_a_busy_device_waits_for_the_paced_streams_whose_slot_is_due(reference):
+    """Paced streams' slots arrive spread over each 80 ms: once ticks take half a slot or more, a tick
+    holds back until every stream whose next slot is due has it (one dispatch for all), or until the wait
+    has passed since the oldest slot arrived; a stream that stopped sending is not waited for. A device
+    with time to spare dispatches at once. The tokens are transformers' either way."""
+    loaded = loading.load_model(FIXTURES / "voxtral_tiny", dtype="float32")
+    config = EngineConfig(max_sessions=4, page_size=4, encoder_page_size=4, batch_buckets=(4,),
+                          realtime_step_buckets=(1, 4), realtime_prefill_buckets=((4, 40),),
+                          realtime_batch_wait_ms=50)
+    core = build_realtime_core(loaded.model, config, load_tokenizer(FIXTURES / "voxtral_tiny" / "tekken.json"))
+    slots = mel_slots(reference)
+    expected = reference[f"generate_d{N_DELAY}"][0, prompt_length(N_DELAY):].tolist()
+    events = {name: [] for name in ("a", "b")}
+    prompt = reference[f"prompt_ids_d{N_DELAY}"][0]
+    for name, sink in events.items():
+        core.add_session(name, n_delay=N_DELAY, delay_ms=480, prompt_ids=prompt, sink=sink.append,
+                         backlog=AudioBacklog())
+    first = len(prompt) + 2
+    core.add_audio_many([(name, slots[:first], 0.0, None) for name in events])
+    while core.has_work():
+        core.step()
+    fed = {name: first for name in events}
+
+    def dispatched_now(*names):
+        """Appends the next slot of `names`, runs a tick; returns the streams it dispatched."""
+        core.add_audio_many([(name, slots[fed[name] : fed[name] + 1], 1280.0, None) for name in names])
+        before = {name: core.sessions[name].fed for name in events}
+        core.step()
+        moved = {name for name in events if core.sessions[name].fed > before[name]}
+        for name in moved:
+            fed[name] += 1
+        return moved
+
+    assert dispatched_now("a") == {"a"}  # the device has time to spare (fast ticks): no waiting
+    core.record_tick(TickStats(2, 2, 0.060, 0.050, 0.001))  # a busy device: its last tick took 60 ms
+    assert dispatched_now("a") == set() and core.held_until is not None  # b's slot is due
+    assert dispatched_now("b") == {"a", "b"}  # here it is: one dispatch carries both
+    core.record_tick(TickStats(2, 2, 0.060, 0.050, 0.001))
+    assert dispatched_now("a") == set()
+    time.sleep(0.06)  # the wait has passed since a's slot arrived
+    core.record_tick(TickStats(2, 2, 0.060, 0.050, 0.001))
+    core.step()
+    assert core.sessions["a"].fed == fed["a"] + 1 and core.sessions["b"].fed == fed["b"]
+    fed["a"] += 1
+    time.sleep(0.13)  # b stopped sending: it is no longer due
+    core.record_tick(TickStats(2, 2, 0.060, 0.050, 0.001))
+    assert dispatched_now("a") == {"a"}
+    core.add_audio_many([(name, slots[fed[name]:], 1280.0, len(slots)) for name in events])
+    while core.has_work():
+        core.step()
+        time.sleep(0.001)
+    for name, sink in events.items():
+        assert sink[-1].token_ids == expected, name
+    assert core.at_baseline()

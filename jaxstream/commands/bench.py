@@ -33,6 +33,9 @@ def register(subparsers) -> None:
     parser.add_argument("--steps-per-dispatch", default="1,4", metavar="K[,K...]",
                         help="80 ms steps one dispatch may run per stream when audio is queued (catch-up); each "
                         "value is compiled (default: 1,4)")
+    parser.add_argument("--batch-wait-ms", type=float, default=None, metavar="MS",
+                        help="how long a tick may wait for paced streams whose next slot is due, to batch them "
+                        "together (default: the engine's, EngineConfig.realtime_batch_wait_ms)")
     parser.add_argument("--batch-buckets", default=None, metavar="N[,N...]",
                         help="decode batch sizes to compile (default: the --streams values)")
     parser.add_argument("--no-prefix-cache", action="store_true",
@@ -88,6 +91,8 @@ async def _run(args, counts, steps, buckets) -> int:
                           encoder_page_size=args.encoder_page_size, realtime_step_buckets=steps, dtype=args.dtype,
                           batch_buckets=buckets, max_queued_audio_seconds=max(600.0, 2 * args.seconds),
                           cache_silent_prefix=not args.no_prefix_cache, attention_impl=args.attention)
+    if args.batch_wait_ms is not None:
+        config = dataclasses.replace(config, realtime_batch_wait_ms=args.batch_wait_ms)
     if args.config:
         model, tokenizer = _random_model(args.config, config, args.seed)
         # The engine sizes the pools (full windows for every stream, fitted to device memory): admission

@@ -41,6 +41,7 @@ from jaxstream.models.audio import SAMPLING_RATE, SLOT_SECONDS, stream_slot_boun
 
 logger = logging.getLogger(__name__)
 _METRICS_PERIOD_S = 0.05  # how often a busy engine thread republishes its metrics snapshot
+_IDLE_WAIT_S = 0.05  # the engine thread's longest sleep with nothing to run (new commands wake it at once)
 _ABANDONED_JOIN_S = 30.0  # how long closing a multi-host engine waits for its engine thread
 
 
@@ -157,7 +158,7 @@ class AsyncEngine:
                 self._flush_outbox()
                 self.core.off_tick_cpu_s += time.thread_time() - cpu
                 if not worked:
-                    self._wake.wait(timeout=0.05)
+                    self._wake.wait(timeout=self._idle_wait_s())
                     self._wake.clear()
             self._drain_commands()
             ended = EngineDeadError("the engine was shut down")
@@ -167,6 +168,12 @@ class AsyncEngine:
             ended.__cause__ = exc
             self.dead_reason = exc
         self._end_everything(ended)
+
+    def _idle_wait_s(self) -> float:
+        """How long the engine thread sleeps with nothing to run unless a command wakes it: until the
+        batch the scheduler held back is due, at most `_IDLE_WAIT_S`."""
+        held = self.core.held_until
+        return _IDLE_WAIT_S if held is None else min(_IDLE_WAIT_S, max(0.0, held - time.perf_counter()))
 
     def _end_everything(self, error: EngineDeadError) -> None:
         """The engine thread's last act: every session and every live stream (a `generate` whose input has

@@ -63,6 +63,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one tick (decode rows count one each)
     # Realtime 80 ms steps one dispatch may run per session when audio is queued (catch-up).
     realtime_step_buckets: tuple[int, ...] = (1, 4, 16)
+    # How long a busy device's tick (the last one took 40 ms or more) may hold back streams whose audio is
+    # here, waiting for the paced streams whose next 80 ms slot is due, so that one dispatch carries them
+    # all: paced streams arrive spread over each 80 ms, and without waiting a loaded device runs several
+    # part-filled (padded) batches per 80 ms. 0 dispatches whatever is ready at once.
+    realtime_batch_wait_ms: float = 80.0
     # (rows, slots) buckets of realtime prompt prefill; None: rows (1, 8) and slots enough for the
     # default delay's prompt and for the longest one (2400 ms) after the cached prefix (or, without it,
     # BOS + 32 + 30 delay slots). A longer prompt is prefilled in pieces.
@@ -99,6 +104,7 @@ class EngineConfig:
         _check_int(self, "seed")
         _check_real(self, "kv_memory_fraction", lambda f: 0 < f <= 1, "a number in (0, 1]")
         _check_real(self, "max_queued_audio_seconds", lambda s: 0 < s < math.inf, "a finite number > 0")
+        _check_real(self, "realtime_batch_wait_ms", lambda ms: 0 <= ms <= 1000, "a number of ms in [0, 1000]")
         _set_buckets(self, "prefill_buckets", pairs=True)
         _set_buckets(self, "realtime_step_buckets", pairs=False)
         if self.batch_buckets is not None:

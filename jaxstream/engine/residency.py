@@ -138,6 +138,7 @@ class Residency:
         self.tick = 0
         self.evictions = 0  # sessions moved off the device (to host memory or to recompute)
         self.tick_stats = TickLog()
+        self.held_until: float | None = None  # perf_counter time work held back by the last tick is due
         self.off_tick_cpu_s = 0.0  # the engine thread's CPU outside ticks since the last one (AsyncEngine adds it)
         # Seconds from the time an input reached the engine to the time the id generated from it was read
         # back on the host, for every generated id, control ids included (recorded by the transcription

@@ -39,6 +39,7 @@ COLUMNS = {
     "last_active": (np.int64, 0),  # residency clock of the last activity (LRU eviction)
     "generation": (np.int64, 0),  # bumped when a row is freed: results of a freed row's dispatch are dropped
     "buffered": (np.int64, 0),  # generated ids in `tokens` not yet moved to the session's lists
+    "last_arrival": (np.float64, 0.0),  # perf_counter time its latest audio reached the engine
 }
 
 
@@ -249,9 +250,10 @@ class StreamRows:
         needed = int((self.received + added - self.fed).max())
         if needed > self.ring.shape[1]:
             self._widen_ring(needed)
-        arrived = np.full(total, time.perf_counter())
-        self.ring[slots, positions % self.ring.shape[1]] = self.mel.store(parts, arrived)
+        now = time.perf_counter()
+        self.ring[slots, positions % self.ring.shape[1]] = self.mel.store(parts, np.full(total, now))
         self.received += added
+        self.last_arrival[slots] = now
 
     def _widen_ring(self, needed: int) -> None:
         """A wider ring (power of two): every queued slot moves to its position modulo the new width."""

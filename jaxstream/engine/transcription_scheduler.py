@@ -32,7 +32,7 @@ from jaxstream.engine.transcription_session import (
     PROGRESS, TranscriptionDelta, TranscriptionDone, TranscriptionUsage, to_ms, token_time, word_timings,
 )
 from jaxstream.errors import InvalidRequestError
-from jaxstream.models.audio import SAMPLING_RATE
+from jaxstream.models.audio import SAMPLING_RATE, SLOT_SECONDS
 from jaxstream.models.tokenizers import NUM_CONTROL_IDS, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -108,6 +108,7 @@ class RealtimeScheduler(Residency):
         self.eos_id = model_cfg.eos_id
         self._arrivals = 0
         self._in_flight: list[Dispatch] = []  # the previous tick's dispatches, collected next tick
+        self._uncollected = (0.0, 0.0)  # wall and CPU seconds of calls since the last tick that collected
         slot_shape = (model_cfg.mel_frames_per_token, model_cfg.encoder.num_mel_bins)
         self.rows = StreamRows(self.cache.specs, slot_shape, TOKEN_BUFFER + max(engine_cfg.realtime_step_buckets))
         self._text_table = _text_id_table(tokenizer)
@@ -260,10 +261,16 @@ class RealtimeScheduler(Residency):
             dispatched = []
         previous, self._in_flight = self._in_flight, dispatched
         waited = self._collect(previous)
-        if not previous and not dispatched:
-            return False
+        elapsed, cpu = time.perf_counter() - start + self._uncollected[0], time.thread_time() - cpu_start
+        cpu += self._uncollected[1]
+        if not previous:
+            # A tick's record is made when its batch is collected; a call that collected nothing (it only
+            # dispatched, after a held-back tick, or it held back) counts toward the next one.
+            self._uncollected = (elapsed, cpu)
+            return bool(dispatched)
+        self._uncollected = (0.0, 0.0)
         self.record_tick(TickStats(sum(len(d.rows) for d in previous), sum(int(d.counts.sum()) for d in previous),
-                                   time.perf_counter() - start, waited, time.thread_time() - cpu_start))
+                                   elapsed, waited, cpu))
         return True
 
     def _sessions_of(self, dispatches) -> list[RealtimeSession]:
@@ -309,6 +316,9 @@ class RealtimeScheduler(Residency):
         decoding = rows.fed[candidates] >= rows.prompt_len[candidates]
         scheduled = []
         decode = candidates[decoding]
+        self.held_until = None
+        if decode.size and self._hold(decode, ready, resident):
+            decode = decode[:0]
         if decode.size:
             steps_k = self._steps_bucket(ready[decode])
             decode = decode[: self.cfg.decode_batch_buckets[-1]]
@@ -329,6 +339,31 @@ class RealtimeScheduler(Residency):
             if prefill.size:
                 scheduled.append(self._book(("prefill", batch_rows, chunk), prefill, counts))
         return scheduled
+
+    def _hold(self, decode: np.ndarray, ready: np.ndarray, resident: np.ndarray) -> bool:
+        """Whether `decode` (rows with audio here, none behind) waits for the paced streams whose next slot
+        is due, so that one dispatch carries them all: until they are all here, or until
+        `realtime_batch_wait_ms` after the oldest waiting slot arrived (`held_until`). Only a busy device
+        waits (its last tick took half a slot or more): one with time to spare dispatches at once."""
+        wait = self.cfg.realtime_batch_wait_ms / 1e3
+        if not wait or decode.size >= self.cfg.decode_batch_buckets[-1] or ready[decode].max() > 1:
+            return False
+        last = self.tick_stats.durations(self.ticks_recorded - 1, self.ticks_recorded)
+        if not last or last[0] < SLOT_SECONDS / 2:
+            return False
+        rows = self.rows
+        now = time.perf_counter()
+        deadline = float(rows.mel.arrived[rows.ring[decode, rows.fed[decode] % rows.ring.shape[1]]].min()) + wait
+        if now >= deadline:
+            return False
+        # Streams running at real time whose next slot is due: decoding, input not finished, and audio
+        # within the last slot and a half (a client's chunks are seldom exactly 80 ms apart).
+        due = (resident & (ready == 0) & (rows.fed >= rows.prompt_len) & (rows.limit == UNKNOWN_LIMIT)
+               & (now - rows.last_arrival < 1.5 * SLOT_SECONDS))
+        if not due.any():
+            return False
+        self.held_until = deadline
+        return True
 
     def _steps_bucket(self, counts: np.ndarray) -> int:
         """K maximising useful steps per cost (K steps plus about one step of fixed dispatch cost)."""
