@@ -27,6 +27,8 @@ def test_bench_runs_streams_and_reports(capsys):
     # Every generated id (control ids included) is a latency sample, over the whole run.
     assert result["latency_samples"] == 2 * 25
     assert 0 < result["latency_ms_p50"] <= result["latency_ms_p99"]
+    # The steady state's own latency (what "keeps up" judges): here everything after the prompts.
+    assert result["steady"] and 0 < result["steady_latency_ms_p50"] <= result["steady_latency_ms_p99"]
     assert result["floor_ms"] > 0
 
 
