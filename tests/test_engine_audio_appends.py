@@ -3,11 +3,13 @@ every append queued since its last tick): any interleaving of sessions, several 
 one batch, an end of input mid-batch and an append refused mid-batch give each stream exactly
 transformers' greedy `generate` tokens, and free everything."""
 import time
+import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from jaxstream.engine import stream_rows, transcription_scheduler
 from jaxstream.engine.async_engine import AsyncEngine
 from jaxstream.engine.builders import build_realtime_core
 from jaxstream.engine.config import EngineConfig
@@ -115,7 +117,7 @@ async def test_a_batch_of_appends_that_fails_ends_only_the_sessions_in_it(refere
         assert engine.core.at_baseline()
 
 
-def test_a_busy_device_waits_for_the_paced_streams_whose_slot_is_due(reference):
+def test_a_busy_device_waits_for_the_paced_streams_whose_slot_is_due(reference, monkeypatch):
     """Paced streams' slots arrive spread over each 80 ms: once ticks take half a slot or more, a tick
     holds back until every stream whose next slot is due has it (one dispatch for all), or until the wait
     has passed since the oldest slot arrived; a stream that stopped sending is not waited for. A device
@@ -125,6 +127,12 @@ def test_a_busy_device_waits_for_the_paced_streams_whose_slot_is_due(reference):
                           realtime_step_buckets=(1, 4), realtime_prefill_buckets=((4, 40),),
                           realtime_batch_wait_ms=50)
     core = build_realtime_core(loaded.model, config, load_tokenizer(FIXTURES / "voxtral_tiny" / "tekken.json"))
+    # The scheduler's clock (arrival times, waits) moves only when the test says: a loaded machine's
+    # slow ticks must not age the slots.
+    clock = types.SimpleNamespace(now=1000.0)
+    fake_time = types.SimpleNamespace(perf_counter=lambda: clock.now, thread_time=time.thread_time)
+    monkeypatch.setattr(stream_rows, "time", fake_time)
+    monkeypatch.setattr(transcription_scheduler, "time", fake_time)
     slots = mel_slots(reference)
     expected = reference[f"generate_d{N_DELAY}"][0, prompt_length(N_DELAY):].tolist()
     events = {name: [] for name in ("a", "b")}
@@ -138,9 +146,11 @@ def test_a_busy_device_waits_for_the_paced_streams_whose_slot_is_due(reference):
         core.step()
     fed = {name: first for name in events}
 
-    def dispatched_now(*names):
-        """Appends the next slot of `names`, runs a tick; returns the streams it dispatched."""
+    def dispatched_now(*names, busy=True):
+        """Appends the next slot of `names`, runs a tick after one that took 60 ms (`busy`) or 1 ms;
+        returns the streams it dispatched."""
         core.add_audio_many([(name, slots[fed[name] : fed[name] + 1], 1280.0, None) for name in names])
+        core.record_tick(TickStats(2, 2, 0.060 if busy else 0.001, 0.0, 0.001))
         before = {name: core.sessions[name].fed for name in events}
         core.step()
         moved = {name for name in events if core.sessions[name].fed > before[name]}
@@ -148,24 +158,19 @@ def test_a_busy_device_waits_for_the_paced_streams_whose_slot_is_due(reference):
             fed[name] += 1
         return moved
 
-    assert dispatched_now("a") == {"a"}  # the device has time to spare (fast ticks): no waiting
-    core.record_tick(TickStats(2, 2, 0.060, 0.050, 0.001))  # a busy device: its last tick took 60 ms
-    assert dispatched_now("a") == set() and core.held_until is not None  # b's slot is due
+    assert dispatched_now("a", busy=False) == {"a"}  # the device has time to spare: no waiting
+    assert dispatched_now("a") == set() and core.held_until == 1000.0 + 0.05  # b's slot is due
+    clock.now += 0.03
     assert dispatched_now("b") == {"a", "b"}  # here it is: one dispatch carries both
-    core.record_tick(TickStats(2, 2, 0.060, 0.050, 0.001))
+    clock.now += 0.05
     assert dispatched_now("a") == set()
-    time.sleep(0.06)  # the wait has passed since a's slot arrived
-    core.record_tick(TickStats(2, 2, 0.060, 0.050, 0.001))
-    core.step()
-    assert core.sessions["a"].fed == fed["a"] + 1 and core.sessions["b"].fed == fed["b"]
-    fed["a"] += 1
-    time.sleep(0.13)  # b stopped sending: it is no longer due
-    core.record_tick(TickStats(2, 2, 0.060, 0.050, 0.001))
+    clock.now += 0.05  # the wait has passed since a's slot arrived: a goes alone
+    assert dispatched_now() == {"a"}
+    clock.now += 0.13  # b stopped sending: it is no longer due
     assert dispatched_now("a") == {"a"}
     core.add_audio_many([(name, slots[fed[name]:], 1280.0, len(slots)) for name in events])
     while core.has_work():
         core.step()
-        time.sleep(0.001)
     for name, sink in events.items():
         assert sink[-1].token_ids == expected, name
     assert core.at_baseline()
