@@ -2,6 +2,7 @@
 every append queued since its last tick): any interleaving of sessions, several appends of one session in
 one batch, an end of input mid-batch and an append refused mid-batch give each stream exactly
 transformers' greedy `generate` tokens, and free everything."""
+import asyncio
 import time
 import types
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxstream.engine import stream_rows, transcription_scheduler
+from jaxstream.engine import async_engine, stream_rows, transcription_scheduler
 from jaxstream.engine.async_engine import AsyncEngine
 from jaxstream.engine.builders import build_realtime_core
 from jaxstream.engine.config import EngineConfig
@@ -174,3 +175,45 @@ def test_a_busy_device_waits_for_the_paced_streams_whose_slot_is_due(reference, 
     for name, sink in events.items():
         assert sink[-1].token_ids == expected, name
     assert core.at_baseline()
+
+
+async def test_the_engine_thread_sleeps_once_a_held_batch_is_gone(reference, monkeypatch):
+    """A tick holds a stream's slot for the other's; both sessions then end, and the held batch's deadline
+    passes. The engine thread, with nothing to run, sleeps until a command comes (at most 50 ms at a time)
+    instead of spinning on that deadline."""
+    config = EngineConfig(max_sessions=4, page_size=4, encoder_page_size=4, batch_buckets=(4,),
+                          realtime_step_buckets=(1, 4), realtime_prefill_buckets=((4, 40),),
+                          realtime_batch_wait_ms=1000)
+    async with AsyncEngine.from_pretrained(FIXTURES / "voxtral_tiny", config=config, dtype="float32") as engine:
+        # The engine's clock for arrivals and deadlines moves only when the test says (see above).
+        clock = types.SimpleNamespace(now=1000.0)
+        fake_time = types.SimpleNamespace(perf_counter=lambda: clock.now, thread_time=time.thread_time,
+                                          monotonic=time.monotonic)
+        for module in (stream_rows, transcription_scheduler, async_engine):
+            monkeypatch.setattr(module, "time", fake_time)
+        audio = reference["audio"]
+        sessions = [await engine.start_transcription() for _ in range(2)]
+        for session in sessions:
+            await session.append(audio[:12800])  # past the prompt: both decoding
+        await engine.wait_until_idle()
+        engine.core.record_tick(TickStats(2, 2, 0.060, 0.050, 0.001))  # a busy device (the thread is idle)
+        await sessions[0].append(audio[12800:14080])
+        async with asyncio.timeout(10):
+            while engine.core.held_until is None:  # held for the second stream's slot
+                await asyncio.sleep(0.005)
+        for session in sessions:
+            await session.abort()
+        await engine.wait_until_idle()
+        clock.now += 2.0  # past the held batch's deadline
+        iterations = [0]
+        has_work = engine.core.has_work
+
+        def counted():
+            iterations[0] += 1
+            return has_work()
+
+        engine.core.has_work = counted
+        await asyncio.sleep(0.5)
+        del engine.core.has_work
+        assert iterations[0] <= 20  # ~10 sleeps of 50 ms; a spinning thread loops thousands of times
+        assert engine.core.at_baseline()

@@ -138,11 +138,12 @@ class AsyncEngine:
                 # host work too: the next tick's host CPU counts it.
                 cpu = time.thread_time()
                 self._drain_commands()
-                worked = False
+                worked, held_until = False, None
                 if self.core.has_work():
                     self.core.off_tick_cpu_s += time.thread_time() - cpu
                     try:
                         worked = self.core.step()
+                        held_until = self.core.held_until
                     except ProcessGroupError:
                         raise  # the scheduler ended every session; a multi-host engine cannot go on
                     except Exception as exc:  # noqa: BLE001 - an engine bug: end every session, keep serving
@@ -158,7 +159,9 @@ class AsyncEngine:
                 self._flush_outbox()
                 self.core.off_tick_cpu_s += time.thread_time() - cpu
                 if not worked:
-                    self._wake.wait(timeout=self._idle_wait_s())
+                    # Until the batch the tick held back is due, at most _IDLE_WAIT_S; a command wakes it.
+                    wait = _IDLE_WAIT_S if held_until is None else max(0.0, held_until - time.perf_counter())
+                    self._wake.wait(timeout=min(wait, _IDLE_WAIT_S))
                     self._wake.clear()
             self._drain_commands()
             ended = EngineDeadError("the engine was shut down")
@@ -168,12 +171,6 @@ class AsyncEngine:
             ended.__cause__ = exc
             self.dead_reason = exc
         self._end_everything(ended)
-
-    def _idle_wait_s(self) -> float:
-        """How long the engine thread sleeps with nothing to run unless a command wakes it: until the
-        batch the scheduler held back is due, at most `_IDLE_WAIT_S`."""
-        held = self.core.held_until
-        return _IDLE_WAIT_S if held is None else min(_IDLE_WAIT_S, max(0.0, held - time.perf_counter()))
 
     def _end_everything(self, error: EngineDeadError) -> None:
         """The engine thread's last act: every session and every live stream (a `generate` whose input has

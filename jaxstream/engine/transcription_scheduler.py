@@ -305,6 +305,7 @@ class RealtimeScheduler(Residency):
 
     def _schedule(self) -> list[Dispatch]:
         rows = self.rows
+        self.held_until = None
         ready = self._feedable()
         resident = rows.slot >= 0
         rows.status[resident & (ready == 0) & (rows.status != PARKED)] = PARKED
@@ -316,7 +317,6 @@ class RealtimeScheduler(Residency):
         decoding = rows.fed[candidates] >= rows.prompt_len[candidates]
         scheduled = []
         decode = candidates[decoding]
-        self.held_until = None
         if decode.size and self._hold(decode, ready, resident):
             decode = decode[:0]
         if decode.size:
