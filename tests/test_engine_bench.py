@@ -48,6 +48,8 @@ def test_a_run_that_never_catches_up_reports_its_whole_run(capsys):
 def test_bench_user_errors(capsys):
     assert main(["bench", "--config", "tiny", "--streams", "2"]) == 2
     assert main(["bench", "--streams", "0,x"]) == 2
+    assert main(["bench", "--batch-wait-ms", "-5"]) == 2  # values the engine rejects: one line, not a traceback
+    assert main(["bench", "--page-size", "0"]) == 2
     assert "error" in capsys.readouterr().err
 
 

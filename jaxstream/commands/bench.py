@@ -4,7 +4,7 @@ keep up with real time, tokens/s, memory-bound floor)."""
 import json
 
 from jaxstream.commands.transcribe import checked_delay_ms, model_source
-from jaxstream.errors import UserError
+from jaxstream.errors import InvalidRequestError, UserError
 
 
 def register(subparsers) -> None:
@@ -87,12 +87,14 @@ async def _run(args, counts, steps, buckets) -> int:
     from jaxstream.engine.config import EngineConfig
 
     max_streams = max(counts)
-    config = EngineConfig(max_sessions=max_streams, page_size=args.page_size,
-                          encoder_page_size=args.encoder_page_size, realtime_step_buckets=steps, dtype=args.dtype,
-                          batch_buckets=buckets, max_queued_audio_seconds=max(600.0, 2 * args.seconds),
-                          cache_silent_prefix=not args.no_prefix_cache, attention_impl=args.attention)
-    if args.batch_wait_ms is not None:
-        config = dataclasses.replace(config, realtime_batch_wait_ms=args.batch_wait_ms)
+    tuning = {} if args.batch_wait_ms is None else {"realtime_batch_wait_ms": args.batch_wait_ms}
+    try:
+        config = EngineConfig(max_sessions=max_streams, page_size=args.page_size,
+                              encoder_page_size=args.encoder_page_size, realtime_step_buckets=steps, dtype=args.dtype,
+                              batch_buckets=buckets, max_queued_audio_seconds=max(600.0, 2 * args.seconds),
+                              cache_silent_prefix=not args.no_prefix_cache, attention_impl=args.attention, **tuning)
+    except InvalidRequestError as exc:  # a flag's value the engine rejects (--page-size 0, --batch-wait-ms -5)
+        raise UserError(str(exc)) from None
     if args.config:
         model, tokenizer = _random_model(args.config, config, args.seed)
         # The engine sizes the pools (full windows for every stream, fitted to device memory): admission

@@ -228,7 +228,8 @@ async def run_streams(engine: AsyncEngine, *, streams: int, seconds: float, pace
     [step_p50] = percentiles(step_ms, (50,))
     host_p50, host_p99 = percentiles(host_ms, (50, 99))
     cpu_p50, cpu_p99 = percentiles([t.host_cpu_s * 1e3 for t in ticks if t.host_cpu_s is not None], (50, 99))
-    latency_p50, latency_p99 = _latency_ms(core.token_latency.counts - latency_before)
+    latency = core.token_latency.counts - latency_before
+    latency_p50, latency_p99 = _latency_ms(latency)
     steady_p50 = steady_p99 = None
     if steady:
         steady_p50, steady_p99 = _latency_ms(latency_at.get("end", core.token_latency.counts) - latency_at["start"])
@@ -241,7 +242,7 @@ async def run_streams(engine: AsyncEngine, *, streams: int, seconds: float, pace
         tick_ms_p50=tick_p50, tick_ms_p90=tick_p90, tick_ms_p99=tick_p99, step_ms_p50=step_p50,
         host_ms_mean=float(np.mean(host_ms)) if host_ms else None, host_ms_p50=host_p50, host_ms_p99=host_p99,
         host_cpu_ms_p50=cpu_p50, host_cpu_ms_p99=cpu_p99,
-        latency_samples=int((core.token_latency.counts - latency_before).sum()), latency_ms_p50=latency_p50,
+        latency_samples=int(latency.sum()), latency_ms_p50=latency_p50,
         latency_ms_p99=latency_p99, steady_latency_ms_p50=steady_p50, steady_latency_ms_p99=steady_p99,
         output_tokens_per_s=tokens / wall, realtime_factor=streams * seconds / wall,
         keeps_up=steady and keeps_up(paced=paced, tick_ms_p99=tick_p99, latency_ms_p99=steady_p99,
