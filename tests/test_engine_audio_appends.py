@@ -23,6 +23,14 @@ from jaxstream.models.tokenizers import load_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 N_DELAY = n_delay_from_ms(480)
+SMALL = dict(max_sessions=4, page_size=4, encoder_page_size=4, batch_buckets=(4,), realtime_step_buckets=(1, 4),
+             realtime_prefill_buckets=((4, 40),))
+
+
+def build_core(**config):
+    loaded = loading.load_model(FIXTURES / "voxtral_tiny", dtype="float32")
+    return build_realtime_core(loaded.model, EngineConfig(**SMALL, **config),
+                               load_tokenizer(FIXTURES / "voxtral_tiny" / "tekken.json"))
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +40,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def core():
-    loaded = loading.load_model(FIXTURES / "voxtral_tiny", dtype="float32")
-    config = EngineConfig(max_sessions=4, page_size=4, encoder_page_size=4, batch_buckets=(4,),
-                          realtime_step_buckets=(1, 4), realtime_prefill_buckets=((4, 40),))
-    return build_realtime_core(loaded.model, config, load_tokenizer(FIXTURES / "voxtral_tiny" / "tekken.json"))
+    return build_core()
 
 
 def mel_slots(reference):
@@ -88,8 +93,7 @@ def test_batched_appends_give_each_stream_transformers_tokens(core, reference):
 async def test_a_batch_of_appends_that_fails_ends_only_the_sessions_in_it(reference, monkeypatch):
     """An engine bug while applying a batch of appends ends the sessions that appended in it, with the
     error; a session with nothing in that batch goes on, and the engine keeps serving."""
-    config = EngineConfig(max_sessions=4, page_size=4, encoder_page_size=4, batch_buckets=(4,),
-                          realtime_step_buckets=(1, 4), realtime_prefill_buckets=((4, 40),))
+    config = EngineConfig(**SMALL)
     async with AsyncEngine.from_pretrained(FIXTURES / "voxtral_tiny", config=config, dtype="float32") as engine:
         audio = reference["audio"]
         expected = (await engine.transcribe(audio)).token_ids
@@ -123,11 +127,7 @@ def test_a_busy_device_waits_for_the_paced_streams_whose_slot_is_due(reference, 
     holds back until every stream whose next slot is due has it (one dispatch for all), or until the wait
     has passed since the oldest slot arrived; a stream that stopped sending is not waited for. A device
     with time to spare dispatches at once. The tokens are transformers' either way."""
-    loaded = loading.load_model(FIXTURES / "voxtral_tiny", dtype="float32")
-    config = EngineConfig(max_sessions=4, page_size=4, encoder_page_size=4, batch_buckets=(4,),
-                          realtime_step_buckets=(1, 4), realtime_prefill_buckets=((4, 40),),
-                          realtime_batch_wait_ms=50)
-    core = build_realtime_core(loaded.model, config, load_tokenizer(FIXTURES / "voxtral_tiny" / "tekken.json"))
+    core = build_core(realtime_batch_wait_ms=50)
     # The scheduler's clock (arrival times, waits) moves only when the test says: a loaded machine's
     # slow ticks must not age the slots.
     clock = types.SimpleNamespace(now=1000.0)
@@ -181,9 +181,7 @@ async def test_the_engine_thread_sleeps_once_a_held_batch_is_gone(reference, mon
     """A tick holds a stream's slot for the other's; both sessions then end, and the held batch's deadline
     passes. The engine thread, with nothing to run, sleeps until a command comes (at most 50 ms at a time)
     instead of spinning on that deadline."""
-    config = EngineConfig(max_sessions=4, page_size=4, encoder_page_size=4, batch_buckets=(4,),
-                          realtime_step_buckets=(1, 4), realtime_prefill_buckets=((4, 40),),
-                          realtime_batch_wait_ms=1000)
+    config = EngineConfig(**SMALL, realtime_batch_wait_ms=1000)
     async with AsyncEngine.from_pretrained(FIXTURES / "voxtral_tiny", config=config, dtype="float32") as engine:
         # The engine's clock for arrivals and deadlines moves only when the test says (see above).
         clock = types.SimpleNamespace(now=1000.0)

@@ -38,9 +38,9 @@ class TickStats:
     steps: int  # 80 ms steps / tokens advanced in total
     total_s: float
     wait_s: float
-    # CPU time the engine thread spent on the tick (device work runs on other threads), and on the commands
-    # it ran since the previous tick (appends, session starts): its host work, not inflated by waiting for
-    # a core on a loaded machine as `host_s` is. None where not measured.
+    # CPU time the engine thread spent on the tick (device work runs on other threads), and outside ticks
+    # since the previous one (commands, the audio they store, handing outputs over): its host work, not
+    # inflated by waiting for a core on a loaded machine as `host_s` is. None where not measured.
     host_cpu_s: float | None = None
 
     @property
