@@ -211,11 +211,14 @@ async def _load_engine(state: ServerState, factory) -> None:
 
     def build():
         try:
-            result = factory()
+            result, error = factory(), None
         except BaseException as exc:  # noqa: BLE001 - handed to the event loop
-            loop.call_soon_threadsafe(_settle, future, None, exc)
-        else:
-            loop.call_soon_threadsafe(_settle, future, result, None)
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(_settle, future, result, error)
+        except RuntimeError:  # the server stopped while this ran: its event loop is closed
+            if result is not None:
+                result.close()
 
     threading.Thread(target=build, name="jaxstream-engine-build", daemon=True).start()
     try:

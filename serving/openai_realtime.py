@@ -94,7 +94,8 @@ class OpenAiRealtime:
         self.limits = server.config.limits
         self.session_id = f"sess_{secrets.token_hex(12)}"
         self.format = "audio/pcm"
-        self.transcription = {"model": server.model_id, "language": None, "prompt": "", "delay": None}
+        # The model is named once `run` starts: a connection refused while the model loads has no engine.
+        self.transcription = {"model": None, "language": None, "prompt": "", "delay": None}
         self.noise_reduction: str | None = None
         self.include: list[str] = []
         self.turn_detection: dict | None = None
@@ -120,6 +121,7 @@ class OpenAiRealtime:
     # -- protocol interface (serving.websocket) --------------------------------------------------------
     async def run(self, first_frame: str | None = None) -> None:
         """`first_frame`: the event that switched the connection to this dialect, answered first."""
+        self.transcription["model"] = self.server.model_id
         await self._send("transcription_session.created" if self.beta else "session.created",
                          session=self._session_object(self.beta))
         await self._send_rate_limits()

@@ -6,6 +6,7 @@ import base64
 import json
 
 import aiohttp
+import msgpack
 import numpy as np
 import pytest
 import websockets
@@ -591,3 +592,70 @@ async def test_audio_caps(limited_server, model, audio):
     await client.until("transcription.done")
     await client.close()
     await no_connections(limited_server)
+
+
+async def test_every_websocket_route_refuses_while_the_model_loads():
+    """Until the engine is built, each WebSocket route answers its own protocol's error (code not_ready) and
+    closes with 1013 (try again later); the OpenAI dialect's connection used to fail before it (no engine
+    to name the model by) and was dropped without a close frame."""
+    import threading
+
+    from aiohttp.test_utils import TestServer
+
+    from jaxstream.serving import envelope, kyutai
+    from jaxstream.serving.app import create_app
+
+    built = threading.Event()
+
+    def slow_engine():
+        built.wait(60)
+        raise RuntimeError("not built in this test")
+
+    server = TestServer(create_app(engine_factory=slow_engine))
+    await server.start_server()
+    try:
+        routes = ["/v1/realtime", "/v1/realtime?intent=transcription", "/invocations-bidirectional-stream",
+                  envelope.ROUTE, kyutai.ROUTE]
+        for route in routes:
+            async with websockets.connect(str(server.make_url(route)).replace("http", "ws", 1)) as ws:
+                frame = await asyncio.wait_for(ws.recv(), 10)  # Kyutai's protocol is msgpack, the others JSON
+                error = msgpack.unpackb(frame) if isinstance(frame, bytes) else json.loads(frame)
+                assert "The model is still loading" in json.dumps(error), (route, error)
+                with pytest.raises(websockets.ConnectionClosed) as closed:
+                    await asyncio.wait_for(ws.recv(), 10)
+                assert closed.value.rcvd is not None and closed.value.rcvd.code == 1013, route
+    finally:
+        built.set()
+        await server.close()
+
+
+def test_an_engine_built_after_the_server_stopped_is_closed(monkeypatch):
+    """Ctrl-C while the model loads: the event loop is gone by the time the build thread finishes. The
+    engine it built is closed (nobody will serve with it), and the thread ends without an error."""
+    import threading
+
+    from aiohttp.test_utils import TestServer
+
+    from jaxstream.serving.app import create_app
+
+    release, closed, thread_errors = threading.Event(), threading.Event(), []
+    monkeypatch.setattr(threading, "excepthook", thread_errors.append)
+
+    class Built:
+        def close(self):
+            closed.set()
+
+    def slow_engine():
+        release.wait(60)
+        return Built()
+
+    async def start_and_stop():
+        server = TestServer(create_app(engine_factory=slow_engine))
+        await server.start_server()
+        await server.close()
+
+    asyncio.run(start_and_stop())  # returns with its event loop closed, the build still running
+    [builder] = [t for t in threading.enumerate() if t.name == "jaxstream-engine-build"]
+    release.set()
+    builder.join(10)
+    assert closed.is_set() and not thread_errors
