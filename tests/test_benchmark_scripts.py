@@ -40,3 +40,19 @@ def test_every_benchmark_script_prints_its_help():
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "", result.stdout
+
+
+def test_scheduler_tick_measures_a_short_run():
+    """The scheduler benchmark's own arithmetic runs end to end: it pairs its per-call timings with the
+    scheduler's tick records, which are made when a tick is collected (one fewer than the calls); the pairing
+    broke once on that and only a real run shows it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("scheduler_tick", BENCHMARKS / "scheduler_tick.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.run(streams=4, ticks=8)
+    assert result["streams"] == 4 and result["rows_p50"] == 4
+    assert result["ticks"] == 8 - 1 - 2  # the loop's first call only dispatches; two warm-up ticks are left out
+    assert 0 < result["cpu_ms_p50"] <= result["with_commands_ms_p50"]
+    assert 0 <= result["xla_calls_ms_p50"] < result["cpu_ms_p50"]
