@@ -215,6 +215,12 @@ def test_word_timings_follow_markers_minus_the_delay():
     np.testing.assert_allclose([(w.start, w.end) for w in words], [(2 * 0.08, 6 * 0.08), (8 * 0.08, 12 * 0.08)])
     clipped = word_timings(ids, tokenizer, audio_seconds=0.7)
     np.testing.assert_allclose([(w.start, w.end) for w in clipped], [(2 * 0.08, 6 * 0.08), (8 * 0.08, 0.7)])
+    # Times are milliseconds that never pass the end of the audio: a recording of 47,948 samples (2.99675 s)
+    # whose last word is clipped ends it at 2.996 (rounding to 2.997 put it after the recording).
+    odd = word_timings([*ids[:-1], *[pad] * 26, word, *first, pad], tokenizer, audio_seconds=47948 / 16000)
+    assert odd[-1].word == "HI" and odd[-1].end == 2.996 and odd[-1].start <= odd[-1].end
+    late = word_timings([*[pad] * 38, word, *first], tokenizer, audio_seconds=47948 / 16000)
+    assert (late[-1].start, late[-1].end) == (2.996, 2.996)  # a word that starts in the last half-millisecond
     # Without markers, a space-led text token starts a new word at its own time.
     plain = word_timings([*first, *second], tokenizer, audio_seconds=10.0)
     np.testing.assert_allclose([(w.start, w.end) for w in plain], [(0.08, 4 * 0.08), (4 * 0.08, 7 * 0.08)])

@@ -70,6 +70,13 @@ def to_ms(seconds: float) -> float:
     return round(seconds, 3)
 
 
+def to_ms_at_most(seconds: float) -> float:
+    """`seconds` to the millisecond, never above it: a word clipped at the end of a 2.99675 s recording
+    ends at 2.996, not at 2.997, after the recording."""
+    rounded = to_ms(seconds)
+    return rounded if rounded <= seconds else to_ms(rounded - 0.001)
+
+
 def token_time(index: int) -> float:
     """Real-audio time (s) the `index`-th generated token describes (delay already taken off)."""
     return to_ms((index + 1) * SLOT_SECONDS)
@@ -88,8 +95,10 @@ def word_timings(token_ids, tokenizer, audio_seconds: float, first_index: int = 
         nonlocal current, start
         text = tokenizer.decode(current).strip()
         if text:
-            end = min(max(last_time + SLOT_SECONDS, start), audio_seconds)
-            words.append(WordTiming(text, to_ms(min(start, end)), to_ms(end)))
+            end = to_ms(max(last_time + SLOT_SECONDS, start))
+            if end > audio_seconds:  # clipped at the end of the audio, in whole milliseconds within it
+                end = to_ms_at_most(audio_seconds)
+            words.append(WordTiming(text, min(to_ms(start), end), end))
         current, start = [], None
 
     for index, token in enumerate(token_ids):
