@@ -1,6 +1,8 @@
 """`jaxstream bench` end to end on the tiny Voxtral fixture (a smoke run; no timing assertions), and the
 report's logic on synthetic timings: latency percentiles, "no samples", and what counts as keeping up."""
 import json
+import re
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -103,9 +105,14 @@ def test_bench_of_a_config_holds_every_stream_at_once(tmp_path, capsys):
     full windows, so pools sized for short streams (as bench once made them) held one stream at a time and
     rotated the others through host memory, 8x slower than real time for the 4B model on an H200."""
     toml = (Path(__file__).parents[1] / "configs" / "tiny.toml").read_text()
-    toml = toml.replace("sliding_window = 128", "sliding_window = 256")
-    toml = toml.replace("sliding_window = 64", "sliding_window = 512")
-    assert toml.count("sliding_window = 256") == 1 and toml.count("sliding_window = 512") == 1
+    encoder, text = toml.split("[model.text]")  # the encoder's window is above [model.text], the decoder's below
+    recipe = tomllib.loads(toml)["model"]
+    assert recipe["encoder"]["sliding_window"] < 256 and recipe["text"]["sliding_window"] < 512
+    encoder = re.sub(r"^sliding_window = \d+", "sliding_window = 256", encoder, count=1, flags=re.M)
+    text = re.sub(r"^sliding_window = \d+", "sliding_window = 512", text, count=1, flags=re.M)
+    toml = encoder + "[model.text]" + text
+    model = tomllib.loads(toml)["model"]
+    assert model["encoder"]["sliding_window"] == 256 and model["text"]["sliding_window"] == 512
     config = tmp_path / "long_windows.toml"
     config.write_text(toml)
     code = main(["bench", "--config", str(config), "--random-weights", "--streams", "3", "--seconds", "0.8",

@@ -18,6 +18,7 @@ from jaxstream.errors import (
     SessionClosedError,
 )
 from jaxstream.models.audio import load_audio
+from jaxstream.models.loading import inspect_checkpoint, resolve_model_dir
 from jaxstream.models.loading import BUILTIN_MODELS
 
 SAMPLE = load_audio(BUILTIN_MODELS["tiny"].parent / "samples" / "sample.wav")
@@ -49,9 +50,11 @@ def hold_engine_thread(engine: AsyncEngine) -> threading.Event:
 
 
 async def test_two_streams_on_a_short_page_pool_both_finish():
-    """num_pages=7 holds one decoder window (4 pages of 16) plus 2: each stream used to take 3 pages and
-    wait for a 4th forever. Admission now commits a whole window, so the second stream waits its turn."""
-    engine = tiny_engine(page_size=16, num_pages=7)
+    """The pool holds one decoder window plus 2 pages (with v1's window, 4 pages of 16 and 7 in all): each
+    stream used to take 3 pages and wait for a 4th forever. Admission now commits a whole window, so the
+    second stream waits its turn."""
+    window = inspect_checkpoint(resolve_model_dir("tiny")).config.text.sliding_window
+    engine = tiny_engine(page_size=16, num_pages=-(-window // 16) + 3)  # one of them is the null page
     try:
         expected = (await engine.transcribe(SAMPLE)).token_ids
         sessions = [await engine.start_transcription() for _ in range(2)]
