@@ -139,17 +139,23 @@ class RealtimeClient:
 
 
 @functools.cache
-def _sample_path():
+def _sample_path(suffix: str = ".wav"):
     from importlib.resources import files
 
-    return str(files("jaxstream.models").joinpath("assets/samples/sample.wav"))
+    return str(files("jaxstream.models").joinpath(f"assets/samples/sample{suffix}"))
 
 
 def sample_audio() -> np.ndarray:
-    """The bundled speech sample (3.5 s, 16 kHz float32)."""
+    """The bundled speech sample (16 kHz float32)."""
     from jaxstream.models.audio import load_audio
 
     return load_audio(_sample_path())
+
+
+def sample_words() -> list[str]:
+    """The words the bundled sample says (its reference transcript, lower case)."""
+    with open(_sample_path(".txt"), encoding="utf-8") as file:
+        return file.read().split()
 
 
 async def stream_utterance(client: RealtimeClient, pcm: np.ndarray, *, chunk: int = 4 * SAMPLES_PER_SLOT,

@@ -93,8 +93,9 @@ def test_notebook_transcribes_the_sample_on_cpu_with_the_embedded_model(tmp_path
     reference = SAMPLE_TEXT.read_text().strip()
     hits, substitutions, deletions, insertions = word_counts(normalize(reference), normalize(result["text"]))
     errors = substitutions + deletions + insertions
-    assert errors <= 2, (reference, result["text"])  # the embedded model misses one of the seven words
-    assert result["wer"] <= 2 / 7
+    words = len(normalize(reference).split())
+    assert errors <= 2, (reference, result["text"])  # the embedded model misses one of the sample's words
+    assert result["wer"] <= 2 / words
     # The live transcript box ends with the final text, and every timed word is labelled on the waveform.
     assert result["text"] in cell_text(next(c for c in notebook.cells if "stream_pcm(audio" in c.source))
     assert result["plotted_words"] == [word for word, _, _ in result["words"]]

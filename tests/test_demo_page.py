@@ -25,7 +25,11 @@ from jaxstream.serving.testing import RealtimeClient, ServerThread, sample_audio
 pytestmark = pytest.mark.slow
 
 API_KEY = "demo-key"
-REFERENCE = "away kitchen treatment up hear effects float"  # models/assets/samples/sample.txt
+SAMPLE_TEXT = Path(__file__).resolve().parents[1] / "models" / "assets" / "samples" / "sample.txt"
+REFERENCE = set(SAMPLE_TEXT.read_text().split())  # the words the pages' speech says
+# The embedded model misses one of the sample's words (README); a live transcript shows nearly all of them,
+# a final one through the browser's audio path (resampled, or sent twice) all but a few.
+LIVE_WORDS, FINAL_WORDS = len(REFERENCE) - 2, len(REFERENCE) - 3
 WAIT_S = 90  # generous: two cores are shared with the engine thread and the browser
 
 
@@ -137,7 +141,7 @@ def text_of(driver, element_id):
 
 
 def reference_words_in(text: str) -> int:
-    return len(set(REFERENCE.split()) & set(text.lower().split()))
+    return len(REFERENCE & set(text.lower().split()))
 
 
 def open_page(driver, url, *, key=None):
@@ -173,14 +177,14 @@ def test_microphone_transcript_appears_live_behind_the_api_key(browser, server, 
     browser.find_element("id", "start").click()
     # Partial text shows while the microphone still runs, then Stop gives the final transcript.
     wait_for(browser, lambda: browser.find_element("id", "level").size["width"] > 0)  # the meter moves
-    wait_for(browser, lambda: reference_words_in(text_of(browser, "transcript")) >= 5)
+    wait_for(browser, lambda: reference_words_in(text_of(browser, "transcript")) >= LIVE_WORDS)
     assert browser.find_elements("css selector", "#transcript p.partial")
     assert "Listening" in text_of(browser, "status")
     save_screenshot(browser, tmp_path, "demo_page_live.png")
     browser.find_element("id", "stop").click()
     wait_for(browser, lambda: browser.find_elements("css selector", "#transcript p.final"))
     final = text_of(browser, "transcript")
-    assert reference_words_in(final) >= 4, final
+    assert reference_words_in(final) >= FINAL_WORDS, final
     assert text_of(browser, "stat-delay") == "480 ms"
     assert text_of(browser, "stat-first").endswith(" ms") and text_of(browser, "stat-final").endswith(" ms")
     save_screenshot(browser, tmp_path, "demo_page.png")
@@ -197,7 +201,7 @@ def test_a_dropped_file_streams_at_real_time(browser, server, speech_wav):
     assert elapsed > seconds - 1.0  # paced at real time, not sent at once
     paragraphs = browser.find_elements("css selector", "#transcript p.final")
     assert paragraphs[-1].get_attribute("data-source") == "speech.wav"
-    assert reference_words_in(paragraphs[-1].text) >= 4, paragraphs[-1].text
+    assert reference_words_in(paragraphs[-1].text) >= FINAL_WORDS, paragraphs[-1].text
     assert text_of(browser, "stat-audio") == f"{seconds:.1f} s"
 
 
@@ -273,4 +277,4 @@ def test_the_notebooks_microphone_capture_in_chromium(browser, server, engine):
     pcm = np.concatenate(pieces)
     assert np.abs(pcm).max() > 0.1  # speech, not silence
     done = server.call(engine.transcribe(pcm))
-    assert reference_words_in(done.text) >= 4, done.text
+    assert reference_words_in(done.text) >= FINAL_WORDS, done.text

@@ -22,7 +22,7 @@ from jaxstream.serving.audio_codecs import AudioDecodeError, decode_pcm16_base64
 from jaxstream.serving.auth import load_api_keys
 from jaxstream.serving.config import ServerConfig, load_server_file
 from jaxstream.serving.limits import Limits
-from jaxstream.serving.testing import RealtimeClient, sample_audio
+from jaxstream.serving.testing import RealtimeClient, sample_audio, sample_words
 
 SMALL_ENGINE = """
 [engine]
@@ -100,7 +100,8 @@ async def test_serve_reports_ready_after_compiling_and_drains_on_sigterm(tmp_pat
         await client.append(audio[20000:])
         await client.commit(final=True)
         done = (await client.until("transcription.done"))[-1]
-        assert "kitchen" in done["text"]
+        heard = set(done["text"].split())  # the utterance finished across the drain: the sample's words
+        assert sum(word in heard for word in sample_words()) >= len(sample_words()) - 2, done["text"]
         with pytest.raises(websockets.ConnectionClosed) as closed:
             await client.event(10)
         assert closed.value.rcvd.code == 1001
