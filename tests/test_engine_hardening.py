@@ -18,8 +18,7 @@ from jaxstream.errors import (
     SessionClosedError,
 )
 from jaxstream.models.audio import load_audio
-from jaxstream.models.loading import inspect_checkpoint, resolve_model_dir
-from jaxstream.models.loading import BUILTIN_MODELS
+from jaxstream.models.loading import BUILTIN_MODELS, inspect_checkpoint
 
 SAMPLE = load_audio(BUILTIN_MODELS["tiny"].parent / "samples" / "sample.wav")
 SMALL = dict(batch_buckets=(2,), realtime_step_buckets=(1, 4), realtime_prefill_buckets=((2, 48),))
@@ -53,7 +52,7 @@ async def test_two_streams_on_a_short_page_pool_both_finish():
     """The pool holds one decoder window plus 2 pages (with v1's window, 4 pages of 16 and 7 in all): each
     stream used to take 3 pages and wait for a 4th forever. Admission now commits a whole window, so the
     second stream waits its turn."""
-    window = inspect_checkpoint(resolve_model_dir("tiny")).config.text.sliding_window
+    window = inspect_checkpoint(BUILTIN_MODELS["tiny"]).config.text.sliding_window
     engine = tiny_engine(page_size=16, num_pages=-(-window // 16) + 3)  # one of them is the null page
     try:
         expected = (await engine.transcribe(SAMPLE)).token_ids
