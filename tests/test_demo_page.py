@@ -20,13 +20,12 @@ import soundfile
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.demo import PUBLIC_PATHS
 from jaxstream.serving.limits import Limits
-from jaxstream.serving.testing import RealtimeClient, ServerThread, sample_audio, shared_engine
+from jaxstream.serving.testing import RealtimeClient, ServerThread, sample_audio, sample_words, shared_engine
 
 pytestmark = pytest.mark.slow
 
 API_KEY = "demo-key"
-SAMPLE_TEXT = Path(__file__).resolve().parents[1] / "models" / "assets" / "samples" / "sample.txt"
-REFERENCE = set(SAMPLE_TEXT.read_text().split())  # the words the pages' speech says
+REFERENCE = set(sample_words())  # the words the pages' speech says
 # The embedded model misses one of the sample's words (README); a live transcript shows nearly all of them,
 # a final one through the browser's audio path (resampled, or sent twice) all but a few.
 LIVE_WORDS, FINAL_WORDS = len(REFERENCE) - 2, len(REFERENCE) - 3

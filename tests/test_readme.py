@@ -39,10 +39,11 @@ def test_python_api_examples_run_as_written(index):
         assert done.startswith("TranscriptionDone(") and all(d.startswith("TranscriptionDelta(") for d in deltas)
         # Times are printed to the millisecond, not as 2.8000000000000003; the last delta ends at the audio's end.
         times = [float(t) for t in re.findall(r"audio_seconds=([\d.]+)\)$", "\n".join(deltas), flags=re.M)]
-        seconds = soundfile.info(ROOT / "models" / "assets" / "samples" / "sample.wav").duration
+        samples = ROOT / "models" / "assets" / "samples"
+        seconds = soundfile.info(samples / "sample.wav").duration
         assert len(times) == len(deltas) and times[-1] == round(seconds, 3)
         assert all(repr(round(t, 3)) == repr(t) for t in times)
-        expected = (ROOT / "models" / "assets" / "samples" / "sample.txt").read_text().split()
+        expected = (samples / "sample.txt").read_text().split()
         text = re.match(r"TranscriptionDone\(text='([^']*)'", done).group(1).split()
         # The embedded model misses one of the sample's seven words (README, "Fresh machine").
         assert sum(word in text for word in expected) >= len(expected) - 1, done
