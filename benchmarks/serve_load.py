@@ -3,7 +3,7 @@
     python benchmarks/serve_load.py --spawn [--streams 16,64] [--seconds 30] [--chunk-ms 80]
     python benchmarks/serve_load.py --url ws://HOST:PORT/v1/realtime [--pid PID] [--api-key K]
 
-Each client repeats utterances of the bundled sample (3.5 s; or --audio FILE): commit, 80 ms appends each
+Each client repeats utterances of the bundled sample (4.4 s; or --audio FILE): commit, 80 ms appends each
 sent when its last sample would have been spoken, final commit, wait for transcription.done; the clients'
 starts are spread over one utterance so they do not move in lockstep. Per utterance it measures
 

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import soundfile
 
 nbclient = pytest.importorskip("nbclient")
 nbformat = pytest.importorskip("nbformat")
@@ -94,11 +95,14 @@ def test_notebook_transcribes_the_sample_on_cpu_with_the_embedded_model(tmp_path
     hits, substitutions, deletions, insertions = word_counts(normalize(reference), normalize(result["text"]))
     errors = substitutions + deletions + insertions
     words = len(normalize(reference).split())
-    assert errors <= 2, (reference, result["text"])  # the embedded model misses one of the sample's words
-    assert result["wer"] <= 2 / words
+    # The embedded model transcribes the sample exactly at every trained delay (its model card); one error of
+    # room for another machine's numerics.
+    assert errors <= 1, (reference, result["text"])
+    assert result["wer"] <= 1 / words
     # The live transcript box ends with the final text, and every timed word is labelled on the waveform.
     assert result["text"] in cell_text(next(c for c in notebook.cells if "stream_pcm(audio" in c.source))
     assert result["plotted_words"] == [word for word, _, _ in result["words"]]
-    assert all(0 <= start < end <= 3.6 for _, start, end in result["words"])
+    duration = soundfile.info(SAMPLE_TEXT.with_suffix(".wav")).duration
+    assert all(0 <= start < end <= duration for _, start, end in result["words"])
     plot_cell = next(c for c in notebook.cells if "plot_words(audio" in c.source)
     assert any("image/png" in output.get("data", {}) for output in plot_cell.outputs)

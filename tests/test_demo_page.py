@@ -26,8 +26,8 @@ pytestmark = pytest.mark.slow
 
 API_KEY = "demo-key"
 REFERENCE = set(sample_words())  # the words the pages' speech says
-# The embedded model misses one of the sample's words (README); a live transcript shows nearly all of them,
-# a final one through the browser's audio path (resampled, or sent twice) all but a few.
+# The embedded model gets the sample exactly (README); a live transcript shows nearly all of its words, a final
+# one through the browser's audio path (resampled, or sent twice) all but a few.
 LIVE_WORDS, FINAL_WORDS = len(REFERENCE) - 2, len(REFERENCE) - 3
 WAIT_S = 90  # generous: two cores are shared with the engine thread and the browser
 

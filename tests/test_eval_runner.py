@@ -7,7 +7,6 @@ resume only runs what is missing, a corrupt or missing file is reported while th
 """
 import csv
 import dataclasses
-import difflib
 import io
 import json
 import os
@@ -129,7 +128,7 @@ def test_eval_cli_names_its_manifest_says_why_utterances_failed_and_the_delay_us
     reference = (sample.parent / "sample.txt").read_text().strip()
     manifest = tmp_path / "manifest.csv"
     manifest.write_text(f"id,audio,text\nsample,sample.wav,{reference}\ngone,missing.wav,never spoken\n")
-    (tmp_path / "out.jsonl").write_text(json.dumps({"file": "sample.wav", "text": reference, "token_ids": [1],
+    (tmp_path / "out.jsonl").write_text(json.dumps({"file": "sample.wav", "text": "not the reference", "token_ids": [1],
                                                     "words": [], "audio_seconds": 3.5, "delay_ms": 480}) + "\n")
     report_path = tmp_path / "report.json"
     assert _eval(tmp_path, "--concurrency", 1, "--report", report_path) == 0
@@ -144,7 +143,8 @@ def test_eval_cli_names_its_manifest_says_why_utterances_failed_and_the_delay_us
     rows = list(csv.DictReader(io.StringIO((tmp_path / "report.csv").read_text())))
     assert [(r["id"], r["delay_ms"]) for r in rows] == [("gone", "480"), ("sample", "480")]
     (run,) = load_report(report_path)["runs"]
-    assert run["delay_ms"] == 480 and run["summary"]["wer"] > 0  # scored against the manifest, not itself
+    # Scored against the manifest (the embedded model transcribes the sample exactly), not out.jsonl's text.
+    assert run["delay_ms"] == 480 and run["summary"]["wer"] == 0
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -282,7 +282,8 @@ def _match_key(word: str) -> str:
 def _expected_word_latencies(session: _RecordingSession, tokenizer, reference_words) -> list[float]:
     """Emission position of each hypothesis word's last character - its reference word's end (seconds),
     from the session's deltas: the n-th generated id was emitted at n * 80 ms + delay of audio (at most
-    the recording); hypothesis words are paired with reference words by difflib's matching blocks."""
+    the recording); hypothesis words are paired with reference words by jiwer's word alignment (the one WER
+    counts; on sentences, difflib's matching blocks can pair a different number of words)."""
     from jaxstream.engine.transcription_session import TranscriptionDelta
 
     duration = session.samples / SAMPLING_RATE
@@ -298,19 +299,21 @@ def _expected_word_latencies(session: _RecordingSession, tokenizer, reference_wo
     last_chars = np.cumsum([len(word) for word in words]) - 1
     emitted = [(_match_key(word), char_positions[i]) for word, i in zip(words, last_chars)]
     reference = [(_match_key(word.word), word.end) for word in reference_words]
-    matcher = difflib.SequenceMatcher(None, [k for k, _ in reference], [k for k, _ in emitted], autojunk=False)
-    return [emitted[block.b + k][1] - reference[block.a + k][1]
-            for block in matcher.get_matching_blocks() for k in range(block.size)]
+    alignment = jiwer.process_words(" ".join(k for k, _ in reference), " ".join(k for k, _ in emitted)).alignments[0]
+    return [emitted[chunk.hyp_start_idx + k][1] - reference[chunk.ref_start_idx + k][1]
+            for chunk in alignment if chunk.type == "equal" for k in range(chunk.ref_end_idx - chunk.ref_start_idx)]
 
 
 @pytest.fixture(scope="module")
 def heldout_corpus(tmp_path_factory) -> Path:
     """Three utterances of `jaxstream synth`'s held-out set (sentences and voices the tiny model never
     heard), with the word times its manifest records."""
-    from jaxstream.synth import CorpusSpec, generate_corpus
+    from jaxstream.synth import CorpusSpec, generate_corpus, sentences
 
+    if not os.path.isfile(os.path.join(sentences.WORDNET_DIR, "data.noun")):
+        pytest.skip("wordnet-base not installed (.ci/run installs it)")
     root = tmp_path_factory.mktemp("heldout")
-    generate_corpus(os.fspath(root), CorpusSpec(num_utterances=3, seed=2024, held_out=True, max_words=6))
+    generate_corpus(os.fspath(root), CorpusSpec(num_utterances=3, seed=2024, held_out=True, text="sentences"))
     return root
 
 
@@ -337,7 +340,7 @@ async def test_word_latencies_are_emission_minus_word_end(engine, heldout_corpus
             assert utterance["hypothesis"] == done.text == "".join(e.text for e in session.events[:-1])
             reference_words = references[utterance["id"]].words
             expected = _expected_word_latencies(session, engine.tokenizer, reference_words)
-            assert len(expected) >= 0.75 * len(reference_words), (utterance["hypothesis"], reference_words)
+            assert len(expected) >= 0.5 * len(reference_words), (utterance["hypothesis"], reference_words)
             assert utterance["word_latencies_ms"] == pytest.approx([1000 * v for v in expected], abs=1e-6)
             # After the word's end (the model writes it `delay` later), but not long after.
             assert all(0 < v < delay_ms + 500 for v in utterance["word_latencies_ms"]), utterance
@@ -347,7 +350,7 @@ async def test_word_latencies_are_emission_minus_word_end(engine, heldout_corpus
             hypotheses.append(normalizer(done.text))
         summary = run["summary"]
         assert summary["wer"] == pytest.approx(jiwer.wer(reference_texts, hypotheses), abs=1e-12)
-        assert summary["wer"] <= 0.25
+        assert summary["wer"] <= 0.5  # the embedded model: ~36 % on held-out sentences (its model card)
         emission = summary["latency"]["word_emission_ms"]
         assert emission["count"] == len(latencies)
         assert emission["mean"] == pytest.approx(np.mean(latencies))

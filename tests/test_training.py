@@ -473,7 +473,7 @@ def test_spelling_init_makes_alike_words_start_alike(tmp_path):
 
 
 def test_bpe_tokenizer_spells_any_word_and_round_trips_any_text(tmp_path):
-    # The v2 recipe's tokenizer (configs/tiny_v2.toml): subwords learnt from sentences, byte fallback for the rest.
+    # The tiny recipe's tokenizer (configs/tiny.toml): subwords learnt from sentences, byte fallback for the rest.
     from jaxstream.training.spm import train_sentencepiece
 
     sentences = ["can you turn off the lights in the kitchen before you go to bed",

@@ -1,5 +1,6 @@
 """`jaxstream transcribe`: JSON lines per design.md through the engine, one-line errors for bad audio."""
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -70,10 +71,12 @@ def test_transcribe_tiny_model_words_and_timings(tmp_path, capsys):
 
     import jiwer
 
-    from jaxstream.synth import CorpusSpec, generate_corpus
+    from jaxstream.synth import CorpusSpec, generate_corpus, sentences
 
+    if not os.path.isfile(os.path.join(sentences.WORDNET_DIR, "data.noun")):
+        pytest.skip("wordnet-base not installed (.ci/run installs it)")
     records = generate_corpus(str(tmp_path / "heldout"),
-                              CorpusSpec(num_utterances=2, seed=2024, held_out=True, max_words=6))
+                              CorpusSpec(num_utterances=2, seed=2024, held_out=True, text="sentences"))
     sample = SAMPLE_DIR / "sample.wav"
     paths = [sample] + [tmp_path / "heldout" / record["path"] for record in records]
     assert cli.main(["transcribe", "--json", "--concurrency", "1", *map(str, paths)]) == 0
@@ -94,19 +97,21 @@ def test_transcribe_tiny_model_words_and_timings(tmp_path, capsys):
             # Milliseconds, as JSON shows them: 1.92, never 1.9200000000000002.
             assert all(repr(round(word[key], 3)) == repr(word[key]) for key in ("start", "end")), word
 
-    # The sample: the model misses one of its seven words (README).
+    # The sample: the model gets it exactly at every trained delay (README); one word of room.
     reference = (SAMPLE_DIR / "sample.txt").read_text().split()
     hypothesis = results[0]["text"].split()
     assert jiwer.wer(" ".join(reference), " ".join(hypothesis)) <= 1 / len(reference)
 
     for result, record in zip(results[1:], records):
         reference_words = record["words"]
-        assert jiwer.wer(record["text"], result["text"]) <= 0.25, (record["text"], result["text"])
+        # The embedded model's WER on held-out sentences is ~36 % (its model card): this checks the word times
+        # of the words it gets, and that it gets most of them.
+        assert jiwer.wer(record["text"], result["text"]) <= 0.6, (record["text"], result["text"])
         matcher = difflib.SequenceMatcher(None, [w["word"] for w in reference_words],
                                           [w["word"] for w in result["words"]], autojunk=False)
         pairs = [(reference_words[block.a + k], result["words"][block.b + k])
                  for block in matcher.get_matching_blocks() for k in range(block.size)]
-        assert len(pairs) >= 0.75 * len(reference_words)
+        assert len(pairs) >= 0.5 * len(reference_words)
         for expected, word in pairs:  # the delay is already taken off: times are of the audio
             assert expected["start"] - TIME_TOLERANCE_S <= word["start"] <= expected["end"] + TIME_TOLERANCE_S, \
                 (expected, word)

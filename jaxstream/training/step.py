@@ -177,8 +177,8 @@ def stream_loss(weights: dict, graphdef, cfg: VoxtralConfig, batch: Batch, ctc_w
 
 # XLA:CPU hands dots, reductions and elementwise fusions to YNNPACK by default. For the backward pass that is
 # slow: its elementwise fusions write transposed layouts for the weight-gradient dots (the silu backward of
-# an encoder MLP, [512, 4160], took 32 ms per layer). With YNNPACK for the dots alone, the tiny-v2 recipe's step
-# (benchmarks/train_step.py --config configs/tiny_v2.toml --vocab-size 4000 --batch 16 --slots 96, 2-core
+# an encoder MLP, [512, 4160], took 32 ms per layer). With YNNPACK for the dots alone, the tiny recipe's step
+# (benchmarks/train_step.py --config configs/tiny.toml --vocab-size 4000 --batch 16 --slots 96, 2-core
 # CPU) took 909 / 901 ms against 1,404 / 1,383 ms, runs alternated. (The XLA ring attention's backward has its
 # own span accumulation because of this option: see `_blocked_attention`.) Inference keeps the default: the
 # engine's decode programs were slower this way (mid-size model, 32 streams: 49-57 against 42-45 ms a step).
