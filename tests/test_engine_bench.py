@@ -100,10 +100,8 @@ def test_as_fast_as_possible_keeps_up_when_every_stream_ends_within_its_duration
     assert not keeps_up(paced=False, tick_ms_p99=500.0, latency_ms_p99=4000.0, wall_seconds=12.0, audio_seconds=10.0)
 
 
-def test_bench_of_a_config_holds_every_stream_at_once(tmp_path, capsys):
-    """`--config` with windows much longer than the streams: the engine's admission commits each stream's
-    full windows, so pools sized for short streams (as bench once made them) held one stream at a time and
-    rotated the others through host memory, 8x slower than real time for the 4B model on an H200."""
+def _long_windows_config(tmp_path) -> Path:
+    """configs/tiny.toml with windows much longer than the streams (encoder 256 frames, decoder 512 slots)."""
     toml = (Path(__file__).parents[1] / "configs" / "tiny.toml").read_text()
     encoder, text = toml.split("[model.text]")  # the encoder's window is above [model.text], the decoder's below
     recipe = tomllib.loads(toml)["model"]
@@ -115,9 +113,29 @@ def test_bench_of_a_config_holds_every_stream_at_once(tmp_path, capsys):
     assert model["encoder"]["sliding_window"] == 256 and model["text"]["sliding_window"] == 512
     config = tmp_path / "long_windows.toml"
     config.write_text(toml)
-    code = main(["bench", "--config", str(config), "--random-weights", "--streams", "3", "--seconds", "0.8",
-                 "--steps-per-dispatch", "1", "--json"])
+    return config
+
+
+def test_bench_of_a_config_holds_every_stream_at_once(tmp_path, capsys):
+    """`--config` with windows much longer than the streams: window admission commits each stream's full
+    windows, so pools sized for short streams (as bench once made them) held one stream at a time and rotated
+    the others through host memory, 8x slower than real time for the 4B model on an H200."""
+    code = main(["bench", "--config", str(_long_windows_config(tmp_path)), "--random-weights", "--streams", "3",
+                 "--seconds", "0.8", "--steps-per-dispatch", "1", "--admission", "window", "--json"])
     assert code == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["streams"] == 3 and result["paced"]
     assert result["evictions"] == 0
+
+
+@pytest.mark.parametrize("admission,rotates", [("window", True), ("demand", False)])
+def test_bench_pools_that_hold_one_decoder_window(tmp_path, capsys, admission, rotates):
+    """`--num-pages` one decoder window (8 pages of 64) and `--encoder-num-pages` three encoder windows: window
+    admission runs one paced stream at a time and rotates the three through host memory; demand admission
+    runs all three in the pages they use (one decoder page each)."""
+    code = main(["bench", "--config", str(_long_windows_config(tmp_path)), "--random-weights", "--streams", "3",
+                 "--seconds", "0.8", "--steps-per-dispatch", "1", "--num-pages", "9", "--encoder-num-pages", "13",
+                 "--admission", admission, "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["streams"] == 3 and (result["evictions"] > 0) == rotates, result["evictions"]

@@ -359,6 +359,7 @@ def test_serving_never_compiles(core):
     (dict(dtype="float33"), "dtype must be a floating-point dtype name"),
     (dict(attention_impl="cuda"), "attention_impl must be one of xla, pallas, pallas_tpu or None"),
     (dict(compat="sglang"), "compat must be 'vllm' or 'strict'"),
+    (dict(realtime_admission="greedy"), "realtime_admission must be 'window' or 'demand'"),
     (dict(tp_axis=None), "tp_axis must be a mesh axis name"),
     (dict(mesh="4 devices"), "mesh must be a jax.sharding.Mesh with a 'tp' axis"),
 ])
@@ -441,3 +442,33 @@ def test_default_pools_fit_the_hosts_memory_on_a_cpu():
     assert fitted.pages_per_window <= fitted.num_pages - 1 < spec.num_pages - 1
     assert (fitted.num_pages - 1) * fitted.bytes_per_page(jnp.bfloat16) <= max(
         cfg.kv_memory_fraction * free, fitted.pages_per_window * fitted.bytes_per_page(jnp.bfloat16))
+
+
+def test_demand_admission_keeps_the_smaller_pools_whole_and_scales_the_largest(monkeypatch):
+    """Voxtral 4B's pools for 128 streams in 120 GB (bf16: 1.07 GB of full windows each, 137 GB in all):
+    window admission scales both pools alike; demand admission keeps the encoder pool whole (a stream past
+    15 s fills its encoder window) and gives the decoder pool the rest of the budget."""
+    import jax.numpy as jnp
+
+    from jaxstream.engine import builders, kv_cache, sharding
+
+    free = 120e9
+    monkeypatch.setattr(builders, "_free_device_bytes", lambda placement: free)
+    specs = [kv_cache.stack_spec("decoder", num_layers=26, num_kv_heads=8, head_dim=128, page_size=64, ring=8192,
+                                 num_pages=None, max_sessions=128),
+             kv_cache.stack_spec("encoder", num_layers=32, num_kv_heads=32, head_dim=64, page_size=64, ring=750,
+                                 num_pages=None, max_sessions=128)]
+    placement = sharding.Placement(None, "tp")
+    fitted = {}
+    for admission in ("window", "demand"):
+        cfg = EngineConfig(max_sessions=128, dtype="bfloat16", realtime_admission=admission)
+        fitted[admission] = {spec.name: spec for spec in builders.fit_pools(specs, cfg, placement)}
+    page_bytes = {spec.name: spec.bytes_per_page(jnp.bfloat16) for spec in specs}
+    full = {spec.name: spec.num_pages for spec in specs}
+    budget = EngineConfig().kv_memory_fraction * free
+    window, demand = fitted["window"], fitted["demand"]
+    shares = [(window[name].num_pages - 1) / (full[name] - 1) for name in full]
+    assert max(shares) < 0.8 and shares[0] == pytest.approx(shares[1], abs=0.01)
+    assert demand["encoder"].num_pages == full["encoder"]
+    used = sum((demand[name].num_pages - 1) * page_bytes[name] for name in full)
+    assert budget - page_bytes["decoder"] < used <= budget

@@ -1,25 +1,22 @@
-"""Transcription streams with an audio limit (`start_transcription(max_audio_seconds=...)`): admission
-commits each stream the pages of its whole length instead of its whole windows, so more streams share the
-pools at once; the limit is enforced (an append past it is refused whole) and the transcripts are the same.
+"""Transcription streams with an audio limit (`start_transcription(max_audio_seconds=...)`): under window
+admission (`EngineConfig(realtime_admission="window")`) admission commits each stream the pages of its whole
+length instead of its whole windows, so more streams share the pools at once; the limit is enforced (an append
+past it is refused whole) and the transcripts are the same.
 """
 import asyncio
-import dataclasses
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxstream.engine.async_engine import AsyncEngine
-from jaxstream.engine.builders import load_pretrained
 from jaxstream.engine.config import EngineConfig
 from jaxstream.errors import InvalidRequestError
 from jaxstream.models import loading
 from jaxstream.models.audio import load_audio, n_delay_from_ms, right_pad_samples, left_pad_samples, stream_slot_bound
-from jaxstream.models.voxtral import VoxtralRealtime
 
-FIXTURES = Path(__file__).parent / "fixtures"
+from engine_fixtures import long_window_tiny_voxtral
+
 SAMPLE = load_audio(loading.BUILTIN_MODELS["tiny"].parent / "samples" / "sample.wav")[:24_000]
 LIMIT_S = 1.5
 STREAMS = 3
@@ -33,15 +30,12 @@ def engine():
     """The random tiny Voxtral fixture's weights with windows much longer than the streams (encoder 512
     frames, decoder 256 slots), and pools that hold one stream's full windows but not two: a stream of
     LIMIT_S seconds needs 5 of the 16 decoder pages of a window and 9 of the 16 encoder pages."""
-    loaded, tokenizer, _ = load_pretrained(FIXTURES / "voxtral_tiny", EngineConfig(), dtype="float32")
-    cfg = dataclasses.replace(loaded.cfg, encoder=dataclasses.replace(loaded.cfg.encoder, sliding_window=512),
-                              text=dataclasses.replace(loaded.cfg.text, sliding_window=256))
-    model = VoxtralRealtime(cfg, rngs=nnx.Rngs(0))
-    nnx.update(model, nnx.state(loaded, nnx.Param))
+    model, tokenizer = long_window_tiny_voxtral(encoder_window=512, decoder_window=256)
     # Usable pages: 24 and 30, one full window (16) each, not two.
     config = EngineConfig(max_sessions=STREAMS, page_size=PAGE, encoder_page_size=ENCODER_PAGE,
                           num_pages=1 + 24, encoder_num_pages=1 + 30, batch_buckets=(STREAMS,),
-                          realtime_step_buckets=(1, 4), realtime_prefill_buckets=((STREAMS, 32),))
+                          realtime_step_buckets=(1, 4), realtime_prefill_buckets=((STREAMS, 32),),
+                          realtime_admission="window")
     engine = AsyncEngine(model, config=config, tokenizer=tokenizer)
     yield engine
     engine.close()

@@ -110,7 +110,8 @@ async def test_sdk_manual_turns_pipeline(server, engine, model, speech, referenc
 
     audio = at_24k(speech)
     # The engine's own answer for this 24 kHz audio, resampled as a session's front end does (in one piece rather
-    # than per append, and batched otherwise: equal to f32 rounding), for the logprobs.
+    # than per append, and batched otherwise), for the logprobs: the resampler's chunk edges move a confident
+    # token's logprob by f32 rounding and an unsure one's (-2.2 nats) by up to ~0.4 %.
     solo = await engine.transcribe(soxr.resample(audio, 24000, 16000, quality="HQ"), delay_ms=480)
     client = AsyncOpenAI(api_key="unused", websocket_base_url=server.url("/v1"))
     async with client.realtime.connect(model=model) as conn:
@@ -156,7 +157,7 @@ async def test_sdk_manual_turns_pipeline(server, engine, model, speech, referenc
         # The bytes spell the transcript (SentencePiece's decode drops the first word's leading space).
         assert bytes(b for lp in item.logprobs for b in lp.bytes).decode().removeprefix(" ") == item.transcript
         expected = [lp for token, lp in zip(solo.token_ids, solo.logprobs) if not engine.tokenizer.is_control(token)]
-        np.testing.assert_allclose([lp.logprob for lp in item.logprobs], expected, atol=2e-3)
+        np.testing.assert_allclose([lp.logprob for lp in item.logprobs], expected, rtol=1e-2, atol=2e-3)
     done_items = [e.item for e in events if e.type == "conversation.item.done"]
     assert [i.id for i in done_items] == [c.item_id for c in committed]
     assert all(i.status == "completed" and i.content[0].transcript for i in done_items)

@@ -30,6 +30,14 @@ def register(subparsers) -> None:
                         help="decoder KV positions per page (default: 64)")
     parser.add_argument("--encoder-page-size", type=int, default=64, metavar="N",
                         help="encoder KV frames per page (default: 64)")
+    parser.add_argument("--num-pages", type=int, default=None, metavar="N",
+                        help="decoder pool pages (default: every stream's full windows, fitted to device memory)")
+    parser.add_argument("--encoder-num-pages", type=int, default=None, metavar="N",
+                        help="encoder pool pages (default: as --num-pages)")
+    parser.add_argument("--admission", choices=("demand", "window"), default="demand",
+                        help="demand: KV pages as streams grow, newer streams moving to host memory for older ones; "
+                        "window: each stream is committed its whole windows at admission "
+                        "(EngineConfig.realtime_admission; default: demand)")
     parser.add_argument("--steps-per-dispatch", default="1,4", metavar="K[,K...]",
                         help="80 ms steps one dispatch may run per stream when audio is queued (catch-up); each "
                         "value is compiled (default: 1,4)")
@@ -92,13 +100,15 @@ async def _run(args, counts, steps, buckets) -> int:
         config = EngineConfig(max_sessions=max_streams, page_size=args.page_size,
                               encoder_page_size=args.encoder_page_size, realtime_step_buckets=steps, dtype=args.dtype,
                               batch_buckets=buckets, max_queued_audio_seconds=max(600.0, 2 * args.seconds),
-                              cache_silent_prefix=not args.no_prefix_cache, attention_impl=args.attention, **tuning)
+                              cache_silent_prefix=not args.no_prefix_cache, attention_impl=args.attention,
+                              num_pages=args.num_pages, encoder_num_pages=args.encoder_num_pages,
+                              realtime_admission=args.admission, **tuning)
     except InvalidRequestError as exc:  # a flag's value the engine rejects (--page-size 0, --batch-wait-ms -5)
         raise UserError(str(exc)) from None
     if args.config:
         model, tokenizer = _random_model(args.config, config, args.seed)
-        # The engine sizes the pools (full windows for every stream, fitted to device memory): admission
-        # commits a stream's full windows, so pools sized for short streams would hold fewer at once.
+        # The engine sizes the pools (full windows for every stream, fitted to device memory): window
+        # admission commits a stream's full windows, so pools sized for short streams would hold fewer at once.
         engine = AsyncEngine(model, config=config, tokenizer=tokenizer)
     else:
         engine = AsyncEngine.from_pretrained(model_source(args.model), config=config)

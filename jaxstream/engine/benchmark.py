@@ -122,7 +122,7 @@ class BenchResult:
             f"  output tokens/s {self.output_tokens_per_s:.0f}; audio x real time (all streams) "
             f"{self.realtime_factor:.1f}; {'keeps up with' if self.keeps_up else 'falls behind'} real time",
             f"  memory-bound floor at the median batch {self.floor_ms:.3f} ms/step{over}",
-            *([f"  {self.evictions} evictions of parked streams to host memory: the device held fewer than "
+            *([f"  {self.evictions} evictions of streams to host memory: the device held fewer than "
                f"{self.streams} streams at once"] if self.evictions else []),
         ]
 

@@ -120,7 +120,10 @@ def fit_pools(specs: list[kv_cache.StackSpec], engine_cfg: EngineConfig, placeme
 
     Pools the user sized explicitly are kept. A smaller pool holds fewer sessions at once: text sessions
     hold only the pages they use, while a transcription stream is committed its full windows, or its whole
-    length when it has an audio limit (the limit rules of `EngineConfig`).
+    length when it has an audio limit (the limit rules of `EngineConfig`). Under demand admission streams
+    hold the pages they use, and the largest pool alone is scaled down when the others fit whole: Voxtral's
+    encoder window (750 frames, 15 s) is full in any stream past 15 s, while its decoder window (8,192
+    slots, 11 minutes) is what a voice-agent turn mostly leaves empty.
     """
     explicit = {"text": engine_cfg.num_pages, "decoder": engine_cfg.num_pages,
                 "encoder": engine_cfg.encoder_num_pages}
@@ -134,6 +137,15 @@ def fit_pools(specs: list[kv_cache.StackSpec], engine_cfg: EngineConfig, placeme
         spec.num_pages * spec.bytes_per_page(dtype) for spec in specs if spec not in defaulted)
     if wanted <= budget:
         return specs
+    if engine_cfg.realtime_admission == "demand" and len(defaulted) > 1:
+        largest = max(defaulted, key=lambda spec: (spec.num_pages - 1) * spec.bytes_per_page(dtype))
+        room = budget - (wanted - (largest.num_pages - 1) * largest.bytes_per_page(dtype))
+        pages = int(room // largest.bytes_per_page(dtype))
+        if pages >= largest.pages_per_window:
+            logger.info("page pools: %s scaled to %d pages (%.0f %% of %d sessions' full windows) to fit %.1f GB "
+                        "of free memory, the others whole (demand admission)", largest.name, pages,
+                        100 * pages / (largest.num_pages - 1), engine_cfg.max_sessions, free / 1e9)
+            return [dataclasses.replace(spec, num_pages=1 + pages) if spec is largest else spec for spec in specs]
     scale = max(budget, 0) / wanted
     logger.info("page pools scaled to %.0f %% of %d sessions' full windows to fit %.1f GB of free memory",
                 100 * scale, engine_cfg.max_sessions, free / 1e9)

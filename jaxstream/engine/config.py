@@ -33,10 +33,14 @@ class EngineConfig:
       (its audio is gone), so a new one waits until a session ends or host memory frees up.
     * When the page pool runs out, parked sessions are evicted first; if none is parked, the most recently
       admitted running text session is preempted (its KV is recomputed later, vLLM's rule). A
-      transcription session cannot recompute (its audio is gone), so its admission commits a whole window
-      of every pool to it, or the pages of its whole length when `start_transcription(max_audio_seconds=)`
-      caps it shorter: every admitted stream can always advance, and a stream that finds the pools
-      committed waits (after parked sessions are evicted) until one ends.
+      transcription session cannot recompute (its audio is gone). With `realtime_admission="demand"` (the
+      default) streams take pages as they grow, so as many run as their actual lengths fit; a stream that
+      finds no page displaces parked streams idle for a second, then streams that arrived after it, to host
+      memory, and when host memory is full too the newest starved stream ends with `CapacityError`
+      (engine/realtime_admission.py). With `"window"` admission commits a whole window of every pool to each
+      stream, or the pages of its whole length when `start_transcription(max_audio_seconds=)` caps it shorter:
+      every admitted stream can always advance, and a stream that finds the pools committed waits (after
+      parked sessions are evicted) until one ends.
     * `max_live_sessions` (default `max_sessions`) bounds the transcription sessions the engine accepts at
       once, running, parked or evicted: `start_transcription` beyond it raises `CapacityError` at once
       instead of queueing a stream nobody computes.
@@ -87,6 +91,11 @@ class EngineConfig:
     # "vllm": a stream closed while parked just ends; "strict": it ends with an empty finished output.
     compat: str = "vllm"
     max_live_sessions: int | None = None  # transcription sessions accepted at once; None: max_sessions
+    # "demand": transcription streams take pages as they grow, newer ones giving way to older ones; "window":
+    # admission commits each stream its whole windows (see above). On one H200, Voxtral Realtime 4B: 256 paced
+    # 10 s streams keep up with demand admission, 128 fall behind with window admission (README, "Tests and
+    # benchmarks").
+    realtime_admission: str = "demand"
 
     def __post_init__(self):
         """Rejects, with `InvalidRequestError`, every value the engine would misuse rather than fail on at
@@ -115,6 +124,8 @@ class EngineConfig:
             _fail("cache_silent_prefix", self.cache_silent_prefix, "true or false")
         if self.compat not in ("vllm", "strict"):
             _fail("compat", self.compat, "'vllm' or 'strict'")
+        if self.realtime_admission not in ("window", "demand"):
+            _fail("realtime_admission", self.realtime_admission, "'window' or 'demand'")
         _check_choices(self)
 
     @property

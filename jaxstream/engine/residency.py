@@ -199,8 +199,8 @@ class Residency:
         if self.host_bytes + nbytes <= self.host_offload_bytes:
             session.offloaded, session.offloaded_bytes = self.cache.offload(session.slot, session.pages)
             self.host_bytes += session.offloaded_bytes
-            logger.info("evicted parked session %s to host memory (%d bytes; %d held there in all)",
-                        session.request_id, session.offloaded_bytes, self.host_bytes)
+            logger.info("evicted %s session %s to host memory (%d bytes; %d held there in all)",
+                        session.status.value, session.request_id, session.offloaded_bytes, self.host_bytes)
         elif self.can_drop_kv:
             self.cache.release_pages(session.pages)
             self.cache.release_slot(session.slot)
@@ -229,15 +229,20 @@ class Residency:
                 return True
         return False
 
+    def evict_for(self, requester: SessionBase, protect=()) -> bool:
+        """Moves one session off the device to make room for `requester`: a parked one, least recently
+        active first (a scheduler may widen or narrow who gives way)."""
+        return self.evict_one_parked(protect=(requester, *protect))
+
     def admit(self, session: SessionBase) -> bool:
         """Gives a waiting session a slot (restoring it if evicted); evicts parked sessions as needed."""
         if session.resident:
             return True
-        if self.cache.num_free_slots == 0 and not self.evict_one_parked(protect=(session,)):
+        if self.cache.num_free_slots == 0 and not self.evict_for(session):
             return False
         if session.offloaded is not None:
             needed = self.cache.pages_to_restore(session.offloaded)
-            if not self._make_room(needed, protect=(session,)):
+            if not self._make_room(session, needed):
                 return False
             session.slot = self.cache.restore(session.offloaded, session.pages)
             self.host_bytes -= session.offloaded_bytes
@@ -247,9 +252,9 @@ class Residency:
         session.admitted_order = self.next_clock()
         return True
 
-    def _make_room(self, needed: dict[str, int], protect=()) -> bool:
+    def _make_room(self, session: SessionBase, needed: dict[str, int], protect=()) -> bool:
         while any(self.cache.pools[name].num_free < n for name, n in needed.items()):
-            if not self.evict_one_parked(protect):
+            if not self.evict_for(session, protect):
                 return False
         return True
 
@@ -258,7 +263,7 @@ class Residency:
         missing = {name: session.pages[name].missing(*span) for name, span in spans.items()}
         if not any(missing.values()):
             return True  # the common case: the positions land on pages the session holds
-        if not self._make_room({name: len(pages) for name, pages in missing.items()}, protect=(session, *protect)):
+        if not self._make_room(session, {name: len(pages) for name, pages in missing.items()}, protect):
             return False
         for name, pages in missing.items():
             session.pages[name].assign(self.cache.pools[name], pages)

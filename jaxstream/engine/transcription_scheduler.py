@@ -26,7 +26,8 @@ import numpy as np
 from jaxstream.engine import steps
 from jaxstream.engine.kv_cache import missing_pages
 from jaxstream.engine.prefix_cache import PrefixCache
-from jaxstream.engine.residency import Residency, SessionBase, Status, TickStats, deliver
+from jaxstream.engine.realtime_admission import RealtimeAdmission
+from jaxstream.engine.residency import SessionBase, Status, TickStats, deliver
 from jaxstream.engine.stream_rows import STATUS_CODE, UNKNOWN_LIMIT, RowSession, StreamRows
 from jaxstream.engine.transcription_session import (
     PROGRESS, TranscriptionDelta, TranscriptionDone, TranscriptionUsage, to_ms, token_time, word_timings,
@@ -91,7 +92,7 @@ class Dispatch:
         return self.key[0] == "prefill"
 
 
-class RealtimeScheduler(Residency):
+class RealtimeScheduler(RealtimeAdmission):
     """Host-side scheduler of transcription sessions; `step()` runs one tick on the calling thread.
 
     Per tick, the host work is a fixed number of array operations over the session rows (readiness, order,
@@ -100,7 +101,7 @@ class RealtimeScheduler(Residency):
     event loop reads."""
 
     def __init__(self, programs: steps.Programs, engine_cfg, model_cfg, tokenizer, *, prefill_buckets):
-        super().__init__(programs, engine_cfg.host_offload_bytes)
+        super().__init__(programs, engine_cfg)
         self.cfg = engine_cfg
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
@@ -113,7 +114,6 @@ class RealtimeScheduler(Residency):
         self.rows = StreamRows(self.cache.specs, slot_shape, TOKEN_BUFFER + max(engine_cfg.realtime_step_buckets))
         self._text_table = _text_id_table(tokenizer)
         self.prefix = PrefixCache(self.cache, model_cfg, engine_cfg.cache_silent_prefix)
-        self._committed = {name: 0 for name in self.cache.specs}  # the resident sessions' commitments
 
     # -- start-up -------------------------------------------------------------------------------------
     def warm_up(self) -> None:
@@ -220,12 +220,6 @@ class RealtimeScheduler(Residency):
         super().release(session)
         self.rows.detach(session)
 
-    def evict(self, session: RealtimeSession) -> bool:
-        evicted = super().evict(session)
-        if evicted:
-            self._commit(session, -1)
-        return evicted
-
     def at_baseline(self) -> bool:
         return super().at_baseline() and self.rows.mel.num_held == 0 and not any(self._committed.values())
 
@@ -249,6 +243,8 @@ class RealtimeScheduler(Residency):
         start, cpu_start = time.perf_counter(), time.thread_time()
         self.tick += 1
         scheduled = self._schedule()
+        if not scheduled:
+            self.end_starvation(busy=bool(self._in_flight))
         dispatched = []
         try:
             for dispatch in scheduled:
@@ -309,11 +305,14 @@ class RealtimeScheduler(Residency):
         ready = self._feedable()
         resident = rows.slot >= 0
         rows.status[resident & (ready == 0) & (rows.status != PARKED)] = PARKED
+        self.begin_tick()
         candidates = np.flatnonzero(ready)
         if not candidates.size:
             return []
-        # Resident sessions first (they hold slots and pages), then the others in arrival order.
-        candidates = candidates[np.lexsort((rows.arrival[candidates], ~resident[candidates]))]
+        if self.demand:  # strictly by arrival: an evicted older stream comes back before newer ones run
+            candidates = candidates[np.argsort(rows.arrival[candidates], kind="stable")]
+        else:  # resident sessions first (they hold slots and pages), then the others in arrival order
+            candidates = candidates[np.lexsort((rows.arrival[candidates], ~resident[candidates]))]
         decoding = rows.fed[candidates] >= rows.prompt_len[candidates]
         scheduled = []
         decode = candidates[decoding]
@@ -370,38 +369,6 @@ class RealtimeScheduler(Residency):
         return max(self.cfg.realtime_step_buckets,
                    key=lambda k: (int(np.minimum(counts, k).sum()) / (k + 1), k))
 
-    def admit(self, session: RealtimeSession) -> bool:
-        """Admission commits to the session, in every pool, the pages of its whole window, or of its whole
-        stream when it has a length limit and that is shorter (pages are still assigned as the stream
-        grows). A transcription session cannot give its KV back (its audio is gone), so without the
-        commitment two growing streams could each hold part of the pool and wait for each other forever;
-        with it, every resident stream can always reach its largest size, and the rest wait their turn."""
-        if session.resident:
-            return True
-        while not self._commitment_fits(session):
-            if not self.evict_one_parked(protect=(session,)):
-                return False
-        if not super().admit(session):
-            return False
-        self._commit(session, +1)
-        return True
-
-    def _commitment(self, max_slots: int | None) -> dict[str, int]:
-        """Pages per pool a stream of at most `max_slots` slots (None: any length) can ever hold."""
-        positions = {"decoder": max_slots, "encoder": None if max_slots is None
-                     else max_slots * self.model_cfg.downsample_factor}
-        return {name: spec.pages_per_window if positions[name] is None
-                else min(spec.pages_per_window, -(-positions[name] // spec.page_size))
-                for name, spec in self.cache.specs.items()}
-
-    def _commitment_fits(self, session: RealtimeSession) -> bool:
-        return all(self._committed[name] + session.commitment[name] <= self.cache.pools[name].capacity
-                   for name in self.cache.specs)
-
-    def _commit(self, session: RealtimeSession, sign: int) -> None:
-        for name, pages in session.commitment.items():
-            self._committed[name] += sign * pages
-
     def _spans(self, fed, counts) -> dict:
         """Positions the next `counts` slots from `fed` write, with the cached prefix a first prefill copies."""
         frames = self.model_cfg.downsample_factor
@@ -417,10 +384,20 @@ class RealtimeScheduler(Residency):
         admission or a page shortage evicts are never among them."""
         rows = self.rows
         resident = rows.slot[candidates] >= 0
-        placed = resident & self._reserve_resident(candidates, counts, resident)
+        which = np.flatnonzero(resident)
+        holes = self._holes(candidates[which], counts[which])
+        fits = all(self.cache.pools[name].num_free >= len(logical) for name, (_, logical) in holes.items())
+        if self.demand and not (fits and resident.all()):
+            missing = np.zeros(len(candidates), bool)
+            missing[which[np.concatenate([index for index, _ in holes.values()])]] = True
+            placed = self.place_in_arrival_order(candidates, counts, missing)
+            self._touch_rows(candidates[placed])
+            return candidates[placed], counts[placed]
+        placed = np.zeros(len(candidates), bool)
+        placed[which] = self._reserve_resident(candidates[which], counts[which], holes, fits)
         running = candidates[placed]
         rows.status[running] = RUNNING  # before any admission below may evict parked sessions
-        rows.last_active[running] = self.next_clock(running.size) + np.arange(running.size)
+        self._touch_rows(running)
         for i in np.flatnonzero(~resident).tolist():
             session = rows.sessions[candidates[i]]
             if self.admit(session) and self.reserve(session, self._spans(session.fed, int(counts[i]))):
@@ -429,24 +406,30 @@ class RealtimeScheduler(Residency):
                 self.touch(session)
         return candidates[placed], counts[placed]
 
-    def _reserve_resident(self, candidates, counts, resident) -> np.ndarray:
-        """Pages for the resident candidates, allocated together: admission committed a window of every pool
-        to each resident session, so the pools can always serve them (a shortage takes the one-by-one path
-        of `Residency.reserve`, which may evict)."""
+    def _touch_rows(self, placed: np.ndarray) -> None:
+        self.rows.last_active[placed] = self.next_clock(placed.size) + np.arange(placed.size)
+        if self.demand:
+            self._placed[placed] = True
+
+    def _holes(self, resident: np.ndarray, counts: np.ndarray) -> dict:
+        """Per pool, (index into `resident`, logical page) of every page their next `counts` slots need."""
+        spans = self._spans(self.rows.fed[resident], counts)
+        return {name: missing_pages(self.cache.specs[name], self.rows.tables[name][resident], *span)
+                for name, span in spans.items()}
+
+    def _reserve_resident(self, resident: np.ndarray, counts: np.ndarray, holes: dict, fits: bool) -> np.ndarray:
+        """Pages for the resident candidates, allocated together: window admission committed a window of every
+        pool to each resident session, so the pools can always serve them (a shortage takes the one-by-one
+        path of `Residency.reserve`, which may evict). Returns which of them got their pages."""
         rows = self.rows
-        ok = np.ones(len(candidates), bool)
-        which = np.flatnonzero(resident)
-        spans = self._spans(rows.fed[candidates[which]], counts[which])
-        holes = {name: missing_pages(self.cache.specs[name], rows.tables[name][candidates[which]], *span)
-                 for name, span in spans.items()}
-        if all(self.cache.pools[name].num_free >= len(logical) for name, (_, logical) in holes.items()):
+        ok = np.ones(len(resident), bool)
+        if fits:
             for name, (index, logical) in holes.items():
                 if len(logical):
-                    rows.tables[name][candidates[which[index]], logical] = self.cache.pools[name].allocate(len(logical))
+                    rows.tables[name][resident[index], logical] = self.cache.pools[name].allocate(len(logical))
             return ok
-        short = np.unique(np.concatenate([index for index, _ in holes.values()]))
-        for i in which[short].tolist():
-            session = rows.sessions[candidates[i]]
+        for i in np.unique(np.concatenate([index for index, _ in holes.values()])).tolist():
+            session = rows.sessions[resident[i]]
             ok[i] = self.reserve(session, self._spans(session.fed, int(counts[i])))
         return ok
 

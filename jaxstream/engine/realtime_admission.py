@@ -1,0 +1,157 @@
+"""Which transcription streams hold the device's KV pages, and which give way when the pools run short.
+
+A transcription stream cannot recompute its KV (its audio is gone), so two growing streams that each hold
+part of a pool could wait for each other forever. `EngineConfig.realtime_admission` picks how that is
+avoided:
+
+* `"window"`: admission commits to each stream, in every pool, the pages of its whole window
+  (or of its whole length when it has an audio limit and that is shorter). Every resident stream can always
+  grow to its largest size; a stream that finds the pools committed waits, after parked streams are evicted.
+  Safe and simple, but a stream is charged its whole window from its first slot: 1.07 GB for Voxtral
+  Realtime 4B in bfloat16, while a one-minute turn uses 0.28 GB of it and a 10 s one 0.07 GB.
+* `"demand"` (the default): nothing is committed; pages are taken as streams grow, so as many streams run at once as their
+  actual lengths fit. When a stream finds no free page, streams give way in this order: parked streams idle
+  for `IDLE_SECONDS` or more (least recently active first), then resident streams that arrived after it and
+  are not in this tick's batch (newest first). Each moves to host memory (`host_offload_bytes`) and comes back
+  bit for bit when pages free up. Streams are placed in arrival order, so the oldest stream always advances
+  (no livelock), and a stream never displaces an older one that is still streaming (two paced streams never
+  take turns evicting each other every 80 ms). When host memory is full too and no stream can advance, the
+  newest starved stream ends with `CapacityError` rather than every stream waiting forever.
+"""
+import logging
+import time
+
+import numpy as np
+
+from jaxstream.engine.residency import Residency, Status
+from jaxstream.engine.stream_rows import STATUS_CODE
+from jaxstream.errors import CapacityError
+
+logger = logging.getLogger(__name__)
+# A parked stream with no audio for this long is idle, not between the chunks of a paced stream: any
+# stream may displace it under demand admission.
+IDLE_SECONDS = 1.0
+PARKED = STATUS_CODE[Status.PARKED]
+
+
+class RealtimeAdmission(Residency):
+    """Admission, commitments and victims of `RealtimeScheduler` (which owns `rows`, `model_cfg` and the
+    placing of each tick's rows)."""
+
+    def __init__(self, programs, engine_cfg):
+        super().__init__(programs, engine_cfg.host_offload_bytes)
+        self.demand = engine_cfg.realtime_admission == "demand"
+        self._committed = {name: 0 for name in self.cache.specs}  # the resident sessions' commitments
+        # Demand admission, this tick: rows given pages (never victims) and rows moved off the device (not
+        # brought back in the same tick); starved rows that found no page.
+        self._placed = np.zeros(0, bool)
+        self._preempted: set[int] = set()
+        self._starved: list[int] = []
+
+    def begin_tick(self) -> None:
+        if self.demand:
+            self._placed = np.zeros(len(self.rows.slot), bool)
+            self._preempted.clear()
+            self._starved.clear()
+
+    # -- admission ------------------------------------------------------------------------------------
+    def admit(self, session) -> bool:
+        """A slot for the session (restoring it when evicted), and under window admission its commitment:
+        the pages of its whole window, or of its whole stream when it has a length limit and that is
+        shorter (pages are still assigned as the stream grows)."""
+        if session.resident:
+            return True
+        while not self._commitment_fits(session):
+            if not self.evict_one_parked(protect=(session,)):
+                return False
+        if not super().admit(session):
+            return False
+        self._commit(session, +1)
+        return True
+
+    def _commitment(self, max_slots: int | None) -> dict[str, int]:
+        """Pages per pool admission commits to a stream of at most `max_slots` slots (None: any length)."""
+        if self.demand:
+            return {name: 0 for name in self.cache.specs}
+        positions = {"decoder": max_slots, "encoder": None if max_slots is None
+                     else max_slots * self.model_cfg.downsample_factor}
+        return {name: spec.pages_per_window if positions[name] is None
+                else min(spec.pages_per_window, -(-positions[name] // spec.page_size))
+                for name, spec in self.cache.specs.items()}
+
+    def _commitment_fits(self, session) -> bool:
+        return all(self._committed[name] + session.commitment[name] <= self.cache.pools[name].capacity
+                   for name in self.cache.specs)
+
+    def _commit(self, session, sign: int) -> None:
+        for name, pages in session.commitment.items():
+            self._committed[name] += sign * pages
+
+    def evict(self, session) -> bool:
+        evicted = super().evict(session)
+        if evicted:
+            self._commit(session, -1)
+            if self.demand:
+                self._preempted.add(session.row)
+                if session.status is Status.RUNNING:
+                    session.status = Status.WAITING
+        return evicted
+
+    # -- victims --------------------------------------------------------------------------------------
+    def evict_for(self, requester, protect=()) -> bool:
+        if not self.demand:
+            return super().evict_for(requester, protect)
+        return any(self.evict(victim) for victim in self._victims(requester, protect))
+
+    def _victims(self, requester, protect):
+        """Under demand admission, the sessions that may give way to `requester`, in order (a generator: each
+        is checked when the previous one could not be evicted)."""
+        rows = self.rows
+        allowed = (rows.slot >= 0) & ~self._placed
+        for session in (requester, *protect):
+            if session.row is not None:
+                allowed[session.row] = False
+        idle = allowed & (rows.status == PARKED) & (time.perf_counter() - rows.last_arrival >= IDLE_SECONDS)
+        newer = allowed & ~idle & (rows.arrival > rows.arrival[requester.row])
+        order = list(np.flatnonzero(idle)[np.argsort(rows.last_active[idle], kind="stable")])
+        order += list(np.flatnonzero(newer)[np.argsort(-rows.arrival[newer], kind="stable")])
+        for row in order:
+            session = rows.sessions[row]
+            if session.resident:
+                yield session
+
+    # -- placing (demand) -----------------------------------------------------------------------------
+    def place_in_arrival_order(self, candidates: np.ndarray, counts: np.ndarray, missing: np.ndarray) -> np.ndarray:
+        """Demand admission: admits and reserves for `candidates` (in arrival order) one by one; `missing`
+        marks the resident ones whose next slots need new pages. Returns the placed mask."""
+        rows = self.rows
+        placed = np.zeros(len(candidates), bool)
+        for i, row in enumerate(candidates.tolist()):
+            session = rows.sessions[row]
+            if row in self._preempted:
+                continue  # moved off the device by an older stream this tick
+            if session.resident and not missing[i]:
+                placed[i] = True
+            elif self.admit(session) and self.reserve(session, self._spans(session.fed, int(counts[i]))):
+                placed[i] = True
+            elif session.resident:
+                self._starved.append(row)
+            if placed[i]:
+                self._placed[row] = True  # at once: the streams after it must not displace it
+                session.status = Status.RUNNING
+        return placed
+
+    def end_starvation(self, busy: bool) -> None:
+        """Demand admission, after a tick that dispatched nothing: when nothing is in flight either (`busy`
+        False) and resident streams found no page that any stream could give up (host memory full), the
+        newest starved stream ends with `CapacityError`, so that the others go on."""
+        if not self.demand or busy or not self._starved:
+            return
+        rows = self.rows
+        row = max(self._starved, key=lambda r: rows.arrival[r])
+        session = rows.sessions[row]
+        logger.warning("session %s: no KV page for it and none can be freed (host memory full): ending it",
+                       session.request_id)
+        self.fail(session, CapacityError(
+            f"session {session.request_id}: the device's KV pages and the host memory for evicted streams "
+            "are full"))

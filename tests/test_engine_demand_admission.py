@@ -1,0 +1,112 @@
+"""Demand admission (`EngineConfig(realtime_admission="demand")`, engine/realtime_admission.py): streams
+without an audio limit take pages as they grow instead of a whole window each, so as many run at once as
+their lengths fit; when they outgrow the pools, newer streams move to host memory for older ones and come
+back with the same tokens, and the oldest stream is never the one that moves.
+"""
+import asyncio
+import logging
+
+import pytest
+
+from jaxstream.engine.async_engine import AsyncEngine
+from jaxstream.engine.config import EngineConfig
+from jaxstream.errors import CapacityError
+from jaxstream.models import loading
+from jaxstream.models.audio import load_audio
+
+from engine_fixtures import long_window_tiny_voxtral
+
+SAMPLE = load_audio(loading.BUILTIN_MODELS["tiny"].parent / "samples" / "sample.wav")
+STREAMS = 3
+PAGE, ENCODER_PAGE = 16, 32
+
+pytestmark = pytest.mark.usefixtures("engine_returns_to_baseline")
+
+
+def _build(**config) -> AsyncEngine:
+    """The random tiny Voxtral fixture's weights with windows much longer than the streams (encoder 512
+    frames, decoder 256 slots) and pools that hold one stream's full windows but not two (usable pages 24
+    and 30, a window is 16 of each): under window admission one stream would run at a time."""
+    model, tokenizer = long_window_tiny_voxtral(encoder_window=512, decoder_window=256)
+    config = EngineConfig(max_sessions=STREAMS, page_size=PAGE, encoder_page_size=ENCODER_PAGE,
+                          num_pages=1 + 24, encoder_num_pages=1 + 30, batch_buckets=(STREAMS,),
+                          realtime_step_buckets=(1, 4), realtime_prefill_buckets=((STREAMS, 32),),
+                          realtime_admission="demand", **config)
+    return AsyncEngine(model, config=config, tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = _build()
+    yield engine
+    engine.close()
+
+
+async def _run_together(engine, audio, chunks: int, *, wait: bool) -> list:
+    """STREAMS streams started in order, each fed `audio` in `chunks` parts interleaved with the others
+    (with `wait`, every part waits for the engine to compute the previous one), then finished; their final
+    outputs."""
+    sessions = [await engine.start_transcription(session_id=f"stream{i}") for i in range(STREAMS)]
+    bounds = [len(audio) * k // chunks for k in range(chunks + 1)]
+    for begin, end in zip(bounds, bounds[1:]):
+        for session in sessions:
+            await session.append(audio[begin:end])
+        sent = [session.backlog.sent for session in sessions]
+        async with asyncio.timeout(120):
+            while wait and any(s.backlog.consumed < n for s, n in zip(sessions, sent)):
+                await asyncio.sleep(0.02)
+
+    async def finish(session):
+        await session.finish()
+        return [event async for event in session][-1]
+
+    return await asyncio.wait_for(asyncio.gather(*(finish(s) for s in sessions), return_exceptions=True), timeout=120)
+
+
+async def test_streams_share_pools_that_hold_one_full_window(engine):
+    """Three 1.5 s streams (5 of a window's 16 decoder pages and 9 of its 16 encoder pages each) run at once,
+    with no evictions and the tokens of a stream run alone. (The same three under window admission take
+    turns through host memory: test_engine_stream_limits.py.)"""
+    audio = SAMPLE[:24_000]
+    capacity = {name: pool.capacity for name, pool in engine.core.cache.pools.items()}
+    windows = {name: spec.pages_per_window for name, spec in engine.core.cache.specs.items()}
+    assert all(windows[name] <= capacity[name] < 2 * windows[name] for name in capacity)
+    expected = (await engine.transcribe(audio)).token_ids
+    before = engine.metrics().evictions
+    done = await _run_together(engine, audio, chunks=2, wait=True)
+    assert [d.token_ids for d in done] == [expected] * STREAMS
+    await engine.wait_until_idle()
+    assert engine.metrics().evictions == before
+
+
+async def test_streams_that_outgrow_the_pools_take_turns_newest_first(engine, caplog):
+    """Three 4.4 s streams need ~12 encoder pages each (36 > 30), all their audio queued at once: as they
+    grow, newer streams move to host memory so the older ones can go on, and come back bit for bit: every
+    stream ends with the tokens of a stream run alone, and the first one never moves. (A stream parked with
+    no audio for a second may move for anyone: here none waits for audio.)"""
+    expected = (await engine.transcribe(SAMPLE)).token_ids
+    before = engine.metrics().evictions
+    with caplog.at_level(logging.INFO, logger="jaxstream.engine.residency"):
+        done = await _run_together(engine, SAMPLE, chunks=3, wait=False)
+    assert [d.token_ids for d in done] == [expected] * STREAMS
+    await engine.wait_until_idle()
+    assert engine.metrics().evictions > before
+    evicted = [r.getMessage().split(" session ")[1].split()[0] for r in caplog.records
+               if r.getMessage().startswith("evicted ")]
+    assert evicted and "stream0" not in evicted, evicted
+
+
+async def test_with_host_memory_full_the_newest_starved_stream_ends_and_the_others_finish():
+    """No host memory to move streams to (`host_offload_bytes=0`): when the three 4.4 s streams outgrow
+    the pools, no stream can give way, so the newest one ends with `CapacityError` instead of all three
+    waiting forever; the two older ones finish with the tokens of a stream run alone."""
+    engine = _build(host_offload_bytes=0)
+    try:
+        expected = (await engine.transcribe(SAMPLE)).token_ids
+        done = await _run_together(engine, SAMPLE, chunks=3, wait=False)
+        assert [d.token_ids for d in done[:2]] == [expected] * 2
+        assert isinstance(done[2], CapacityError) and "host memory" in str(done[2]), done[2]
+        await engine.wait_until_idle()
+        assert engine.core.at_baseline()
+    finally:
+        engine.close()
