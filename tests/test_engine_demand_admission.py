@@ -6,6 +6,7 @@ back with the same tokens, and the oldest stream is never the one that moves.
 import asyncio
 import logging
 
+import numpy as np
 import pytest
 
 from jaxstream.engine.async_engine import AsyncEngine
@@ -28,9 +29,9 @@ def _build(**config) -> AsyncEngine:
     frames, decoder 256 slots) and pools that hold one stream's full windows but not two (usable pages 24
     and 30, a window is 16 of each): under window admission one stream would run at a time."""
     model, tokenizer = long_window_tiny_voxtral(encoder_window=512, decoder_window=256)
-    config = EngineConfig(max_sessions=STREAMS, page_size=PAGE, encoder_page_size=ENCODER_PAGE,
-                          num_pages=1 + 24, encoder_num_pages=1 + 30, batch_buckets=(STREAMS,),
-                          realtime_step_buckets=(1, 4), realtime_prefill_buckets=((STREAMS, 32),),
+    config = {"max_sessions": STREAMS, "batch_buckets": (STREAMS,), "realtime_prefill_buckets": ((STREAMS, 32),),
+              "num_pages": 1 + 24, "encoder_num_pages": 1 + 30, **config}
+    config = EngineConfig(page_size=PAGE, encoder_page_size=ENCODER_PAGE, realtime_step_buckets=(1, 4),
                           realtime_admission="demand", **config)
     return AsyncEngine(model, config=config, tokenizer=tokenizer)
 
@@ -106,6 +107,47 @@ async def test_with_host_memory_full_the_newest_starved_stream_ends_and_the_othe
         done = await _run_together(engine, SAMPLE, chunks=3, wait=False)
         assert [d.token_ids for d in done[:2]] == [expected] * 2
         assert isinstance(done[2], CapacityError) and "host memory" in str(done[2]), done[2]
+        await engine.wait_until_idle()
+        assert engine.core.at_baseline()
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+async def test_random_clients_in_short_pools_get_solo_tokens_and_leave_nothing_behind(seed):
+    """Six streams in pools of one window (16 pages each; a 4.4 s stream needs 12 encoder pages): random
+    lengths, chunk sizes and pauses (some over a second, so parked streams go idle), two of them aborted
+    halfway. Every stream that finishes has the tokens of its audio run alone, whatever moved to host memory
+    and back meanwhile, and the engine ends with no session, page, slot or host copy left."""
+    rng = np.random.default_rng(seed)
+    engine = _build(max_sessions=6, batch_buckets=(2, 6), realtime_prefill_buckets=((6, 32),), num_pages=1 + 16,
+                    encoder_num_pages=1 + 16)
+    try:
+        lengths = rng.integers(8_000, len(SAMPLE), 6)
+        solo = {int(n): (await engine.transcribe(SAMPLE[:n])).token_ids for n in lengths}
+        aborted = set(rng.choice(6, 2, replace=False).tolist())
+
+        async def client(i: int, start_delay: float):
+            await asyncio.sleep(start_delay)
+            session = await engine.start_transcription(session_id=f"client{i}")
+            audio, sent = SAMPLE[: lengths[i]], 0
+            while sent < len(audio):
+                step = int(rng.integers(640, 8_000))
+                await session.append(audio[sent: sent + step])
+                sent += step
+                if i in aborted and sent > len(audio) // 2:
+                    await session.abort()
+                    return None
+                await asyncio.sleep(float(rng.choice([0.0, 0.02, 0.1, 1.2], p=[0.4, 0.3, 0.2, 0.1])))
+            await session.finish()
+            return [event async for event in session][-1]
+
+        done = await asyncio.wait_for(asyncio.gather(*(client(i, 0.3 * i) for i in range(6))), timeout=240)
+        for i, result in enumerate(done):
+            if i in aborted:
+                assert result is None
+            else:
+                assert result.token_ids == solo[int(lengths[i])], i
         await engine.wait_until_idle()
         assert engine.core.at_baseline()
     finally:

@@ -43,16 +43,18 @@ class RealtimeAdmission(Residency):
         self.demand = engine_cfg.realtime_admission == "demand"
         self._committed = {name: 0 for name in self.cache.specs}  # the resident sessions' commitments
         # Demand admission, this tick: rows given pages (never victims) and rows moved off the device (not
-        # brought back in the same tick); starved rows that found no page.
+        # brought back in the same tick); starved rows that found no page; whether host memory refused a victim.
         self._placed = np.zeros(0, bool)
         self._preempted: set[int] = set()
         self._starved: list[int] = []
+        self._host_full = False
 
     def begin_tick(self) -> None:
         if self.demand:
             self._placed = np.zeros(len(self.rows.slot), bool)
             self._preempted.clear()
             self._starved.clear()
+            self._host_full = False
 
     # -- admission ------------------------------------------------------------------------------------
     def admit(self, session) -> bool:
@@ -95,6 +97,8 @@ class RealtimeAdmission(Residency):
                 self._preempted.add(session.row)
                 if session.status is Status.RUNNING:
                     session.status = Status.WAITING
+        else:
+            self._host_full = True  # a transcription stream moves only to host memory
         return evicted
 
     # -- victims --------------------------------------------------------------------------------------
@@ -132,10 +136,23 @@ class RealtimeAdmission(Residency):
                 continue  # moved off the device by an older stream this tick
             if session.resident and not missing[i]:
                 placed[i] = True
-            elif self.admit(session) and self.reserve(session, self._spans(session.fed, int(counts[i]))):
-                placed[i] = True
-            elif session.resident:
-                self._starved.append(row)
+            elif self._starved:
+                # An older stream found no page and none of the streams it may displace could move: nor can
+                # they for this newer one (its victims are a subset), so it waits without trying.
+                if session.resident:
+                    self._starved.append(row)
+                continue
+            else:
+                fresh = not session.resident and session.offloaded is None
+                if self.admit(session) and self.reserve(session, self._spans(session.fed, int(counts[i]))):
+                    placed[i] = True
+                elif fresh and session.resident:
+                    # A new stream has computed nothing: its slot goes back at once, rather than it holding the
+                    # slot and being moved to host memory by the next older stream that needs a page.
+                    self.cache.release_slot(session.slot)
+                    session.slot = None
+                elif session.resident:
+                    self._starved.append(row)
             if placed[i]:
                 self._placed[row] = True  # at once: the streams after it must not displace it
                 session.status = Status.RUNNING
@@ -143,9 +160,10 @@ class RealtimeAdmission(Residency):
 
     def end_starvation(self, busy: bool) -> None:
         """Demand admission, after a tick that dispatched nothing: when nothing is in flight either (`busy`
-        False) and resident streams found no page that any stream could give up (host memory full), the
-        newest starved stream ends with `CapacityError`, so that the others go on."""
-        if not self.demand or busy or not self._starved:
+        False), resident streams found no page, and host memory refused the streams that could have given
+        theirs up, the newest starved stream ends with `CapacityError`, so that the others go on. (Without a
+        refusal a starved stream waits: the streams ahead of it end, or go idle and become movable.)"""
+        if not self.demand or busy or not self._starved or not self._host_full:
             return
         rows = self.rows
         row = max(self._starved, key=lambda r: rows.arrival[r])
