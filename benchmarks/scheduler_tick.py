@@ -3,6 +3,7 @@ end): N streams of the tiny model each receive one 80 ms slot per tick, as in pa
 engine thread's CPU time and wall time (minus the device wait) are reported per tick.
 
     python benchmarks/scheduler_tick.py --streams 64,256 --ticks 60
+    python benchmarks/scheduler_tick.py --streams 256 --admission window,demand   # the two admission rules
 
 CPU time is the robust number on a shared machine: it does not grow while the thread waits for a core. The
 part spent inside XLA's calls (dispatching the program, reading its results) is shown apart from the rest,
@@ -20,12 +21,12 @@ from jaxstream.engine.transcription_session import AudioBacklog, transcription_p
 from jaxstream.models import loading
 
 
-def run(streams: int, ticks: int, seed: int = 0) -> dict:
+def run(streams: int, ticks: int, seed: int = 0, admission: str = "demand") -> dict:
     directory = loading.resolve_model_dir("tiny")
     loaded = loading.load_model(directory, dtype="float32")
     tokenizer = loading.load_checkpoint_tokenizer(directory, loaded.tokenizer_path)
     config = EngineConfig(max_sessions=streams, batch_buckets=(streams,), realtime_step_buckets=(1,),
-                          realtime_prefill_buckets=((min(streams, 16), 48),))
+                          realtime_prefill_buckets=((min(streams, 16), 48),), realtime_admission=admission)
     core = build_realtime_core(loaded.model, config, tokenizer)
     freeze_startup_heap()  # as `jaxstream serve` does
     cfg = loaded.model.cfg
@@ -77,7 +78,7 @@ def run(streams: int, ticks: int, seed: int = 0) -> dict:
     xla = np.array(xla_cpu[-len(stats):]) * 1e3
     host = np.array([t.host_s for t in stats]) * 1e3
     rows = np.array([t.rows for t in stats])
-    return {"streams": streams, "ticks": len(stats), "rows_p50": float(np.median(rows)),
+    return {"streams": streams, "admission": admission, "ticks": len(stats), "rows_p50": float(np.median(rows)),
             "cpu_ms_p50": float(np.percentile(cpu, 50)), "cpu_ms_p99": float(np.percentile(cpu, 99)),
             "host_ms_p50": float(np.percentile(host, 50)), "host_ms_p99": float(np.percentile(host, 99)),
             "with_commands_ms_p50": float(np.percentile(commands, 50)),
@@ -89,17 +90,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", default="64,256")
     parser.add_argument("--ticks", type=int, default=60)
+    parser.add_argument("--admission", default="demand", help="EngineConfig.realtime_admission values, one run "
+                        "each (default: demand)")
     args = parser.parse_args()
     allocator.reexecute_with_tcmalloc()  # on the allocator the jaxstream commands use
     for streams in (int(n) for n in args.streams.split(",")):
-        start = time.perf_counter()
-        result = run(streams, args.ticks)
-        print(f"streams={result['streams']}: {result['ticks']} ticks, median {result['rows_p50']:g} rows; host CPU "
-              f"per tick p50/p99 {result['cpu_ms_p50']:.2f} / {result['cpu_ms_p99']:.2f} ms (in XLA's calls p50 "
-              f"{result['xla_calls_ms_p50']:.2f}, the scheduler p50 {result['scheduler_ms_p50']:.2f}); host wall "
-              f"(tick minus device wait) p50/p99 {result['host_ms_p50']:.2f} / {result['host_ms_p99']:.2f} ms; CPU with the "
-              f"append commands p50 {result['with_commands_ms_p50']:.2f} ms "
-              f"({time.perf_counter() - start:.0f} s)", flush=True)
+        for admission in args.admission.split(","):
+            start = time.perf_counter()
+            _report(run(streams, args.ticks, admission=admission), start)
+
+
+def _report(result: dict, start: float) -> None:
+    print(f"streams={result['streams']} ({result['admission']} admission): {result['ticks']} ticks, median "
+          f"{result['rows_p50']:g} rows; host CPU per tick p50/p99 {result['cpu_ms_p50']:.2f} / "
+          f"{result['cpu_ms_p99']:.2f} ms (in XLA's calls p50 {result['xla_calls_ms_p50']:.2f}, the scheduler p50 "
+          f"{result['scheduler_ms_p50']:.2f}); host wall (tick minus device wait) p50/p99 {result['host_ms_p50']:.2f} / "
+          f"{result['host_ms_p99']:.2f} ms; CPU with the append commands p50 {result['with_commands_ms_p50']:.2f} ms "
+          f"({time.perf_counter() - start:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":
