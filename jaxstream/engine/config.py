@@ -27,8 +27,9 @@ class EngineConfig:
 
     * `max_sessions` sessions are resident on the device (running or parked with their KV). A session
       beyond that waits, unless a parked session can be evicted to host memory (least recently active
-      first, `host_offload_bytes` in total); evicted sessions are restored on their next input with
-      identical subsequent outputs. When host memory is full too, a parked text session is evicted by
+      first, `host_offload_bytes` in total; under demand admission only a transcription stream idle for a
+      second or one that arrived later); evicted sessions are restored on their next input with identical
+      subsequent outputs. When host memory is full too, a parked text session is evicted by
       dropping its KV (its context is recomputed on resume); a transcription session cannot be recomputed
       (its audio is gone), so a new one waits until a session ends or host memory frees up.
     * When the page pool runs out, parked sessions are evicted first; if none is parked, the most recently
