@@ -27,9 +27,9 @@ class EngineConfig:
 
     * `max_sessions` sessions are resident on the device (running or parked with their KV). A session
       beyond that waits, unless a parked session can be evicted to host memory (least recently active
-      first, `host_offload_bytes` in total; under demand admission only a transcription stream idle for a
-      second or one that arrived later); evicted sessions are restored on their next input with identical
-      subsequent outputs. When host memory is full too, a parked text session is evicted by
+      first, `host_offload_bytes` in total; of transcription streams, only one idle for a second or one
+      that arrived later); evicted sessions are restored on their next input with identical subsequent
+      outputs. When host memory is full too, a parked text session is evicted by
       dropping its KV (its context is recomputed on resume); a transcription session cannot be recomputed
       (its audio is gone), so a new one waits until a session ends or host memory frees up.
     * When the page pool runs out, parked sessions are evicted first; if none is parked, the most recently
@@ -41,7 +41,8 @@ class EngineConfig:
       (engine/realtime_admission.py). With `"window"` admission commits a whole window of every pool to each
       stream, or the pages of its whole length when `start_transcription(max_audio_seconds=)` caps it shorter:
       every admitted stream can always advance, and a stream that finds the pools committed waits (after
-      parked sessions are evicted) until one ends.
+      idle parked streams are evicted) until one ends. Under both, a parked stream whose next chunk is due
+      (audio within the last second) never gives way to a newer stream.
     * `max_live_sessions` (default `max_sessions`) bounds the transcription sessions the engine accepts at
       once, running, parked or evicted: `start_transcription` beyond it raises `CapacityError` at once
       instead of queueing a stream nobody computes.
