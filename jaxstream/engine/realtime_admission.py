@@ -32,7 +32,7 @@ from jaxstream.errors import CapacityError
 
 logger = logging.getLogger(__name__)
 # A parked stream with no audio for this long is idle, not between the chunks of a paced stream: any
-# stream may displace it under demand admission.
+# stream may displace it.
 IDLE_SECONDS = 1.0
 PARKED = STATUS_CODE[Status.PARKED]
 
@@ -53,6 +53,7 @@ class RealtimeAdmission(Residency):
         self._host_full = False
 
     def begin_tick(self) -> None:
+        """Forgets the previous tick's placements (the scheduler calls it before placing a tick's rows)."""
         if self.demand:
             self._placed = np.zeros(len(self.rows.slot), bool)
             self._preempted.clear()
