@@ -47,8 +47,8 @@ def register(subparsers) -> None:
     parser.add_argument("--max-audio-seconds", type=float, default=None, metavar="S",
                         help="audio one connection may send in all (default 7200); with [engine] "
                         "realtime_admission = \"window\" the engine reserves memory for each session's largest size, "
-                        "so a limit under the attention windows (~11 min for Voxtral) holds more streams per device "
-                        "(the default, demand admission, holds what streams use)")
+                        "so a limit under the attention windows (~11 min for Voxtral) holds more streams per device; "
+                        "demand admission holds only what streams use")
     parser.add_argument("--max-payload-per-session", type=int, default=None, metavar="BYTES",
                         help="payload one HTTP streaming-input request or session may send (default 268435456)")
     parser.add_argument("--max-streams-per-key", type=int, default=None, metavar="N",
