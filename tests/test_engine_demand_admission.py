@@ -66,8 +66,8 @@ async def _run_together(engine, audio, chunks: int, *, wait: bool) -> list:
 
 async def test_streams_share_pools_that_hold_one_full_window(engine):
     """Three 1.5 s streams (5 of a window's 16 decoder pages and 9 of its 16 encoder pages each) run at once,
-    with no evictions and the tokens of a stream run alone. (The same three under window admission take
-    turns through host memory: test_engine_stream_limits.py.)"""
+    with no evictions and the tokens of a stream run alone. (Under window admission the same three hold the
+    pools one at a time: test_engine_stream_limits.py.)"""
     audio = SAMPLE[:24_000]
     capacity = {name: pool.capacity for name, pool in engine.core.cache.pools.items()}
     windows = {name: spec.pages_per_window for name, spec in engine.core.cache.specs.items()}
