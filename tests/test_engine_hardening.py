@@ -50,8 +50,9 @@ def hold_engine_thread(engine: AsyncEngine) -> threading.Event:
 
 async def test_two_streams_on_a_short_page_pool_both_finish():
     """The pool holds one decoder window plus 2 pages (with v1's window, 4 pages of 16 and 7 in all): each
-    stream used to take 3 pages and wait for a 4th forever. Admission now commits a whole window, so the
-    second stream waits its turn."""
+    stream used to take 3 pages and wait for a 4th forever. Now (demand admission, the default) the newer
+    stream moves to host memory while the older one needs the pages, and under window admission it waits its
+    turn."""
     window = inspect_checkpoint(BUILTIN_MODELS["tiny"]).config.text.sliding_window
     engine = tiny_engine(page_size=16, num_pages=-(-window // 16) + 3)  # one of them is the null page
     try:

@@ -310,7 +310,7 @@ def heldout_corpus(tmp_path_factory) -> Path:
     heard), with the word times its manifest records."""
     from jaxstream.synth import CorpusSpec, generate_corpus, sentences
 
-    if not os.path.isfile(os.path.join(sentences.WORDNET_DIR, "data.noun")):
+    if not sentences.wordnet_installed():
         pytest.skip("wordnet-base not installed (.ci/run installs it)")
     root = tmp_path_factory.mktemp("heldout")
     generate_corpus(os.fspath(root), CorpusSpec(num_utterances=3, seed=2024, held_out=True, text="sentences"))

@@ -8,8 +8,7 @@ import pytest
 from jaxstream.synth import normalize, sentences
 from jaxstream.synth.normalize import cardinal, normalize_sentence, ordinal, split_sentences, year
 
-needs_sources = pytest.mark.skipif(not os.path.isfile(os.path.join(sentences.WORDNET_DIR, "data.noun")),
-                                   reason="wordnet-base not installed")
+needs_sources = pytest.mark.skipif(not sentences.wordnet_installed(), reason="wordnet-base not installed")
 
 
 @pytest.fixture(scope="module")

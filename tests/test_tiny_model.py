@@ -29,7 +29,7 @@ def test_shipped_tiny_model_transcribes_held_out_sentences(tmp_path, name):
     from jaxstream.synth import CorpusSpec, generate_corpus, sentences
 
     fields, synthesizer, wer_bound, cer_bound = SETS[name]
-    if shutil.which(synthesizer) is None or not os.path.isfile(os.path.join(sentences.WORDNET_DIR, "data.noun")):
+    if shutil.which(synthesizer) is None or not sentences.wordnet_installed():
         pytest.skip(f"{synthesizer} or wordnet-base not installed (.ci/run installs them)")
     corpus = tmp_path / name
     records = generate_corpus(os.fspath(corpus), CorpusSpec(num_utterances=8, seed=2024, held_out=True,

@@ -1,6 +1,5 @@
 """`jaxstream transcribe`: JSON lines per design.md through the engine, one-line errors for bad audio."""
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -73,7 +72,7 @@ def test_transcribe_tiny_model_words_and_timings(tmp_path, capsys):
 
     from jaxstream.synth import CorpusSpec, generate_corpus, sentences
 
-    if not os.path.isfile(os.path.join(sentences.WORDNET_DIR, "data.noun")):
+    if not sentences.wordnet_installed():
         pytest.skip("wordnet-base not installed (.ci/run installs it)")
     records = generate_corpus(str(tmp_path / "heldout"),
                               CorpusSpec(num_utterances=2, seed=2024, held_out=True, text="sentences"))

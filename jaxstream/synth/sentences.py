@@ -70,6 +70,11 @@ def fortune_texts(path: str) -> list[str]:
     return texts
 
 
+def wordnet_installed() -> bool:
+    """Whether Debian's wordnet-base is installed: the held-out sentences come from its adverb examples."""
+    return os.path.isfile(os.path.join(WORDNET_DIR, "data.noun"))
+
+
 def _sources() -> dict[str, list[str]]:
     """Installed source texts by name: `wordnet/<part>/{definitions,examples}`, `fortunes/<file>`."""
     sources = {}
