@@ -36,12 +36,18 @@ _HALF_WINDOW = WINDOW_SIZE // 2
 # The last mel frame of a slot is centred 40 samples before the slot's end and reads 200 samples past its
 # centre, so a slot needs 40 samples of the next slot (2.5 ms look-ahead).
 LOOK_AHEAD_SAMPLES = _HALF_WINDOW - HOP_LENGTH
+# Samples one slot's 8 windows read: from 200 before its first sample to 40 past its last.
+SLOT_SEGMENT = SAMPLES_PER_SLOT + WINDOW_SIZE - HOP_LENGTH
 # Float PCM is nominally in [-1, 1]; resampling and gain can overshoot a little, so allow some headroom.
 MAX_SAMPLE_MAGNITUDE = 2.0
 # The transcription delays Voxtral Realtime was trained for, and how messages and help texts state them.
 ALLOWED_DELAYS_MS = tuple(range(SLOT_MS, 1201, SLOT_MS)) + (2400,)
 ALLOWED_DELAYS_TEXT = f"a multiple of {SLOT_MS} between {SLOT_MS} and 1200, or 2400"
 _FRAMES_PER_BLOCK = 4096  # bounds the float64 work arrays of the offline path (~13 MB per block)
+# The streaming path's block: its work arrays (~1.6 MB) come back from the allocator's free lists. A stream's
+# end releases ~18 slots at once, and 32 streams ending together made one 15 MB FFT output whose fresh pages
+# cost more than the FFT (24 ms against 3 for 4,608 frames).
+_SLOTS_PER_BLOCK = 64
 
 
 class AudioError(ValueError):
@@ -95,21 +101,22 @@ def _hop_windows(samples: np.ndarray, num_frames: int) -> np.ndarray:
 
 
 def check_pcm(audio, what: str = "audio") -> np.ndarray:
-    """Validated 1-D finite float PCM as float64 (the dtype the front end computes in)."""
+    """Validated 1-D finite float PCM within +-MAX_SAMPLE_MAGNITUDE, in its own float dtype (no copy: the
+    front end checks every 80 ms append, and each numpy call on 1,280 samples costs as much as its work)."""
     array = np.asarray(audio)
     if array.ndim != 1:
         raise AudioError(f"{what} must be 1-D mono PCM, got an array of shape {array.shape}")
-    if not np.issubdtype(array.dtype, np.floating):
+    if array.dtype.kind != "f":
         raise AudioError(
             f"{what} must be float PCM in [-1, 1], got dtype {array.dtype} (convert PCM16 bytes with pcm16_to_float32)"
         )
-    array = array.astype(np.float64)
-    if not np.isfinite(array).all():
-        raise AudioError(f"{what} contains NaN or infinite samples")
-    peak = float(np.max(np.abs(array), initial=0.0))
-    if peak > MAX_SAMPLE_MAGNITUDE:
+    # One pass each way; NaN propagates through both reductions and fails the comparison, as inf does.
+    if array.size and not max(np.maximum.reduce(array), -np.minimum.reduce(array)) <= MAX_SAMPLE_MAGNITUDE:
+        if not np.isfinite(array).all():
+            raise AudioError(f"{what} contains NaN or infinite samples")
         # Far outside [-1, 1] is a caller's mistake (PCM16-scaled floats), and huge values overflow the
         # power spectrum to inf, which would reach the KV cache.
+        peak = float(np.max(np.abs(array)))
         raise AudioError(f"{what} must be float PCM in [-1, 1]; got a sample of magnitude {peak:.6g} "
                          f"(integer PCM must be divided by its full scale, e.g. 32768 for PCM16)")
     return array
@@ -123,6 +130,11 @@ def _check_rate(sampling_rate: int) -> None:
         )
 
 
+# The features of a slot whose windows read only zeros (the left padding): the log floor everywhere.
+SILENT_SLOT = _frames_to_log_mel(np.zeros((MEL_FRAMES_PER_SLOT, WINDOW_SIZE)), MEL_FILTERS)
+SILENT_SLOT.flags.writeable = False
+
+
 def log_mel(audio, sampling_rate: int = SAMPLING_RATE, *, mel_filters: np.ndarray = MEL_FILTERS) -> np.ndarray:
     """Log-mel features of already padded 16 kHz audio: `[len(audio) // 160, 128]` float32, time-major.
 
@@ -132,7 +144,7 @@ def log_mel(audio, sampling_rate: int = SAMPLING_RATE, *, mel_filters: np.ndarra
     _check_rate(sampling_rate)
     if np.shape(mel_filters) != MEL_FILTERS.shape:
         raise AudioError(f"mel_filters must have shape {MEL_FILTERS.shape}, got {np.shape(mel_filters)}")
-    samples = check_pcm(audio)
+    samples = check_pcm(audio).astype(np.float64)
     if samples.size <= _HALF_WINDOW:
         raise AudioError(f"audio must be longer than {_HALF_WINDOW} samples for the centred STFT, got {samples.size}")
     samples = np.pad(samples, _HALF_WINDOW, mode="reflect")
@@ -229,6 +241,7 @@ class StreamingLogMel:
         self.n_delay = n_delay
         self.prompt_slots = prompt_length(n_delay, n_left_pad_tokens)
         self._left_pad = left_pad_samples(n_left_pad_tokens)
+        self._silent_slots = silent_prefix_slots(n_left_pad_tokens)
         # _buffer[_offset : _offset + _length] holds the padded samples [_start, _start + _length).
         self._buffer = np.zeros(_HALF_WINDOW + self._left_pad + 4 * SAMPLES_PER_SLOT)
         self._offset = 0
@@ -310,11 +323,23 @@ class StreamingLogMel:
         count = self.slots_ready if max_slots is None else min(max_slots, self.slots_ready)
         return take_ready([(self, max(count, 0))])[0]
 
-    def _ready_windows(self, count: int) -> np.ndarray:
-        """The `8 * count` hop windows of the next `count` slots: a strided view of the buffer, no copy."""
-        first = self._offset + self.slots_taken * SAMPLES_PER_SLOT - _HALF_WINDOW - self._start
-        last = first + count * SAMPLES_PER_SLOT + 2 * _HALF_WINDOW - HOP_LENGTH
-        return _hop_windows(self._buffer[first:last], count * MEL_FRAMES_PER_SLOT)
+    def _ready_segments(self, count: int, skip: int = 0) -> np.ndarray:
+        """The samples each of `count` slots' windows read, from `skip` past the next slot, `[count,
+        SLOT_SEGMENT]` (a strided view of the buffer, no copy): slot k's 8 windows start every 160 samples
+        from 1280 k - 200."""
+        first = self._offset + (self.slots_taken + skip) * SAMPLES_PER_SLOT - _HALF_WINDOW - self._start
+        if count == 1:
+            return self._buffer[None, first : first + SLOT_SEGMENT]
+        samples = self._buffer[first : first + (count - 1) * SAMPLES_PER_SLOT + SLOT_SEGMENT]
+        if samples.size < (count - 1) * SAMPLES_PER_SLOT + SLOT_SEGMENT:  # as_strided reads unchecked memory
+            raise ValueError(f"{count} slots are not buffered")
+        step = samples.strides[0]
+        return np.lib.stride_tricks.as_strided(samples, (count, SLOT_SEGMENT), (SAMPLES_PER_SLOT * step, step),
+                                               writeable=False)
+
+    def _silent_ahead(self, count: int) -> int:
+        """How many of the next `count` slots read the left padding alone (their features are `SILENT_SLOT`)."""
+        return min(count, max(self._silent_slots - self.slots_taken, 0))
 
     def _release(self, count: int) -> None:
         """Marks `count` slots taken and drops the samples only they read (the next slot starts reading 200
@@ -333,24 +358,36 @@ def take_ready(requests) -> list[np.ndarray]:
     Every window of every stream goes through one `_frames_to_log_mel` (one FFT, one stacked filterbank
     product, one log), so many streams appending 80 ms each cost a few large numpy calls instead of a dozen
     tiny ones per stream. Rows are computed independently, so each stream's features equal its own `take`'s.
+    Slots of the left padding alone are not computed: they all equal `SILENT_SLOT` (31 of a new stream's 39
+    prompt slots at 480 ms, a third of the features of a 4 s utterance).
     """
     counts = [count for _, count in requests]
-    total = sum(counts)
-    if total == 0:
-        return [np.zeros((0, MEL_FRAMES_PER_SLOT, NUM_MEL_BINS), np.float32) for _ in requests]
-    # Every stream's windows times the Hann window, written straight into one array (no concatenated copy).
-    frames = np.empty((total * MEL_FRAMES_PER_SLOT, WINDOW_SIZE))
+    silent = [stream._silent_ahead(count) for stream, count in requests]
+    computed = sum(counts) - sum(silent)
+    # Each computed slot's samples copied into one array (a slice per stream in the paced steady state); then
+    # every window of every slot is one strided view of it, and one multiply applies the Hann window.
+    segments = np.empty((computed, SLOT_SEGMENT))
     row = 0
-    for stream, count in requests:
-        if count:
-            np.multiply(stream._ready_windows(count), _WINDOW, out=frames[row : row + count * MEL_FRAMES_PER_SLOT])
-            row += count * MEL_FRAMES_PER_SLOT
-    features = _frames_to_log_mel(frames, MEL_FILTERS, per_slot=True, windowed=True)
-    features = features.reshape(total, MEL_FRAMES_PER_SLOT, NUM_MEL_BINS)
+    for (stream, count), skip in zip(requests, silent):
+        if count > skip:
+            segments[row : row + count - skip] = stream._ready_segments(count - skip, skip)
+            row += count - skip
+    features = np.empty((computed, MEL_FRAMES_PER_SLOT, NUM_MEL_BINS), np.float32)
+    step = segments.strides[1]
+    for first in range(0, computed, _SLOTS_PER_BLOCK):  # a stream's end or a burst of prompts: many slots at once
+        block = segments[first : first + _SLOTS_PER_BLOCK]
+        windows = np.lib.stride_tricks.as_strided(block, (len(block), MEL_FRAMES_PER_SLOT, WINDOW_SIZE),
+                                                  (SLOT_SEGMENT * step, HOP_LENGTH * step, step), writeable=False)
+        frames = (windows * _WINDOW).reshape(-1, WINDOW_SIZE)
+        features[first : first + len(block)] = _frames_to_log_mel(
+            frames, MEL_FILTERS, per_slot=True, windowed=True).reshape(-1, MEL_FRAMES_PER_SLOT, NUM_MEL_BINS)
     slots, first = [], 0
-    for stream, count in requests:
-        slots.append(features[first : first + count])
-        first += count
+    for (stream, count), skip in zip(requests, silent):
+        part = features[first : first + count - skip]
+        if skip:
+            part = np.concatenate([np.broadcast_to(SILENT_SLOT, (skip, *SILENT_SLOT.shape)), part])
+        slots.append(part)
+        first += count - skip
         if count:
             stream._release(count)
     return slots

@@ -174,6 +174,41 @@ def test_long_stream_keeps_bounded_memory():
     np.testing.assert_allclose(streamed, offline, rtol=0, atol=1e-6)
 
 
+def test_take_ready_of_streams_at_different_points_equals_each_offline():
+    # One batch holding a stream's prompt (31 silent slots skipped, 8 computed), a steady slot, and a whole
+    # finished stream of more slots than one computed block (64): each equals its own offline features.
+    rng = np.random.default_rng(11)
+    raws = [(0.2 * rng.standard_normal(n)).astype(np.float32) for n in (9000, 30000, 120000)]
+    streams = [audio.StreamingLogMel(6) for _ in raws]
+    taken = [[] for _ in raws]
+    streams[1].push(raws[1][:20000])
+    taken[1].append(streams[1].take())
+    streams[0].push(raws[0])
+    streams[1].push(raws[1][20000:])
+    streams[2].push(raws[2])
+    streams[2].finish()
+    assert streams[2].slots_ready > 64
+    for stream, slots in zip(streams, audio.take_ready([(stream, stream.slots_ready) for stream in streams])):
+        taken[streams.index(stream)].append(slots)
+    for stream in streams[:2]:
+        stream.finish()
+    for stream, slots in zip(streams, audio.take_ready([(stream, stream.slots_ready) for stream in streams])):
+        taken[streams.index(stream)].append(slots)
+    for raw, slots in zip(raws, taken):
+        np.testing.assert_allclose(np.concatenate(slots).reshape(-1, 128), audio.offline_features(raw, 6),
+                                   rtol=0, atol=1e-6)
+
+
+def test_sample_magnitude_bound():
+    stream = audio.StreamingLogMel(6)
+    bound = audio.MAX_SAMPLE_MAGNITUDE
+    stream.push(np.array([bound, -bound, 0.0], np.float32))
+    for bad in ([0.0, np.nextafter(bound, 3.0)], [-2.5 * bound], [np.nan, 0.0], [0.0, -np.inf]):
+        with pytest.raises(ValueError, match="magnitude|NaN or infinite"):
+            stream.push(np.array(bad, np.float64))
+    assert stream.samples_received == 3
+
+
 def test_input_validation():
     good = np.zeros(16000, np.float32)
     with pytest.raises(ValueError, match="16000 Hz"):
