@@ -36,7 +36,7 @@ def run(streams: int, ticks: int, seed: int = 0, admission: str = "demand") -> d
     slot_shape = (cfg.mel_frames_per_token, cfg.encoder.num_mel_bins)
     events = []
     for i in range(streams):
-        core.add_session(f"s{i}", n_delay=n_delay, delay_ms=480, prompt_ids=prompt, sink=events.append,
+        core.add_session(f"s{i}", n_delay=n_delay, prompt_ids=prompt, sink=events.append,
                          backlog=AudioBacklog())
         core.add_audio(f"s{i}", rng.standard_normal((len(prompt), *slot_shape)).astype(np.float32), 0.0)
     while core.has_work():  # prefill every prompt, then one slot per stream per tick

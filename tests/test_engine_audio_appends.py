@@ -15,7 +15,7 @@ from jaxstream.engine.async_engine import AsyncEngine
 from jaxstream.engine.builders import build_realtime_core
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.residency import TickStats
-from jaxstream.engine.transcription_session import AudioBacklog, TranscriptionDone
+from jaxstream.engine.transcription_session import AudioBacklog, TranscriptionDone, transcript_sink
 from jaxstream.errors import EngineError, InvalidRequestError
 from jaxstream.models import loading
 from jaxstream.models.audio import n_delay_from_ms, prompt_length
@@ -54,9 +54,11 @@ def test_batched_appends_give_each_stream_transformers_tokens(core, reference):
     expected = reference[f"generate_d{N_DELAY}"][0, prompt_length(N_DELAY):].tolist()
     events = {name: [] for name in ("a", "b", "c", "limited")}
     limit = 5
+    prompt = reference[f"prompt_ids_d{N_DELAY}"][0]
     for name, sink in events.items():
-        core.add_session(name, n_delay=N_DELAY, delay_ms=480, prompt_ids=reference[f"prompt_ids_d{N_DELAY}"][0],
-                         sink=sink.append, backlog=AudioBacklog(), max_slots=limit if name == "limited" else None)
+        core.add_session(name, n_delay=N_DELAY, prompt_ids=prompt, backlog=AudioBacklog(),
+                         sink=transcript_sink(sink.append, core.tokenizer, delay_ms=480, prompt_len=len(prompt)),
+                         max_slots=limit if name == "limited" else None)
     rng = np.random.default_rng(0)
     sent = {"a": 0, "b": 0, "c": 0}
     batches = 0
@@ -139,8 +141,8 @@ def test_a_busy_device_waits_for_the_paced_streams_whose_slot_is_due(reference, 
     events = {name: [] for name in ("a", "b")}
     prompt = reference[f"prompt_ids_d{N_DELAY}"][0]
     for name, sink in events.items():
-        core.add_session(name, n_delay=N_DELAY, delay_ms=480, prompt_ids=prompt, sink=sink.append,
-                         backlog=AudioBacklog())
+        core.add_session(name, n_delay=N_DELAY, prompt_ids=prompt, backlog=AudioBacklog(),
+                         sink=transcript_sink(sink.append, core.tokenizer, delay_ms=480, prompt_len=len(prompt)))
     first = len(prompt) + 2
     core.add_audio_many([(name, slots[:first], 0.0, None) for name in events])
     while core.has_work():

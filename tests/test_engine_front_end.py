@@ -4,15 +4,17 @@ queued together are computed in one pass, yet every session gets exactly its off
 work is skipped. Then the same through `TranscriptionSession` (with a recording link instead of an engine)."""
 import asyncio
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from jaxstream.engine import audio_front_end
 from jaxstream.engine.audio_front_end import FrontEndWorker
-from jaxstream.engine.transcription_session import TranscriptionSession
+from jaxstream.engine.transcription_session import TranscriptAssembler, TranscriptionSession
 from jaxstream.errors import EngineDeadError, InvalidAudioError
 from jaxstream.models import audio
+from jaxstream.models.tokenizers import load_tokenizer
 
 
 @pytest.fixture
@@ -167,8 +169,13 @@ class _RecordingLink:
         self.aborted.append(reason)
 
 
+TEKKEN = load_tokenizer(Path(__file__).parent / "fixtures" / "voxtral_tiny" / "tekken.json")
+
+
 def session_on(worker, link, session_id="s"):
-    return TranscriptionSession(link, session_id, 480, worker.stream(audio.StreamingLogMel(6)), max_queued_slots=1000)
+    transcript = TranscriptAssembler(TEKKEN, delay_ms=480, prompt_len=audio.prompt_length(6))
+    return TranscriptionSession(link, session_id, 480, worker.stream(audio.StreamingLogMel(6)), transcript,
+                                max_queued_slots=1000)
 
 
 async def test_sessions_send_their_own_slots_and_a_bad_append_raises_from_itself(worker):

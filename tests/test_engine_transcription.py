@@ -194,12 +194,15 @@ async def test_a_failing_session_does_not_affect_another(engine, reference):
 
     await bad.append(audio[:20000])
     await engine.wait_until_idle()
-    engine.core.sessions[bad.session_id].decoder = Exploding()
+    bad._transcript._decoder = Exploding()  # the detokenizer runs on the consumer's side, on this event loop
     results = await asyncio.gather(stream(good, audio, np.random.default_rng(5)),
                                    stream(bad, audio[20000:], np.random.default_rng(6)), return_exceptions=True)
-    # The failure reaches its own caller as an EngineError naming the cause (from append or the iterator).
+    # The failure reaches its own caller as an EngineError naming the cause (from append or the iterator),
+    # and the engine lets go of the session.
     assert isinstance(results[1], EngineError) and "detokenizer failure" in str(results[1])
     check_events(results[0], expected_tokens(reference, 480), engine.tokenizer, len(audio) / 16000, 480)
+    await engine.wait_until_idle()
+    assert engine.core.at_baseline()
 
 
 def test_word_timings_follow_markers_minus_the_delay():
@@ -259,7 +262,7 @@ def test_a_failed_dispatch_ends_the_sessions_of_its_tick_and_frees_their_audio(m
                                                       cfg.encoder.num_mel_bins)).astype(np.float32)
     events = {"decoding": [], "prefilling": []}
     for name, sink in events.items():
-        core.add_session(name, n_delay=n_delay, delay_ms=480, prompt_ids=prompt, sink=sink.append,
+        core.add_session(name, n_delay=n_delay, prompt_ids=prompt, sink=sink.append,
                          backlog=AudioBacklog())
     core.add_audio("decoding", slots[: len(prompt)], 0.0)
     while core.has_work():

@@ -32,7 +32,9 @@ from jaxstream.engine.audio_front_end import FrontEndWorker
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.requests import RequestOutput, RequestOutputKind, SamplingParams, StreamingInput
 from jaxstream.engine.residency import END_OF_STREAM
-from jaxstream.engine.transcription_session import TranscriptionDone, TranscriptionSession, transcription_prompt
+from jaxstream.engine.transcription_session import (
+    TranscriptAssembler, TranscriptionDone, TranscriptionSession, transcription_prompt,
+)
 from jaxstream.errors import (
     CapacityError, DrainingError, EngineDeadError, EngineError, InvalidRequestError, ProcessGroupError,
 )
@@ -434,19 +436,19 @@ class AsyncEngine:
         max_slots = max(1, int(self.config.max_queued_audio_seconds / SLOT_SECONDS))
         front_end = self._front_end.stream(StreamingLogMel(n_delay, n_left_pad_tokens=cfg.n_left_pad_tokens),
                                            sample_rate)
+        prompt = transcription_prompt(cfg, n_delay)
+        transcript = TranscriptAssembler(self.tokenizer, delay_ms=int(delay_ms), prompt_len=len(prompt))
         session = TranscriptionSession(_SessionLink(self, session_id), session_id, int(delay_ms), front_end,
-                                       sample_rate=sample_rate, max_queued_slots=max_slots,
+                                       transcript, sample_rate=sample_rate, max_queued_slots=max_slots,
                                        max_audio_seconds=max_audio_seconds)
         stream_slots = None if max_audio_seconds is None else stream_slot_bound(
             max_audio_seconds, n_delay, cfg.n_left_pad_tokens)
-        prompt = transcription_prompt(cfg, n_delay)
         events = _SessionEvents(session, self)
         self._register(session_id, events)
         sink = self._sink(events)
         try:
-            self._send(lambda: self.core.add_session(session_id, n_delay=n_delay, delay_ms=int(delay_ms),
-                                                     prompt_ids=prompt, sink=sink, backlog=session.backlog,
-                                                     max_slots=stream_slots),
+            self._send(lambda: self.core.add_session(session_id, n_delay=n_delay, prompt_ids=prompt, sink=sink,
+                                                     backlog=session.backlog, max_slots=stream_slots),
                        session_id, sink)
         except EngineError:
             self._unregister(session_id)
@@ -577,9 +579,9 @@ class _SessionEvents:
         self._engine = engine
 
     def put_nowait(self, event) -> None:
-        if event is None or isinstance(event, (BaseException, TranscriptionDone)):
-            self._engine._unregister(self._session.session_id)
         self._session._put(event)
+        if self._session.outcome is not None:  # done, failed or aborted: the engine holds it no more
+            self._engine._unregister(self._session.session_id)
 
 
 def _merge_pending(item: RequestOutput, outputs: asyncio.Queue, *, delta: bool) -> RequestOutput:

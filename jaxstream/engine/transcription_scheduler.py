@@ -15,10 +15,10 @@ bounded memory; RoPE positions are absolute and exact (models/layers.py).
 The host side of a tick is vectorised over the sessions' rows (stream_rows.py): with hundreds of streams a
 tick must cost the host a couple of milliseconds, not Python per session. Generated ids wait in their
 row's buffer until one of them is text (or the stream ends, or the buffer fills), so a session that only
-produced control ids this tick costs no Python; they reach the detokenizer in order all the same.
+produced control ids this tick costs no Python; then they go to the stream's consumer as `GeneratedIds`,
+whose detokenizer (transcription_session.TranscriptAssembler) runs on the consumer's side, off this thread.
 """
 import dataclasses
-import logging
 import time
 
 import numpy as np
@@ -29,14 +29,11 @@ from jaxstream.engine.prefix_cache import PrefixCache
 from jaxstream.engine.realtime_admission import RealtimeAdmission
 from jaxstream.engine.residency import SessionBase, Status, TickStats, deliver
 from jaxstream.engine.stream_rows import STATUS_CODE, UNKNOWN_LIMIT, RowSession, StreamRows
-from jaxstream.engine.transcription_session import (
-    PROGRESS, TranscriptionDelta, TranscriptionDone, TranscriptionUsage, to_ms, token_time, word_timings,
-)
+from jaxstream.engine.transcription_session import PROGRESS, GeneratedIds
 from jaxstream.errors import InvalidRequestError
-from jaxstream.models.audio import SAMPLING_RATE, SLOT_SECONDS
+from jaxstream.models.audio import SLOT_SECONDS
 from jaxstream.models.tokenizers import NUM_CONTROL_IDS, Tokenizer
 
-logger = logging.getLogger(__name__)
 # Generated control ids a row holds before they move to its session's lists (text ids move at once).
 TOKEN_BUFFER = 64
 RUNNING, PARKED = STATUS_CODE[Status.RUNNING], STATUS_CODE[Status.PARKED]
@@ -46,21 +43,16 @@ class RealtimeSession(RowSession, SessionBase):
     """A transcription stream: its hot counters live in its `StreamRows` row (`fed`, `in_flight`, `slot`,
     `status`, ...), the rest here."""
 
-    def __init__(self, request_id, sink, rows: StreamRows, *, n_delay: int, delay_ms: int, prompt_ids, decoder,
-                 backlog, arrival: int, max_slots: int | None, commitment: dict[str, int]):
+    def __init__(self, request_id, sink, rows: StreamRows, *, n_delay: int, prompt_ids, backlog,
+                 arrival: int, max_slots: int | None, commitment: dict[str, int]):
         super().__init__(request_id, sink, rows.attach(self))
         rows.n_delay[self.row] = n_delay
         rows.prompt_len[self.row] = len(prompt_ids)
         rows.arrival[self.row] = arrival
         self.backlog = backlog  # transcription_session.AudioBacklog: this thread writes `consumed` only
-        self.delay_ms = delay_ms
         self.prompt_ids = list(prompt_ids)
         self.samples = 0.0  # real audio received, in 16 kHz samples
         self.skip = 0  # leading mel slots still to drop (the cached prefix computed them)
-        self.generated: list[int] = []  # ids moved out of the row's buffer, in order
-        self.logprobs: list[float] = []  # each generated id's log-probability
-        self.undelivered: list[int] = []  # ids not yet carried by a delta
-        self.decoder = decoder  # its `text` is the transcript so far
         self.max_slots = max_slots  # None: a stream of any length
         self.commitment = commitment  # pages per pool admission reserves for it (RealtimeScheduler.admit)
 
@@ -142,14 +134,15 @@ class RealtimeScheduler(RealtimeAdmission):
         self.prefix.build(self.programs, self.prefill_buckets)
 
     # -- commands (engine thread) ---------------------------------------------------------------------
-    def add_session(self, request_id: str, *, n_delay: int, delay_ms: int, prompt_ids, sink, backlog,
+    def add_session(self, request_id: str, *, n_delay: int, prompt_ids, sink, backlog,
                     max_slots: int | None = None) -> None:
-        """`max_slots`: the most mel slots the stream can have (prompt and end padding included), or None
-        for a stream of any length; admission commits pages for that many (see `admit`)."""
+        """`sink` receives the stream's `GeneratedIds` (a `transcript_sink` makes them events), `PROGRESS` and
+        its error. `max_slots`: the most mel slots the stream can have (prompt and end padding included), or
+        None for a stream of any length; admission commits pages for that many (see `admit`)."""
         self._arrivals += 1
-        session = RealtimeSession(request_id, sink, self.rows, n_delay=n_delay, delay_ms=delay_ms,
-                                  prompt_ids=prompt_ids, decoder=self.tokenizer.stream_decoder(), backlog=backlog,
-                                  arrival=self._arrivals, max_slots=max_slots, commitment=self._commitment(max_slots))
+        session = RealtimeSession(request_id, sink, self.rows, n_delay=n_delay, prompt_ids=prompt_ids,
+                                  backlog=backlog, arrival=self._arrivals, max_slots=max_slots,
+                                  commitment=self._commitment(max_slots))
         # The stream starts after the cached prefix: its slots are dropped on arrival, never computed.
         session.skip = self.rows.fed[session.row] = self.rows.received[session.row] = self.prefix.slots
         self.sessions[request_id] = session
@@ -507,13 +500,13 @@ class RealtimeScheduler(RealtimeAdmission):
         busy = np.flatnonzero(eligible & (text.any(axis=1) | ended | (rows.buffered[dispatch.rows] >= TOKEN_BUFFER)))
         busy_rows = dispatch.rows[busy]
         taken = rows.take_tokens(busy_rows)
-        for row, new, end in zip(busy_rows.tolist(), taken, ended[busy].tolist()):
-            session = rows.sessions[row]
-            try:
-                self._stream_tokens(session, new, ended=end)
-            except Exception as exc:  # noqa: BLE001 - isolate host-side failures to their session
-                logger.exception("session %s: streaming its tokens failed; ending it", session.request_id)
-                self.fail(session, exc)
+        sessions = rows.sessions
+        for row, (ids, logprobs), end in zip(busy_rows.tolist(), taken, ended[busy].tolist()):
+            session = sessions[row]
+            if end:
+                self._done(session, ids, logprobs)
+            else:
+                deliver(session, GeneratedIds(ids, logprobs, session.samples, False))
 
     def _is_text(self, tokens: np.ndarray) -> np.ndarray:
         """Ids that may decode to text (control ids decode to nothing; out-of-vocabulary ids count, so the
@@ -523,42 +516,14 @@ class RealtimeScheduler(RealtimeAdmission):
         size = len(self._text_table)
         return (tokens >= size) | self._text_table[np.clip(tokens, 0, size - 1)]
 
-    @staticmethod
-    def _decode(session: RealtimeSession, new: tuple[list[int], list[float]]) -> str:
-        """Moves (ids, logprobs) taken from the row's buffer to the session's lists through its detokenizer;
-        returns their text."""
-        ids, logprobs = new
-        session.generated += ids
-        session.logprobs += logprobs
-        session.undelivered += ids
-        return session.decoder.push_many(ids)
-
-    def _stream_tokens(self, session: RealtimeSession, new: tuple[list[int], list[float]], *, ended: bool) -> None:
-        text = self._decode(session, new)
-        if text:
-            audio_seconds = to_ms(min(token_time(len(session.generated) - 1), session.samples / SAMPLING_RATE))
-            self._deliver_delta(session, text, audio_seconds)
-        if ended:
-            self._done(session)
-
-    @staticmethod
-    def _deliver_delta(session: RealtimeSession, text: str, audio_seconds: float) -> None:
-        first = len(session.logprobs) - len(session.undelivered)
-        deliver(session, TranscriptionDelta(text, session.undelivered, audio_seconds, session.logprobs[first:]))
-        session.undelivered = []
-
-    def _done(self, session: RealtimeSession) -> None:
-        [new] = self.rows.take_tokens(np.array([session.row]))
-        tail = self._decode(session, new) + session.decoder.flush()
-        audio_seconds = session.samples / SAMPLING_RATE
-        if tail:
-            self._deliver_delta(session, tail, to_ms(audio_seconds))
-        usage = TranscriptionUsage(audio_seconds, session.prompt_len, len(session.generated))
-        words = word_timings(session.generated, self.tokenizer, audio_seconds)
-        done = TranscriptionDone(session.decoder.text, list(session.generated), words, usage, session.delay_ms,
-                                 list(session.logprobs))
+    def _done(self, session: RealtimeSession, ids=None, logprobs=None) -> None:
+        """Ends a stream whose input is all consumed or whose model ended it: frees it, and hands over its
+        last ids (those left in its row's buffer unless given) with the end."""
+        if ids is None:
+            [(ids, logprobs)] = self.rows.take_tokens(np.array([session.row]))
+        samples = session.samples
         self.release(session)
-        deliver(session, done)
+        deliver(session, GeneratedIds(ids, logprobs, samples, True))
 
 
 def _text_id_table(tokenizer) -> np.ndarray | None:

@@ -11,6 +11,7 @@ audio received. Every time in the events is rounded to the millisecond.
 import asyncio
 import dataclasses
 import logging
+import typing
 
 import numpy as np
 
@@ -46,6 +47,19 @@ class TranscriptionDelta:
     # Each of `token_ids`' log-probability under the model (decoding is greedy: the step's highest). Left out of
     # the repr, which people print.
     logprobs: list[float] = dataclasses.field(repr=False)
+
+
+class GeneratedIds(typing.NamedTuple):
+    """What the engine thread hands a transcription stream: ids it generated since the last hand-off (with at
+    least one text id among them, or its end), their log-probabilities, the real audio the engine had
+    received then (16 kHz samples), and whether the stream ended. `TranscriptAssembler` turns these into the
+    stream's events on the consumer's side, so detokenizing stays off the engine thread (as vLLM's output
+    processor detokenizes outside its engine core)."""
+
+    ids: list[int]
+    logprobs: list[float]
+    samples: float
+    ended: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +136,58 @@ def word_timings(token_ids, tokenizer, audio_seconds: float, first_index: int = 
     return words
 
 
+class TranscriptAssembler:
+    """One stream's transcript, built from its `GeneratedIds`: a `TranscriptionDelta` as soon as new text is
+    complete UTF-8 (carrying every id since the previous delta, control ids included), then, at the end, a
+    delta with any held-back bytes and the `TranscriptionDone` with the whole text, ids and word timings."""
+
+    def __init__(self, tokenizer, *, delay_ms: int, prompt_len: int):
+        self._tokenizer = tokenizer
+        self._decoder = tokenizer.stream_decoder()
+        self._delay_ms = delay_ms
+        self._prompt_len = prompt_len
+        self._generated: list[int] = []
+        self._logprobs: list[float] = []
+        self._undelivered = 0  # trailing ids of `_generated` not yet carried by a delta
+
+    def events(self, out: GeneratedIds) -> list:
+        """The events `out` completes (raises ValueError for an id outside the tokenizer's vocabulary)."""
+        self._generated += out.ids
+        self._logprobs += out.logprobs
+        self._undelivered += len(out.ids)
+        events = []
+        audio_seconds = out.samples / SAMPLING_RATE
+        text = self._decoder.push_many(out.ids)
+        if text:
+            events.append(self._delta(text, min(token_time(len(self._generated) - 1), audio_seconds)))
+        if out.ended:
+            tail = self._decoder.flush()
+            if tail:
+                events.append(self._delta(tail, audio_seconds))
+            usage = TranscriptionUsage(audio_seconds, self._prompt_len, len(self._generated))
+            words = word_timings(self._generated, self._tokenizer, audio_seconds)
+            events.append(TranscriptionDone(self._decoder.text, list(self._generated), words, usage, self._delay_ms,
+                                            list(self._logprobs)))
+        return events
+
+    def _delta(self, text: str, audio_seconds: float) -> TranscriptionDelta:
+        first = len(self._generated) - self._undelivered
+        self._undelivered = 0
+        return TranscriptionDelta(text, self._generated[first:], to_ms(audio_seconds), self._logprobs[first:])
+
+
+def transcript_sink(target, tokenizer, *, delay_ms: int, prompt_len: int):
+    """A sink for the scheduler's `add_session` that hands `target` a stream's events as its session sees
+    them (deltas, done, errors, PROGRESS): for driving the scheduler directly, without an `AsyncEngine`."""
+    transcript = TranscriptAssembler(tokenizer, delay_ms=delay_ms, prompt_len=prompt_len)
+
+    def sink(item) -> None:
+        for event in transcript.events(item) if isinstance(item, GeneratedIds) else (item,):
+            target(event)
+
+    return sink
+
+
 class AudioBacklog:
     """Slots of one session's audio handed to the engine but not yet computed, shared by two threads.
 
@@ -154,10 +220,11 @@ class TranscriptionSession:
     call order.
     """
 
-    def __init__(self, link, session_id: str, delay_ms: int, front_end, *, sample_rate: int = SAMPLING_RATE,
-                 max_queued_slots: int, max_audio_seconds: float | None = None):
+    def __init__(self, link, session_id: str, delay_ms: int, front_end, transcript: TranscriptAssembler, *,
+                 sample_rate: int = SAMPLING_RATE, max_queued_slots: int, max_audio_seconds: float | None = None):
         self.session_id = session_id
         self.delay_ms = delay_ms
+        self._transcript = transcript  # the engine's GeneratedIds -> this session's events, on the event loop
         self.sample_rate = sample_rate
         self.max_audio_seconds = max_audio_seconds  # None: no limit
         self._samples = 0  # appended, at `sample_rate`
@@ -261,6 +328,17 @@ class TranscriptionSession:
 
     def _put(self, event) -> None:
         """Called on the event loop with the engine's events (see `AsyncEngine`)."""
+        if isinstance(event, GeneratedIds):
+            try:
+                events = self._transcript.events(event)
+            except Exception as exc:  # noqa: BLE001 - an id the tokenizer rejects ends this session alone
+                logger.exception("transcription session %s: decoding its tokens failed; ending it", self.session_id)
+                if not event.ended:
+                    self._link.abort("its tokens could not be decoded")
+                events = [exc]
+            for item in events:
+                self._put(item)
+            return
         if event is PROGRESS:
             self._room.set()
             return
