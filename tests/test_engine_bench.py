@@ -24,6 +24,8 @@ def test_bench_runs_streams_and_reports(capsys):
     assert result["streams"] == 2 and not result["paced"] and result["ticks"] >= 1
     assert result["tick_ms_p50"] <= result["tick_ms_p90"] <= result["tick_ms_p99"]
     assert result["host_ms_p50"] <= result["host_ms_p99"] and result["host_cpu_ms_p50"] <= result["host_cpu_ms_p99"]
+    # The engine thread's CPU split: inside the device's calls, and its own work.
+    assert result["device_call_cpu_ms_p50"] > 0 and result["own_cpu_ms_p50"] > 0
     # 1.2 s of audio at 480 ms delay: 15 real slots + 32 left + 17 right padding slots - 39 prompt = 25 tokens.
     assert abs(result["output_tokens_per_s"] * result["wall_seconds"] - 2 * 25) < 1e-6
     # Every generated id (control ids included) is a latency sample, over the whole run.
@@ -75,7 +77,7 @@ def test_no_latency_samples_is_reported_as_such_and_never_keeps_up():
     result = BenchResult(streams=4, paced=True, audio_seconds=1.0, wall_seconds=1.5, ticks=0, rows_p50=None,
                          tick_ms_p50=None, tick_ms_p90=None, tick_ms_p99=None, step_ms_p50=None, host_ms_mean=None,
                          host_ms_p50=None, host_ms_p99=None, host_cpu_ms_p50=None, host_cpu_ms_p99=None,
-                         latency_samples=0, latency_ms_p50=None,
+                         device_call_cpu_ms_p50=None, own_cpu_ms_p50=None, latency_samples=0, latency_ms_p50=None,
                          latency_ms_p99=None, output_tokens_per_s=0.0, realtime_factor=2.7, keeps_up=False,
                          floor_ms=1.0, step_over_floor=None)
     text = "\n".join(result.lines())

@@ -400,7 +400,8 @@ def test_tick_log_keeps_the_last_ticks_in_order_as_it_wraps():
 
     log, oracle = TickLog(capacity=5), collections.deque(maxlen=5)
     for number in range(13):
-        stats = TickStats(number, 2 * number, number / 10, number / 100, None if number % 3 else number / 1000)
+        stats = TickStats(number, 2 * number, number / 10, number / 100, None if number % 3 else number / 1000,
+                          None if number % 2 else number / 2000)
         log.append(stats)
         oracle.append(stats)
         assert len(log) == len(oracle) and log.recorded == number + 1

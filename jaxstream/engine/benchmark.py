@@ -85,6 +85,10 @@ class BenchResult:
     host_ms_p99: float | None
     host_cpu_ms_p50: float | None  # the engine thread's CPU time per tick, its work between ticks included (robust to load)
     host_cpu_ms_p99: float | None
+    # Of the engine thread's CPU per tick: inside the device's calls (dispatch, reading results; on CPU
+    # partly the programs' own first operations), and the rest, the engine's own host work.
+    device_call_cpu_ms_p50: float | None
+    own_cpu_ms_p50: float | None
     latency_samples: int  # generated ids over the whole run
     latency_ms_p50: float | None  # None: no samples
     latency_ms_p99: float | None
@@ -115,7 +119,8 @@ class BenchResult:
             f"per 80 ms step p50 {_ms(self.step_ms_p50)} ms",
             f"  host work per tick ms: mean {_ms(self.host_ms_mean)}, p50 {_ms(self.host_ms_p50)}, "
             f"p99 {_ms(self.host_ms_p99)}; engine-thread CPU (between ticks included) p50 {_ms(self.host_cpu_ms_p50)}, "
-            f"p99 {_ms(self.host_cpu_ms_p99)}",
+            f"p99 {_ms(self.host_cpu_ms_p99)}: inside the device's calls p50 {_ms(self.device_call_cpu_ms_p50)}, "
+            f"the engine's own work p50 {_ms(self.own_cpu_ms_p50)}",
             f"  token latency ms (slot at the engine -> id on the host, {self.latency_samples} ids, whole run) "
             f"p50/p99: {_ms(self.latency_ms_p50, 1)} / {_ms(self.latency_ms_p99, 1)}; steady state p50/p99: "
             f"{_ms(self.steady_latency_ms_p50, 1)} / {_ms(self.steady_latency_ms_p99, 1)}",
@@ -228,6 +233,9 @@ async def run_streams(engine: AsyncEngine, *, streams: int, seconds: float, pace
     [step_p50] = percentiles(step_ms, (50,))
     host_p50, host_p99 = percentiles(host_ms, (50, 99))
     cpu_p50, cpu_p99 = percentiles([t.host_cpu_s * 1e3 for t in ticks if t.host_cpu_s is not None], (50, 99))
+    split = [t for t in ticks if t.host_cpu_s is not None and t.device_call_cpu_s is not None]
+    [calls_p50] = percentiles([t.device_call_cpu_s * 1e3 for t in split], (50,))
+    [own_p50] = percentiles([(t.host_cpu_s - t.device_call_cpu_s) * 1e3 for t in split], (50,))
     latency = core.token_latency.counts - latency_before
     latency_p50, latency_p99 = _latency_ms(latency)
     steady_p50 = steady_p99 = None
@@ -241,7 +249,7 @@ async def run_streams(engine: AsyncEngine, *, streams: int, seconds: float, pace
         streams=streams, paced=paced, audio_seconds=seconds, wall_seconds=wall, ticks=len(ticks), rows_p50=rows,
         tick_ms_p50=tick_p50, tick_ms_p90=tick_p90, tick_ms_p99=tick_p99, step_ms_p50=step_p50,
         host_ms_mean=float(np.mean(host_ms)) if host_ms else None, host_ms_p50=host_p50, host_ms_p99=host_p99,
-        host_cpu_ms_p50=cpu_p50, host_cpu_ms_p99=cpu_p99,
+        host_cpu_ms_p50=cpu_p50, host_cpu_ms_p99=cpu_p99, device_call_cpu_ms_p50=calls_p50, own_cpu_ms_p50=own_p50,
         latency_samples=int(latency.sum()), latency_ms_p50=latency_p50,
         latency_ms_p99=latency_p99, steady_latency_ms_p50=steady_p50, steady_latency_ms_p99=steady_p99,
         output_tokens_per_s=tokens / wall, realtime_factor=streams * seconds / wall,

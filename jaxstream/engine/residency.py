@@ -42,6 +42,10 @@ class TickStats:
     # since the previous one (commands, the audio they store, handing outputs over): its host work, not
     # inflated by waiting for a core on a loaded machine as `host_s` is. None where not measured.
     host_cpu_s: float | None = None
+    # Of `host_cpu_s`, the CPU spent inside the device's calls (dispatching programs, reading results). On a
+    # CPU backend XLA runs a program's first operations on the calling thread, so this is partly the
+    # model's own compute there; on an accelerator it is the runtime's dispatch cost. None where not measured.
+    device_call_cpu_s: float | None = None
 
     @property
     def host_s(self) -> float:
@@ -54,12 +58,14 @@ class TickLog:
     fills (as a deque of objects did: 0.25 KB per tick, 70 ticks a second under load, for 24 minutes)."""
 
     def __init__(self, capacity: int = 100_000):
-        self._columns = np.zeros((capacity, 5), np.float64)  # rows, steps, total_s, wait_s, host_cpu_s (NaN: None)
+        # rows, steps, total_s, wait_s, host_cpu_s, device_call_cpu_s (NaN: None)
+        self._columns = np.zeros((capacity, 6), np.float64)
         self.recorded = 0  # ticks recorded, including those overwritten since
 
     def append(self, stats: TickStats) -> None:
-        cpu = np.nan if stats.host_cpu_s is None else stats.host_cpu_s
-        self._columns[self.recorded % len(self._columns)] = (stats.rows, stats.steps, stats.total_s, stats.wait_s, cpu)
+        cpu, calls = (np.nan if value is None else value for value in (stats.host_cpu_s, stats.device_call_cpu_s))
+        self._columns[self.recorded % len(self._columns)] = (stats.rows, stats.steps, stats.total_s, stats.wait_s, cpu,
+                                                             calls)
         self.recorded += 1
 
     def __len__(self) -> int:
@@ -67,8 +73,9 @@ class TickLog:
 
     def window(self, begin: int, end: int) -> list[TickStats]:
         """Ticks number `begin` to `end - 1`, those still held."""
-        return [TickStats(int(rows), int(steps), total, wait, None if np.isnan(cpu) else cpu)
-                for rows, steps, total, wait, cpu in self._held(begin, end).tolist()]
+        return [TickStats(int(rows), int(steps), total, wait, None if np.isnan(cpu) else cpu,
+                          None if np.isnan(calls) else calls)
+                for rows, steps, total, wait, cpu, calls in self._held(begin, end).tolist()]
 
     def durations(self, begin: int, end: int) -> tuple[float, ...]:
         """`total_s` of the ticks `window` returns, without building them (the engine thread's metrics

@@ -101,7 +101,9 @@ class RealtimeScheduler(RealtimeAdmission):
         self.eos_id = model_cfg.eos_id
         self._arrivals = 0
         self._in_flight: list[Dispatch] = []  # the previous tick's dispatches, collected next tick
-        self._uncollected = (0.0, 0.0)  # wall and CPU seconds of calls since the last tick that collected
+        # Wall, CPU and device-call CPU seconds of calls since the last tick that collected.
+        self._uncollected = (0.0, 0.0, 0.0)
+        self._device_call_cpu = 0.0  # this call's CPU inside the device's calls so far
         slot_shape = (model_cfg.mel_frames_per_token, model_cfg.encoder.num_mel_bins)
         self.rows = StreamRows(self.cache.specs, slot_shape, TOKEN_BUFFER + max(engine_cfg.realtime_step_buckets))
         self._text_table = _text_id_table(tokenizer)
@@ -238,10 +240,13 @@ class RealtimeScheduler(RealtimeAdmission):
         scheduled = self._schedule()
         if not scheduled:
             self.end_starvation(busy=bool(self._in_flight))
-        dispatched = []
+        dispatched, self._device_call_cpu = [], 0.0
         try:
             for dispatch in scheduled:
-                dispatch.outputs = self.programs.run(dispatch.key, self._batch(dispatch))
+                batch = self._batch(dispatch)
+                call_start = time.thread_time()
+                dispatch.outputs = self.programs.run(dispatch.key, batch)
+                self._device_call_cpu += time.thread_time() - call_start
                 dispatched.append(dispatch)
         except Exception as exc:  # noqa: BLE001 - a failed dispatch ends the sessions it carried
             sessions = self._sessions_of(scheduled)
@@ -252,14 +257,15 @@ class RealtimeScheduler(RealtimeAdmission):
         waited = self._collect(previous)
         elapsed, cpu = time.perf_counter() - start + self._uncollected[0], time.thread_time() - cpu_start
         cpu += self._uncollected[1]
+        device_call_cpu = self._device_call_cpu + self._uncollected[2]
         if not previous:
             # A tick's record is made when its batch is collected; a call that collected nothing (it only
             # dispatched, after a held-back tick, or it held back) counts toward the next one.
-            self._uncollected = (elapsed, cpu)
+            self._uncollected = (elapsed, cpu, device_call_cpu)
             return bool(dispatched)
-        self._uncollected = (0.0, 0.0)
+        self._uncollected = (0.0, 0.0, 0.0)
         self.record_tick(TickStats(sum(len(d.rows) for d in previous), sum(int(d.counts.sum()) for d in previous),
-                                   elapsed, waited, cpu))
+                                   elapsed, waited, cpu, device_call_cpu))
         return True
 
     def _sessions_of(self, dispatches) -> list[RealtimeSession]:
@@ -282,11 +288,14 @@ class RealtimeScheduler(RealtimeAdmission):
         if not dispatched:
             return 0.0
         self._drop_in_flight(dispatched)
+        call_start = time.thread_time()
         try:
             fetched, waited = self.fetch([d.outputs for d in dispatched])
         except Exception as exc:  # noqa: BLE001 - the device failed while running these sessions
             self.dispatch_failed(self._sessions_of(dispatched), exc)
             return 0.0
+        finally:
+            self._device_call_cpu += time.thread_time() - call_start
         now = time.perf_counter()
         for dispatch, out in zip(dispatched, fetched):
             self._advance(dispatch, np.asarray(out["tokens"]), np.asarray(out["logprobs"]), now)
