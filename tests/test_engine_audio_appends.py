@@ -217,3 +217,22 @@ async def test_the_engine_thread_sleeps_once_a_held_batch_is_gone(reference, mon
         del engine.core.has_work
         assert iterations[0] <= 20  # ~10 sleeps of 50 ms; a spinning thread loops thousands of times
         assert engine.core.at_baseline()
+
+
+def test_a_burst_of_new_streams_is_prefilled_in_one_dispatch(reference):
+    """The default prefill buckets hold 32 rows at the default delay: 32 streams that start together are
+    prefilled by one dispatch, not 8 per tick (which left them decoding in staggered, padded groups)."""
+    loaded = loading.load_model(FIXTURES / "voxtral_tiny", dtype="float32")
+    tokenizer = load_tokenizer(FIXTURES / "voxtral_tiny" / "tekken.json")
+    prompt = reference[f"prompt_ids_d{N_DELAY}"][0]
+    small = build_realtime_core(loaded.model, EngineConfig(max_sessions=4), tokenizer, warm_up=False)
+    assert {rows for rows, _ in small.prefill_buckets} == {1, 4}  # never more rows than sessions
+    core = build_realtime_core(loaded.model, EngineConfig(max_sessions=64), tokenizer, warm_up=False)
+    chunk = max(chunk for rows, chunk in core.prefill_buckets if rows == 32)
+    assert chunk >= len(prompt) and {(1, chunk), (8, chunk)} <= set(core.prefill_buckets)
+    slots = mel_slots(reference)[: len(prompt)]
+    for i in range(32):
+        core.add_session(f"s{i}", n_delay=N_DELAY, prompt_ids=prompt, sink=lambda item: None, backlog=AudioBacklog())
+    core.add_audio_many([(f"s{i}", slots, 0.0, None) for i in range(32)])
+    [dispatch] = core._schedule()  # noqa: SLF001 - what one tick would dispatch
+    assert dispatch.key == ("prefill", 32, chunk) and len(dispatch.rows) == 32

@@ -15,8 +15,8 @@ class EngineConfig:
     so serving never recompiles (a realtime server must not compile while streams wait).
 
     Start-up cost grows with the number of programs: a Voxtral engine compiles
-    `len(decode_batch_buckets) * len(realtime_step_buckets)` decode programs plus its prefill buckets, 16
-    with the defaults (batch buckets 1, 4, 16, 64 from `max_sessions=64`; steps 1, 4, 16; 4 prefill
+    `len(decode_batch_buckets) * len(realtime_step_buckets)` decode programs plus its prefill buckets, 17
+    with the defaults (batch buckets 1, 4, 16, 64 from `max_sessions=64`; steps 1, 4, 16; 5 prefill
     buckets); a text engine compiles `len(decode_batch_buckets) + len(prefill_buckets)`. On a 2-core CPU
     the tiny model starts in about 20 s with the defaults and 6 s with `EngineConfig(max_sessions=1)` (5
     programs), the setting for a script that runs one stream at a time. A server sized for N streams
@@ -74,9 +74,9 @@ class EngineConfig:
     # all: paced streams arrive spread over each 80 ms, and without waiting a loaded device runs several
     # part-filled (padded) batches per 80 ms. 0 dispatches whatever is ready at once.
     realtime_batch_wait_ms: float = 80.0
-    # (rows, slots) buckets of realtime prompt prefill; None: rows (1, 8) and slots enough for the
+    # (rows, slots) buckets of realtime prompt prefill; None: rows (1, 8) with slots enough for the
     # default delay's prompt and for the longest one (2400 ms) after the cached prefix (or, without it,
-    # BOS + 32 + 30 delay slots). A longer prompt is prefilled in pieces.
+    # BOS + 32 + 30 delay slots), and 32 rows at the default delay. A longer prompt is prefilled in pieces.
     realtime_prefill_buckets: tuple[tuple[int, int], ...] | None = None
     # Compute the 31 silent left-pad slots every transcription stream starts with once per delay, and
     # copy them into each new stream (engine/prefix_cache.py); False computes them in every stream.

@@ -253,7 +253,7 @@ class TranscriptionSession:
             raise SessionClosedError(f"transcription session {self.session_id} is "
                                      f"{self._describe_end()}; it takes no more audio")
         pcm = np.asarray(pcm)
-        if pcm.ndim != 1 or not np.issubdtype(pcm.dtype, np.floating):
+        if pcm.ndim != 1 or pcm.dtype.kind != "f":
             raise self._rejected(InvalidAudioError(
                 f"pcm must be a 1-D float array of mono samples, got {pcm.dtype} {pcm.shape}"))
         if self.outcome == "done":
