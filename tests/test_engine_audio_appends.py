@@ -15,7 +15,7 @@ from jaxstream.engine.async_engine import AsyncEngine
 from jaxstream.engine.builders import build_realtime_core
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.residency import TickStats
-from jaxstream.engine.transcription_session import AudioBacklog, TranscriptionDone, transcript_sink
+from jaxstream.engine.transcription_session import PROGRESS, AudioBacklog, TranscriptionDone, transcript_sink
 from jaxstream.errors import EngineError, InvalidRequestError
 from jaxstream.models import loading
 from jaxstream.models.audio import n_delay_from_ms, prompt_length
@@ -236,3 +236,37 @@ def test_a_burst_of_new_streams_is_prefilled_in_one_dispatch(reference):
     core.add_audio_many([(f"s{i}", slots, 0.0, None) for i in range(32)])
     [dispatch] = core._schedule()  # noqa: SLF001 - what one tick would dispatch
     assert dispatch.key == ("prefill", 32, chunk) and len(dispatch.rows) == 32
+
+
+def test_consumed_audio_is_read_from_the_rows_and_waiting_appenders_are_woken(core, reference):
+    """`AudioBacklog.consumed` follows the row's dispatched slots (no per-session update in a tick); an
+    appender waiting for room gets PROGRESS from the tick that consumes its stream's audio, not from one
+    that does not; once the stream ends the last count stays and the engine's set of waiters is empty."""
+    slots = mel_slots(reference)
+    prompt = reference[f"prompt_ids_d{N_DELAY}"][0]
+    events = {name: [] for name in ("a", "b")}
+    backlogs = {name: AudioBacklog() for name in events}
+    for name, sink in events.items():
+        core.add_session(name, n_delay=N_DELAY, prompt_ids=prompt, sink=sink.append, backlog=backlogs[name])
+    core.add_audio_many([(name, slots[: len(prompt) + 3], 0.0, None) for name in events])
+    for backlog in backlogs.values():
+        backlog.sent = len(prompt) + 3
+    assert all(backlog.queued == len(prompt) + 3 for backlog in backlogs.values())
+    while core.has_work():
+        core.step()
+    assert all(backlog.consumed == len(prompt) + 3 and backlog.queued == 0 for backlog in backlogs.values())
+    backlogs["a"].start_waiting()
+    core.add_audio_many([(name, slots[len(prompt) + 3 : len(prompt) + 5], 2560.0, None) for name in events])
+    for backlog in backlogs.values():
+        backlog.sent += 2
+    core.step()  # dispatches the next slot (of two) of both streams: only a waits
+    assert all(backlog.consumed == len(prompt) + 4 and backlog.queued == 1 for backlog in backlogs.values())
+    assert events["a"].count(PROGRESS) == 1 and PROGRESS not in events["b"]
+    backlogs["a"].stop_waiting()
+    backlogs["b"].start_waiting()
+    core.add_audio_many([(name, slots[len(prompt) + 5 :], 1280.0, len(slots)) for name in events])
+    while core.has_work():
+        core.step()
+    assert backlogs["a"].consumed == backlogs["b"].consumed == len(slots) - 1  # the last slot is never fed
+    assert not core._waiting and core.at_baseline()  # noqa: SLF001
+    backlogs["b"].stop_waiting()

@@ -49,7 +49,7 @@ class RealtimeSession(RowSession, SessionBase):
         rows.n_delay[self.row] = n_delay
         rows.prompt_len[self.row] = len(prompt_ids)
         rows.arrival[self.row] = arrival
-        self.backlog = backlog  # transcription_session.AudioBacklog: this thread writes `consumed` only
+        self.backlog = backlog  # transcription_session.AudioBacklog, shared with the event loop
         self.prompt_ids = list(prompt_ids)
         self.samples = 0.0  # real audio received, in 16 kHz samples
         self.skip = 0  # leading mel slots still to drop (the cached prefix computed them)
@@ -104,6 +104,7 @@ class RealtimeScheduler(RealtimeAdmission):
         # Wall, CPU and device-call CPU seconds of calls since the last tick that collected.
         self._uncollected = (0.0, 0.0, 0.0)
         self._device_call_cpu = 0.0  # this call's CPU inside the device's calls so far
+        self._waiting: set = set()  # AudioBacklogs of appenders waiting for room (added on the event loop)
         slot_shape = (model_cfg.mel_frames_per_token, model_cfg.encoder.num_mel_bins)
         self.rows = StreamRows(self.cache.specs, slot_shape, TOKEN_BUFFER + max(engine_cfg.realtime_step_buckets))
         self._text_table = _text_id_table(tokenizer)
@@ -147,6 +148,9 @@ class RealtimeScheduler(RealtimeAdmission):
                                   commitment=self._commitment(max_slots))
         # The stream starts after the cached prefix: its slots are dropped on arrival, never computed.
         session.skip = self.rows.fed[session.row] = self.rows.received[session.row] = self.prefix.slots
+        rows, row = self.rows, session.row
+        # Slots consumed: those dispatched (`fed`, which starts past the prefix) and the prefix's dropped.
+        backlog.attach(lambda: int(rows.fed[row]) - session.skip, self._waiting, session)
         self.sessions[request_id] = session
         self.touch(session)
 
@@ -167,7 +171,6 @@ class RealtimeScheduler(RealtimeAdmission):
             if session.skip:
                 dropped = min(session.skip, len(mel_slots))
                 session.skip -= dropped
-                session.backlog.consumed += dropped
                 mel_slots = mel_slots[dropped:]
             row = session.row
             if session.max_slots is not None:
@@ -213,6 +216,7 @@ class RealtimeScheduler(RealtimeAdmission):
         if session.resident:
             self._commit(session, -1)
         super().release(session)
+        session.backlog.detach()
         self.rows.detach(session)
 
     def at_baseline(self) -> bool:
@@ -476,11 +480,11 @@ class RealtimeScheduler(RealtimeAdmission):
             for i, (row, start, count) in enumerate(zip(dispatch.rows.tolist(), dispatch.starts.tolist(),
                                                         dispatch.counts.tolist())):
                 batch["token_ids"][i, :count] = sessions[row].prompt_ids[start : start + count]
-        for row, count in zip(dispatch.rows.tolist(), dispatch.counts.tolist()):
-            backlog = sessions[row].backlog
-            backlog.consumed += count
-            if backlog.waiting:
-                deliver(sessions[row], PROGRESS)
+        if self._waiting:  # appenders waiting for room: wake those whose audio this dispatch consumes
+            booked = set(dispatch.rows.tolist())
+            for backlog in tuple(self._waiting):
+                if backlog.stream.row in booked:
+                    deliver(backlog.stream, PROGRESS)
         return batch
 
     # -- results --------------------------------------------------------------------------------------

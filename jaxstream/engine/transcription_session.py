@@ -191,20 +191,67 @@ def transcript_sink(target, tokenizer, *, delay_ms: int, prompt_len: int):
 class AudioBacklog:
     """Slots of one session's audio handed to the engine but not yet computed, shared by two threads.
 
-    Each counter has one writer: `sent` and `waiting` the event loop, `consumed` the engine thread (when a
-    slot goes into a dispatched batch). Their difference counts audio still in the command queue too, which
-    the scheduler's own state cannot see. While `waiting` is set, the scheduler wakes the appender after
-    consuming (the `PROGRESS` event).
+    `sent` is the event loop's count. `consumed` is read from the engine's own state (its stream's row:
+    slots dispatched, plus the cached prefix's slots dropped), so the engine thread counts what a tick
+    dispatches with one array operation over all its rows, not a Python update per session; once the
+    stream lets go of its row the last count is kept. `queued` (the difference) counts audio still in the
+    command queue too, which the scheduler's own state cannot see. While an appender waits for room it is in
+    the engine's set of waiters, and the scheduler wakes it after a tick that consumed some of its audio
+    (the `PROGRESS` event).
     """
 
     def __init__(self):
         self.sent = 0
-        self.consumed = 0
+        self._count = None  # engine thread: reads its stream's count while the stream holds a row
+        self._consumed = 0  # the count once detached (or before the engine took the stream)
+        self._waiters: set | None = None  # the engine's set of waiting backlogs, once it took the stream
+        self._joined: set | None = None  # event loop: the set this backlog was added to while waiting
         self.waiting = False
+        self.stream = None  # the engine's session (where PROGRESS goes), once it took the stream
+
+    @property
+    def consumed(self) -> int:
+        count = self._count
+        if count is not None:
+            value = count()
+            # Still attached after the read, so the row was this stream's: `detach` stores the last count
+            # and drops the reader before the row is reset.
+            if self._count is count:
+                return value
+        return self._consumed
 
     @property
     def queued(self) -> int:
         return self.sent - self.consumed
+
+    def start_waiting(self) -> None:
+        """Event loop: an append waits for room; the next tick that consumes this stream's audio wakes it."""
+        self.waiting = True
+        self._joined = self._waiters  # the set joined, even if the engine lets go of the stream meanwhile
+        if self._joined is not None:
+            self._joined.add(self)
+
+    def stop_waiting(self) -> None:
+        self.waiting = False
+        if self._joined is not None:
+            self._joined.discard(self)
+            self._joined = None
+
+    def attach(self, count, waiters: set, stream) -> None:
+        """Engine thread: the stream now counts its consumed slots with `count()`; `waiters` is the engine's
+        set of waiting backlogs."""
+        self.stream, self._waiters, self._count = stream, waiters, count
+        if self.waiting:  # began waiting before the engine took the stream
+            waiters.add(self)
+
+    def detach(self) -> None:
+        """Engine thread, before the stream's row is reset: keeps its last count; no more wake-ups."""
+        if self._count is not None:
+            self._consumed = self._count()
+            self._count = None
+        waiters, self._waiters = self._waiters, None
+        if waiters is not None:
+            waiters.discard(self)
 
 
 PROGRESS = object()  # delivered to a session's events when it consumed audio while an append waits
@@ -288,13 +335,14 @@ class TranscriptionSession:
                                                   f"{self._max_queued_slots * SLOT_SECONDS:g} s of audio queued; "
                                                   "the engine is behind"))
             self._room.clear()
-            backlog.waiting = True  # set before the re-check above runs again: no wake-up is missed
-            if backlog.queued and backlog.queued + slots > self._max_queued_slots:
-                try:
+            backlog.start_waiting()  # before the re-check below: no wake-up is missed
+            try:
+                if backlog.queued and backlog.queued + slots > self._max_queued_slots:
                     await asyncio.wait_for(self._room.wait(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    pass  # re-check; the engine may be slow, and a wake-up is only a hint
-            backlog.waiting = False
+            except asyncio.TimeoutError:
+                pass  # re-check; the engine may be slow, and a wake-up is only a hint
+            finally:  # a cancelled append too: the engine's set of waiters must not keep it
+                backlog.stop_waiting()
 
     async def finish(self) -> None:
         """End of the audio: right padding is added and the remaining text flushed. Idempotent."""
