@@ -249,6 +249,7 @@ class AudioBacklog:
         if self._count is not None:
             self._consumed = self._count()
             self._count = None
+        self.stream = None  # no cycle back through the engine's session
         waiters, self._waiters = self._waiters, None
         if waiters is not None:
             waiters.discard(self)
