@@ -483,8 +483,9 @@ class RealtimeScheduler(RealtimeAdmission):
         if self._waiting:  # appenders waiting for room: wake those whose audio this dispatch consumes
             booked = set(dispatch.rows.tolist())
             for backlog in tuple(self._waiting):
-                if backlog.stream.row in booked:
-                    deliver(backlog.stream, PROGRESS)
+                stream = backlog.stream  # None for one the event loop added as its stream was ending
+                if stream is not None and stream.row in booked:
+                    deliver(stream, PROGRESS)
         return batch
 
     # -- results --------------------------------------------------------------------------------------

@@ -378,6 +378,8 @@ class TranscriptionSession:
     def _put(self, event) -> None:
         """Called on the event loop with the engine's events (see `AsyncEngine`)."""
         if isinstance(event, GeneratedIds):
+            if self.outcome is not None:
+                return  # ids in flight when the session ended (aborted, or its decoding failed): nobody reads them
             try:
                 events = self._transcript.events(event)
             except Exception as exc:  # noqa: BLE001 - an id the tokenizer rejects ends this session alone
