@@ -205,15 +205,25 @@ async def run_streams(engine: AsyncEngine, *, streams: int, seconds: float, pace
         return done
 
     async def watch():
+        caught_up_at = None  # ticks recorded when every stream was first seen caught up
         while True:
-            # The sessions' audio counters are what the engine thread publishes to the event loop.
-            caught_up = all(s.backlog.consumed >= prompt_slots and (not paced or s.backlog.queued <= 2)
+            # The sessions' audio counters are what the engine thread publishes to the event loop. A paced
+            # stream that keeps up has at most the slot that arrived since its last dispatch queued.
+            caught_up = all(s.backlog.consumed >= prompt_slots and (not paced or s.backlog.queued <= 1)
                             for s in sessions)
-            if window["start"] is None and caught_up:
+            if caught_up_at is None and caught_up:
+                caught_up_at = core.ticks_recorded
+            # A slot counts as consumed once dispatched, and a tick is recorded when collected: the tick in
+            # flight when paced streams are seen caught up carries the last of their catch-up (a 24-stream
+            # mid-size run: 8 queued slots a row, 210 ms), so their steady state starts after it is recorded.
+            settled = caught_up_at is not None and (not paced or core.ticks_recorded > caught_up_at)
+            if window["start"] is None and settled:
                 window["start"] = core.ticks_recorded
                 latency_at["start"] = core.token_latency.counts.copy()
             live_kv[0] = max(live_kv[0], _live_kv_bytes(engine))
-            await asyncio.sleep(SLOT_SECONDS / 4)
+            # Unpaced streams can go from their prompts to their end within a few ms (the tiny models):
+            # watched every 20 ms, such a run had no steady state at all.
+            await asyncio.sleep(SLOT_SECONDS / 4 if paced else 1e-3)
 
     watcher = asyncio.create_task(watch())
     try:

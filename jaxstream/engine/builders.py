@@ -91,11 +91,12 @@ def build_text_core(model, engine_cfg: EngineConfig, *, eos_token_id=None, detok
 
 
 def _warm_up(scheduler) -> None:
-    """Compiles every program the scheduler can dispatch, and logs what start-up cost."""
+    """Compiles every program the scheduler can dispatch (a transcription scheduler also runs each one at the
+    attention buckets streams meet early: first_runs.py), and logs what start-up cost."""
     start = time.perf_counter()
     scheduler.warm_up()
-    logger.info("compiled %d step programs in %.1f s (decode batch buckets %s; the EngineConfig docstring says "
-                "which settings compile fewer)", len(scheduler.programs), time.perf_counter() - start,
+    logger.info("compiled and warmed %d step programs in %.1f s (decode batch buckets %s; the EngineConfig docstring "
+                "says which settings compile fewer)", len(scheduler.programs), time.perf_counter() - start,
                 scheduler.cfg.decode_batch_buckets)
 
 

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from jaxstream.engine import steps
+from jaxstream.engine import first_runs, steps
 from jaxstream.engine.kv_cache import missing_pages
 from jaxstream.engine.prefix_cache import PrefixCache
 from jaxstream.engine.realtime_admission import RealtimeAdmission
@@ -31,7 +31,7 @@ from jaxstream.engine.residency import SessionBase, Status, TickStats, deliver
 from jaxstream.engine.stream_rows import STATUS_CODE, UNKNOWN_LIMIT, RowSession, StreamRows
 from jaxstream.engine.transcription_session import PROGRESS, GeneratedIds
 from jaxstream.errors import InvalidRequestError
-from jaxstream.models.audio import SLOT_SECONDS
+from jaxstream.models.audio import ALLOWED_DELAYS_MS, SLOT_SECONDS, n_delay_from_ms, prompt_length
 from jaxstream.models.tokenizers import NUM_CONTROL_IDS, Tokenizer
 
 # Generated control ids a row holds before they move to its session's lists (text ids move at once).
@@ -122,14 +122,24 @@ class RealtimeScheduler(RealtimeAdmission):
         def prefill(model, state, batch):
             return steps.realtime_prefill_step(model, state, batch, attention_impl=impl)
 
+        cfg = self.model_cfg
+        runs = []  # (key, batch, decoder lengths): every program's first runs, once all are compiled
+        decode_lengths = first_runs.decode_lengths(cfg.encoder.sliding_window, cfg.text.attention_window,
+                                                   cfg.downsample_factor)
         for rows in self.cfg.decode_batch_buckets:
             for k in self.cfg.realtime_step_buckets:
-                batch = steps.realtime_batch(rows, k, self.model_cfg, enc, dec, with_tokens=False)
+                batch = steps.realtime_batch(rows, k, cfg, enc, dec, with_tokens=False)
                 self.programs.compile(("decode", rows, k), decode, batch)
+                runs.append((("decode", rows, k), dict(batch, num_slots=np.full(rows, k, np.int32)), decode_lengths))
+        longest_prompt = prompt_length(n_delay_from_ms(max(ALLOWED_DELAYS_MS)), cfg.n_left_pad_tokens)
         for rows, chunk in self.prefill_buckets:
-            batch = steps.realtime_batch(rows, chunk, self.model_cfg, enc, dec, with_tokens=True,
+            batch = steps.realtime_batch(rows, chunk, cfg, enc, dec, with_tokens=True,
                                          prefix_pages=self.prefix.pages_per_row)
             self.programs.compile(("prefill", rows, chunk), prefill, batch)
+            runs.append((("prefill", rows, chunk), dict(batch, num_slots=np.full(rows, chunk, np.int32)),
+                         first_runs.prefill_lengths(self.prefix.slots, longest_prompt, chunk)))
+        for key, batch, lengths in runs:
+            first_runs.run_once_per_bucket(self.programs, key, batch, lengths)
         self.cache.warm_up()
         self.prefix.build(self.programs, self.prefill_buckets)
 

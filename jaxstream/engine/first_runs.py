@@ -1,0 +1,56 @@
+"""First runs of the realtime programs at start-up, so that no stream pays for them while serving.
+
+A compiled program's first run at an attention reach bucket (the XLA path switches between static numbers of
+old positions, `ring_attention.reach_buckets`) costs more than its later runs: on XLA:CPU YNNPACK builds the
+runtimes of that branch's dots and fresh temporary memory faults in. The random mid-size Voxtral
+(benchmarks/vs_transformers.py --build-mid) took 93-144 ms for its first 24-row 80 ms step at a new bucket and
+43-67 ms for the next ones; 24 paced streams saw ticks of 95-135 ms whenever the batch's longest stream crossed
+into a bucket, their p99 tick was 202-236 ms (`jaxstream bench --streams 24 --seconds 10`, three runs) and
+their tokens waited up to 0.4-0.9 s. Running each program once per bucket at start-up moves that cost into
+the engine's build.
+
+The runs cover the buckets a stream reaches in its first `WARM_SLOTS` slots (every encoder bucket: the
+encoder window, 15 s, fills first). Further decoder buckets cost more to run than their first-run surplus
+(a 24-row K = 16 step at the whole 8,191-position reach takes ~3.8 s on the 2-core CPU), and a process
+meets each of them once, when its first stream gets that long.
+"""
+import jax
+import numpy as np
+
+from jaxstream.engine import steps
+from jaxstream.tpu_kernels.ring_attention import reach_buckets
+
+# 41 s of audio: a voice-agent turn; the decoder buckets past it are met once per process, by long streams.
+WARM_SLOTS = 512
+
+
+def decode_lengths(enc_window: int, dec_window: int, downsample: int) -> list[int]:
+    """Decoder lengths (slots behind each row) whose decode steps select every encoder reach bucket and every
+    decoder bucket up to `WARM_SLOTS`: a length of r slots needs r old decoder positions and r x `downsample`
+    encoder frames (both capped by their windows)."""
+    lengths = {reach for reach in reach_buckets(dec_window) if reach <= WARM_SLOTS}
+    lengths |= {reach // downsample for reach in reach_buckets(enc_window)}
+    return sorted(lengths)
+
+
+def prefill_lengths(start: int, longest_prompt: int, chunk: int) -> list[int]:
+    """Where a prompt's prefill chunks start: from the first slot not in the cached prefix, `chunk` apart."""
+    return list(range(start, max(start + 1, longest_prompt), chunk))
+
+
+def run_once_per_bucket(programs: steps.Programs, key, batch: dict, lengths) -> None:
+    """Runs program `key` on `batch` (every row live, num_slots set) once per decoder length in `lengths`, the
+    rows writing one page per stack borrowed from the pools (then given back: a page's old contents never
+    reach a session, which reads only positions it wrote). Padding slot rows (-1) keep the per-slot state."""
+    cache = programs.cache
+    borrowed = {name: pool.allocate(1) for name, pool in cache.pools.items()}
+    try:
+        batch = dict(batch, slot=np.full_like(batch["slot"], -1))
+        for name, table in (("encoder", "enc_table"), ("decoder", "dec_table")):
+            batch[table] = np.full_like(batch[table], borrowed[name][0])
+        for length in lengths:
+            batch["dec_lengths"] = np.full_like(batch["dec_lengths"], length)
+            jax.block_until_ready(programs.run(key, dict(batch)))
+    finally:
+        for name, pages in borrowed.items():
+            cache.pools[name].release(pages)
