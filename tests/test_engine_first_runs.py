@@ -31,9 +31,16 @@ def test_decode_lengths_reach_every_encoder_bucket_and_the_early_decoder_ones():
     assert decoder == early and len(early) == 4  # 64 ... 512 slots; 1,024 and beyond are met once, later
 
 
-def test_prefill_lengths_start_where_prompts_start():
-    assert first_runs.prefill_lengths(31, 71, 16) == [31, 47, 63]  # the chunks of the longest prompt
-    assert first_runs.prefill_lengths(0, 39, 48) == [0]
+def test_prefill_lengths_start_where_prompts_start_one_per_pair_of_buckets():
+    # Chunks of 16 from the 31-slot prefix to the longest prompt (71 slots): encoder frames 124, 188, 252, i.e.
+    # buckets 128, 256 and 256 of the 750-frame window; the decoder's 64-position bucket throughout.
+    assert first_runs.prefill_lengths(31, 71, 16, 750, 8192, 4) == [31, 47]
+    assert first_runs.prefill_lengths(0, 39, 48, 750, 8192, 4) == [0]
+    assert first_runs.prefill_lengths(31, 71, 16, 12, 96, 4) == [31]  # windows of one bucket each: one run
+
+
+def test_windows_of_one_bucket_each_run_once():
+    assert first_runs.decode_lengths(128, 128, 4) == [31]
 
 
 def test_the_engine_runs_each_program_at_each_length_and_leaves_its_state_as_it_was(monkeypatch):

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from jaxstream.engine import steps
-from jaxstream.tpu_kernels.ring_attention import reach_buckets
+from jaxstream.tpu_kernels.ring_attention import reach_bucket, reach_buckets
 
 # 41 s of audio: a voice-agent turn; the decoder buckets past it are met once per process, by long streams.
 WARM_SLOTS = 512
@@ -26,16 +26,33 @@ WARM_SLOTS = 512
 
 def decode_lengths(enc_window: int, dec_window: int, downsample: int) -> list[int]:
     """Decoder lengths (slots behind each row) whose decode steps select every encoder reach bucket and every
-    decoder bucket up to `WARM_SLOTS`: a length of r slots needs r old decoder positions and r x `downsample`
-    encoder frames (both capped by their windows)."""
+    decoder bucket up to `WARM_SLOTS`, one length per distinct pair: a length of r slots needs r old decoder
+    positions and r x `downsample` encoder frames (both capped by their windows)."""
     lengths = {reach for reach in reach_buckets(dec_window) if reach <= WARM_SLOTS}
     lengths |= {reach // downsample for reach in reach_buckets(enc_window)}
-    return sorted(lengths)
+    return _one_per_bucket_pair(lengths, enc_window, dec_window, downsample)
 
 
-def prefill_lengths(start: int, longest_prompt: int, chunk: int) -> list[int]:
-    """Where a prompt's prefill chunks start: from the first slot not in the cached prefix, `chunk` apart."""
-    return list(range(start, max(start + 1, longest_prompt), chunk))
+def prefill_lengths(start: int, longest_prompt: int, chunk: int, enc_window: int, dec_window: int,
+                    downsample: int) -> list[int]:
+    """Where a prompt's prefill chunks start (from the first slot not in the cached prefix, `chunk` apart),
+    one per distinct pair of reach buckets."""
+    starts = range(start, max(start + 1, longest_prompt), chunk)
+    return _one_per_bucket_pair(starts, enc_window, dec_window, downsample)
+
+
+def _one_per_bucket_pair(lengths, enc_window: int, dec_window: int, downsample: int) -> list[int]:
+    """The shortest of `lengths` for each (encoder, decoder) pair of buckets the XLA path chooses for them."""
+    chosen = {}
+    for length in sorted(lengths):
+        pair = (_bucket(length * downsample, enc_window), _bucket(length, dec_window))
+        chosen.setdefault(pair, length)
+    return sorted(chosen.values())
+
+
+def _bucket(old_positions: int, window: int) -> int:
+    """The reach bucket of one session with new rows and `old_positions` behind it (the XLA path's own rule)."""
+    return int(reach_bucket(np.array([old_positions], np.int32), np.array([1], np.int32), window))
 
 
 def run_once_per_bucket(programs: steps.Programs, key, batch: dict, lengths) -> None:

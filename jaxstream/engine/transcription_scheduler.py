@@ -124,8 +124,8 @@ class RealtimeScheduler(RealtimeAdmission):
 
         cfg = self.model_cfg
         runs = []  # (key, batch, decoder lengths): every program's first runs, once all are compiled
-        decode_lengths = first_runs.decode_lengths(cfg.encoder.sliding_window, cfg.text.attention_window,
-                                                   cfg.downsample_factor)
+        windows = (cfg.encoder.sliding_window, cfg.text.attention_window, cfg.downsample_factor)
+        decode_lengths = first_runs.decode_lengths(*windows)
         for rows in self.cfg.decode_batch_buckets:
             for k in self.cfg.realtime_step_buckets:
                 batch = steps.realtime_batch(rows, k, cfg, enc, dec, with_tokens=False)
@@ -137,7 +137,7 @@ class RealtimeScheduler(RealtimeAdmission):
                                          prefix_pages=self.prefix.pages_per_row)
             self.programs.compile(("prefill", rows, chunk), prefill, batch)
             runs.append((("prefill", rows, chunk), dict(batch, num_slots=np.full(rows, chunk, np.int32)),
-                         first_runs.prefill_lengths(self.prefix.slots, longest_prompt, chunk)))
+                         first_runs.prefill_lengths(self.prefix.slots, longest_prompt, chunk, *windows)))
         for key, batch, lengths in runs:
             first_runs.run_once_per_bucket(self.programs, key, batch, lengths)
         self.cache.warm_up()

@@ -3,9 +3,9 @@
 `ring_attention` dispatches to one of `IMPLEMENTATIONS`: "xla" (reference, any backend), "pallas"
 (portable kernel: TPU Mosaic, GPU Triton, interpreters) and "pallas_tpu" (TPU-tuned kernel);
 `choose_implementation` tells which one a call would run; `reach_buckets` are the static numbers of old
-positions the XLA path chooses from (one compiled branch each).
+positions the XLA path chooses from (one compiled branch each), `reach_bucket` the one a batch takes.
 """
 from jaxstream.tpu_kernels.ring_attention.api import IMPLEMENTATIONS, choose_implementation, ring_attention
-from jaxstream.tpu_kernels.ring_attention.xla import reach_buckets
+from jaxstream.tpu_kernels.ring_attention.xla import reach_bucket, reach_buckets
 
-__all__ = ["IMPLEMENTATIONS", "choose_implementation", "reach_buckets", "ring_attention"]
+__all__ = ["IMPLEMENTATIONS", "choose_implementation", "reach_bucket", "reach_buckets", "ring_attention"]
