@@ -74,3 +74,27 @@ def test_the_engine_runs_each_program_at_each_length_and_leaves_its_state_as_it_
     for stack in state["stacks"].values():
         for k_pages, v_pages in stack:
             assert not np.any(k_pages[0]) and not np.any(v_pages[0])
+
+
+def test_a_text_engine_runs_each_program_at_each_early_bucket(monkeypatch):
+    from jaxstream.engine.builders import build_text_core
+    from jaxstream.engine.testing import ToyLM, toy_config
+
+    calls = []
+    run = steps.Programs.run
+
+    def recording_run(self, key, batch):
+        calls.append((key, set(batch["lengths"].tolist()), set(batch["num_new"].tolist())))
+        return run(self, key, batch)
+
+    monkeypatch.setattr(steps.Programs, "run", recording_run)
+    config = EngineConfig(max_sessions=2, page_size=16, batch_buckets=(2,), prefill_buckets=((2, 8),),
+                          max_num_batched_tokens=64)
+    core = build_text_core(ToyLM(toy_config(vocab_size=97, window=1024)), config)
+    assert {_bucket(length, 1024) for length in first_runs.text_lengths(1024)} == set(range(4))  # 64 ... 512
+    for key, new in ((("text", 2, 1), 1), (("text", 2, 8), 8)):
+        runs = [(lengths, num_new) for called, lengths, num_new in calls if called == key]
+        assert runs == [({length}, {new}) for length in (64, 128, 256, 512)]
+    assert core.at_baseline()
+    for k_pages, v_pages in jax.device_get(core.cache.state)["stacks"]["text"]:
+        assert not np.any(k_pages[0]) and not np.any(v_pages[0])

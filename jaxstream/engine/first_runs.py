@@ -1,4 +1,4 @@
-"""First runs of the realtime programs at start-up, so that no stream pays for them while serving.
+"""First runs of the step programs at start-up, so that no stream pays for them while serving.
 
 A compiled program's first run at an attention reach bucket (the XLA path switches between static numbers of
 old positions, `ring_attention.reach_buckets`) costs more than its later runs: on XLA:CPU YNNPACK builds the
@@ -10,9 +10,10 @@ their tokens waited up to 0.4-0.9 s. Running each program once per bucket at sta
 the engine's build.
 
 The runs cover the buckets a stream reaches in its first `WARM_SLOTS` slots (every encoder bucket: the
-encoder window, 15 s, fills first). Further decoder buckets cost more to run than their first-run surplus
-(a 24-row K = 16 step at the whole 8,191-position reach takes ~3.8 s on the 2-core CPU), and a process
-meets each of them once, when its first stream gets that long.
+encoder window, 15 s, fills first); a text LM's programs run at its window's buckets up to as many positions.
+Further buckets cost more to run than their first-run surplus (a 24-row K = 16 step at the whole 8,191-position
+reach takes ~3.8 s on the 2-core CPU), and a process meets each of them once, when its first stream gets that
+long.
 """
 import jax
 import numpy as np
@@ -55,18 +56,25 @@ def _bucket(old_positions: int, window: int) -> int:
     return int(reach_bucket(np.array([old_positions], np.int32), np.array([1], np.int32), window))
 
 
-def run_once_per_bucket(programs: steps.Programs, key, batch: dict, lengths) -> None:
-    """Runs program `key` on `batch` (every row live, num_slots set) once per decoder length in `lengths`, the
-    rows writing one page per stack borrowed from the pools (then given back: a page's old contents never
-    reach a session, which reads only positions it wrote). Padding slot rows (-1) keep the per-slot state."""
+def text_lengths(window: int) -> list[int]:
+    """Lengths (positions behind each row) whose text steps select every reach bucket up to `WARM_SLOTS`."""
+    return [reach for reach in reach_buckets(window) if reach <= WARM_SLOTS]
+
+
+def run_once_per_bucket(programs: steps.Programs, key, batch: dict, lengths, *, tables: dict[str, str],
+                        length_key: str) -> None:
+    """Runs program `key` on `batch` (every row live, no row owning per-slot state) once per length in
+    `lengths`, set as the batch's `length_key`; each stack's page table (`tables`: stack -> batch key) points
+    every entry at one page borrowed from its pool, given back afterwards (a page's old contents never reach
+    a session, which reads only positions it wrote)."""
     cache = programs.cache
-    borrowed = {name: pool.allocate(1) for name, pool in cache.pools.items()}
+    borrowed = {name: cache.pools[name].allocate(1) for name in tables}
     try:
-        batch = dict(batch, slot=np.full_like(batch["slot"], -1))
-        for name, table in (("encoder", "enc_table"), ("decoder", "dec_table")):
-            batch[table] = np.full_like(batch[table], borrowed[name][0])
+        batch = dict(batch)
+        for name, table_key in tables.items():
+            batch[table_key] = np.full_like(batch[table_key], borrowed[name][0])
         for length in lengths:
-            batch["dec_lengths"] = np.full_like(batch["dec_lengths"], length)
+            batch[length_key] = np.full_like(batch[length_key], length)
             jax.block_until_ready(programs.run(key, dict(batch)))
     finally:
         for name, pages in borrowed.items():

@@ -18,7 +18,9 @@ import logging
 import numbers
 import time
 
-from jaxstream.engine import steps
+import numpy as np
+
+from jaxstream.engine import first_runs, steps
 from jaxstream.engine.requests import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
 from jaxstream.engine.residency import END_OF_STREAM, Residency, SessionBase, Status, TickStats, deliver
 
@@ -87,14 +89,19 @@ class TextScheduler(Residency):
 
     # -- start-up -------------------------------------------------------------------------------------
     def warm_up(self) -> None:
-        """Compiles every decode and prefill bucket, and the offload/restore programs."""
-        pages = self.cache.specs[STACK].pages_per_window
+        """Compiles every decode and prefill bucket, runs each once per early attention bucket (first_runs.py),
+        and compiles the offload/restore programs."""
+        spec = self.cache.specs[STACK]
         step = _text_step(self.cfg.attention_impl)
-        for rows in self.cfg.decode_batch_buckets:
-            self.programs.compile(("text", rows, 1), step, steps.text_batch(rows, 1, pages))
-        for rows, chunk in self.cfg.prefill_buckets:
+        shapes = [(rows, 1) for rows in self.cfg.decode_batch_buckets] + list(self.cfg.prefill_buckets)
+        for rows, chunk in shapes:
             if ("text", rows, chunk) not in self.programs:
-                self.programs.compile(("text", rows, chunk), step, steps.text_batch(rows, chunk, pages))
+                self.programs.compile(("text", rows, chunk), step, steps.text_batch(rows, chunk, spec.pages_per_window))
+        lengths = first_runs.text_lengths(spec.ring)  # the ring is the window the model attends over
+        for rows, chunk in dict.fromkeys(shapes):
+            batch = dict(steps.text_batch(rows, chunk, spec.pages_per_window), num_new=np.full(rows, chunk, np.int32))
+            first_runs.run_once_per_bucket(self.programs, ("text", rows, chunk), batch, lengths,
+                                           tables={STACK: "page_table"}, length_key="lengths")
         self.cache.warm_up()
 
     # -- commands (engine thread) ---------------------------------------------------------------------

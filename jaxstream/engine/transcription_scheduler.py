@@ -138,8 +138,10 @@ class RealtimeScheduler(RealtimeAdmission):
             self.programs.compile(("prefill", rows, chunk), prefill, batch)
             runs.append((("prefill", rows, chunk), dict(batch, num_slots=np.full(rows, chunk, np.int32)),
                          first_runs.prefill_lengths(self.prefix.slots, longest_prompt, chunk, *windows)))
-        for key, batch, lengths in runs:
-            first_runs.run_once_per_bucket(self.programs, key, batch, lengths)
+        for key, batch, lengths in runs:  # padding slot rows (-1): no session's per-slot state changes
+            first_runs.run_once_per_bucket(self.programs, key, batch, lengths,
+                                           tables={"encoder": "enc_table", "decoder": "dec_table"},
+                                           length_key="dec_lengths")
         self.cache.warm_up()
         self.prefix.build(self.programs, self.prefill_buckets)
 
