@@ -91,7 +91,7 @@ def test_a_text_engine_runs_each_program_at_each_early_bucket(monkeypatch):
     config = EngineConfig(max_sessions=2, page_size=16, batch_buckets=(2,), prefill_buckets=((2, 8),),
                           max_num_batched_tokens=64)
     core = build_text_core(ToyLM(toy_config(vocab_size=97, window=1024)), config)
-    assert {_bucket(length, 1024) for length in first_runs.text_lengths(1024)} == set(range(4))  # 64 ... 512
+    assert {_bucket(length, 1024) for length in first_runs.early_reaches(1024)} == set(range(4))  # 64 ... 512
     for key, new in ((("text", 2, 1), 1), (("text", 2, 8), 8)):
         runs = [(lengths, num_new) for called, lengths, num_new in calls if called == key]
         assert runs == [({length}, {new}) for length in (64, 128, 256, 512)]

@@ -29,8 +29,7 @@ def decode_lengths(enc_window: int, dec_window: int, downsample: int) -> list[in
     """Decoder lengths (slots behind each row) whose decode steps select every encoder reach bucket and every
     decoder bucket up to `WARM_SLOTS`, one length per distinct pair: a length of r slots needs r old decoder
     positions and r x `downsample` encoder frames (both capped by their windows)."""
-    lengths = {reach for reach in reach_buckets(dec_window) if reach <= WARM_SLOTS}
-    lengths |= {reach // downsample for reach in reach_buckets(enc_window)}
+    lengths = set(early_reaches(dec_window)) | {reach // downsample for reach in reach_buckets(enc_window)}
     return _one_per_bucket_pair(lengths, enc_window, dec_window, downsample)
 
 
@@ -56,8 +55,8 @@ def _bucket(old_positions: int, window: int) -> int:
     return int(reach_bucket(np.array([old_positions], np.int32), np.array([1], np.int32), window))
 
 
-def text_lengths(window: int) -> list[int]:
-    """Lengths (positions behind each row) whose text steps select every reach bucket up to `WARM_SLOTS`."""
+def early_reaches(window: int) -> list[int]:
+    """The reach buckets up to `WARM_SLOTS`: as lengths (positions behind each row), each selects its own."""
     return [reach for reach in reach_buckets(window) if reach <= WARM_SLOTS]
 
 
@@ -75,7 +74,7 @@ def run_once_per_bucket(programs: steps.Programs, key, batch: dict, lengths, *, 
             batch[table_key] = np.full_like(batch[table_key], borrowed[name][0])
         for length in lengths:
             batch[length_key] = np.full_like(batch[length_key], length)
-            jax.block_until_ready(programs.run(key, dict(batch)))
+            jax.block_until_ready(programs.run(key, batch))
     finally:
         for name, pages in borrowed.items():
             cache.pools[name].release(pages)

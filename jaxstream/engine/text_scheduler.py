@@ -93,12 +93,11 @@ class TextScheduler(Residency):
         and compiles the offload/restore programs."""
         spec = self.cache.specs[STACK]
         step = _text_step(self.cfg.attention_impl)
-        shapes = [(rows, 1) for rows in self.cfg.decode_batch_buckets] + list(self.cfg.prefill_buckets)
+        shapes = dict.fromkeys([(rows, 1) for rows in self.cfg.decode_batch_buckets] + list(self.cfg.prefill_buckets))
         for rows, chunk in shapes:
-            if ("text", rows, chunk) not in self.programs:
-                self.programs.compile(("text", rows, chunk), step, steps.text_batch(rows, chunk, spec.pages_per_window))
-        lengths = first_runs.text_lengths(spec.ring)  # the ring is the window the model attends over
-        for rows, chunk in dict.fromkeys(shapes):
+            self.programs.compile(("text", rows, chunk), step, steps.text_batch(rows, chunk, spec.pages_per_window))
+        lengths = first_runs.early_reaches(spec.ring)  # the ring is the window the model attends over
+        for rows, chunk in shapes:
             batch = dict(steps.text_batch(rows, chunk, spec.pages_per_window), num_new=np.full(rows, chunk, np.int32))
             first_runs.run_once_per_bucket(self.programs, ("text", rows, chunk), batch, lengths,
                                            tables={STACK: "page_table"}, length_key="lengths")
