@@ -10,7 +10,7 @@ import pytest
 
 from jaxstream import allocator
 from jaxstream.cli import main
-from jaxstream.engine.benchmark import BenchResult, keeps_up, percentiles
+from jaxstream.engine.benchmark import BenchResult, SteadyStart, keeps_up, percentiles
 from jaxstream.engine.residency import LatencyHistogram
 
 FIXTURE = Path(__file__).parent / "fixtures" / "voxtral_tiny"
@@ -100,6 +100,25 @@ def test_paced_keeps_up_needs_both_the_tick_and_the_latency_criterion(tick_p99, 
 def test_as_fast_as_possible_keeps_up_when_every_stream_ends_within_its_duration():
     assert keeps_up(paced=False, tick_ms_p99=500.0, latency_ms_p99=4000.0, wall_seconds=8.0, audio_seconds=10.0)
     assert not keeps_up(paced=False, tick_ms_p99=500.0, latency_ms_p99=4000.0, wall_seconds=12.0, audio_seconds=10.0)
+
+
+def test_a_paced_steady_state_starts_after_the_tick_in_flight_when_the_streams_catch_up():
+    """Looks at two paced streams' audio counters (slots consumed, slots queued) as `jaxstream bench` takes
+    them, with the ticks recorded so far: the steady state waits for every prompt, for at most one queued
+    slot per stream, and then for the tick that was in flight at that look (it carries catch-up work)."""
+    start = SteadyStart(paced=True, prompt_slots=39)
+    assert not start.observe([39, 31], [0, 0], 3)  # one stream still in its prompt
+    assert not start.observe([45, 41], [2, 1], 4)  # two slots queued: 160 ms behind, still catching up
+    assert not start.observe([47, 43], [1, 0], 5)  # caught up, while the 6th tick is in flight
+    assert not start.observe([47, 44], [1, 1], 5) and start.tick is None
+    assert start.observe([48, 44], [0, 1], 6) and start.tick == 6
+    assert not start.observe([49, 45], [6, 6], 7) and start.tick == 6  # it starts once
+
+
+def test_an_unpaced_steady_state_starts_once_every_prompt_is_computed():
+    start = SteadyStart(paced=False, prompt_slots=39)
+    assert not start.observe([39, 16], [200, 223], 1)
+    assert start.observe([39, 39], [200, 180], 2) and start.tick == 2  # all the audio queued at once
 
 
 def _long_windows_config(tmp_path) -> Path:

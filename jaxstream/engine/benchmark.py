@@ -64,6 +64,36 @@ def keeps_up(*, paced: bool, tick_ms_p99: float | None, latency_ms_p99: float | 
     return wall_seconds <= audio_seconds and latency_ms_p99 <= audio_seconds * 1e3
 
 
+@dataclasses.dataclass
+class SteadyStart:
+    """Where a run's steady state starts, from what the event loop sees of its sessions: the ticks recorded
+    once every stream is past its prompt and caught up with its audio. A paced stream that keeps up has at
+    most the slot that arrived since its last dispatch queued. A slot counts as consumed once dispatched
+    and a tick is recorded when collected, so the tick in flight when paced streams are first seen caught
+    up carries the last of their catch-up (a 24-stream mid-size run: 8 queued slots a row, 210 ms): their
+    steady state starts after that tick is recorded. Unpaced streams have no pace to catch up with: theirs
+    starts once every prompt is computed."""
+
+    paced: bool
+    prompt_slots: int
+    caught_up_at: int | None = None  # ticks recorded when every stream was first seen caught up
+    tick: int | None = None  # ticks recorded when the steady state started
+
+    def observe(self, consumed, queued, ticks_recorded: int) -> bool:
+        """Records one look at the streams' audio counters (slots consumed and queued per stream); True
+        exactly once, at the look where the steady state starts (`tick`)."""
+        if self.tick is not None:
+            return False
+        caught_up = all(done >= self.prompt_slots and (not self.paced or waiting <= 1)
+                        for done, waiting in zip(consumed, queued))
+        if self.caught_up_at is None and caught_up:
+            self.caught_up_at = ticks_recorded
+        if self.caught_up_at is not None and (not self.paced or ticks_recorded > self.caught_up_at):
+            self.tick = ticks_recorded
+            return True
+        return False
+
+
 def _ms(value: float | None, digits: int = 2) -> str:
     return "no samples" if value is None else f"{value:.{digits}f}"
 
@@ -209,20 +239,11 @@ async def run_streams(engine: AsyncEngine, *, streams: int, seconds: float, pace
         return done
 
     async def watch():
-        caught_up_at = None  # ticks recorded when every stream was first seen caught up
+        steady_start = SteadyStart(paced=paced, prompt_slots=prompt_slots)
         while True:
-            # The sessions' audio counters are what the engine thread publishes to the event loop. A paced
-            # stream that keeps up has at most the slot that arrived since its last dispatch queued.
-            caught_up = all(s.backlog.consumed >= prompt_slots and (not paced or s.backlog.queued <= 1)
-                            for s in sessions)
-            if caught_up_at is None and caught_up:
-                caught_up_at = core.ticks_recorded
-            # A slot counts as consumed once dispatched, and a tick is recorded when collected: the tick in
-            # flight when paced streams are seen caught up carries the last of their catch-up (a 24-stream
-            # mid-size run: 8 queued slots a row, 210 ms), so their steady state starts after it is recorded.
-            settled = caught_up_at is not None and (not paced or core.ticks_recorded > caught_up_at)
-            if window["start"] is None and settled:
-                window["start"] = core.ticks_recorded
+            if steady_start.observe([s.backlog.consumed for s in sessions], [s.backlog.queued for s in sessions],
+                                    core.ticks_recorded):
+                window["start"] = steady_start.tick
                 latency_at["start"] = core.token_latency.counts.copy()
             live_kv[0] = max(live_kv[0], _live_kv_bytes(engine))
             # Unpaced streams can go from their prompts to their end within a few ms (the tiny models):

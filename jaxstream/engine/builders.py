@@ -217,8 +217,11 @@ def build_realtime_core(model, engine_cfg: EngineConfig, tokenizer, *, warm_up=T
     buckets = engine_cfg.realtime_prefill_buckets
     if buckets is None:
         default_ms = engine_cfg.default_delay_ms or cfg.default_delay_ms
+        # Chunks in multiples of 8 slots (TPU f32 sublanes), not 16: the default prompt after the cached
+        # prefix is 8 slots, and a 16-slot chunk computed 8 padding slots per stream, half of a prefill (the
+        # random mid-size Voxtral, 32 rows: 222-229 ms a dispatch at 16 slots).
         default_chunk, longest_chunk = (
-            -(-(prompt_length(n_delay_from_ms(ms), cfg.n_left_pad_tokens) - prefix_slots) // 16) * 16
+            -(-(prompt_length(n_delay_from_ms(ms), cfg.n_left_pad_tokens) - prefix_slots) // 8) * 8
             for ms in (default_ms, max(ALLOWED_DELAYS_MS)))
         # 32 rows at the default delay: a burst of new streams is prefilled at once, not 8 per tick (32
         # streams starting together then decoded in groups of 8, 16 and 24 rows padded to 32, at the start and
