@@ -241,8 +241,9 @@ async def run_streams(engine: AsyncEngine, *, streams: int, seconds: float, pace
     async def watch():
         steady_start = SteadyStart(paced=paced, prompt_slots=prompt_slots)
         while True:
-            if steady_start.observe([s.backlog.consumed for s in sessions], [s.backlog.queued for s in sessions],
-                                    core.ticks_recorded):
+            # Once it has started, the streams' counters are not read again (every ms for an unpaced run).
+            if window["start"] is None and steady_start.observe(
+                    [s.backlog.consumed for s in sessions], [s.backlog.queued for s in sessions], core.ticks_recorded):
                 window["start"] = steady_start.tick
                 latency_at["start"] = core.token_latency.counts.copy()
             live_kv[0] = max(live_kv[0], _live_kv_bytes(engine))

@@ -91,8 +91,8 @@ def build_text_core(model, engine_cfg: EngineConfig, *, eos_token_id=None, detok
 
 
 def _warm_up(scheduler) -> None:
-    """Compiles every program the scheduler can dispatch (a transcription scheduler also runs each one at the
-    attention buckets streams meet early: first_runs.py), and logs what start-up cost."""
+    """Compiles every program the scheduler can dispatch and runs each one at the attention buckets its
+    streams meet early (first_runs.py), and logs what start-up cost."""
     start = time.perf_counter()
     scheduler.warm_up()
     logger.info("compiled and warmed %d step programs in %.1f s (decode batch buckets %s; the EngineConfig docstring "
