@@ -3,6 +3,7 @@
     python benchmarks/ring_attention.py            # Voxtral shapes on the present accelerator
     python benchmarks/ring_attention.py --quick    # small shapes, minutes on a CPU
     python benchmarks/ring_attention.py --implementations xla --sessions 8 32 --no-prefill   # CPU, real shapes
+    python benchmarks/ring_attention.py --shapes decoder-mid encoder-mid --sessions 8 32   # CPU: C++ kernel vs XLA
     git show HEAD:tpu_kernels/ring_attention/xla.py > /tmp/xla_before.py
     python benchmarks/ring_attention.py --implementations xla --baseline /tmp/xla_before.py   # before/after
 
@@ -48,6 +49,9 @@ class Shape:
 
 FULL_SHAPES = (Shape("decoder", kv_heads=8, group=4, head_dim=128, window=8192, page_size=256),
                Shape("encoder", kv_heads=32, group=1, head_dim=64, window=750, page_size=128))
+# The random mid-size Voxtral of benchmarks/vs_transformers.py (real windows, small heads): CPU-sized.
+MID_SHAPES = (Shape("decoder-mid", kv_heads=2, group=4, head_dim=64, window=8192, page_size=64),
+              Shape("encoder-mid", kv_heads=4, group=1, head_dim=64, window=750, page_size=64))
 QUICK_SHAPES = (Shape("decoder-mini", kv_heads=2, group=4, head_dim=128, window=512, page_size=64),
                 Shape("encoder-mini", kv_heads=4, group=1, head_dim=64, window=96, page_size=32))
 
@@ -148,7 +152,8 @@ def markdown(rows, copy_rate):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes and batches (CPU)")
-    parser.add_argument("--shapes", nargs="+", help="only these shapes (decoder, encoder, or the -mini ones)")
+    parser.add_argument("--shapes", nargs="+",
+                        help="only these shapes (decoder, encoder, or their -mid and -mini versions)")
     parser.add_argument("--implementations", nargs="+", choices=api.IMPLEMENTATIONS,
                         help="default: the dispatcher's choice on this backend, and xla")
     parser.add_argument("--baseline", metavar="XLA_PY", help="also time `ring_attention_xla` from this file (e.g. "
@@ -170,7 +175,7 @@ def main(argv=None):
     reps = args.reps or (5 if args.quick else 20)
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
     if args.shapes:
-        shapes = [s for s in FULL_SHAPES + QUICK_SHAPES if s.name in args.shapes]
+        shapes = [s for s in FULL_SHAPES + MID_SHAPES + QUICK_SHAPES if s.name in args.shapes]
     session_counts = args.sessions or ((1, 8) if args.quick else (1, 8, 64, 256))
     prefill_sessions = () if args.no_prefill else ((1, 8) if args.quick else (1, 8, 64))
     if args.implementations:

@@ -357,7 +357,7 @@ def test_serving_never_compiles(core):
     (dict(default_delay_ms=100), "default_delay_ms: delay_ms must be a multiple of 80"),
     (dict(dtype="int8"), "dtype must be a floating-point dtype name"),
     (dict(dtype="float33"), "dtype must be a floating-point dtype name"),
-    (dict(attention_impl="cuda"), "attention_impl must be one of xla, pallas, pallas_tpu or None"),
+    (dict(attention_impl="cuda"), "attention_impl must be one of xla, cpu, pallas, pallas_tpu or None"),
     (dict(compat="sglang"), "compat must be 'vllm' or 'strict'"),
     (dict(realtime_admission="greedy"), "realtime_admission must be 'window' or 'demand'"),
     (dict(tp_axis=None), "tp_axis must be a mesh axis name"),

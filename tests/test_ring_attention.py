@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxstream.tpu_kernels import ring_attention
-from jaxstream.tpu_kernels.ring_attention import api, pallas_common, positions, reference, xla
+from jaxstream.tpu_kernels.ring_attention import api, cpu, pallas_common, positions, reference, xla
 
 from ring_attention_base import ACCELERATOR_TOLERANCE, CASES, REACH_CASES, Case, RingAttentionTestBase, build
 
@@ -25,6 +25,12 @@ BACKEND = jax.default_backend()
 
 class TestXla(RingAttentionTestBase):
     implementation = "xla"
+
+
+class TestCpu(RingAttentionTestBase):
+    """The C++ kernel (float32 only: other dtypes take the XLA path)."""
+    implementation = "cpu"
+    dtypes = ("float32",)
 
 
 class TestPallasInterpret(RingAttentionTestBase):
@@ -169,7 +175,9 @@ def test_pallas_kernels_visit_only_pages_in_the_window(length, num_new, window, 
 
 def test_default_implementation_per_platform(monkeypatch):
     pages = jnp.zeros((4, 2, 16, 64), jnp.bfloat16)
-    assert api.choose_implementation(pages) == "xla"  # The tests run on CPU.
+    assert api.choose_implementation(pages) == "xla"  # The tests run on CPU; the C++ kernel is float32 only.
+    assert api.choose_implementation(pages.astype(jnp.float32)) == "cpu"
+    assert api.choose_implementation(pages.astype(jnp.float32), platform="gpu") == "pallas"
     assert api.choose_implementation(pages, platform="tpu") == "pallas_tpu"
     assert api.choose_implementation(pages, platform="gpu") == "pallas"
     assert api.choose_implementation(jnp.zeros((4, 2, 24, 64)), platform="gpu") == "xla"  # Triton: 2^k pages.
@@ -185,6 +193,8 @@ def test_default_implementation_per_platform(monkeypatch):
     ("pallas_tpu", False, "gpu", "'pallas_tpu' needs a TPU"),
     (None, True, None, "needs implementation='pallas' or 'pallas_tpu'"),
     ("xla", True, None, "needs implementation='pallas' or 'pallas_tpu'"),
+    ("cpu", True, None, "needs implementation='pallas' or 'pallas_tpu'"),
+    ("cpu", False, "tpu", r"the C\+\+ kernel runs on CPU, not tpu"),
 ])
 def test_unavailable_implementation_is_a_clear_error(implementation, interpret, platform, message):
     with pytest.raises(ValueError, match=message):
@@ -228,7 +238,7 @@ def test_invalid_inputs_are_clear_errors(changes, message):
 
 
 @pytest.mark.parametrize("implementation,interpret,window", [
-    ("xla", False, 24), ("xla", False, 600), ("pallas", pltpu.InterpretParams(), 24),
+    ("xla", False, 24), ("xla", False, 600), ("cpu", False, 600), ("pallas", pltpu.InterpretParams(), 24),
     ("pallas_tpu", pltpu.InterpretParams(), 24)])
 def test_pages_are_written_in_place_under_donation(implementation, interpret, window):
     """W = 600 gives the XLA path three reach branches: the pool is read inside them and written after."""
@@ -265,11 +275,14 @@ def _dense_history_attention(q, k_new, v_new, k_old, v_old, lengths, num_new, wi
     return jnp.stack(outputs)
 
 
-@pytest.mark.parametrize("case_name", ["long_chunk_blocks", "paged_chunk_gqa4", "reach_past_edge"])
-def test_xla_gradients_match_dense_float64(case_name):
+@pytest.mark.parametrize("case_name,implementation", [
+    ("long_chunk_blocks", "xla"), ("paged_chunk_gqa4", "xla"), ("reach_past_edge", "xla"),
+    ("paged_chunk_gqa4", "cpu")])
+def test_gradients_match_dense_float64(case_name, implementation):
     """The XLA path's hand-written attention backward (training runs through it) against autodiff of a
     dense float64 attention: gradients of a random projection of the valid outputs w.r.t. q, k_new, v_new.
-    "reach_past_edge" differentiates through the reach switch, taking a branch short of the window."""
+    "reach_past_edge" differentiates through the reach switch, taking a branch short of the window. The C++
+    kernel's gradients are the XLA path's, behind its forward."""
     case = {**CASES, **REACH_CASES}[case_name]
     args, history = build(case, "float32", seed=zlib.crc32(case_name.encode()))
     scale = case.scale or case.head_dim**-0.5
@@ -280,7 +293,7 @@ def test_xla_gradients_match_dense_float64(case_name):
     def xla_loss(q, k_new, v_new):
         out, _, _ = api.ring_attention(q, k_new, v_new, args["k_pages"], args["v_pages"], args["page_table"],
                                        args["lengths"], args["num_new"], window=case.window, scale=case.scale,
-                                       implementation="xla")
+                                       implementation=implementation)
         return jnp.sum(out * cotangent.astype(np.float32))
 
     # Both gradients jitted: one compile each rather than one per eager op.
@@ -298,3 +311,34 @@ def test_xla_gradients_match_dense_float64(case_name):
             *(jnp.asarray(np.asarray(args[name]), jnp.float64) for name in ("q", "k_new", "v_new")))
     for name, g, e in zip(("q", "k_new", "v_new"), got, expected):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=2e-5, rtol=2e-5, err_msg=f"d {name}")
+
+
+def test_cpu_kernel_build_failure_is_a_reason_not_a_crash(monkeypatch, tmp_path):
+    """A compiler that fails leaves no library behind and becomes the reason the dispatcher falls back to
+    the XLA path (and the error an explicit implementation="cpu" gets)."""
+    monkeypatch.setenv("JAXSTREAM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(RuntimeError, match="^false failed: no output$"):
+        cpu._build()
+    assert not list(tmp_path.rglob("*.so"))
+    reason = cpu._load_and_register()
+    assert reason == "the C++ kernel is unavailable (false failed: no output)"
+    monkeypatch.setattr(cpu, "_register", lambda: reason)
+    pages = jnp.zeros((4, 2, 16, 64), jnp.float32)
+    assert api.choose_implementation(pages) == "xla"
+    with pytest.raises(ValueError, match=r"'cpu' is unavailable: the C\+\+ kernel is unavailable \(false failed"):
+        api.choose_implementation(pages, implementation="cpu")
+
+
+def test_cpu_kernel_is_built_once_per_source_and_cpu(monkeypatch, tmp_path):
+    """The library lands in the cache under a key of its source, flags, jaxlib and CPU; the next build finds
+    it there instead of compiling again."""
+    monkeypatch.setenv("JAXSTREAM_CACHE_DIR", str(tmp_path))
+    library = cpu._build()
+    assert library.parent == tmp_path / "kernels" and library.suffix == ".so"
+
+    def compile_again(*args, **kwargs):
+        raise AssertionError(f"compiled again: {args}")
+
+    monkeypatch.setattr(cpu.subprocess, "run", compile_again)
+    assert cpu._build() == library

@@ -51,9 +51,9 @@ def register(subparsers) -> None:
                         "the engine's prefix cache (for comparing the two)")
     parser.add_argument("--dtype", default=None, help="compute and KV dtype, e.g. bfloat16 (default: float32 on "
                         "CPU, bfloat16 on accelerators)")
-    parser.add_argument("--attention", choices=("xla", "pallas", "pallas_tpu"), default=None,
+    parser.add_argument("--attention", choices=("xla", "cpu", "pallas", "pallas_tpu"), default=None,
                         help="ring attention implementation (default: the best on this backend: pallas_tpu on TPU, "
-                        "pallas on GPU, xla elsewhere)")
+                        "pallas on GPU, cpu (the C++ kernel) on CPU, xla where none of those can run)")
     parser.add_argument("--seed", type=int, default=0, metavar="N",
                         help="seed of the synthetic audio and of --random-weights (default: 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per run instead of text")

@@ -1,7 +1,8 @@
 """Sliding-window attention over a paged ring-buffer KV cache (one op for chunked prefill and decode).
 
-`ring_attention` dispatches to one of `IMPLEMENTATIONS`: "xla" (reference, any backend), "pallas"
-(portable kernel: TPU Mosaic, GPU Triton, interpreters) and "pallas_tpu" (TPU-tuned kernel);
+`ring_attention` dispatches to one of `IMPLEMENTATIONS`: "xla" (reference, any backend), "cpu" (C++ kernel
+for XLA:CPU), "pallas" (portable kernel: TPU Mosaic, GPU Triton, interpreters) and "pallas_tpu" (TPU-tuned
+kernel);
 `choose_implementation` tells which one a call would run; `reach_buckets` are the static numbers of old
 positions the XLA path chooses from (one compiled branch each), `reach_bucket` the one a batch takes.
 """

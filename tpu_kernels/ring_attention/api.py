@@ -4,15 +4,18 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from jaxstream.tpu_kernels.ring_attention import pallas, pallas_tpu
+from jaxstream.tpu_kernels.ring_attention import cpu, pallas, pallas_tpu
 from jaxstream.tpu_kernels.ring_attention.xla import ring_attention_xla
 
-IMPLEMENTATIONS = ("xla", "pallas", "pallas_tpu")
+IMPLEMENTATIONS = ("xla", "cpu", "pallas", "pallas_tpu")
 # Tried in order by implementation=None; the first whose check passes runs. XLA always works.
-DEFAULT_ORDER = {"tpu": ("pallas_tpu", "pallas", "xla"), "gpu": ("pallas", "xla")}
+DEFAULT_ORDER = {"tpu": ("pallas_tpu", "pallas", "xla"), "gpu": ("pallas", "xla"), "cpu": ("cpu", "xla")}
 
-_KERNELS = {"pallas": (pallas.check_supported, pallas.ring_attention_pallas),
+# (check_supported, kernel) of every implementation but XLA; only the Pallas ones can be interpreted.
+_KERNELS = {"cpu": (cpu.check_supported, cpu.ring_attention_cpu),
+            "pallas": (pallas.check_supported, pallas.ring_attention_pallas),
             "pallas_tpu": (pallas_tpu.check_supported, pallas_tpu.ring_attention_pallas_tpu)}
+_INTERPRETABLE = ("pallas", "pallas_tpu")
 
 
 def ring_attention(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, *, window, implementation=None,
@@ -26,8 +29,9 @@ def ring_attention(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_n
     not written, and their outputs are to be ignored (a session with num_new = 0 gets zeros).
     Returns (out [S, C, Hq, D], k_pages, v_pages); donate the pages to update them in place.
 
-    implementation: "xla", "pallas" (portable: TPU, GPU Triton), "pallas_tpu" (TPU-tuned), or None for
-    the best available on the default backend ("pallas_tpu" on TPU, "pallas" on GPU, "xla" elsewhere).
+    implementation: "xla", "cpu" (a C++ kernel for XLA:CPU, float32), "pallas" (portable: TPU, GPU Triton),
+    "pallas_tpu" (TPU-tuned), or None for the best available on the default backend ("pallas_tpu" on TPU,
+    "pallas" on GPU, "cpu" on CPU, "xla" where those cannot run).
     interpret: run an explicitly named Pallas implementation in the Pallas interpreter (tests on CPU):
     True for the generic interpreter, or a `pltpu.InterpretParams(...)` for the TPU one.
     """
@@ -37,6 +41,8 @@ def ring_attention(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_n
     args = (q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new)
     if name == "xla":
         return ring_attention_xla(*args, window=window, scale=scale)
+    if name == "cpu":
+        return cpu.ring_attention_cpu(*args, window=window, scale=scale)
     return _KERNELS[name][1](*args, window=window, scale=scale, interpret=interpret)
 
 
@@ -48,7 +54,7 @@ def choose_implementation(k_pages, *, implementation=None, interpret=False, plat
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown ring_attention implementation {implementation!r}; choose one of "
                          f"{', '.join(IMPLEMENTATIONS)} or None")
-    if interpret and implementation not in _KERNELS:
+    if interpret and implementation not in _INTERPRETABLE:
         raise ValueError(f"interpret={interpret!r} needs implementation='pallas' or 'pallas_tpu', "
                          f"got {implementation!r}")
     if implementation == "xla":

@@ -68,21 +68,25 @@ def reach_bucket(lengths, num_new, window):
 
 @functools.partial(jax.jit, static_argnames=("window", "scale"))
 def ring_attention_xla(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, *, window, scale=None):
-    head_dim = q.shape[-1]
-    scale = head_dim**-0.5 if scale is None else scale
-    operands = (q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new)
-    reaches = reach_buckets(window)
-    branches = [functools.partial(_attend, reach=reach, window=window, scale=scale) for reach in reaches]
-    if len(branches) == 1:
-        out = branches[0](*operands)
-    else:
-        # Differentiable (training runs through it), but reverse mode keeps a residual slot per branch, the
-        # untaken ones zero-filled: training memory for attention residuals grows up to ~2x for such windows.
-        out = lax.switch(reach_bucket(lengths, num_new, window), branches, *operands)
+    out = attention_output(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, window=window,
+                           scale=scale)
     # The write stays outside the branches: a scatter into a donated pool at the top level of the program
     # is done in place (tests/test_ring_attention.py checks that no copy of a pool appears).
     k_pages, v_pages = write_new_entries(k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, after=out)
     return out, k_pages, v_pages
+
+
+def attention_output(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, *, window, scale=None):
+    """The attention output [S, C, Hq, D] of `ring_attention`, without the write (also the C++ kernel's
+    backward)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    operands = (q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new)
+    branches = [functools.partial(_attend, reach=reach, window=window, scale=scale) for reach in reach_buckets(window)]
+    if len(branches) == 1:
+        return branches[0](*operands)
+    # Differentiable (training runs through it), but reverse mode keeps a residual slot per branch, the
+    # untaken ones zero-filled: training memory for attention residuals grows up to ~2x for such windows.
+    return lax.switch(reach_bucket(lengths, num_new, window), branches, *operands)
 
 
 def _attend(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, *, reach, window, scale):
