@@ -171,7 +171,7 @@ class Task {
       Scores();
     }
     Softmax();
-    AccumulateValues(values, stride, lo, hi);
+    AccumulateValues(values, stride);
   }
 
   // Keys transposed to [D, kKeys] (zero past `count`), so a score row is a sum of D scaled key rows.
@@ -254,12 +254,13 @@ class Task {
       const float new_max = std::max(w_.row_max[r], block_max);
       const float rescale = ExpNonPositive(w_.row_max[r] - new_max);  // 0 for the first block a row sees.
       float sum = 0.f;
-      for (int64_t k = 0; k < kKeys; ++k) {
-        const bool visible = k >= a && k < b;
-        const float p = ExpNonPositive((visible ? row[k] : new_max) - new_max);
-        row[k] = visible ? p : 0.f;
-        sum += visible ? p : 0.f;
+      std::fill(row, row + a, 0.f);
+      for (int64_t k = a; k < b; ++k) {
+        const float p = ExpNonPositive(row[k] - new_max);
+        row[k] = p;
+        sum += p;
       }
+      std::fill(row + b, row + kKeys, 0.f);
       w_.row_sum[r] = w_.row_sum[r] * rescale + sum;
       w_.row_max[r] = new_max;
       if (rescale != 1.f) {
@@ -269,12 +270,26 @@ class Task {
     }
   }
 
-  void AccumulateValues(const float* values, int64_t stride, int64_t lo, int64_t hi) {
+  // Keys first..end-1 hold every visible key of rows r..r+count-1 (probabilities are 0 elsewhere): a narrow
+  // window (the tiny model's 12 encoder frames) then reads a few of a block's 64 values, not all of them.
+  void VisibleSpan(int64_t r, int64_t count, int64_t& first, int64_t& end) const {
+    first = kKeys;
+    end = 0;
+    for (int64_t i = r; i < r + count; ++i) {
+      if (w_.end_key[i] > w_.first_key[i]) {
+        first = std::min(first, w_.first_key[i]);
+        end = std::max(end, w_.end_key[i]);
+      }
+    }
+  }
+
+  void AccumulateValues(const float* values, int64_t stride) {
     const int64_t D = HeadDim();
     const float* probs = w_.scores.data();
     float* acc = w_.acc.data();
-    int64_t r = 0;
+    int64_t r = 0, lo, hi;
     for (; r + 4 <= rows_; r += 4) {  // Four rows share each load of the values.
+      VisibleSpan(r, 4, lo, hi);
       float* __restrict__ c0 = acc + r * D;
       float* __restrict__ c1 = c0 + D;
       float* __restrict__ c2 = c1 + D;
@@ -292,6 +307,7 @@ class Task {
       }
     }
     for (; r < rows_; ++r) {
+      VisibleSpan(r, 1, lo, hi);
       float* __restrict__ c0 = acc + r * D;
       const float* p0 = probs + r * kKeys;
       for (int64_t k = lo; k < hi; ++k) {
