@@ -77,10 +77,15 @@ def _single_page_cache(num_layers, num_heads, window, head_dim, dtype):
     return init_kv_cache(num_layers, 2, num_heads, window, head_dim, dtype)
 
 
-def stream_logits(model, cfg: VoxtralConfig, mel_rest, tokens, n_delay, *, attention_impl=None):
+def stream_logits(model, cfg: VoxtralConfig, mel_rest, tokens, n_delay, *, attention_impl="xla"):
     """Whole streams: mel_rest [B, 8 (T - 31), n_mel] (slots 31..T-1), tokens [B, T] -> (logits [B, T - 31, V]
     at positions 31.. (no position before is ever trained), encoder frames [B, 4 (T - 31), H], audio_embeds
-    [B, T, D])."""
+    [B, T, D]).
+
+    Attention defaults to the XLA path: training differentiates through it, and only that path has a
+    backward of its own. The Pallas kernels have none; the CPU kernel's is the XLA path's, recomputing the
+    forward (the tiny recipe's step, `benchmarks/train_step.py`: 860-864 ms through it, 805-813 through XLA).
+    """
     batch, num_slots = tokens.shape
     enc = cfg.encoder
     dtype = mel_rest.dtype
