@@ -4,9 +4,11 @@ Why a kernel of its own on CPU: the XLA path gathers a batch's reachable keys, w
 matrix, masks it and runs the softmax's passes over it, and XLA:CPU runs most of those passes on one
 thread. The kernel reads each visible key once, straight from its page, keeps the scores of one 64-key block
 in cache under an online softmax, and splits the batch's (session, KV head) tasks over XLA's thread pool.
-Side by side on a 2-core CPU (`benchmarks/ring_attention.py --cpu`): a Voxtral decoder step of 32 sessions at
-80 positions 0.43 ms against the XLA path's 1.88, an encoder chunk of 64 frames at 400 frames of history
-11.3 ms against 30.
+Side by side on the 2-core CPU, the random mid-size Voxtral's shapes (`benchmarks/ring_attention.py --shapes
+decoder-mid encoder-mid --sessions 8 32`), at 125 positions / half / a full window: a decoder step of 32
+sessions 0.36 / 9.4 / 18.8 ms against the XLA path's 0.79 / 23.8 / 48.0; an encoder chunk of 64 frames for 8
+sessions 1.6 / 3.5 / 6.2 against 2.1 / 5.4 / 7.3. That model's whole engine runs 19-21 % faster with it
+(`benchmarks/vs_transformers.py`'s engine side, 8 and 32 streams).
 
 The kernel is built on first use with the system C++ compiler (`$CXX`, else c++ or g++) against jaxlib's
 FFI headers, for this CPU (`-march=native`), into a cache directory (`$JAXSTREAM_CACHE_DIR`, else
@@ -14,8 +16,8 @@ FFI headers, for this CPU (`-march=native`), into a cache directory (`$JAXSTREAM
 there. Where there is no compiler or the build fails, `check_supported` gives the reason and the dispatcher
 falls back to the XLA path. float32 only (the CPU engine's dtype); other dtypes take the XLA path.
 
-Forward only in C++: gradients come from the XLA path (its custom backward, recomputing the forward), so
-training may run through this implementation too.
+Forward only in C++: gradients come from the XLA path (its backward, after recomputing its forward), so the
+op stays differentiable; training itself takes the XLA path (`jaxstream/training/step.py`).
 """
 import functools
 import hashlib

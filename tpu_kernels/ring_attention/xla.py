@@ -1,7 +1,8 @@
 """XLA reference of `ring_attention`: gathers the reachable part of each session's window from its pages and
 runs a masked softmax in f32.
 
-Runs on every backend; it is what CPU serving and CPU training use, and the fallback of the dispatcher.
+Runs on every backend; it is what training uses (the only implementation with a backward of its own), what
+CPU serving runs where the C++ kernel cannot (no compiler, not float32), and the fallback of the dispatcher.
 The keys are laid out in position order, the last `reach` written positions then the chunk. Its cost
 follows the filled positions, not the window: `reach` is one of a few static buckets (`reach_buckets`:
 64 old positions, doubling up to the whole window W - 1), and one `lax.switch` inside the single compiled
