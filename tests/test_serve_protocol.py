@@ -654,8 +654,9 @@ def test_an_engine_built_after_the_server_stopped_is_closed(monkeypatch):
         await server.start_server()
         await server.close()
 
+    earlier = set(threading.enumerate())  # an earlier test's build thread may still be finishing
     asyncio.run(start_and_stop())  # returns with its event loop closed, the build still running
-    [builder] = [t for t in threading.enumerate() if t.name == "jaxstream-engine-build"]
+    [builder] = [t for t in threading.enumerate() if t.name == "jaxstream-engine-build" and t not in earlier]
     release.set()
     builder.join(10)
     assert closed.is_set() and not thread_errors
