@@ -199,6 +199,36 @@ def test_take_ready_of_streams_at_different_points_equals_each_offline():
                                    rtol=0, atol=1e-6)
 
 
+def test_slots_of_padding_alone_are_not_computed(monkeypatch):
+    """Slots whose windows read only left or right padding are copies of SILENT_SLOT, not computed: taken a
+    few at a time across both edges, the features still equal the offline ones, and the rows computed are
+    exactly those of the slots that read any audio (counted on the padded signal itself)."""
+    raw = (0.2 * np.random.default_rng(5).standard_normal(20011)).astype(np.float32)
+    padded = audio.pad_for_offline(raw, 6)
+    offline = audio.offline_features(raw, 6)
+    # Slot k reads padded samples [1280 k - 200, 1280 k + 1320); past either end there are only zeros.
+    first_audio, last_audio = np.flatnonzero(padded)[[0, -1]]
+    reads_audio = [k for k in range(padded.size // audio.SAMPLES_PER_SLOT)
+                   if 1280 * k - 200 <= last_audio and 1280 * k + 1320 > first_audio]
+    computed_rows = []
+    original = audio._frames_to_log_mel
+    monkeypatch.setattr(audio, "_frames_to_log_mel",
+                        lambda frames, *args, **kwargs: computed_rows.append(len(frames)) or original(frames, *args,
+                                                                                                      **kwargs))
+    stream = audio.StreamingLogMel(6)
+    taken = []
+    for piece in np.array_split(raw, 7):
+        stream.push(piece)
+        taken.append(stream.take(3))
+    stream.finish()
+    while not stream.done:
+        taken.append(stream.take(3))
+    features = np.concatenate(taken).reshape(-1, 128)
+    np.testing.assert_allclose(features, offline, rtol=0, atol=1e-6)
+    assert sum(computed_rows) == audio.MEL_FRAMES_PER_SLOT * len(reads_audio)
+    assert len(features) > audio.MEL_FRAMES_PER_SLOT * (reads_audio[-1] + 10)  # a long silent tail was skipped
+
+
 def test_sample_magnitude_bound():
     stream = audio.StreamingLogMel(6)
     bound = audio.MAX_SAMPLE_MAGNITUDE
