@@ -342,3 +342,15 @@ def test_cpu_kernel_is_built_once_per_source_and_cpu(monkeypatch, tmp_path):
 
     monkeypatch.setattr(cpu.subprocess, "run", compile_again)
     assert cpu._build() == library
+
+
+def test_cpu_kernel_source_ships_in_the_package():
+    """A non-editable install must carry the C++ source, or the kernel cannot be built there."""
+    import fnmatch
+    from pathlib import Path
+
+    from setuptools.config.setupcfg import read_configuration
+
+    setup_cfg = Path(__file__).resolve().parents[1] / "setup.cfg"
+    patterns = read_configuration(setup_cfg)["options"]["package_data"]["jaxstream.tpu_kernels.ring_attention"]
+    assert any(fnmatch.fnmatch(cpu.SOURCE.name, pattern) for pattern in patterns)
