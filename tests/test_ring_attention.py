@@ -88,7 +88,7 @@ def test_tpu_interpreter_detects_no_races(implementation):
     np.testing.assert_allclose(np.asarray(out)[valid], expected[valid], atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("implementation,interpret", [("xla", False), ("pallas_tpu", True)])
+@pytest.mark.parametrize("implementation,interpret", [("xla", False), ("cpu", False), ("pallas_tpu", True)])
 def test_stream_of_calls_matches_dense(implementation, interpret):
     """Chunked prefill then decode through the API, pages allocated on first use from a shuffled free
     list and the returned pages fed back: every step matches dense attention over the whole history."""
@@ -125,7 +125,7 @@ def test_stream_of_calls_matches_dense(implementation, interpret):
     assert lengths.tolist() == [28, 21]
 
 
-@pytest.mark.parametrize("implementation,interpret", [("xla", False), ("pallas", True)])
+@pytest.mark.parametrize("implementation,interpret", [("xla", False), ("cpu", False), ("pallas", True)])
 def test_nan_queries_leave_the_writes_intact(implementation, interpret):
     """The write is ordered after the attention through the output; NaN there must not leak into pages."""
     case = CASES["paged_chunk_gqa4"]
@@ -354,3 +354,18 @@ def test_cpu_kernel_source_ships_in_the_package():
     setup_cfg = Path(__file__).resolve().parents[1] / "setup.cfg"
     patterns = read_configuration(setup_cfg)["options"]["package_data"]["jaxstream.tpu_kernels.ring_attention"]
     assert any(fnmatch.fnmatch(cpu.SOURCE.name, pattern) for pattern in patterns)
+
+
+@given(data=st.data(), sessions=st.integers(1, 3), chunk=st.integers(1, 70), window=st.integers(1, 150),
+       page_size=st.sampled_from([1, 4, 16, 64]), group=st.sampled_from([1, 2, 4, 8, 16]),
+       head_dim=st.sampled_from([8, 24, 64, 128]), num_kv_heads=st.integers(1, 2))
+@settings(deadline=None, max_examples=30)
+def test_cpu_kernel_matches_dense_on_random_shapes(data, sessions, chunk, window, page_size, group, head_dim,
+                                                   num_kv_heads):
+    """The C++ kernel's index arithmetic over shapes the named cases do not pin down: page runs of any size,
+    row blocks split across GQA groups, head dims off its two compiled-in ones, wrapped rings."""
+    lengths = tuple(data.draw(st.lists(st.integers(0, 3 * window + 70), min_size=sessions, max_size=sessions)))
+    num_new = tuple(data.draw(st.lists(st.integers(0, chunk), min_size=sessions, max_size=sessions)))
+    case = Case(lengths=lengths, num_new=num_new, chunk=chunk, window=window, page_size=page_size, group=group,
+                head_dim=head_dim, num_kv_heads=num_kv_heads)
+    TestCpu().check_against_oracle(case, "float32", seed=zlib.crc32(repr(case).encode()))
