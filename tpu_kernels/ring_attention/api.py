@@ -11,11 +11,10 @@ IMPLEMENTATIONS = ("xla", "cpu", "pallas", "pallas_tpu")
 # Tried in order by implementation=None; the first whose check passes runs. XLA always works.
 DEFAULT_ORDER = {"tpu": ("pallas_tpu", "pallas", "xla"), "gpu": ("pallas", "xla"), "cpu": ("cpu", "xla")}
 
-# (check_supported, kernel) of every implementation but XLA; only the Pallas ones can be interpreted.
-_KERNELS = {"cpu": (cpu.check_supported, cpu.ring_attention_cpu),
-            "pallas": (pallas.check_supported, pallas.ring_attention_pallas),
-            "pallas_tpu": (pallas_tpu.check_supported, pallas_tpu.ring_attention_pallas_tpu)}
-_INTERPRETABLE = ("pallas", "pallas_tpu")
+# check_supported of every implementation but XLA (which always runs).
+_CHECKS = {"cpu": cpu.check_supported, "pallas": pallas.check_supported, "pallas_tpu": pallas_tpu.check_supported}
+# The Pallas kernels, the only ones that can run in an interpreter.
+_PALLAS = {"pallas": pallas.ring_attention_pallas, "pallas_tpu": pallas_tpu.ring_attention_pallas_tpu}
 
 
 def ring_attention(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, *, window, implementation=None,
@@ -43,7 +42,7 @@ def ring_attention(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_n
         return ring_attention_xla(*args, window=window, scale=scale)
     if name == "cpu":
         return cpu.ring_attention_cpu(*args, window=window, scale=scale)
-    return _KERNELS[name][1](*args, window=window, scale=scale, interpret=interpret)
+    return _PALLAS[name](*args, window=window, scale=scale, interpret=interpret)
 
 
 def choose_implementation(k_pages, *, implementation=None, interpret=False, platform=None):
@@ -54,7 +53,7 @@ def choose_implementation(k_pages, *, implementation=None, interpret=False, plat
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown ring_attention implementation {implementation!r}; choose one of "
                          f"{', '.join(IMPLEMENTATIONS)} or None")
-    if interpret and implementation not in _INTERPRETABLE:
+    if interpret and implementation not in _PALLAS:
         raise ValueError(f"interpret={interpret!r} needs implementation='pallas' or 'pallas_tpu', "
                          f"got {implementation!r}")
     if implementation == "xla":
@@ -72,7 +71,7 @@ def choose_implementation(k_pages, *, implementation=None, interpret=False, plat
 
 def _unsupported_reason(name, k_pages, interpret, platform):
     try:
-        _KERNELS[name][0](k_pages, interpret=interpret, platform=platform)
+        _CHECKS[name](k_pages, interpret=interpret, platform=platform)
     except NotImplementedError as reason:
         return str(reason)
     return None
