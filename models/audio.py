@@ -377,15 +377,16 @@ def take_ready(requests) -> list[np.ndarray]:
     counts = [count for _, count in requests]
     lead = [stream._silent_ahead(count) for stream, count in requests]
     tail = [stream._silent_behind(count) for stream, count in requests]
-    computed = sum(counts) - sum(lead) - sum(tail)
+    middle = [count - skip - trailing for count, skip, trailing in zip(counts, lead, tail)]  # computed per stream
+    computed = sum(middle)
     # Each computed slot's samples copied into one array (a slice per stream in the paced steady state); then
     # every window of every slot is one strided view of it, and one multiply applies the Hann window.
     segments = np.empty((computed, SLOT_SEGMENT))
     row = 0
-    for (stream, count), skip, trailing in zip(requests, lead, tail):
-        if count > skip + trailing:
-            segments[row : row + count - skip - trailing] = stream._ready_segments(count - skip - trailing, skip)
-            row += count - skip - trailing
+    for (stream, _), skip, own in zip(requests, lead, middle):
+        if own:
+            segments[row : row + own] = stream._ready_segments(own, skip)
+            row += own
     features = np.empty((computed, MEL_FRAMES_PER_SLOT, NUM_MEL_BINS), np.float32)
     step = segments.strides[1]
     for first in range(0, computed, _SLOTS_PER_BLOCK):  # a stream's end or a burst of prompts: many slots at once
@@ -396,13 +397,13 @@ def take_ready(requests) -> list[np.ndarray]:
         features[first : first + len(block)] = _frames_to_log_mel(
             frames, MEL_FILTERS, per_slot=True, windowed=True).reshape(-1, MEL_FRAMES_PER_SLOT, NUM_MEL_BINS)
     slots, first = [], 0
-    for (stream, count), skip, trailing in zip(requests, lead, tail):
-        part = features[first : first + count - skip - trailing]
+    for (stream, count), skip, own, trailing in zip(requests, lead, middle, tail):
+        part = features[first : first + own]
         if skip or trailing:
             part = np.concatenate([np.broadcast_to(SILENT_SLOT, (skip, *SILENT_SLOT.shape)), part,
                                    np.broadcast_to(SILENT_SLOT, (trailing, *SILENT_SLOT.shape))])
         slots.append(part)
-        first += count - skip - trailing
+        first += own
         if count:
             stream._release(count)
     return slots
