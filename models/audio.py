@@ -78,7 +78,8 @@ def _frames_to_log_mel(frames: np.ndarray, mel_filters: np.ndarray, *, per_slot:
     large product makes OpenBLAS wake its thread pool, whose spinning threads take several times the work's
     CPU from the engine's threads on a busy machine; the small ones stay on the calling thread.
     """
-    power = np.abs(np.fft.rfft(frames if windowed else frames * _WINDOW, n=WINDOW_SIZE, axis=-1)) ** 2
+    spectrum = np.fft.rfft(frames if windowed else frames * _WINDOW, n=WINDOW_SIZE, axis=-1)
+    power = spectrum.real**2 + spectrum.imag**2  # half the time of np.abs(spectrum) ** 2 (no square root)
     if per_slot:
         mel = (power.reshape(-1, MEL_FRAMES_PER_SLOT, power.shape[-1]) @ mel_filters).reshape(-1, NUM_MEL_BINS)
     else:
@@ -241,12 +242,16 @@ class StreamingLogMel:
         self.n_delay = n_delay
         self.prompt_slots = prompt_length(n_delay, n_left_pad_tokens)
         self._left_pad = left_pad_samples(n_left_pad_tokens)
-        self._silent_slots = silent_prefix_slots(n_left_pad_tokens)
-        # _buffer[_offset : _offset + _length] holds the padded samples [_start, _start + _length).
-        self._buffer = np.zeros(_HALF_WINDOW + self._left_pad + 4 * SAMPLES_PER_SLOT)
+        self._silent_slots = max(silent_prefix_slots(n_left_pad_tokens), 0)
+        # _buffer[_offset : _offset + _length] holds the padded samples [_start, _start + _length). It starts
+        # at the first window of the first slot that is computed: the silent slots before it are never read.
+        self._start = self._silent_slots * SAMPLES_PER_SLOT - _HALF_WINDOW
+        self._length = self._left_pad - self._start
+        # Room for the whole prompt and a few appends: 32 streams growing their buffers in the same pass made
+        # 24 MB of fresh pages, a 3 ms stall of every stream's features.
+        prompt_end = self.prompt_slots * SAMPLES_PER_SLOT + LOOK_AHEAD_SAMPLES - self._start
+        self._buffer = np.zeros(prompt_end + 4 * SAMPLES_PER_SLOT)
         self._offset = 0
-        self._start = -_HALF_WINDOW
-        self._length = _HALF_WINDOW + self._left_pad
         self.samples_received = 0
         self.slots_taken = 0
         self.total_slots: int | None = None  # known once finished
@@ -263,7 +268,8 @@ class StreamingLogMel:
 
     @property
     def retained_samples(self) -> int:
-        """Samples held in memory: those of slots not yet taken, plus 200 of history."""
+        """Samples held in memory: those the slots not yet taken read (but the silent left padding), plus 200
+        of history."""
         return self._length
 
     @property
@@ -356,7 +362,7 @@ class StreamingLogMel:
         """Marks `count` slots taken and drops the samples only they read (the next slot starts reading 200
         samples early)."""
         self.slots_taken += count
-        released = self.slots_taken * SAMPLES_PER_SLOT - _HALF_WINDOW - self._start
+        released = max(self.slots_taken * SAMPLES_PER_SLOT - _HALF_WINDOW - self._start, 0)  # 0 within the silence
         self._offset += released
         self._start += released
         self._length -= released

@@ -74,27 +74,30 @@ def delay_warning(config, delay_ms: int) -> str | None:
 
 
 class BandProbe:
-    """Judges a stream's band once, from its first PROBE_SECONDS of 16 kHz audio (or at its end when it is
-    shorter): `feed` returns the narrowband reason the one time it has a verdict that says so, else None."""
+    """Judges a stream's band once, from its first PROBE_SECONDS of 16 kHz audio (or all of it when the
+    stream is shorter). `feed` collects the audio and says when there is enough; `judge` gives the verdict
+    (the narrowband reason, or None) the first time it is called and None after. The two are apart so that
+    a front end serving many streams can judge when it has nothing more urgent to do."""
 
     def __init__(self, source_rate: int = SAMPLING_RATE):
         self._source_rate = source_rate
         self._parts: list[np.ndarray] | None = []  # None once judged
         self._size = 0
+        self._full = False
 
-    def feed(self, pcm16k: np.ndarray) -> str | None:
-        if self._parts is None:
-            return None
-        if self._source_rate <= NARROWBAND_RATE:
-            return self._verdict()
+    def feed(self, pcm16k: np.ndarray) -> bool:
+        """Adds audio; True on the one call after which the probe has what it needs (the source rate alone
+        decides a stream sampled at 8 kHz or below)."""
+        if self._parts is None or self._full:
+            return False
         self._parts.append(np.asarray(pcm16k, np.float32))
         self._size += len(pcm16k)
-        return self._verdict() if self._size >= PROBE_SECONDS * SAMPLING_RATE else None
+        self._full = self._source_rate <= NARROWBAND_RATE or self._size >= PROBE_SECONDS * SAMPLING_RATE
+        return self._full
 
-    def finish(self) -> str | None:
-        return None if self._parts is None else self._verdict()
-
-    def _verdict(self) -> str | None:
+    def judge(self) -> str | None:
+        if self._parts is None:
+            return None
         audio = np.concatenate(self._parts) if self._parts else np.zeros(0, np.float32)
         self._parts = None
         return narrowband_reason(audio, self._source_rate)

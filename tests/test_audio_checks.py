@@ -1,6 +1,7 @@
 """The narrowband and trained-delay checks (models/audio_checks.py) against audio whose band is known by
 construction: the bundled wideband sample, the same speech through soxr down to 8 kHz and back, and through
 the synthetic phone line the tiny-v2 corpora use; and the engine's front end saying so once."""
+import asyncio
 import logging
 
 import numpy as np
@@ -85,3 +86,26 @@ async def test_the_front_end_judges_each_stream_once(wideband):
         assert warnings[-1] == audio_checks.narrowband_warning("the audio is sampled at 8000 Hz")
     finally:
         worker.close()
+
+
+async def test_a_stream_is_judged_while_it_is_still_streaming(wideband):
+    """The verdict comes from the stream's first PROBE_SECONDS, judged while the worker has nothing else to
+    do, not only at the stream's end."""
+    warnings = []
+    worker = FrontEndWorker(warn=warnings.append)
+    try:
+        upsampled = soxr.resample(soxr.resample(wideband, 16000, 8000), 8000, 16000)
+        assert upsampled.size > audio_checks.PROBE_SECONDS * 16000
+        stream = worker.stream(StreamingLogMel(n_delay=6))
+        for start in range(0, upsampled.size, 1280):
+            await stream.push(upsampled[start:start + 1280])
+        for _ in range(500):
+            if warnings:
+                break
+            await asyncio.sleep(0.01)
+        assert warnings == [audio_checks.narrowband_warning(audio_checks.narrowband_reason(upsampled))]
+        await stream.finish()
+        assert len(warnings) == 1
+    finally:
+        worker.close()
+

@@ -148,6 +148,8 @@ def test_streaming_equals_offline_for_random_pieces(seed):
 def test_prompt_slots_arrive_together_then_one_slot_per_1280_samples():
     stream = audio.StreamingLogMel(n_delay=6)
     assert stream.prompt_slots == 39 and stream.samples_until_next_slot == 9000
+    # Of the 40,960 samples of left padding only those the first computed slot reads are kept.
+    assert stream.retained_samples == audio.SAMPLES_PER_SLOT + 200
     assert stream.push(np.zeros(8999, np.float32)) == 0 and stream.samples_until_next_slot == 1
     assert stream.push(np.zeros(1, np.float32)) == 39
     assert stream.take(10).shape == (10, 8, 128) and stream.slots_ready == 29

@@ -7,7 +7,9 @@ wake-ups and call overhead than in arithmetic, on a machine whose cores the engi
 instead takes every job queued since its last pass, applies each to its session's `StreamingLogMel` in
 queue order (cheap: validation and a copy), then computes the log-mel of all of them with one FFT, one
 filterbank matmul and one log (`models.audio.take_ready`), and hands the results back with one
-`call_soon_threadsafe` per event loop per pass.
+`call_soon_threadsafe` per event loop per pass. Each stream's band check (an FFT of its first 3 s, for the
+narrowband warning) runs after the passes, one per pass and the rest while no append waits: 32 streams
+reaching 3 s together made one 13 ms pass, holding back every stream's features.
 
 Contract kept from the per-append hop: a session's jobs run in submission order; a job's `AudioError`
 fails that job alone (its stream is left unchanged, other sessions' jobs in the same pass are unaffected);
@@ -15,6 +17,7 @@ a session closed (aborted) while its jobs wait is skipped; the caller awaits its
 backpressure stays with the caller.
 """
 import asyncio
+import collections
 import dataclasses
 import logging
 import queue
@@ -90,6 +93,7 @@ class FrontEndWorker:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._accepting = True
         self._lock = threading.Lock()  # orders `submit` against `close`: no job lands behind the stop mark
+        self._unjudged: collections.deque[StreamFrontEnd] = collections.deque()  # worker thread only
         self._thread = threading.Thread(target=self._run, name="jaxstream-front-end", daemon=True)
         self._thread.start()
 
@@ -119,6 +123,9 @@ class FrontEndWorker:
     # -- worker thread --------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
+            if self._unjudged and self._jobs.empty():
+                self._judge(self._unjudged.popleft())  # nothing waits: a good time
+                continue
             jobs, stop = [self._jobs.get()], False
             while True:  # everything queued meanwhile joins this pass
                 try:
@@ -131,6 +138,8 @@ class FrontEndWorker:
             self._process(jobs)
             if stop:
                 return
+            if self._unjudged:  # one per pass even when appends never stop coming
+                self._judge(self._unjudged.popleft())
 
     def _process(self, jobs: list[_Job]) -> None:
         batch: list[_Job] = []
@@ -144,9 +153,11 @@ class FrontEndWorker:
                 job.result = _NO_SLOTS
             else:
                 try:
-                    job.slots, narrowband = _apply(job.stream, job.pcm)
-                    if narrowband is not None:
-                        self._warn(narrowband_warning(narrowband))
+                    job.slots, probe_full = _apply(job.stream, job.pcm)
+                    if job.pcm is None:
+                        self._judge(job.stream)  # a short stream's one verdict, or one still waiting
+                    elif probe_full:
+                        self._unjudged.append(job.stream)
                 except AudioError as exc:
                     job.result = exc
                 except Exception as exc:  # noqa: BLE001 - a front-end bug fails this append, not the worker
@@ -165,6 +176,17 @@ class FrontEndWorker:
             except RuntimeError:
                 pass  # that event loop is closed: nobody is waiting any more
 
+    def _judge(self, stream: StreamFrontEnd) -> None:
+        if stream.closed:
+            return
+        try:
+            reason = stream.band.judge()
+        except Exception:  # noqa: BLE001 - a warning's check must not end the worker
+            logger.exception("the audio front end failed to judge a stream's band")
+            return
+        if reason is not None:
+            self._warn(narrowband_warning(reason))
+
     @staticmethod
     def _compute(batch: list[_Job]) -> None:
         if not batch:
@@ -180,14 +202,14 @@ class FrontEndWorker:
             job.result = features
 
 
-def _apply(stream: StreamFrontEnd, pcm: np.ndarray | None) -> tuple[int, str | None]:
-    """Applies one job to its stream (resampling, validation, buffering); returns the slots now ready and,
-    the one time the stream's band is judged narrowband, why."""
+def _apply(stream: StreamFrontEnd, pcm: np.ndarray | None) -> tuple[int, bool]:
+    """Applies one job to its stream (resampling, validation, buffering); returns the slots now ready and
+    whether the stream's band probe has just got the audio it judges."""
     log_mel = stream.log_mel
     if pcm is None:
         if stream.resampler is not None:
             log_mel.push(stream.resampler.resample_chunk(np.zeros(0, np.float32), last=True))
-        return log_mel.finish(), stream.band.finish()
+        return log_mel.finish(), False
     if stream.resampler is not None:
         # Checked before the resampler sees it: a refused append must not reach the filter's state, or its
         # NaN or out-of-range samples would come out of every later append. The filter's ringing can
