@@ -276,11 +276,15 @@ class StreamingLogMel:
     def _stream_end(self) -> int:
         return self._start + self._length
 
-    def _computable_slots(self) -> int:
-        if self.finished:
-            return self.total_slots
-        count = max(0, (self._stream_end - LOOK_AHEAD_SAMPLES) // SAMPLES_PER_SLOT)
+    def slots_at(self, samples_received: int) -> int:
+        """The slots ready in all (taken or not) once `samples_received` real samples have been pushed,
+        before `finish`. It reads no stream state, so another thread may predict what a push will make
+        ready while this stream's own thread applies pushes."""
+        count = max(0, (self._left_pad + samples_received - LOOK_AHEAD_SAMPLES) // SAMPLES_PER_SLOT)
         return count if count >= self.prompt_slots else 0
+
+    def _computable_slots(self) -> int:
+        return self.total_slots if self.finished else self.slots_at(self.samples_received)
 
     @property
     def slots_ready(self) -> int:

@@ -118,6 +118,7 @@ def stream_in_pieces(raw: np.ndarray, n_delay: int, piece_sizes, take_every_push
         computable = (padded_end - 40) // 1280
         expected_ready = computable - stream.slots_taken if computable >= stream.prompt_slots else 0
         assert ready == stream.slots_ready == expected_ready
+        assert stream.slots_at(stream.samples_received) == stream.slots_taken + ready  # predicted alike
         assert (ready > 0) == (piece.size >= needed)
         if take_every_push:
             slots.append(stream.take())

@@ -130,10 +130,17 @@ async def test_resampled_streams_match_their_resampled_audio(worker):
     inputs = [soxr.resample(pcm, 16000, rate).astype(np.float32) for rate in rates]
     pieces = [np.array_split(x, 8) for x in inputs]
     outputs = [[] for _ in rates]
+    pushed = [0 for _ in rates]
     for step in range(8):
         results = await asyncio.gather(*(s.push(p[step]) for s, p in zip(streams, pieces)))
-        for out, result in zip(outputs, results):
+        for i, (out, result) in enumerate(zip(outputs, results)):
             out.append(result)
+            # The prediction an append refused for backlog relies on: exact at 16 kHz; through the resampler
+            # never short, and at most two slots over once the prompt is out.
+            pushed[i] += pieces[i][step].size
+            made = sum(len(slots) for slots in out)
+            ahead = streams[i].slots_at(pushed[i]) - made
+            assert ahead == 0 if rates[i] == 16000 else 0 <= ahead <= (2 if made else audio.prompt_length(6))
     for stream, out, rate, parts in zip(streams, outputs, rates, pieces):
         out.append(await stream.finish())
         resampled = parts

@@ -143,6 +143,28 @@ async def test_queued_audio_bound_counts_audio_not_yet_applied(engine):
     await session.abort()
 
 
+async def test_an_append_refused_for_backlog_is_refused_whole(engine):
+    """`BacklogError` (wait=False) refuses the append before the front end takes any of it: sending the
+    same audio again once the engine caught up gives the transcript of the uninterrupted stream. (The check
+    used to run after the front end had consumed the audio, whose slots were then dropped: a gap.)"""
+    expected = (await engine.transcribe(SAMPLE)).token_ids
+    session = await engine.start_transcription()
+    piece = 16000
+    await session.append(SAMPLE[:3 * piece])
+    gate = hold_engine_thread(engine)
+    sent = 3 * piece
+    try:
+        with pytest.raises(BacklogError):
+            while sent < SAMPLE.size:
+                await session.append(SAMPLE[sent:sent + piece], wait=False)
+                sent += piece
+    finally:
+        gate.set()
+    await session.append(SAMPLE[sent:])  # the refused piece again, and the rest
+    await session.finish()
+    assert [event async for event in session][-1].token_ids == expected
+
+
 async def test_capacity_and_drain_answer_at_once():
     engine = tiny_engine(max_live_sessions=1)
     try:

@@ -47,6 +47,7 @@ class StreamFrontEnd:
             import soxr
 
             self.resampler = soxr.ResampleStream(sample_rate, SAMPLING_RATE, 1, dtype="float32", quality="HQ")
+        self.sample_rate = sample_rate
         self.band = BandProbe(sample_rate)  # worker thread only
         # Read by the worker, set on the event loop: once set, queued jobs are skipped (a benign race; a
         # job already running completes and its result is simply not used).
@@ -60,6 +61,15 @@ class StreamFrontEnd:
     async def finish(self) -> np.ndarray:
         """End of stream: flushes the resampler, adds the right padding; returns the remaining slots."""
         return await self._worker.submit(self, None)
+
+    def slots_at(self, samples: int) -> int:
+        """The slots made ready in all once `samples` samples at the session's rate have been pushed: exact
+        at 16 kHz; through the resampler never too few, and up to two too many once the prompt is out (its
+        filter delay holds up to ~0.12 s back until the end: 1,850 samples at 16 kHz from 8 kHz input),
+        the whole prompt early at its start. Safe to call while the worker runs."""
+        if self.resampler is not None:
+            samples = samples * SAMPLING_RATE // self.sample_rate
+        return self.log_mel.slots_at(samples)
 
     @property
     def total_slots(self) -> int | None:

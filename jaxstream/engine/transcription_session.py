@@ -293,7 +293,7 @@ class TranscriptionSession:
         While more than `max_queued_audio_seconds` of this session's audio waits to be computed, it waits
         for the engine to catch up (backpressure), or raises `BacklogError` with `wait=False`. Raises
         `InvalidAudioError` for unusable audio, `InvalidRequestError` for audio past the session's
-        `max_audio_seconds` (the append is refused whole; the session goes on), `SessionClosedError`
+        `max_audio_seconds` (these three refuse the append whole; the session goes on), `SessionClosedError`
         after `finish`/`abort` or once the session failed. Audio that arrives after the model ended the
         transcription on its own (end-of-text token) is ignored.
         """
@@ -312,12 +312,19 @@ class TranscriptionSession:
                 raise self._rejected(InvalidRequestError(
                     f"session {self.session_id}: this append would pass the session's limit of {limit:g} s of "
                     f"audio (it has {self._samples / self.sample_rate:g} s); none of it was queued"))
+            if not wait:  # refused whole, before the front end takes any of it
+                made_ready = self._front.slots_at(self._samples + pcm.size) - self._front.slots_at(self._samples)
+                if self._over_bound(made_ready):
+                    raise self._rejected(BacklogError(
+                        f"session {self.session_id}: more than {self._max_queued_slots * SLOT_SECONDS:g} s of "
+                        "audio queued; the engine is behind (none of this append was queued)"))
             try:
                 slots = await self._front.push(pcm)
             except AudioError as exc:
                 raise self._rejected(InvalidAudioError(str(exc))) from None
             self._samples += pcm.size
-            await self._wait_for_room(len(slots), wait=wait)
+            if wait:
+                await self._wait_for_room(len(slots))
             if self.outcome is not None:
                 return  # ended (aborted, failed or the model finished) while this append waited
             self.backlog.sent += len(slots)
@@ -327,18 +334,19 @@ class TranscriptionSession:
         logger.info("transcription session %s: audio rejected (%s): %s", self.session_id, error.code, error)
         return error
 
-    async def _wait_for_room(self, slots: int, *, wait: bool) -> None:
-        """Returns once `slots` more fit under the backlog bound; a lone oversized append always fits."""
+    def _over_bound(self, slots: int) -> bool:
+        """Whether `slots` more would pass the backlog bound; a lone oversized append always fits."""
+        queued = self.backlog.queued
+        return bool(queued) and queued + slots > self._max_queued_slots
+
+    async def _wait_for_room(self, slots: int) -> None:
+        """Returns once `slots` more fit under the backlog bound (or the session ended)."""
         backlog = self.backlog
-        while backlog.queued and backlog.queued + slots > self._max_queued_slots and self.outcome is None:
-            if not wait:
-                raise self._rejected(BacklogError(f"session {self.session_id}: more than "
-                                                  f"{self._max_queued_slots * SLOT_SECONDS:g} s of audio queued; "
-                                                  "the engine is behind"))
+        while self._over_bound(slots) and self.outcome is None:
             self._room.clear()
             backlog.start_waiting()  # before the re-check below: no wake-up is missed
             try:
-                if backlog.queued and backlog.queued + slots > self._max_queued_slots:
+                if self._over_bound(slots):
                     await asyncio.wait_for(self._room.wait(), timeout=1.0)
             except asyncio.TimeoutError:
                 pass  # re-check; the engine may be slow, and a wake-up is only a hint
