@@ -219,3 +219,54 @@ async def test_abort_while_the_append_is_queued(worker):
     await append  # returns quietly: the session ended while it waited
     assert link.aborted == ["client_gone"] and link.audio == [] and session.outcome == "client_gone"
     assert session._front.log_mel.samples_received == 0  # noqa: SLF001 - its queued work was skipped
+
+
+async def test_a_cancelled_append_or_finish_still_hands_its_audio_on(worker):
+    """The front end takes an append's audio once it has it, so an append cancelled meanwhile (a caller's
+    timeout) still sends its slots, in order, and a cancelled finish still ends the stream: a dropped
+    append left a hole the engine waited on forever."""
+    pcm = recordings(1, seed=4)[0]
+    link = _RecordingLink()
+    session = session_on(worker, link)
+    await session.append(pcm[:9000])  # the prompt
+    gate, blocker = await hold(worker)
+    cancelled = asyncio.create_task(session.append(pcm[9000:12000]))
+    await asyncio.sleep(0)  # waiting for the worker
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    later = asyncio.create_task(session.append(pcm[12000:]))
+    gate.set()
+    await blocker
+    await later
+    ending = asyncio.create_task(session.finish())
+    await asyncio.sleep(0)
+    ending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await ending
+    for _ in range(500):  # the end goes out when the worker has done it
+        if link.audio[-1][2] is not None:
+            break
+        await asyncio.sleep(0.01)
+    slots = np.concatenate([mel for mel, _, _ in link.audio]).reshape(-1, 128)
+    np.testing.assert_allclose(slots, audio.offline_features(pcm, 6), atol=1e-6)
+    assert sum(samples for _, samples, _ in link.audio) == pcm.size and link.audio[-1][2] == slots.shape[0] // 8
+
+
+async def test_an_append_cancelled_while_waiting_for_room_still_hands_its_slots_on(worker):
+    link = _RecordingLink()
+    transcript = TranscriptAssembler(TEKKEN, delay_ms=480, prompt_len=audio.prompt_length(6))
+    session = TranscriptionSession(link, "s", 480, worker.stream(audio.StreamingLogMel(6)), transcript,
+                                   max_queued_slots=1)  # no engine consumes: the second append waits
+    pcm = recordings(1, seed=5)[0]
+    await session.append(pcm[:9000])  # a lone append always fits
+    waiting = asyncio.create_task(session.append(pcm[9000:12000]))
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if session.backlog.waiting:
+            break
+    assert session.backlog.waiting and len(link.audio) == 1
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert len(link.audio) == 2 and session.backlog.sent == sum(len(mel) for mel, _, _ in link.audio)

@@ -53,14 +53,15 @@ class StreamFrontEnd:
         # job already running completes and its result is simply not used).
         self.closed = False
 
-    async def push(self, pcm: np.ndarray) -> np.ndarray:
-        """Appends float PCM at the session's rate; returns the mel slots `[n, 8, 128]` it made ready.
-        Raises `AudioError` for unusable audio (the stream is then unchanged)."""
-        return await self._worker.submit(self, pcm)
+    def push(self, pcm: np.ndarray) -> asyncio.Future:
+        """Queues float PCM at the session's rate; the future gives the mel slots `[n, 8, 128]` it made
+        ready, or the `AudioError` of unusable audio (the stream is then unchanged)."""
+        return self._worker.submit(self, pcm)
 
-    async def finish(self) -> np.ndarray:
-        """End of stream: flushes the resampler, adds the right padding; returns the remaining slots."""
-        return await self._worker.submit(self, None)
+    def finish(self) -> asyncio.Future:
+        """End of stream: flushes the resampler, adds the right padding; the future gives the remaining
+        slots."""
+        return self._worker.submit(self, None)
 
     def slots_at(self, samples: int) -> int:
         """The slots made ready in all once `samples` samples at the session's rate have been pushed: exact

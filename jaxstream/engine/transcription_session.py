@@ -10,6 +10,7 @@ audio received. Every time in the events is rounded to the millisecond.
 """
 import asyncio
 import dataclasses
+import functools
 import logging
 import typing
 
@@ -295,7 +296,9 @@ class TranscriptionSession:
         `InvalidAudioError` for unusable audio, `InvalidRequestError` for audio past the session's
         `max_audio_seconds` (these three refuse the append whole; the session goes on), `SessionClosedError`
         after `finish`/`abort` or once the session failed. Audio that arrives after the model ended the
-        transcription on its own (end-of-text token) is ignored.
+        transcription on its own (end-of-text token) is ignored. Cancelling an append does not take back
+        audio the front end already has (it still reaches the engine, in order), nor does cancelling
+        `finish` take back the end.
         """
         if self._closed or (self.outcome is not None and self.outcome != "done"):
             raise SessionClosedError(f"transcription session {self.session_id} is "
@@ -318,17 +321,37 @@ class TranscriptionSession:
                     raise self._rejected(BacklogError(
                         f"session {self.session_id}: more than {self._max_queued_slots * SLOT_SECONDS:g} s of "
                         "audio queued; the engine is behind (none of this append was queued)"))
+            computed = self._front.push(pcm)
             try:
-                slots = await self._front.push(pcm)
+                slots = await asyncio.shield(computed)
             except AudioError as exc:
                 raise self._rejected(InvalidAudioError(str(exc))) from None
+            except asyncio.CancelledError:
+                # The front end takes the audio all the same: its slots must follow when they come, or the
+                # stream has a hole and the engine waits for the missing slots forever.
+                computed.add_done_callback(functools.partial(self._hand_on_late, pcm.size))
+                raise
             self._samples += pcm.size
-            if wait:
-                await self._wait_for_room(len(slots))
-            if self.outcome is not None:
-                return  # ended (aborted, failed or the model finished) while this append waited
+            try:
+                if wait:
+                    await self._wait_for_room(len(slots))
+            finally:  # cancelled while waiting too: the slots are handed on over the bound, not dropped
+                self._hand_on(slots, pcm.size)
+
+    def _hand_on(self, slots: np.ndarray, samples: int) -> None:
+        """Sends an append's slots (from `samples` at the session's rate) to the engine, unless the session
+        ended meanwhile (aborted, failed or the model finished)."""
+        if self.outcome is None:
             self.backlog.sent += len(slots)
-            self._link.send_audio(slots, pcm.size * SAMPLING_RATE / self.sample_rate)
+            self._link.send_audio(slots, samples * SAMPLING_RATE / self.sample_rate)
+
+    def _hand_on_late(self, samples: int, computed: asyncio.Future) -> None:
+        """The slots of an append cancelled while the front end had it, in append order (the worker resolves
+        a stream's futures in order, before a later append's)."""
+        if computed.cancelled() or computed.exception() is not None:
+            return  # refused: the stream is as it was
+        self._samples += samples
+        self._hand_on(computed.result(), samples)
 
     def _rejected(self, error: EngineError) -> EngineError:
         logger.info("transcription session %s: audio rejected (%s): %s", self.session_id, error.code, error)
@@ -361,9 +384,16 @@ class TranscriptionSession:
         async with self._order:
             if self.outcome is not None:
                 return
-            slots = await self._front.finish()
-            self.backlog.sent += len(slots)
-            self._link.send_audio(slots, 0, total_slots=self._front.total_slots)
+            computed = self._front.finish()
+            computed.add_done_callback(self._hand_on_end)  # a cancelled finish() still ends the stream
+            await asyncio.shield(computed)
+
+    def _hand_on_end(self, computed: asyncio.Future) -> None:
+        if computed.cancelled() or computed.exception() is not None or self.outcome is not None:
+            return
+        slots = computed.result()
+        self.backlog.sent += len(slots)
+        self._link.send_audio(slots, 0, total_slots=self._front.total_slots)
 
     async def abort(self, reason: str = "aborted") -> None:
         """Stops the session now and frees what it holds in the engine; the iterator ends without a
