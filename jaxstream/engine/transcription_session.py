@@ -338,12 +338,12 @@ class TranscriptionSession:
             finally:  # cancelled while waiting too: the slots are handed on over the bound, not dropped
                 self._hand_on(slots, pcm.size)
 
-    def _hand_on(self, slots: np.ndarray, samples: int) -> None:
-        """Sends an append's slots (from `samples` at the session's rate) to the engine, unless the session
-        ended meanwhile (aborted, failed or the model finished)."""
+    def _hand_on(self, slots: np.ndarray, samples: int, total_slots: int | None = None) -> None:
+        """Sends slots (from `samples` at the session's rate; the stream's `total_slots` at its end) to the
+        engine, unless the session ended meanwhile (aborted, failed or the model finished)."""
         if self.outcome is None:
             self.backlog.sent += len(slots)
-            self._link.send_audio(slots, samples * SAMPLING_RATE / self.sample_rate)
+            self._link.send_audio(slots, samples * SAMPLING_RATE / self.sample_rate, total_slots=total_slots)
 
     def _hand_on_late(self, samples: int, computed: asyncio.Future) -> None:
         """The slots of an append cancelled while the front end had it, in append order (the worker resolves
@@ -389,11 +389,8 @@ class TranscriptionSession:
             await asyncio.shield(computed)
 
     def _hand_on_end(self, computed: asyncio.Future) -> None:
-        if computed.cancelled() or computed.exception() is not None or self.outcome is not None:
-            return
-        slots = computed.result()
-        self.backlog.sent += len(slots)
-        self._link.send_audio(slots, 0, total_slots=self._front.total_slots)
+        if not computed.cancelled() and computed.exception() is None:
+            self._hand_on(computed.result(), 0, total_slots=self._front.total_slots)
 
     async def abort(self, reason: str = "aborted") -> None:
         """Stops the session now and frees what it holds in the engine; the iterator ends without a
