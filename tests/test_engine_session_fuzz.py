@@ -1,0 +1,99 @@
+"""Random client behaviour against one `TranscriptionSession` and the real front-end worker, with a recording
+link in place of the engine (which never consumes, so the backlog bound bites): appends of any size that are
+awaited, refused for backlog (`wait=False`), refused as bad audio, or cancelled mid-flight; then a finish (maybe
+cancelled) or an abort. The oracle: the slots the link received are exactly `offline_features` of the audio the
+session accepted, in order, with the stream's end, or nothing after an abort. Both ways a stream used to hang
+forever (a refused or a cancelled append dropping slots the front end had already taken) break it."""
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxstream.engine.audio_front_end import FrontEndWorker
+from jaxstream.engine.transcription_session import TranscriptAssembler, TranscriptionSession
+from jaxstream.errors import BacklogError, InvalidAudioError
+from jaxstream.models import audio
+from jaxstream.models.tokenizers import load_tokenizer
+
+N_DELAY = 6
+
+
+class _Link:
+    def __init__(self):
+        self.audio, self.aborted = [], []
+
+    def send_audio(self, mel_slots, samples, total_slots=None):
+        assert not self.aborted, "audio sent after the abort"
+        self.audio.append((mel_slots, samples, total_slots))
+
+    def abort(self, reason):
+        self.aborted.append(reason)
+
+
+TEKKEN = load_tokenizer(Path(__file__).parent / "fixtures" / "voxtral_tiny" / "tekken.json")
+
+
+appends = st.lists(st.tuples(st.integers(0, 12000), st.sampled_from(["await", "nowait", "cancel", "bad"])),
+                   min_size=1, max_size=8)
+
+
+async def _drive(steps, ending, max_queued, seed):
+    rng = np.random.default_rng(seed)
+    worker, link = FrontEndWorker(), _Link()
+    transcript = TranscriptAssembler(TEKKEN, delay_ms=N_DELAY * 80, prompt_len=audio.prompt_length(N_DELAY))
+    session = TranscriptionSession(link, "s", N_DELAY * 80, worker.stream(audio.StreamingLogMel(N_DELAY)),
+                                   transcript, max_queued_slots=max_queued)
+    accepted = []
+    try:
+        for size, how in steps:
+            pcm = (0.1 * rng.standard_normal(size)).astype(np.float32)
+            if how == "bad" and size:
+                pcm[size // 2] = np.nan
+                with pytest.raises((InvalidAudioError, BacklogError)):  # refused whole, either way
+                    await session.append(pcm, wait=False)
+            elif how == "cancel":  # waits for the worker or for room (none comes), then is cancelled
+                task = asyncio.create_task(session.append(pcm))
+                await asyncio.sleep(0)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                accepted.append(pcm)  # the front end had it: it counts
+            else:
+                try:
+                    await session.append(pcm, wait=how == "await" and max_queued >= 1000)
+                except BacklogError:
+                    continue  # refused whole
+                accepted.append(pcm)
+        if ending == "abort":
+            await session.abort("test")
+        else:
+            task = asyncio.create_task(session.finish())
+            await asyncio.sleep(0)
+            if ending == "finish_cancelled":
+                task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            for _ in range(1000):  # the end leaves from the worker's callback
+                if link.audio and link.audio[-1][2] is not None:
+                    break
+                await asyncio.sleep(0.005)
+    finally:
+        worker.close()
+    return link, accepted
+
+
+@settings(max_examples=100, deadline=None)
+@given(steps=appends, ending=st.sampled_from(["finish", "finish_cancelled", "abort"]),
+       max_queued=st.sampled_from([3, 1000]), seed=st.integers(0, 2**16))
+def test_random_clients_get_exactly_the_features_of_the_audio_accepted(steps, ending, max_queued, seed):
+    link, accepted = asyncio.run(_drive(steps, ending, max_queued, seed))
+    if ending == "abort":
+        assert link.aborted == ["test"] and all(total is None for _, _, total in link.audio)
+        return
+    pcm = np.concatenate(accepted) if accepted else np.zeros(0, np.float32)
+    assert link.audio and link.audio[-1][2] is not None, "the stream's end never reached the engine"
+    slots = np.concatenate([mel for mel, _, _ in link.audio]).reshape(-1, audio.NUM_MEL_BINS)
+    assert sum(samples for _, samples, _ in link.audio) == pcm.size
+    assert link.audio[-1][2] == slots.shape[0] // audio.MEL_FRAMES_PER_SLOT
+    np.testing.assert_allclose(slots, audio.offline_features(pcm, N_DELAY), rtol=0, atol=1e-6)
