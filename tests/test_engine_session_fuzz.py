@@ -2,8 +2,9 @@
 link in place of the engine (which never consumes, so the backlog bound bites): appends of any size that are
 awaited, refused for backlog (`wait=False`), refused as bad audio, or cancelled mid-flight; then a finish (maybe
 cancelled) or an abort. The oracle: the slots the link received are exactly `offline_features` of the audio the
-session accepted, in order, with the stream's end, or nothing after an abort. Both ways a stream used to hang
-forever (a refused or a cancelled append dropping slots the front end had already taken) break it."""
+session accepted, in order, with the stream's end, or nothing after an abort. Then random clients through the
+tiny engine itself, whose transcripts must equal their accepted audio's. Both ways a stream used to hang forever
+(a refused or a cancelled append dropping slots the front end had already taken) fail both tests."""
 import asyncio
 from pathlib import Path
 
@@ -12,10 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jaxstream.engine.async_engine import AsyncEngine
 from jaxstream.engine.audio_front_end import FrontEndWorker
+from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.transcription_session import TranscriptAssembler, TranscriptionSession
 from jaxstream.errors import BacklogError, InvalidAudioError
 from jaxstream.models import audio
+from jaxstream.models.loading import BUILTIN_MODELS
 from jaxstream.models.tokenizers import load_tokenizer
 
 N_DELAY = 6
@@ -97,3 +101,58 @@ def test_random_clients_get_exactly_the_features_of_the_audio_accepted(steps, en
     assert sum(samples for _, samples, _ in link.audio) == pcm.size
     assert link.audio[-1][2] == slots.shape[0] // audio.MEL_FRAMES_PER_SLOT
     np.testing.assert_allclose(slots, audio.offline_features(pcm, N_DELAY), rtol=0, atol=1e-6)
+
+
+SAMPLE = audio.load_audio(BUILTIN_MODELS["tiny"].parent / "samples" / "sample.wav")
+
+
+async def _client(session, rng) -> tuple[np.ndarray | None, str]:
+    """One random client of the bundled sample: returns the audio its session accepted (None: it aborted)
+    and what it did, for a failure's message."""
+    accepted, done, log = [], 0, []
+    while done < SAMPLE.size:
+        piece = SAMPLE[done:done + int(rng.integers(0, 8000))]
+        how = rng.choice(["await", "nowait", "cancel", "abort"], p=[0.55, 0.2, 0.2, 0.05])
+        log.append(f"{how} {piece.size}")
+        if how == "abort":
+            await session.abort("client_gone")
+            return None, " ".join(log)
+        if how == "cancel":  # after its audio reached the front end (the first await), or after it returned
+            task = asyncio.create_task(session.append(piece))
+            await asyncio.sleep(float(rng.choice([0, 0.001, 0.01])))
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        else:
+            try:
+                await session.append(piece, wait=how == "await")
+            except BacklogError:
+                continue  # refused whole: sent again in a later step
+        accepted.append(piece)
+        done += piece.size
+    await session.finish()
+    return np.concatenate(accepted), " ".join(log)
+
+
+async def _last_event(session):
+    return [event async for event in session][-1]
+
+
+async def test_random_clients_through_the_engine_get_the_transcript_of_what_they_sent():
+    """Three random clients at a time on the tiny engine (its backlog bound 0.5 s, so appends wait for the
+    engine and are refused by it): every one that finished gets the tokens of its accepted audio transcribed
+    alone; none stalls (a round's appends, and each transcript, must end within 60 s)."""
+    engine = AsyncEngine.from_pretrained("tiny", EngineConfig(max_sessions=3, max_queued_audio_seconds=0.5))
+    try:
+        for seed in range(4):
+            sessions = [await engine.start_transcription() for _ in range(3)]
+            results = await asyncio.wait_for(asyncio.gather(
+                *(_client(s, np.random.default_rng([seed, i])) for i, s in enumerate(sessions))), 60)
+            for session, (sent, log) in zip(sessions, results):
+                if sent is None:
+                    assert session.outcome == "client_gone"
+                    continue
+                tokens = (await asyncio.wait_for(_last_event(session), 60)).token_ids
+                expected = (await engine.transcribe(sent)).token_ids
+                assert tokens == expected, f"seed {seed}: {log}"
+    finally:
+        await engine.shutdown()
