@@ -17,7 +17,7 @@ from jaxstream.engine.async_engine import AsyncEngine
 from jaxstream.engine.audio_front_end import FrontEndWorker
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.transcription_session import TranscriptAssembler, TranscriptionSession
-from jaxstream.errors import BacklogError, InvalidAudioError
+from jaxstream.errors import BacklogError, InvalidAudioError, InvalidRequestError
 from jaxstream.models import audio
 from jaxstream.models.loading import BUILTIN_MODELS
 from jaxstream.models.tokenizers import load_tokenizer
@@ -44,17 +44,21 @@ appends = st.lists(st.tuples(st.integers(0, 12000), st.sampled_from(["await", "n
                    min_size=1, max_size=8)
 
 
-async def _drive(steps, ending, max_queued, seed):
+async def _drive(steps, ending, max_queued, limit, seed):
     rng = np.random.default_rng(seed)
     worker, link = FrontEndWorker(), _Link()
     transcript = TranscriptAssembler(TEKKEN, delay_ms=N_DELAY * 80, prompt_len=audio.prompt_length(N_DELAY))
     session = TranscriptionSession(link, "s", N_DELAY * 80, worker.stream(audio.StreamingLogMel(N_DELAY)),
-                                   transcript, max_queued_slots=max_queued)
+                                   transcript, max_queued_slots=max_queued, max_audio_seconds=limit)
     accepted = []
     try:
         for size, how in steps:
             pcm = (0.1 * rng.standard_normal(size)).astype(np.float32)
-            if how == "bad" and size:
+            # The session's own count of its audio decides this: refused and cancelled appends must keep it true.
+            if limit is not None and (sum(p.size for p in accepted) + size) / audio.SAMPLING_RATE > limit:
+                with pytest.raises(InvalidRequestError):
+                    await session.append(pcm, wait=False)
+            elif how == "bad" and size:
                 pcm[size // 2] = np.nan
                 with pytest.raises((InvalidAudioError, BacklogError)):  # refused whole, either way
                     await session.append(pcm, wait=False)
@@ -89,9 +93,9 @@ async def _drive(steps, ending, max_queued, seed):
 
 @settings(max_examples=100, deadline=None)
 @given(steps=appends, ending=st.sampled_from(["finish", "finish_cancelled", "abort"]),
-       max_queued=st.sampled_from([3, 1000]), seed=st.integers(0, 2**16))
-def test_random_clients_get_exactly_the_features_of_the_audio_accepted(steps, ending, max_queued, seed):
-    link, accepted = asyncio.run(_drive(steps, ending, max_queued, seed))
+       max_queued=st.sampled_from([3, 1000]), limit=st.sampled_from([None, 1.5]), seed=st.integers(0, 2**16))
+def test_random_clients_get_exactly_the_features_of_the_audio_accepted(steps, ending, max_queued, limit, seed):
+    link, accepted = asyncio.run(_drive(steps, ending, max_queued, limit, seed))
     if ending == "abort":
         assert link.aborted == ["test"] and all(total is None for _, _, total in link.audio)
         return

@@ -322,16 +322,19 @@ class TranscriptionSession:
                         f"session {self.session_id}: more than {self._max_queued_slots * SLOT_SECONDS:g} s of "
                         "audio queued; the engine is behind (none of this append was queued)"))
             computed = self._front.push(pcm)
+            self._samples += pcm.size  # now: the next append's checks count it even if this one is cancelled
             try:
                 slots = await asyncio.shield(computed)
-            except AudioError as exc:
-                raise self._rejected(InvalidAudioError(str(exc))) from None
             except asyncio.CancelledError:
                 # The front end takes the audio all the same: its slots must follow when they come, or the
                 # stream has a hole and the engine waits for the missing slots forever.
                 computed.add_done_callback(functools.partial(self._hand_on_late, pcm.size))
                 raise
-            self._samples += pcm.size
+            except BaseException as exc:
+                self._samples -= pcm.size  # refused (or the front end failed): the stream is as it was
+                if isinstance(exc, AudioError):
+                    raise self._rejected(InvalidAudioError(str(exc))) from None
+                raise
             try:
                 if wait:
                     await self._wait_for_room(len(slots))
@@ -349,8 +352,8 @@ class TranscriptionSession:
         """The slots of an append cancelled while the front end had it, in append order (the worker resolves
         a stream's futures in order, before a later append's)."""
         if computed.cancelled() or computed.exception() is not None:
-            return  # refused: the stream is as it was
-        self._samples += samples
+            self._samples -= samples  # refused: the stream is as it was
+            return
         self._hand_on(computed.result(), samples)
 
     def _rejected(self, error: EngineError) -> EngineError:
