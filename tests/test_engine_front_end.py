@@ -170,6 +170,7 @@ class _RecordingLink:
         self.audio, self.aborted = [], []
 
     def send_audio(self, mel_slots, samples, total_slots=None):
+        assert not self.aborted, "audio sent after the abort"
         self.audio.append((mel_slots, samples, total_slots))
 
     def abort(self, reason):
@@ -179,10 +180,10 @@ class _RecordingLink:
 TEKKEN = load_tokenizer(Path(__file__).parent / "fixtures" / "voxtral_tiny" / "tekken.json")
 
 
-def session_on(worker, link, session_id="s"):
+def session_on(worker, link, session_id="s", max_queued_slots=1000, max_audio_seconds=None):
     transcript = TranscriptAssembler(TEKKEN, delay_ms=480, prompt_len=audio.prompt_length(6))
     return TranscriptionSession(link, session_id, 480, worker.stream(audio.StreamingLogMel(6)), transcript,
-                                max_queued_slots=1000)
+                                max_queued_slots=max_queued_slots, max_audio_seconds=max_audio_seconds)
 
 
 async def test_sessions_send_their_own_slots_and_a_bad_append_raises_from_itself(worker):
@@ -255,9 +256,7 @@ async def test_a_cancelled_append_or_finish_still_hands_its_audio_on(worker):
 
 async def test_an_append_cancelled_while_waiting_for_room_still_hands_its_slots_on(worker):
     link = _RecordingLink()
-    transcript = TranscriptAssembler(TEKKEN, delay_ms=480, prompt_len=audio.prompt_length(6))
-    session = TranscriptionSession(link, "s", 480, worker.stream(audio.StreamingLogMel(6)), transcript,
-                                   max_queued_slots=1)  # no engine consumes: the second append waits
+    session = session_on(worker, link, max_queued_slots=1)  # no engine consumes: the second append waits
     pcm = recordings(1, seed=5)[0]
     await session.append(pcm[:9000])  # a lone append always fits
     waiting = asyncio.create_task(session.append(pcm[9000:12000]))

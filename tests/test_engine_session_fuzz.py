@@ -6,7 +6,6 @@ session accepted, in order, with the stream's end, or nothing after an abort. Th
 tiny engine itself, whose transcripts must equal their accepted audio's. Both ways a stream used to hang forever
 (a refused or a cancelled append dropping slots the front end had already taken) fail both tests."""
 import asyncio
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,28 +15,12 @@ from hypothesis import strategies as st
 from jaxstream.engine.async_engine import AsyncEngine
 from jaxstream.engine.audio_front_end import FrontEndWorker
 from jaxstream.engine.config import EngineConfig
-from jaxstream.engine.transcription_session import TranscriptAssembler, TranscriptionSession
 from jaxstream.errors import BacklogError, InvalidAudioError, InvalidRequestError
 from jaxstream.models import audio
 from jaxstream.models.loading import BUILTIN_MODELS
-from jaxstream.models.tokenizers import load_tokenizer
+from test_engine_front_end import _RecordingLink, session_on
 
-N_DELAY = 6
-
-
-class _Link:
-    def __init__(self):
-        self.audio, self.aborted = [], []
-
-    def send_audio(self, mel_slots, samples, total_slots=None):
-        assert not self.aborted, "audio sent after the abort"
-        self.audio.append((mel_slots, samples, total_slots))
-
-    def abort(self, reason):
-        self.aborted.append(reason)
-
-
-TEKKEN = load_tokenizer(Path(__file__).parent / "fixtures" / "voxtral_tiny" / "tekken.json")
+N_DELAY = 6  # session_on's (480 ms)
 
 
 appends = st.lists(st.tuples(st.integers(0, 12000), st.sampled_from(["await", "nowait", "cancel", "bad"])),
@@ -46,10 +29,8 @@ appends = st.lists(st.tuples(st.integers(0, 12000), st.sampled_from(["await", "n
 
 async def _drive(steps, ending, max_queued, limit, seed):
     rng = np.random.default_rng(seed)
-    worker, link = FrontEndWorker(), _Link()
-    transcript = TranscriptAssembler(TEKKEN, delay_ms=N_DELAY * 80, prompt_len=audio.prompt_length(N_DELAY))
-    session = TranscriptionSession(link, "s", N_DELAY * 80, worker.stream(audio.StreamingLogMel(N_DELAY)),
-                                   transcript, max_queued_slots=max_queued, max_audio_seconds=limit)
+    worker, link = FrontEndWorker(), _RecordingLink()
+    session = session_on(worker, link, max_queued_slots=max_queued, max_audio_seconds=limit)
     accepted = []
     try:
         for size, how in steps:
