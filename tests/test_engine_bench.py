@@ -24,6 +24,8 @@ def test_bench_runs_streams_and_reports(capsys):
     assert result["streams"] == 2 and not result["paced"] and result["ticks"] >= 1
     assert result["tick_ms_p50"] <= result["tick_ms_p90"] <= result["tick_ms_p99"]
     assert result["host_ms_p50"] <= result["host_ms_p99"] and result["host_cpu_ms_p50"] <= result["host_cpu_ms_p99"]
+    # Per 80 ms of audio: a tick runs at least one step (four here, in the dispatch), so at most the tick's.
+    assert 0 < result["host_ms_per_step"] <= result["host_ms_mean"]
     # The engine thread's CPU split: inside the device's calls, and its own work.
     assert result["device_call_cpu_ms_p50"] > 0 and result["own_cpu_ms_p50"] > 0
     # 1.2 s of audio at 480 ms delay: 15 real slots + 32 left + 17 right padding slots - 39 prompt = 25 tokens.

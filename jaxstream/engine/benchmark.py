@@ -134,6 +134,9 @@ class BenchResult:
     # start (every stream's prompt at once) and the end-of-stream flush (padding slots queued at once).
     steady_latency_ms_p50: float | None = None
     steady_latency_ms_p99: float | None = None
+    # Host work per 80 ms of audio: the ticks' host time over the steps they ran. Per tick it grows with the
+    # tick when the device falls behind (a longer tick carries more appends), so runs compare by this one.
+    host_ms_per_step: float | None = None
     # The process's malloc (jaxstream/allocator.py): on CPU, glibc's makes steps 8-25 % slower than TCMalloc.
     allocator: str = dataclasses.field(default_factory=allocator.loaded_allocator)
 
@@ -150,7 +153,8 @@ class BenchResult:
             f"  host work per tick ms: mean {_ms(self.host_ms_mean)}, p50 {_ms(self.host_ms_p50)}, "
             f"p99 {_ms(self.host_ms_p99)}; engine-thread CPU (between ticks included) p50 {_ms(self.host_cpu_ms_p50)}, "
             f"p99 {_ms(self.host_cpu_ms_p99)}: inside the device's calls p50 {_ms(self.device_call_cpu_ms_p50)}, "
-            f"the engine's own work p50 {_ms(self.own_cpu_ms_p50)}",
+            f"the engine's own work p50 {_ms(self.own_cpu_ms_p50)}; host work per 80 ms step "
+            f"{_ms(self.host_ms_per_step)}",
             f"  token latency ms (slot at the engine -> id on the host, {self.latency_samples} ids, whole run) "
             f"p50/p99: {_ms(self.latency_ms_p50, 1)} / {_ms(self.latency_ms_p99, 1)}; steady state p50/p99: "
             f"{_ms(self.steady_latency_ms_p50, 1)} / {_ms(self.steady_latency_ms_p99, 1)}",
@@ -263,7 +267,8 @@ async def run_streams(engine: AsyncEngine, *, streams: int, seconds: float, pace
     # A run that never caught up still reports its ticks: those of the whole run, said to be so.
     ticks = core.tick_stats.window(*((window["start"], end) if steady else (first_tick, core.ticks_recorded)))
     tick_ms = [t.total_s * 1e3 for t in ticks]
-    step_ms = [t.total_s * 1e3 / max(1, t.steps / max(1, t.rows)) for t in ticks]
+    steps = [max(1, t.steps / max(1, t.rows)) for t in ticks]  # 80 ms steps each tick ran
+    step_ms = [t.total_s * 1e3 / n for t, n in zip(ticks, steps)]
     host_ms = [t.host_s * 1e3 for t in ticks]
     tick_p50, tick_p90, tick_p99 = percentiles(tick_ms, (50, 90, 99))
     [step_p50] = percentiles(step_ms, (50,))
@@ -286,6 +291,7 @@ async def run_streams(engine: AsyncEngine, *, streams: int, seconds: float, pace
         tick_ms_p50=tick_p50, tick_ms_p90=tick_p90, tick_ms_p99=tick_p99, step_ms_p50=step_p50,
         host_ms_mean=float(np.mean(host_ms)) if host_ms else None, host_ms_p50=host_p50, host_ms_p99=host_p99,
         host_cpu_ms_p50=cpu_p50, host_cpu_ms_p99=cpu_p99, device_call_cpu_ms_p50=calls_p50, own_cpu_ms_p50=own_p50,
+        host_ms_per_step=sum(host_ms) / sum(steps) if ticks else None,
         latency_samples=int(latency.sum()), latency_ms_p50=latency_p50,
         latency_ms_p99=latency_p99, steady_latency_ms_p50=steady_p50, steady_latency_ms_p99=steady_p99,
         output_tokens_per_s=tokens / wall, realtime_factor=streams * seconds / wall,
