@@ -37,6 +37,7 @@ How our engine's output maps onto Kyutai's events (jaxstream choices):
 import asyncio
 import logging
 import math
+import typing
 
 import msgpack
 import numpy as np
@@ -59,10 +60,6 @@ NO_FREE_CHANNELS = "no free channels"  # Kyutai's exact words: clients match the
 _VAD_SILENCE_MS = 100  # silence the VAD must see before it reports it (then dated from its start)
 _OUTBOX_LIMIT = 256  # messages queued for a slow reader before the connection stops reading audio
 _MARKER_POLL_S = 0.02
-# A marker's audio is computed once the engine dispatched its last slot; the tokens of a dispatch reach
-# the event loop at the end of the engine's next tick. The session's consumed-slot count changes once per
-# tick, so two changes after the marker's slot was consumed prove that tick ended.
-_TICKS_TO_COLLECT = 2
 
 
 class KyutaiError(Exception):
@@ -123,11 +120,9 @@ class WordStream:
         return words
 
 
-class _Marker:
-    def __init__(self, marker_id: int, slot: int):
-        self.id = marker_id
-        self.slot = slot  # consumed slots at which the audio before it, plus the delay, is dispatched
-        self.collected_at: int | None = None  # consumption changes after which its text has arrived
+class _Marker(typing.NamedTuple):
+    id: int
+    slot: int  # slots whose ids the engine must have collected for the audio before it, plus the delay
 
 
 class KyutaiAsr:
@@ -367,26 +362,19 @@ class KyutaiAsr:
             self._put(_CLOSE)
 
     async def _answer_markers(self) -> None:
-        """Sends each marker once the text of the audio before it is out (see `_TICKS_TO_COLLECT`)."""
+        """Sends each marker once the text of the audio before it is out: the engine has collected the ids
+        of the marker's last frame (`AudioBacklog.collected`), so their events are already on this loop."""
         backlog = self.session.backlog
-        last, changes = backlog.consumed, 0
         while True:
             if not self.markers:
                 self._marker_added.clear()
                 await self._marker_added.wait()
             await asyncio.sleep(_MARKER_POLL_S)
-            if backlog.consumed != last:
-                last, changes = backlog.consumed, changes + 1
-            due = 0
-            for marker in self.markers:
-                if marker.collected_at is None and last >= marker.slot:
-                    marker.collected_at = changes + _TICKS_TO_COLLECT
-                if marker.collected_at is None or changes < marker.collected_at:
-                    break
-                due += 1
+            collected = backlog.collected
+            due = next((i for i, marker in enumerate(self.markers) if marker.slot > collected), len(self.markers))
             if not due or self.ended:
                 continue  # after the end, `_forward_events` answers them all
-            # The engine posted those events before this read; two loop turns let them run through
+            # The engine posted those events before it raised the count: two loop turns let them run through
             # `_forward_events` into the outbox, ahead of the markers.
             await asyncio.sleep(0)
             await asyncio.sleep(0)

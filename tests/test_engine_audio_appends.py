@@ -15,10 +15,11 @@ from jaxstream.engine.async_engine import AsyncEngine
 from jaxstream.engine.builders import build_realtime_core
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.residency import TickStats
-from jaxstream.engine.transcription_session import PROGRESS, AudioBacklog, TranscriptionDone, transcript_sink
+from jaxstream.engine.transcription_session import (PROGRESS, AudioBacklog, TranscriptionDelta, TranscriptionDone,
+                                                    transcript_sink, transcription_prompt)
 from jaxstream.errors import EngineError, InvalidRequestError
 from jaxstream.models import loading
-from jaxstream.models.audio import n_delay_from_ms, prompt_length
+from jaxstream.models.audio import load_audio, n_delay_from_ms, offline_features, prompt_length
 from jaxstream.models.tokenizers import load_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -270,3 +271,49 @@ def test_consumed_audio_is_read_from_the_rows_and_waiting_appenders_are_woken(co
     assert backlogs["a"].consumed == backlogs["b"].consumed == len(slots) - 1  # the last slot is never fed
     assert not core._waiting and core.at_baseline()  # noqa: SLF001
     backlogs["b"].stop_waiting()
+
+
+
+def test_collected_slots_count_only_slots_whose_text_was_handed_on():
+    """`AudioBacklog.collected` (what Kyutai markers wait for): after every tick it is at most the consumed
+    count, and the ids handed to the stream so far hold every text id that the stream's whole run generates
+    from the positions it counts; once the engine is idle with the stream's audio all dispatched it equals
+    the consumed count; after the end it keeps the last count. The embedded model on the bundled sample
+    (the fixture's random weights generate no text)."""
+    loaded = loading.load_model("tiny")
+    core = build_realtime_core(loaded.model, EngineConfig(**SMALL), load_tokenizer(loaded.tokenizer_path))
+    n_delay = n_delay_from_ms(480)
+    prompt = transcription_prompt(loaded.config, n_delay)
+    features = offline_features(load_audio(loading.BUILTIN_MODELS["tiny"].parent / "samples" / "sample.wav"), n_delay)
+    slots = np.ascontiguousarray(features.reshape(-1, 8, features.shape[1]), np.float32)
+
+    def run(halves):
+        handed, backlog = [], AudioBacklog()
+        core.add_session("s", n_delay=n_delay, prompt_ids=prompt, backlog=backlog,
+                         sink=transcript_sink(handed.append, core.tokenizer, delay_ms=480, prompt_len=len(prompt)))
+        # Ids handed on so far: the deltas' (the end's event holds the whole stream's).
+        ids = lambda: [token for event in handed if isinstance(event, TranscriptionDelta)  # noqa: E731
+                       for token in event.token_ids]
+        counts = []
+        for begin, end in halves:
+            core.add_audio_many([("s", slots[begin:end], 1280.0 * (end - begin),
+                                  len(slots) if end == len(slots) else None)])
+            while core.has_work():
+                core.step()
+                counts.append((backlog.collected, backlog.consumed, len(ids())))
+            if end < len(slots):
+                assert backlog.collected == backlog.consumed == end
+        assert isinstance(handed[-1], TranscriptionDone) and core.at_baseline()
+        assert backlog.collected == backlog.consumed == len(slots) - 1  # the last slot is never fed
+        return handed[-1].token_ids, counts
+
+    expected, _ = run([(0, len(slots))])
+    text = [i for i, token in enumerate(expected) if not core.tokenizer.is_control(token)]
+    half = len(slots) // 2
+    got, counts = run([(0, half), (half, len(slots))])
+    assert got == expected
+    # Position p generates id p - (len(prompt) - 1): the ids below `covered` come from counted positions.
+    for collected, consumed, handed in counts:
+        covered = collected - len(prompt) + 1
+        assert collected <= consumed and all(i < handed for i in text if i < covered), (collected, handed)
+    assert any(i < half - len(prompt) + 1 for i in text)  # text in the first half: the checks saw some

@@ -159,6 +159,23 @@ async def test_markers_come_back_in_order(server, speech):
     await client.close()
 
 
+async def test_a_marker_comes_back_when_the_audio_after_it_just_covers_the_delay(server, engine, speech):
+    """The client sends speech, a marker, then only the delay's frames and one more (the front end's
+    lookahead), and waits: the marker and the words before it come back although no further audio will
+    make the engine run again. (A marker used to wait for two more ticks of consumption after its slot: at
+    the end of what a client sent, it came back only with more audio, 10 % of clean runs on an idle
+    server.)"""
+    client = await KyutaiClient.connect(server)
+    await client.message()
+    await client.audio(speech[:40 * FRAME_SAMPLES])
+    await client.send({"type": "Marker", "id": 3})
+    trailing = round(engine.default_delay_ms / 80) + 1
+    await client.audio(np.zeros(trailing * FRAME_SAMPLES, np.float32))
+    messages = await client.until("Marker", skip=("Step",), timeout=15.0)
+    assert messages[-1] == {"type": "Marker", "id": 3} and messages[0]["type"] == "Word"
+    await client.close()
+
+
 async def test_the_drain_sends_the_last_words_then_closes(engine, speech):
     """A drain ends the stream's audio: the words of all the audio sent (the last one too, which no next
     word closed) go out as the engine's own API gives them, then the socket closes with 1001."""

@@ -32,6 +32,7 @@ COLUMNS = {
     "limit": (np.int64, UNKNOWN_LIMIT),  # one past the last position to feed, once the input is finished
     "prompt_len": (np.int64, 0),
     "in_flight": (np.int64, 0),  # dispatches whose tokens are not collected yet
+    "collected": (np.int64, 0),  # positions whose generated ids were collected (their text handed on)
     "arrival": (np.int64, 0),  # order of creation, for FIFO admission
     "slot": (np.int32, -1),  # device slot; -1 while not resident (and for padding rows)
     "n_delay": (np.float32, 1.0),

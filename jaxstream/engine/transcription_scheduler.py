@@ -159,10 +159,12 @@ class RealtimeScheduler(RealtimeAdmission):
                                   backlog=backlog, arrival=self._arrivals, max_slots=max_slots,
                                   commitment=self._commitment(max_slots))
         # The stream starts after the cached prefix: its slots are dropped on arrival, never computed.
-        session.skip = self.rows.fed[session.row] = self.rows.received[session.row] = self.prefix.slots
         rows, row = self.rows, session.row
-        # Slots consumed: those dispatched (`fed`, which starts past the prefix) and the prefix's dropped.
-        backlog.attach(lambda: int(rows.fed[row]) - session.skip, self._waiting, session)
+        session.skip = rows.fed[row] = rows.received[row] = rows.collected[row] = self.prefix.slots
+        # Slots consumed: those dispatched (`fed`, which starts past the prefix) and the prefix's dropped;
+        # slots collected: those whose generated ids are collected, counted the same way.
+        backlog.attach(lambda: int(rows.fed[row]) - session.skip, lambda: int(rows.collected[row]) - session.skip,
+                       self._waiting, session)
         self.sessions[request_id] = session
         self.touch(session)
 
@@ -533,6 +535,9 @@ class RealtimeScheduler(RealtimeAdmission):
                 self._done(session, ids, logprobs)
             else:
                 deliver(session, GeneratedIds(ids, logprobs, session.samples, False))
+        # Counted after the hand-offs above are queued: a consumer that sees the count sees their ids next.
+        live = rows.generation[dispatch.rows] == dispatch.generations
+        rows.collected[dispatch.rows[live]] = (dispatch.starts + dispatch.counts)[live]
 
     def _is_text(self, tokens: np.ndarray) -> np.ndarray:
         """Ids that may decode to text (control ids decode to nothing; out-of-vocabulary ids count, so the
@@ -543,13 +548,14 @@ class RealtimeScheduler(RealtimeAdmission):
         return (tokens >= size) | self._text_table[np.clip(tokens, 0, size - 1)]
 
     def _done(self, session: RealtimeSession, ids=None, logprobs=None) -> None:
-        """Ends a stream whose input is all consumed or whose model ended it: frees it, and hands over its
-        last ids (those left in its row's buffer unless given) with the end."""
+        """Ends a stream whose input is all consumed or whose model ended it: hands over its last ids (those
+        left in its row's buffer unless given) with the end, and frees it."""
         if ids is None:
             [(ids, logprobs)] = self.rows.take_tokens(np.array([session.row]))
-        samples = session.samples
+        deliver(session, GeneratedIds(ids, logprobs, session.samples, True))
+        # Every position the stream has is collected (its end is handed on above); its backlog keeps that.
+        self.rows.collected[session.row] = session.fed
         self.release(session)
-        deliver(session, GeneratedIds(ids, logprobs, samples, True))
 
 
 def _text_id_table(tokenizer) -> np.ndarray | None:

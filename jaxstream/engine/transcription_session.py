@@ -196,30 +196,41 @@ class AudioBacklog:
     slots dispatched, plus the cached prefix's slots dropped), so the engine thread counts what a tick
     dispatches with one array operation over all its rows, not a Python update per session; once the
     stream lets go of its row the last count is kept. `queued` (the difference) counts audio still in the
-    command queue too, which the scheduler's own state cannot see. While an appender waits for room it is in
-    the engine's set of waiters, and the scheduler wakes it after a tick that consumed some of its audio
-    (the `PROGRESS` event).
+    command queue too, which the scheduler's own state cannot see. `collected` counts the same way the slots
+    whose generated ids the engine has collected: it is raised after their text was handed to the stream,
+    so once a reader sees it reach a slot, the text of the audio up to there is already on its way (events
+    the engine posted run on the event loop ahead of anything scheduled after the read). While an appender
+    waits for room it is in the engine's set of waiters, and the scheduler wakes it after a tick that
+    consumed some of its audio (the `PROGRESS` event).
     """
 
     def __init__(self):
         self.sent = 0
-        self._count = None  # engine thread: reads its stream's count while the stream holds a row
-        self._consumed = 0  # the count once detached (or before the engine took the stream)
+        # Engine thread: reads its stream's (consumed, collected) counts while the stream holds a row.
+        self._counts = None
+        self._last = (0, 0)  # the counts once detached (or before the engine took the stream)
         self._waiters: set | None = None  # the engine's set of waiting backlogs, once it took the stream
         self._joined: set | None = None  # event loop: the set this backlog was added to while waiting
         self.waiting = False
         self.stream = None  # the engine's session (where PROGRESS goes), once it took the stream
 
+    def _read(self, which: int) -> int:
+        counts = self._counts
+        if counts is not None:
+            value = counts[which]()
+            # Still attached after the read, so the row was this stream's: `detach` stores the last counts
+            # and drops the readers before the row is reset.
+            if self._counts is counts:
+                return value
+        return self._last[which]
+
     @property
     def consumed(self) -> int:
-        count = self._count
-        if count is not None:
-            value = count()
-            # Still attached after the read, so the row was this stream's: `detach` stores the last count
-            # and drops the reader before the row is reset.
-            if self._count is count:
-                return value
-        return self._consumed
+        return self._read(0)
+
+    @property
+    def collected(self) -> int:
+        return self._read(1)
 
     @property
     def queued(self) -> int:
@@ -238,18 +249,18 @@ class AudioBacklog:
             self._joined.discard(self)
             self._joined = None
 
-    def attach(self, count, waiters: set, stream) -> None:
-        """Engine thread: the stream now counts its consumed slots with `count()`; `waiters` is the engine's
-        set of waiting backlogs."""
-        self.stream, self._waiters, self._count = stream, waiters, count
+    def attach(self, consumed, collected, waiters: set, stream) -> None:
+        """Engine thread: the stream now counts its consumed and collected slots with `consumed()` and
+        `collected()`; `waiters` is the engine's set of waiting backlogs."""
+        self.stream, self._waiters, self._counts = stream, waiters, (consumed, collected)
         if self.waiting:  # began waiting before the engine took the stream
             waiters.add(self)
 
     def detach(self) -> None:
-        """Engine thread, before the stream's row is reset: keeps its last count; no more wake-ups."""
-        if self._count is not None:
-            self._consumed = self._count()
-            self._count = None
+        """Engine thread, before the stream's row is reset: keeps its last counts; no more wake-ups."""
+        if self._counts is not None:
+            self._last = tuple(count() for count in self._counts)
+            self._counts = None
         self.stream = None  # no cycle back through the engine's session
         waiters, self._waiters = self._waiters, None
         if waiters is not None:
