@@ -249,11 +249,11 @@ class OpenAiRealtime:
 
     def _parse_format(self, value, param: str, beta: bool) -> str:
         if beta:
-            if value not in BETA_FORMATS:
+            if not isinstance(value, str) or value not in BETA_FORMATS:
                 raise ClientError("invalid_value", f"input_audio_format must be one of {', '.join(BETA_FORMATS)}",
                                   param)
             return BETA_FORMATS[value]
-        if not isinstance(value, dict) or value.get("type") not in FORMAT_RATES:
+        if not isinstance(value, dict) or not isinstance(value.get("type"), str) or value["type"] not in FORMAT_RATES:
             raise ClientError("invalid_value", f"format.type must be one of {', '.join(FORMAT_RATES)}", param)
         rate = value.get("rate", FORMAT_RATES[value["type"]])
         if rate != FORMAT_RATES[value["type"]] or isinstance(rate, bool):
@@ -279,7 +279,8 @@ class OpenAiRealtime:
                     raise ClientError("invalid_type", f"{key} must be a string", f"{param}.{key}")
                 changes[key] = value[key]
         if "delay" in value:
-            if value["delay"] is not None and value["delay"] not in DELAY_MS:
+            delay = value["delay"]
+            if delay is not None and (not isinstance(delay, str) or delay not in DELAY_MS):
                 raise ClientError("invalid_value", f"delay must be one of {', '.join(DELAY_MS)}", f"{param}.delay")
             changes["delay"] = value["delay"]
         return changes

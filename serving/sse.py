@@ -13,10 +13,11 @@ the server does it for them and frees the engine).
 """
 import asyncio
 import collections
-import json
 import logging
 
 from aiohttp import web
+
+from jaxstream.serving import wire_json
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class EventLog:
 
 
 def frame(event_id: int | None, data: dict | str) -> bytes:
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    text = data if isinstance(data, str) else wire_json.dumps(data)
     head = f"id: {event_id}\n" if event_id is not None else ""
     # A JSON dump has no newline; a text sentinel might, and every line of it needs its own `data:`.
     body = "".join(f"data: {line}\n" for line in text.split("\n"))

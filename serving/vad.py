@@ -170,7 +170,7 @@ def parse_turn_detection(value) -> dict | None:
         raise TurnDetectionError("turn_detection.type must be server_vad or semantic_vad")
     if value["type"] == "semantic_vad":
         eagerness = value.get("eagerness", "auto")
-        if eagerness not in SEMANTIC_SILENCE_MS:
+        if not isinstance(eagerness, str) or eagerness not in SEMANTIC_SILENCE_MS:
             raise TurnDetectionError(f"eagerness must be one of {', '.join(SEMANTIC_SILENCE_MS)}", "eagerness")
         return {"type": "semantic_vad", "eagerness": eagerness}
     defaults = VadConfig()

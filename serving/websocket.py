@@ -16,12 +16,12 @@ Sends are awaited one at a time (no unbounded outgoing queue): a client that sto
 connection until `send_timeout_s`, then it is closed with 1008.
 """
 import asyncio
-import json
 import logging
 import uuid
 
 from aiohttp import WSMsgType, web
 
+from jaxstream.serving import wire_json
 from jaxstream.serving.limits import (
     CLOSE_INTERNAL_ERROR, CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, Breach, Clock, watch_deadlines,
 )
@@ -180,7 +180,8 @@ async def _finish(conn: Connection) -> None:
                 conn.count_error(breach.error_code)
                 await _send_event(ws, conn.protocol.error_event(breach.error_code, breach.message))
             code = breach.close_code if breach is not None else CLOSE_NORMAL
-            reason = (breach.message or breach.outcome).encode()[:123] if breach is not None else b""
+            # A message may quote the client's text: a lone surrogate in it is escaped, not fatal.
+            reason = (breach.message or breach.outcome).encode(errors="backslashreplace")[:123] if breach else b""
             await ws.close(code=code, message=reason)
     except (TimeoutError, ConnectionError):
         pass  # the peer does not read or is gone; aiohttp drops the transport
@@ -190,12 +191,7 @@ async def _send_event(ws, event: dict | bytes) -> None:
     if isinstance(event, bytes):
         await ws.send_bytes(event)
     else:
-        await ws.send_str(_dumps(event))
-
-
-def _dumps(event: dict) -> str:
-    # Compact, as pydantic's model_dump_json (vLLM) writes it.
-    return json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+        await ws.send_str(wire_json.dumps(event))
 
 
 def _log_connection(conn: Connection, duration: float, outcome: str) -> None:

@@ -2,6 +2,7 @@
 model id it serves, the bundled sample, and the check that each test leaves the engine at its baseline.
 A module imports the ones it uses (pytest finds fixtures among a module's names) and may override any."""
 import pytest
+from hypothesis import strategies as st
 
 from jaxstream.serving.testing import ServerThread, sample_audio, shared_engine, wait_engine_baseline
 
@@ -33,3 +34,13 @@ async def engine_returns_to_baseline(engine):
     yield
     await wait_engine_baseline(engine)
     assert engine.healthy
+
+
+def fuzz_text(max_size: int):
+    """Text for fuzzed JSON values: any characters, lone UTF-16 surrogates included (valid JSON as "\\ud800";
+    a server that echoes one back must still be able to send its frame)."""
+    return st.text(st.characters() | st.characters(categories=["Cs"]), max_size=max_size)
+
+
+# What every dialect answers to an exception in its own code: a fuzzed frame must never get it.
+INTERNAL_ERRORS = ("Internal error while handling the event", "Internal error while handling the message")

@@ -20,6 +20,7 @@ from jaxstream.serving.audio_codecs import encode_pcm16_base64
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.limits import Limits, RollingWindowLimiter
 from jaxstream.serving.testing import ServerThread, wait_engine_baseline
+from serve_fixtures import INTERNAL_ERRORS, fuzz_text
 from serve_fixtures import audio, engine, engine_returns_to_baseline, model, server  # noqa: F401 - pytest fixtures
 
 pytestmark = pytest.mark.slow
@@ -427,8 +428,8 @@ async def test_disconnect_frees_the_engine(server, engine, audio, point, how):
 
 
 # -- fuzz ---------------------------------------------------------------------------------------------------
-_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | fuzz_text(12),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(fuzz_text(8), inner,
                                                                                  max_size=3), max_leaves=8)
 # Every type but `end`, which closes the socket the fuzz runs on.
 _types = st.one_of(st.sampled_from(["ping", "pong", "cancel", "session.update", "input_audio_buffer.append",
@@ -437,9 +438,10 @@ _payloads = st.one_of(_json, st.fixed_dictionaries({}, optional={
     "audio": st.one_of(_json, st.binary(max_size=40).map(lambda b: base64.b64encode(b).decode())),
     "final": st.one_of(st.booleans(), _json), "model": st.one_of(st.just("MODEL"), _json),
     "reason": _json, "transcription_delay_ms": st.one_of(st.sampled_from([80, 480, 2400]), _json),
-    "turn_detection": st.one_of(st.none(), st.just({"type": "server_vad"}), _json)}))
+    "turn_detection": st.one_of(st.none(), st.just({"type": "server_vad"}), _json, st.fixed_dictionaries(
+        {"type": st.just("semantic_vad")}, optional={"eagerness": _json}))}))
 _envelopes = st.fixed_dictionaries({"type": _types}, optional={
-    "session_id": st.one_of(st.text(max_size=8), _json), "request_id": st.one_of(st.text(max_size=8), _json),
+    "session_id": st.one_of(fuzz_text(8), _json), "request_id": st.one_of(fuzz_text(8), _json),
     "payload": _payloads})
 _frames = st.one_of(_envelopes.map(json.dumps), _json.map(json.dumps), st.text(max_size=40), st.binary(max_size=20))
 
@@ -466,6 +468,7 @@ async def test_fuzzed_frames_get_structured_errors_and_keep_the_socket(server, m
                     assert set(payload) == {"code", "message", "reason_code", "details"}, event
                     assert isinstance(payload["code"], str) and isinstance(payload["reason_code"], str)
                     assert isinstance(payload["details"], dict) and payload["message"]
+                    assert payload["message"] not in INTERNAL_ERRORS, event
                     if event["request_id"] == "sentinel":
                         assert payload["code"] == "unknown_event"
                         break

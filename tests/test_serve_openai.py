@@ -18,6 +18,7 @@ from websockets.sync.client import connect as sync_connect
 from jaxstream.serving.audio_codecs import G711_TABLES, encode_pcm16_base64
 from jaxstream.serving.openai_realtime import LOGPROBS
 from jaxstream.serving.testing import ServerThread, sample_audio, wait_engine_baseline
+from serve_fixtures import INTERNAL_ERRORS, fuzz_text
 from serve_fixtures import engine, engine_returns_to_baseline, model, server  # noqa: F401 - pytest fixtures
 
 pytestmark = pytest.mark.slow
@@ -349,6 +350,15 @@ async def test_errors_echo_the_event_id_and_keep_the_socket(server, model, speec
         ({"type": "session.update", "session": {"include": ["item.input_audio_transcription.words"]}},
          "invalid_value", "session.include"),
         ({"type": "session.update", "session": {"include": "logprobs"}}, "invalid_type", "session.include"),
+        # A list or an object where a name is expected: refused as a bad value, not an internal error.
+        (ga_update(model, {"type": ["audio/pcm"]}), "invalid_value", "session.audio.input.format"),
+        (ga_update(model, delay=["low"]), "invalid_value", "session.audio.input.transcription.delay"),
+        (ga_update(model, turn_detection={"type": "semantic_vad", "eagerness": {"low": 1}}), "invalid_value",
+         "session.audio.input.turn_detection.eagerness"),
+        ({"type": "transcription_session.update", "session": {"input_audio_format": ["pcm16"]}}, "invalid_value",
+         "session.input_audio_format"),
+        ({"type": "transcription_session.update", "session": {"input_audio_transcription": {"delay": {}}}},
+         "invalid_value", "session.input_audio_transcription.delay"),
     ]
     for n, (event, code, param) in enumerate(cases):
         await client.send({**event, "event_id": f"evt_{n}"})
@@ -372,16 +382,26 @@ async def test_errors_echo_the_event_id_and_keep_the_socket(server, model, speec
     await client.ws.close()
 
 
-_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | fuzz_text(12),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(fuzz_text(8), inner,
                                                                                  max_size=3), max_leaves=8)
 _types = st.sampled_from(["session.update", "transcription_session.update", "input_audio_buffer.append",
-                          "input_audio_buffer.commit", "input_audio_buffer.clear", "response.create", ""])
+                          "input_audio_buffer.commit", "input_audio_buffer.clear", "response.create", "", "\ud800"])
+# The session's enumerated fields, each a right value or any JSON (a list where a name is expected, ...).
+_turn_detection = st.one_of(_json, st.fixed_dictionaries(
+    {"type": st.sampled_from(["server_vad", "semantic_vad"])}, optional={"eagerness": _json, "threshold": _json}))
+_input = st.fixed_dictionaries({}, optional={
+    "format": st.one_of(_json, st.fixed_dictionaries({"type": st.one_of(st.just("audio/pcm"), _json)})),
+    "transcription": st.one_of(_json, st.fixed_dictionaries({}, optional={
+        "delay": st.one_of(st.just("low"), _json), "model": _json, "language": _json})),
+    "noise_reduction": st.one_of(_json, st.fixed_dictionaries({"type": _json})), "turn_detection": _turn_detection})
 _events = st.fixed_dictionaries({"type": _types}, optional={
     "event_id": _json, "audio": st.one_of(_json, st.binary(max_size=40).map(lambda b: base64.b64encode(b).decode())),
     "session": st.one_of(_json, st.fixed_dictionaries({}, optional={
-        "type": st.one_of(st.just("transcription"), _json), "input_audio_format": _json,
-        "turn_detection": _json, "audio": st.fixed_dictionaries({}, optional={"input": _json})}))})
+        "type": st.one_of(st.just("transcription"), _json), "input_audio_format": st.one_of(st.just("pcm16"), _json),
+        "input_audio_transcription": st.one_of(_json, st.fixed_dictionaries({}, optional={"delay": _json})),
+        "turn_detection": _turn_detection, "include": _json,
+        "audio": st.fixed_dictionaries({}, optional={"input": st.one_of(_input, _json)})}))})
 _frames = st.one_of(_events.map(json.dumps), _json.map(json.dumps), st.text(max_size=40))
 
 
@@ -402,6 +422,7 @@ async def test_fuzzed_events_get_well_formed_answers(server, engine):
                 assert isinstance(event, dict) and isinstance(event.get("event_id"), str), event
                 if event["type"] == "error":
                     assert isinstance(event["error"]["code"], str) and event["error"]["message"]
+                    assert event["error"]["message"] not in INTERNAL_ERRORS, event
                     assert event["error"]["event_id"] is None or isinstance(event["error"]["event_id"], str)
                     if event["error"]["event_id"] == "sentinel":
                         break

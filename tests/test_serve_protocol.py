@@ -17,6 +17,7 @@ from websockets.sync.client import connect as sync_connect
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.limits import Limits
 from jaxstream.serving.testing import RealtimeClient, ServerThread, stream_utterance, wait_engine_baseline
+from serve_fixtures import INTERNAL_ERRORS, fuzz_text
 from serve_fixtures import audio, engine, engine_returns_to_baseline, model, server  # noqa: F401 - pytest fixtures
 
 pytestmark = pytest.mark.slow
@@ -384,11 +385,11 @@ async def test_sagemaker_route_gives_the_same_transcript_and_takes_binary_json(s
 
 
 # -- fuzz -------------------------------------------------------------------------------------------------
-_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | fuzz_text(20),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(fuzz_text(8), inner,
                                                                                  max_size=4), max_leaves=12)
 _types = st.sampled_from(["session.update", "input_audio_buffer.append", "input_audio_buffer.commit",
-                          "transcription.delta", "", "error"])
+                          "transcription.delta", "", "error", "\ud800"])
 _audio = st.one_of(st.text(max_size=40), st.binary(max_size=60).map(lambda b: base64.b64encode(b).decode()),
                    _json)
 _events = st.fixed_dictionaries({"type": _types}, optional={
@@ -422,6 +423,7 @@ async def test_fuzzed_frames_get_structured_answers_and_keep_the_socket(server, 
                 assert isinstance(event, dict) and event.get("type") in _REPLIES, event
                 if event["type"] == "error":
                     assert isinstance(event["code"], str) and isinstance(event["error"], str) and event["error"]
+                    assert event["error"] not in INTERNAL_ERRORS, event
                     if event["error"] == "Unknown event type: fuzz.sentinel":
                         break
 

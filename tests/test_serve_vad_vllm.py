@@ -171,6 +171,7 @@ async def test_segmenter_keeps_the_connection_clock_and_every_sample(stream):
     ({"type": "loud_vad"}, "turn_detection.type"),
     ({"type": "server_vad", "threshold": 2}, "turn_detection.threshold"),
     ({"type": "semantic_vad", "eagerness": "eager"}, "turn_detection.eagerness"),
+    ({"type": "semantic_vad", "eagerness": ["low"]}, "turn_detection.eagerness"),  # not an internal error
 ])
 async def test_bad_turn_detection_is_refused(server, model, turn_detection, contains):
     client = await RealtimeClient.connect(server.url())
