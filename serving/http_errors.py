@@ -1,6 +1,8 @@
 """What every HTTP route of the server shares: the refusal (`RequestError`) and its OpenAI-shaped answer
 `{"error": {"message", "type", "param", "code"}}`, the engine-error-to-status map, the readiness and model
-checks, and reading a JSON body larger than the app's small default limit."""
+checks, and reading request bodies (JSON larger than the app's small default limit, uploads) to the
+idle timeout, answering a body that breaks off."""
+import asyncio
 import json
 
 from aiohttp import web
@@ -69,15 +71,32 @@ def check_kind(state, kind: str) -> None:
 async def read_json(request: web.Request) -> dict:
     """The JSON object of a request body, read up to the protocol's frame limit (the app's own body limit
     is sized for small requests, not audio chunks). An empty body is an empty object."""
-    limit = server_state(request).config.limits.max_message_bytes
+    limits = server_state(request).config.limits
+    limit = limits.max_message_bytes
     body = bytearray()
-    while data := await request.content.read(64 << 10):
+    while data := await body_read(request.content.read(64 << 10), limits):
         body += data
         if len(body) > limit:
             raise RequestError(413, "request_too_large", f"The request body is larger than {limit} bytes")
     if not body:
         return {}
     return parse_json_object(bytes(body))
+
+
+async def body_read(read, limits):
+    """Awaits one read of a request body (`read`, a coroutine). A body silent for `limits.idle_timeout_s` is
+    refused with 408, as an idle WebSocket is closed: a client that announced more than it sends would
+    otherwise hold its connection forever. A body that breaks off (the connection lost, or a multipart body
+    that ends inside a part) is a 400: an answer the client may never read, but one that aiohttp sends or
+    drops quietly, where an exception escaping the handler is logged as the server's own failure."""
+    try:
+        return await asyncio.wait_for(read, limits.idle_timeout_s)
+    except TimeoutError:
+        raise RequestError(408, "idle_timeout", f"No request body for {limits.idle_timeout_s:g} s") from None
+    except ConnectionError as exc:
+        raise RequestError(400, "client_disconnected", f"The request body broke off: {exc}") from None
+    except ValueError as exc:  # aiohttp's multipart reader: a body that ends before its closing boundary
+        raise RequestError(400, "invalid_request", f"The request body is not complete multipart data: {exc}") from None
 
 
 def parse_json_object(data: bytes, what: str = "The body") -> dict:

@@ -29,7 +29,8 @@ from jaxstream.serving import sse, streaming_input
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_pcm16_base64
 from jaxstream.serving.engine_sessions import start_session, token_logprobs
 from jaxstream.serving.http_errors import (
-    RequestError, check_kind, check_model, check_ready, engine_request_error, error_response, server_state,
+    RequestError, body_read, check_kind, check_model, check_ready, engine_request_error, error_response,
+    server_state,
 )
 from jaxstream.serving.limits import holds_stream
 
@@ -182,9 +183,9 @@ class AudioInput(streaming_input.EngineInput):
 
 
 # -- the request ------------------------------------------------------------------------------------------
-async def _read_part(part, limit: int, name: str) -> bytes:
+async def _read_part(part, limit: int, name: str, limits) -> bytes:
     data = bytearray()
-    while chunk := await part.read_chunk(64 << 10):
+    while chunk := await body_read(part.read_chunk(64 << 10), limits):
         data += chunk
         if len(data) > limit:
             raise RequestError(413, "file_too_large" if name == "file" else "field_too_large",
@@ -197,13 +198,14 @@ async def _parse_form(request: web.Request) -> tuple[bytes, dict, dict[str, list
     multipart reader is used directly: the app's body limit is sized for small JSON, not uploads."""
     if not request.content_type.startswith("multipart/form-data"):
         raise RequestError(400, "invalid_request", "Send the audio as multipart/form-data with a `file` field")
+    limits = server_state(request).config.limits
     reader = await request.multipart()
     audio, fields, lists = None, {}, {"timestamp_granularities": [], "include": []}
-    async for part in reader:
+    while (part := await body_read(reader.next(), limits)) is not None:
         if part.name == "file":
-            audio = await _read_part(part, MAX_FILE_BYTES, "file")
+            audio = await _read_part(part, MAX_FILE_BYTES, "file", limits)
         elif part.name:
-            value = (await _read_part(part, _FIELD_BYTES, part.name)).decode("utf-8", "replace")
+            value = (await _read_part(part, _FIELD_BYTES, part.name, limits)).decode("utf-8", "replace")
             name = part.name.removesuffix("[]")
             if name in lists:
                 lists[name].append(value)

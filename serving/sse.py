@@ -32,7 +32,12 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 
 
 class ReplayGone(Exception):
-    """The events after the client's Last-Event-ID are no longer buffered."""
+    """The events after the client's Last-Event-ID cannot be replayed: no longer buffered, or the id is
+    past every event the stream has (`code` says which)."""
+
+    def __init__(self, message: str, code: str = "replay_unavailable"):
+        super().__init__(message)
+        self.code = code
 
 
 class EventLog:
@@ -59,7 +64,11 @@ class EventLog:
             self.closed = True
 
     def after(self, last_id: int) -> list[tuple[int, dict | str]]:
-        """Events with an id above `last_id`; ReplayGone when some of them already left the buffer."""
+        """Events with an id above `last_id`; ReplayGone when some of them already left the buffer, or when
+        `last_id` is one the stream never had (waiting for it would skip the events before it)."""
+        if last_id > self.last_id:
+            raise ReplayGone(f"Last-Event-ID {last_id} is past this stream's last event ({self.last_id})",
+                             "invalid_last_event_id")
         oldest = self._events[0][0] if self._events else self.last_id + 1
         if last_id + 1 < oldest:
             raise ReplayGone(f"events {last_id + 1}..{oldest - 1} are no longer buffered")
@@ -129,8 +138,8 @@ async def _write_events(request, response, log, after, keepalive_s, first_event_
             try:
                 pending = log.after(after)
             except ReplayGone as exc:
-                await _end_with_error(response, after, error_payload(str(exc), "replay_unavailable",
-                                                                     "invalid_request_error"))
+                await _end_with_error(response, min(after, log.last_id),
+                                      error_payload(str(exc), exc.code, "invalid_request_error"))
                 return False
             for event_id, data in pending:
                 await response.write(frame(event_id, data))
@@ -138,7 +147,8 @@ async def _write_events(request, response, log, after, keepalive_s, first_event_
                 if data == DONE:
                     await response.write_eof()
                     return True
-            if log.closed and after >= log.last_id:  # resumed after the end: nothing is left to send
+            if log.closed and after == log.last_id:  # resumed after the end: it ends as every stream does
+                await response.write(frame(after, DONE))
                 await response.write_eof()
                 return True
             now = loop.time()

@@ -20,6 +20,7 @@ from jaxstream.serving import sse
 from jaxstream.serving.audio_codecs import encode_pcm16_base64
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.http_sessions import REPLICA_HEADER, STREAMING_INPUT
+from jaxstream.serving.limits import Limits
 from jaxstream.serving.testing import ServerThread, wait_engine_baseline, wait_engine_sessions
 from serve_fixtures import audio, engine, engine_returns_to_baseline, model, server  # noqa: F401 - pytest fixtures
 
@@ -122,6 +123,47 @@ def test_api_key_is_required(engine, wav):
         server.close()
 
 
+def _raw_post(server, path: str, content_type: str, length: int, body: bytes, reset: bool = False):
+    """A POST over a plain socket announcing `length` bytes and sending `body`: the status line and the JSON
+    answer, or None when `reset` (the client then resets the connection)."""
+    host, port = server.url("", "http").removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+                     f"Content-Length: {length}\r\n\r\n".encode() + body)
+        if reset:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            return None
+        sock.settimeout(30)
+        answer = b""
+        while (b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}")) and (data := sock.recv(4096)):
+            answer += data
+        head, payload = answer.split(b"\r\n\r\n", 1)
+        return head.split(b"\r\n")[0].decode(), json.loads(payload)
+
+
+def test_bodies_that_break_off_or_stall_get_an_answer_and_no_server_error(engine, wav, caplog):
+    """An upload whose multipart body ends inside a part is a 400 (it was aiohttp's plain-text 500); a body
+    that stops coming is a 408 after the idle timeout (it held its connection forever); a client that resets
+    mid-body is no server error in the log (it was a traceback from aiohttp's handler)."""
+    server = ServerThread(engine, ServerConfig(limits=Limits(idle_timeout_s=1.0)))
+    form = "multipart/form-data; boundary=XyZ"
+    upload = (b'--XyZ\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+              b"Content-Type: audio/wav\r\n\r\n" + wav + b"\r\n--XyZ--\r\n")
+    try:
+        with caplog.at_level("ERROR"):
+            status, answer = _raw_post(server, "/v1/audio/transcriptions", form, 300, upload[:300])
+            assert status.endswith("400 Bad Request") and answer["error"]["code"] == "invalid_request", answer
+            for path, kind, body in (("/v1/audio/transcriptions", form, upload[:300]),
+                                     (SESSIONS, "application/json", b'{"model": ')):
+                status, answer = _raw_post(server, path, kind, len(body) + 100, body)
+                assert status.endswith("408 Request Timeout") and answer["error"]["code"] == "idle_timeout"
+                _raw_post(server, path, kind, len(body) + 100, body, reset=True)
+            server.call(asyncio.sleep(0.5))
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    finally:
+        server.close()
+
+
 def test_curl_stream_headers_ids_and_done(server, model, wav, tmp_path, reference):
     path = tmp_path / "sample.wav"
     path.write_bytes(wav)
@@ -191,6 +233,15 @@ async def test_stream_log_keepalive_first_event_timeout_and_replay_gap():
             async with http.get(test_server.make_url("/"), headers={"Last-Event-ID": "1"}) as response:
                 events, _ = await read_sse(response)
             assert events[0][0] == 1 and events[0][1]["error"]["code"] == "replay_unavailable"
+            # Resumed after its end (EventSource reconnects when a stream closes): [DONE] again, not an empty
+            # body; an id the stream never had: an error and [DONE] (a live stream waited for that id and
+            # skipped every event before it).
+            async with http.get(test_server.make_url("/"), headers={"Last-Event-ID": "4"}) as response:
+                assert (await read_sse(response))[0] == [(4, "[DONE]")]
+            async with http.get(test_server.make_url("/"), headers={"Last-Event-ID": "99"}) as response:
+                events, _ = await read_sse(response)
+            assert [event_id for event_id, _ in events] == [4, 4] and events[-1][1] == "[DONE]"
+            assert events[0][1]["error"]["code"] == "invalid_last_event_id"
     finally:
         await test_server.close()
 
