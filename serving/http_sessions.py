@@ -156,19 +156,26 @@ class StreamingInputSessions:
             self.gone.popitem(last=False)
 
     async def reap(self) -> None:
-        """Closes idle, abandoned and long-finished sessions."""
+        """Closes idle, abandoned and long-finished sessions. It must outlive any one session's failure: once
+        it stopped, no session was ever closed again (their results and engine streams piled up)."""
         while True:
             await asyncio.sleep(_REAP_EVERY_S)
             now = time.monotonic()
             for session in list(self.sessions.values()):
-                done = session.stream.done
-                if done and now - session.done_at > self.session_timeout_s:
-                    await self.close(session, f"expired after its result was kept {self.session_timeout_s:g} s")
-                elif not session.input_ended and now - session.last_activity > self.session_timeout_s:
-                    await self.close(session, f"no chunk for {self.session_timeout_s:g} s")
-                elif (session.detached_at is not None and not session.listeners and not done
-                      and now - session.detached_at > self.resume_grace_s):
-                    await self.close(session, f"its event stream was not resumed within {self.resume_grace_s:g} s")
+                try:
+                    await self._reap(session, now)
+                except Exception:  # noqa: BLE001 - a bug in one session must not stop the reaping of all
+                    logger.exception("streaming input session %s: reaping it failed", session.id)
+
+    async def _reap(self, session: InputSession, now: float) -> None:
+        # `done_at` is set once `_release_when_done` has run, which may be a loop turn after the stream ended.
+        if session.done_at is not None and now - session.done_at > self.session_timeout_s:
+            await self.close(session, f"expired after its result was kept {self.session_timeout_s:g} s")
+        elif not session.input_ended and now - session.last_activity > self.session_timeout_s:
+            await self.close(session, f"no chunk for {self.session_timeout_s:g} s")
+        elif (session.detached_at is not None and not session.listeners and not session.stream.done
+              and now - session.detached_at > self.resume_grace_s):
+            await self.close(session, f"its event stream was not resumed within {self.resume_grace_s:g} s")
 
     # -- applying chunks ----------------------------------------------------------------------------------
     async def add_chunk(self, session: InputSession, chunk: dict) -> dict:

@@ -36,7 +36,7 @@ class Limits:
     # None: twice the engine's max_sessions (a connection between utterances holds no engine session, so
     # the engine's own cap is the binding one while all are busy).
     max_connections: int | None = None
-    idle_timeout_s: float = 150.0  # no message from the client for this long: close 4000 (a Mode A body: 408)
+    idle_timeout_s: float = 150.0  # no message from the client for this long: close 4000 (an HTTP body: 408)
     max_session_seconds: float = 5400.0  # connection age: close 4003 (90 min, as the /ws guide)
     max_audio_seconds: float = 7200.0  # audio one connection may send in all
     max_pending_seconds: float = 30.0  # audio held while no utterance runs (before a commit)

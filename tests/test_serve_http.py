@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import subprocess
+import types
 
 import aiohttp
 import numpy as np
@@ -368,6 +369,35 @@ async def test_session_errors_and_idle_timeout(server, model, audio, monkeypatch
         await asyncio.sleep(1.2)
         status, body = await call(http, server, "POST", base + "/chunks", json={**chunk, "sequence_id": 1})
         assert status == 410 and body["error"]["code"] == "session_expired"
+
+
+async def test_the_reaper_outlives_a_session_it_cannot_judge(server, model, audio, monkeypatch):
+    """A session whose stream had ended a loop turn before its release ran (`done_at` still None) made the
+    reaper raise TypeError and stop for good: no session expired again, and finished sessions piled up (found
+    by a chaos run: 95 finished sessions 30 s past a 5 s timeout). A session in that state, first in the
+    registry, must not keep a finished one from expiring."""
+    registry = server.app[STREAMING_INPUT]
+    stuck = types.SimpleNamespace(id="stuck", done_at=None, input_ended=True, last_activity=0.0, detached_at=None,
+                                  listeners=set(), closed=False, stream=types.SimpleNamespace(done=True))
+
+    async def put_first():
+        registry.sessions = {"stuck": stuck, **registry.sessions}
+
+    server.call(put_first())
+    monkeypatch.setattr(registry, "session_timeout_s", 0.3)
+    try:
+        async with aiohttp.ClientSession() as http:
+            chunk = {**chunks_of(audio[:CHUNK])[0], "end_of_input": True}
+            _, created = await call(http, server, "POST", SESSIONS, json={"model": model, "chunk": chunk})
+            base = f"{SESSIONS}/{created['session_id']}"
+            for _ in range(100):
+                status, body = await call(http, server, "GET", base + "/result")
+                if status == 410:
+                    break
+                await asyncio.sleep(0.1)
+            assert status == 410 and "expired" in body["error"]["message"], body
+    finally:
+        registry.sessions.pop("stuck", None)
 
 
 async def test_finish_without_audio_and_abandoned_stream(server, engine, model, audio, monkeypatch):

@@ -43,7 +43,8 @@ def register(subparsers) -> None:
     parser.add_argument("--max-session-seconds", type=float, default=None, metavar="S",
                         help="close a connection this old (default 5400)")
     parser.add_argument("--idle-timeout", type=float, default=None, metavar="S",
-                        help="close a connection silent this long (default 150)")
+                        help="close a connection silent this long, and refuse (408) an HTTP body that stalls "
+                             "this long (default 150)")
     parser.add_argument("--max-audio-seconds", type=float, default=None, metavar="S",
                         help="audio one connection may send in all (default 7200); with [engine] "
                         "realtime_admission = \"window\" the engine reserves memory for each session's largest size, "
