@@ -92,7 +92,7 @@ async def body_read(read, limits):
     try:
         return await asyncio.wait_for(read, limits.idle_timeout_s)
     except TimeoutError:
-        raise RequestError(408, "idle_timeout", f"No request body for {limits.idle_timeout_s:g} s") from None
+        raise RequestError(408, "idle_timeout", f"No input for {limits.idle_timeout_s:g} s") from None
     except ConnectionError as exc:
         raise RequestError(400, "client_disconnected", f"The request body broke off: {exc}") from None
     except ValueError as exc:  # aiohttp's multipart reader: a body that ends before its closing boundary

@@ -33,7 +33,7 @@ from aiohttp import web
 
 from jaxstream.errors import EngineError
 from jaxstream.serving import sse
-from jaxstream.serving.http_errors import RequestError, engine_request_error, parse_json_object
+from jaxstream.serving.http_errors import RequestError, body_read, engine_request_error, parse_json_object
 from jaxstream.serving.limits import Breach
 
 logger = logging.getLogger(__name__)
@@ -297,10 +297,7 @@ async def ndjson_objects(request: web.Request, limits):
     buffer = bytearray()
     number = 0
     while True:
-        try:
-            data = await asyncio.wait_for(request.content.readany(), limits.idle_timeout_s)
-        except TimeoutError:
-            raise RequestError(408, "idle_timeout", f"No input for {limits.idle_timeout_s:g} s") from None
+        data = await body_read(request.content.readany(), limits)
         buffer += data
         while (newline := buffer.find(b"\n")) >= 0:
             line, buffer = bytes(buffer[:newline]).strip(), buffer[newline + 1:]
@@ -359,10 +356,8 @@ async def _read_chunks(stream, feed: InputFeed, objects, first_chunk) -> None:
             if chunk["end_of_input"]:
                 break
         await feed.end()  # at end_of_input or at the end of the body
-    except RequestError as exc:
+    except RequestError as exc:  # the client going away mid-body among them; the SSE side notices it too
         stream.fail(exc.code, str(exc))
-    except ConnectionError as exc:  # the client went away mid-body; the SSE side notices it too
-        stream.fail("client_disconnected", str(exc) or "the request body ended early")
     except Exception as exc:  # noqa: BLE001 - the stream must end, with the failure logged
         logger.exception("reading a streaming-input body failed")
         stream.fail("server_error", f"Internal error while reading the input: {type(exc).__name__}")

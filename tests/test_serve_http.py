@@ -155,7 +155,10 @@ def test_bodies_that_break_off_or_stall_get_an_answer_and_no_server_error(engine
             status, answer = _raw_post(server, "/v1/audio/transcriptions", form, 300, upload[:300])
             assert status.endswith("400 Bad Request") and answer["error"]["code"] == "invalid_request", answer
             for path, kind, body in (("/v1/audio/transcriptions", form, upload[:300]),
-                                     (SESSIONS, "application/json", b'{"model": ')):
+                                     (SESSIONS, "application/json", b'{"model": '),
+                                     # Mode A, its first line stalled or cut: before any SSE, a plain answer.
+                                     ("/v1/audio/transcriptions", "application/x-multipart-streaming",
+                                      b'{"model": ')):
                 status, answer = _raw_post(server, path, kind, len(body) + 100, body)
                 assert status.endswith("408 Request Timeout") and answer["error"]["code"] == "idle_timeout"
                 _raw_post(server, path, kind, len(body) + 100, body, reset=True)
