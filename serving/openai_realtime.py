@@ -282,7 +282,7 @@ class OpenAiRealtime:
             delay = value["delay"]
             if delay is not None and (not isinstance(delay, str) or delay not in DELAY_MS):
                 raise ClientError("invalid_value", f"delay must be one of {', '.join(DELAY_MS)}", f"{param}.delay")
-            changes["delay"] = value["delay"]
+            changes["delay"] = delay
         return changes
 
     def _parse_turn_detection(self, value, param: str, beta: bool) -> dict | None:
