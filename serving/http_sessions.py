@@ -160,12 +160,16 @@ class StreamingInputSessions:
         it stopped, no session was ever closed again (their results and engine streams piled up)."""
         while True:
             await asyncio.sleep(_REAP_EVERY_S)
-            now = time.monotonic()
-            for session in list(self.sessions.values()):
-                try:
-                    await self._reap(session, now)
-                except Exception:  # noqa: BLE001 - a bug in one session must not stop the reaping of all
-                    logger.exception("streaming input session %s: reaping it failed", session.id)
+            await self._reap_all(time.monotonic())
+
+    async def _reap_all(self, now: float) -> None:
+        # A frame of its own: a loop variable in `reap` would keep the last session (its result, event log
+        # and engine stream) alive for as long as the server stays idle.
+        for session in list(self.sessions.values()):
+            try:
+                await self._reap(session, now)
+            except Exception:  # noqa: BLE001 - a bug in one session must not stop the reaping of all
+                logger.exception("streaming input session %s: reaping it failed", session.id)
 
     async def _reap(self, session: InputSession, now: float) -> None:
         # `done_at` is set once `_release_when_done` has run, which may be a loop turn after the stream ended.

@@ -137,20 +137,25 @@ class FrontEndWorker:
             if self._unjudged and self._jobs.empty():
                 self._judge(self._unjudged.popleft())  # nothing waits: a good time
                 continue
-            jobs, stop = [self._jobs.get()], False
-            while True:  # everything queued meanwhile joins this pass
-                try:
-                    jobs.append(self._jobs.get_nowait())
-                except queue.Empty:
-                    break
-            if jobs[-1] is _STOP:
-                jobs.pop()
-                stop = True
-            self._process(jobs)
-            if stop:
+            if self._one_pass():
                 return
             if self._unjudged:  # one per pass even when appends never stop coming
                 self._judge(self._unjudged.popleft())
+
+    def _one_pass(self) -> bool:
+        """Waits for a job and processes it with everything queued meanwhile; True at the stop mark. (A frame
+        of its own: jobs held in `_run` while it waits for the next would keep their streams alive.)"""
+        jobs = [self._jobs.get()]
+        while True:
+            try:
+                jobs.append(self._jobs.get_nowait())
+            except queue.Empty:
+                break
+        stop = jobs[-1] is _STOP
+        if stop:
+            jobs.pop()
+        self._process(jobs)
+        return stop
 
     def _process(self, jobs: list[_Job]) -> None:
         batch: list[_Job] = []
