@@ -7,6 +7,8 @@ outside an utterance at most `max_pending_seconds`; audio inside one is handed t
 `append` waits while too much is queued (and while it waits the connection reads nothing more, so TCP
 pushes back on the client); events to the client are sent one at a time and awaited, so a client that
 stops reading stalls its own connection, never the server's memory, until `send_timeout_s` closes it.
+Time on the event loop is bounded the same way for a client that sends nothing but bad events: past
+`max_errors_per_minute` errors its connection closes.
 """
 import asyncio
 import collections
@@ -21,7 +23,7 @@ from jaxstream.models.audio import SAMPLING_RATE
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001  # server draining / shutting down
 CLOSE_UNSUPPORTED_DATA = 1003  # binary frame on /v1/realtime with --compat vllm
-CLOSE_POLICY_VIOLATION = 1008  # the client stopped reading
+CLOSE_POLICY_VIOLATION = 1008  # the client stopped reading, or provoked too many errors
 CLOSE_INTERNAL_ERROR = 1011
 CLOSE_TRY_AGAIN_LATER = 1013  # the engine is still compiling
 CLOSE_IDLE = 4000
@@ -43,6 +45,10 @@ class Limits:
     max_append_seconds: float = 60.0  # audio in one append event
     max_message_bytes: int = 4 << 20  # larger frames close the socket with 1009 (aiohttp)
     send_timeout_s: float = 30.0  # one event not taken by the client within this: close 1008
+    # Errors one WebSocket connection may provoke in any 60 s; one more closes it with 1008. A client stuck in
+    # a loop of bad events otherwise keeps the event loop answering it (one invalid-event flood: ~20,000
+    # error events a second, and 16 paced streams on the same server fell behind real time). None: no limit.
+    max_errors_per_minute: int | None = 600
     heartbeat_s: float | None = 30.0  # protocol pings to notice dead peers; None: only answer pings
     # HTTP streaming input (specs/realtime_protocols.md §7): payload one Mode A request or Mode B session
     # may send (the RFC's max_payload_per_session; 256 MiB of PCM16 is about 2 h 20 min at 16 kHz).
@@ -56,6 +62,9 @@ class Limits:
             value = getattr(self, field.name)
             if value is not None and (isinstance(value, bool) or not value > 0):
                 raise ValueError(f"limit {field.name} must be positive, got {value!r}")
+            # A count from a TOML file may be a float; rate windows and caps count whole events.
+            if value is not None and field.type in (int, int | None) and not isinstance(value, int):
+                raise ValueError(f"limit {field.name} must be a whole number, got {value!r}")
         # PCM16 is 2 bytes a sample; base64 writes 4 characters for every 3 bytes.
         if self.max_append_seconds * SAMPLING_RATE * 2 * 4 / 3 > self.max_message_bytes:
             raise ValueError("max_message_bytes must hold the base64 of max_append_seconds of audio")
@@ -70,6 +79,11 @@ class Breach:
     close_code: int
     error_code: str | None = None
     message: str = ""
+
+
+def errors_breach(limits: Limits) -> Breach:
+    return Breach("too_many_errors", CLOSE_POLICY_VIOLATION, "too_many_errors",
+                  f"More than {limits.max_errors_per_minute} errors in 60 s: closing the connection")
 
 
 def idle_breach(limits: Limits) -> Breach:

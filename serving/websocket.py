@@ -23,7 +23,8 @@ from aiohttp import WSMsgType, web
 
 from jaxstream.serving import wire_json
 from jaxstream.serving.limits import (
-    CLOSE_INTERNAL_ERROR, CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, Breach, Clock, watch_deadlines,
+    CLOSE_INTERNAL_ERROR, CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, Breach, Clock, RollingWindowLimiter, errors_breach,
+    watch_deadlines,
 )
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ class Connection:
         self.audio_seconds = 0.0
         self.utterances = 0
         self.errors = 0
+        cap = self.limits.max_errors_per_minute
+        self._error_budget = RollingWindowLimiter(cap, 60.0) if cap is not None else None
         self.breach: Breach | None = None  # why the connection ends (first reason wins)
         self.protocol = None
         self._stopped = asyncio.Event()
@@ -82,13 +85,20 @@ class Connection:
             raise ConnectionClosed from None
 
     def count_error(self, code: str) -> None:
+        """Counts an error answered to the client; past the error budget the connection ends."""
         self.errors += 1
         self.server.metrics.errors.labels(code=code).inc()
+        if self._error_budget is not None and not self._error_budget.allow():
+            self.stop(errors_breach(self.limits))
 
     async def frames(self):
         """Yields ("text", str) or ("binary", bytes) per data frame. Returns when the client closes or the
         socket fails; protocol pings are answered inside `receive` (aiohttp autoping)."""
         while not self._stopped.is_set():
+            # A loop turn per frame: `receive` returns at once while frames are buffered, so a client sending
+            # frames as fast as it can (valid ones too) kept the loop to itself and every other stream waited
+            # (16 paced streams behind one such client: first-delta p99 3.3 s instead of 0.7).
+            await asyncio.sleep(0)
             message = await self.ws.receive()
             if message.type is WSMsgType.TEXT:
                 self.clock.touch()

@@ -126,6 +126,15 @@ def test_configuration_mistakes_are_one_line(argv, message, capsys):
     assert message in err and err.count("\n") == 1 and err.startswith("jaxstream serve: error:")
 
 
+def test_a_fractional_count_in_a_server_toml_is_a_one_line_mistake(tmp_path, capsys):
+    # It used to start a server that answered every request with a 500 (the per-key window raised).
+    path = tmp_path / "s.toml"
+    path.write_text("[limits]\nmax_requests_per_minute_per_key = 10.5\n")
+    assert main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "max_requests_per_minute_per_key must be a whole number, got 10.5" in err and err.count("\n") == 1
+
+
 def test_server_toml(tmp_path):
     preset = load_server_file("server")
     assert preset.server["port"] == 8000 and preset.engine["max_sessions"] == 64

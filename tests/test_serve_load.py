@@ -1,12 +1,13 @@
 """The server under load and abuse, over loopback with real `websockets` clients: 32 concurrent streams get
 exactly their own transcripts (disconnects at every protocol point: test_serve_disconnects.py), a real-time client's
-first delta arrives within delay + 300 ms, silence gaps, engine capacity, backpressure, slow readers, and
-the graceful drain."""
+first delta arrives within delay + 300 ms, silence gaps, engine capacity, backpressure, slow readers, clients
+that flood frames or errors, and the graceful drain."""
 import asyncio
 import functools
 import time
 
 import aiohttp
+import msgpack
 import numpy as np
 import pytest
 import websockets
@@ -175,6 +176,69 @@ async def test_a_client_that_stops_reading_is_closed_not_buffered():
     assert time.monotonic() - started < 2 and conn.breach.outcome == "slow_reader" and conn.breach.close_code == 1008
     with pytest.raises(ConnectionClosed):  # nothing more is queued for it
         await conn.send({"type": "transcription.delta", "delta": "y"})
+
+
+class _FloodingSocket:
+    """A WebSocket whose peer has sent more frames than the server reads: `receive` never has to wait."""
+
+    close_code = None
+
+    async def receive(self):
+        return aiohttp.WSMessage(aiohttp.WSMsgType.TEXT, '{"type": "session.update"}', None)
+
+
+async def test_a_flooding_client_leaves_the_loop_to_the_others_between_frames():
+    # Deterministic: counts loop turns the other task got while 100 frames were read, no clock involved.
+    conn = Connection(_FloodingSocket(), _Request(), "/v1/realtime", _Server(Limits()))
+    turns = 0
+
+    async def another_connection():
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(another_connection())
+    await asyncio.sleep(0)
+    read = 0
+    async for _ in conn.frames():
+        read += 1
+        if read == 100:
+            break
+    other.cancel()
+    assert turns >= 99, f"the other connection ran {turns} times while one client's 100 frames were read"
+
+
+async def test_a_client_in_a_loop_of_bad_events_is_closed_and_the_others_keep_going(engine, model, audio,
+                                                                                     full_text):
+    server = ServerThread(engine, ServerConfig(limits=Limits(max_errors_per_minute=50)))
+    try:
+        transcribing = asyncio.create_task(stream_utterance(await connected(server, model), audio))
+        looping = await RealtimeClient.connect(server.url())
+        for _ in range(50):
+            await looping.send({"type": "no.such.event"})
+        assert [(await looping.event())["type"] for _ in range(50)] == ["error"] * 50
+        await looping.update(model)  # within the budget the connection serves as before
+        assert (await looping.event())["type"] == "session.updated"
+        await looping.send("not json")  # the 51st error in 60 s
+        last = await looping.event()
+        assert (last["type"], last["code"]) == ("error", "too_many_errors")
+        assert await closed_code(looping) == (1008, last["error"])
+        # Kyutai's msgpack protocol: the same budget, its own Error message.
+        kyutai = await websockets.connect(server.url("/api/asr-streaming"))
+        assert msgpack.unpackb(await kyutai.recv())["type"] == "Ready"
+        for _ in range(51):
+            await kyutai.send(b"\xc1")  # never valid msgpack
+        answers = []
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            while True:
+                answers.append(msgpack.unpackb(await asyncio.wait_for(kyutai.recv(), 10)))
+        # Errors still queued when the budget ran out are dropped; the reason is the last message.
+        assert closed.value.rcvd.code == 1008 and answers[-1]["message"] == last["error"]
+        assert {answer["type"] for answer in answers} == {"Error"}
+        assert (await transcribing)["done"]["text"] == full_text
+    finally:
+        server.close()
 
 
 # -- drain ----------------------------------------------------------------------------------------------------
