@@ -28,9 +28,10 @@ outside speech is not transcribed. `commit{final:true}` ends the speech in progr
 
 Limits: the API key (`?api_key=`, `X-API-Key`, or Bearer) is checked after the upgrade, so a bad one gets an
 `error` and close 4001 (the auth middleware leaves this route to us). The connection cap (4002), idle
-timeout (4000), maximum duration (4003) and drain are the shared runner's (serving.websocket). The message
-and cancel rate limits are rolling windows per connection (ServerConfig.ws_*): a message over a limit is
-dropped with an `error` `rate_limited`, and the socket stays open.
+timeout (4000), maximum duration (4003), error budget (1008) and drain are the shared runner's
+(serving.websocket). The message and cancel rate limits are rolling windows per connection
+(ServerConfig.ws_*): a message over a limit is dropped with an `error` `rate_limited`, and the socket stays
+open (those errors do not count against the error budget).
 
 Error payloads are `{code, message, reason_code, details}` (§5.7); `code` is the class, `reason_code` the
 cause (the same word where there is nothing more precise to say):
@@ -484,7 +485,8 @@ class EnvelopeProtocol:
 
     async def _error(self, session_id, request_id, code: str, reason_code: str, message: str,
                      details: dict | None = None) -> None:
-        self.conn.count_error(code)
+        # The rate limits answer with their own error and keep the socket open (§5.6): not the error budget's.
+        self.conn.count_error(code, budget=code != "rate_limited")
         await self._send("error", session_id, request_id, code=code, message=message, reason_code=reason_code,
                          details=details or {})
 

@@ -84,11 +84,12 @@ class Connection:
             self.stop(Breach("client_disconnected", CLOSE_NORMAL))
             raise ConnectionClosed from None
 
-    def count_error(self, code: str) -> None:
-        """Counts an error answered to the client; past the error budget the connection ends."""
+    def count_error(self, code: str, *, budget: bool = True) -> None:
+        """Counts an error answered to the client; past the error budget (errors that count against it)
+        the connection ends."""
         self.errors += 1
         self.server.metrics.errors.labels(code=code).inc()
-        if self._error_budget is not None and not self._error_budget.allow():
+        if budget and self._error_budget is not None and not self._error_budget.allow():
             self.stop(errors_breach(self.limits))
 
     async def frames(self):

@@ -39,10 +39,11 @@ def reference(engine, audio):
 
 @pytest.fixture(scope="module")
 def strict_server(engine):
-    """A key, a cap of two connections and small rate limits (60 s windows: nothing leaves them during a
-    test): a server of its own, as these would get in the other tests' way."""
+    """A key, a cap of two connections, small rate limits (60 s windows: nothing leaves them during a test)
+    and an error budget smaller than the rate-limit errors one test provokes: a server of its own, as these
+    would get in the other tests' way."""
     config = ServerConfig(api_keys=("k-1",), ws_max_messages_per_window=6, ws_max_cancels_per_window=2,
-                          limits=Limits(max_connections=2))
+                          limits=Limits(max_connections=2, max_errors_per_minute=2))
     server = ServerThread(engine, config)
     yield server
     server.close()
@@ -313,6 +314,7 @@ async def test_message_and_cancel_rate_limits(strict_server):
     assert 0 < error["payload"]["details"]["retry_after_seconds"] <= 60
     await client.ws.send("not json")  # unparseable frames count too
     await client.expect_error("rate_limited", "message_rate_limited")
+    # Three rate-limit errors and the socket is still open: they are not the error budget's (2 here).
     await client.send("ping", request_id="p")  # ping, pong and end are not counted
     assert (await client.event())["type"] == "pong"
     await client.send("pong")
