@@ -37,8 +37,8 @@ from jaxstream.serving.http_completions import add_completion_routes
 from jaxstream.serving.http_sessions import add_streaming_input_routes
 from jaxstream.serving.http_transcriptions import add_transcription_routes
 from jaxstream.serving.limits import (
-    CLOSE_CAPACITY, CLOSE_GOING_AWAY, CLOSE_INTERNAL_ERROR, CLOSE_TRY_AGAIN_LATER, Breach, KeyLimits,
-    key_limits_middleware,
+    CLOSE_CAPACITY, CLOSE_GOING_AWAY, CLOSE_INTERNAL_ERROR, CLOSE_TRY_AGAIN_LATER, Breach, FirstRequestDeadline,
+    KeyLimits, key_limits_middleware,
 )
 from jaxstream.serving.memory import TRIM_PERIOD_S, malloc_trimmer
 from jaxstream.serving.metrics import ServerMetrics
@@ -68,6 +68,8 @@ class ServerState:
         self._connections_changed = asyncio.Event()
         self.created = int(time.time())
         self.key_limits = KeyLimits(config.limits, by_api_key=bool(config.api_keys))
+        # Its sweep needs aiohttp's server, which the app never sees: `jaxstream serve` runs it on its runner.
+        self.first_request = FirstRequestDeadline(config.limits.first_request_timeout_s)
         if engine is not None:
             self._attach(engine)
 
@@ -160,7 +162,8 @@ def create_app(config: ServerConfig | None = None, *, engine=None, engine_factor
     state = ServerState(config, engine)
     open_paths = OPEN_PATHS | demo.PUBLIC_PATHS
     # /ws checks its key itself: its protocol answers a bad one after the upgrade (error, close 4001).
-    app = web.Application(middlewares=[auth_middleware(config.api_keys, open_paths | {envelope.ROUTE}),
+    app = web.Application(middlewares=[state.first_request.middleware(),
+                                       auth_middleware(config.api_keys, open_paths | {envelope.ROUTE}),
                                        key_limits_middleware(state.key_limits, open_paths)],
                           client_max_size=64 << 10)
     app[SERVER] = state

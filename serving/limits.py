@@ -45,6 +45,9 @@ class Limits:
     max_append_seconds: float = 60.0  # audio in one append event
     max_message_bytes: int = 4 << 20  # larger frames close the socket with 1009 (aiohttp)
     send_timeout_s: float = 30.0  # one event not taken by the client within this: close 1008
+    # A new connection's first request must be in (its headers complete) within this, or the connection is
+    # closed (FirstRequestDeadline). aiohttp itself waits for it forever.
+    first_request_timeout_s: float = 60.0
     # Errors one WebSocket connection may provoke in any 60 s; one more closes it with 1008. A client stuck in
     # a loop of bad events otherwise keeps the event loop answering it (one invalid-event flood: ~20,000
     # error events a second, and 16 paced streams on the same server fell behind real time). None: no limit.
@@ -242,3 +245,42 @@ def key_limits_middleware(key_limits: KeyLimits, open_paths):
             key_limits.close_stream(key)
 
     return limit_per_key
+
+
+class FirstRequestDeadline:
+    """Closes a connection whose first request has not arrived `timeout_s` after it opened. aiohttp waits for a
+    new connection's first request forever, so connections that trickle header bytes or send nothing each held
+    a socket for good (300 sending a byte every 5 s were all open after 95 s): enough of them and the server
+    runs out of file descriptors and accepts no one. After a first request aiohttp's keep-alive timeout takes
+    over. `middleware` marks the connections that made a request; `watch(server)` closes the others when due."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._requested: set = set()  # aiohttp protocols (one per connection) that made a request
+        self._seen: dict = {}  # the others -> when a sweep first saw them
+
+    def middleware(self):
+        from aiohttp import web
+
+        @web.middleware
+        async def mark(request, handler):
+            self._requested.add(request.protocol)
+            return await handler(request)
+
+        return mark
+
+    async def watch(self, server) -> None:
+        """Sweeps the connections of `server` (aiohttp's `web.Server`) until cancelled."""
+        while True:
+            await asyncio.sleep(min(5.0, self.timeout_s / 4))
+            self.sweep(server.connections, time.monotonic())
+
+    def sweep(self, connections, now: float) -> None:
+        """Closes those of `connections` without a request that a sweep `timeout_s` ago already saw (so a
+        connection lasts `timeout_s` to `timeout_s` + one period); forgets the closed ones."""
+        alive = set(connections)
+        self._requested &= alive
+        self._seen = {protocol: seen for protocol, seen in self._seen.items() if protocol in alive}
+        for protocol in alive - self._requested:
+            if now - self._seen.setdefault(protocol, now) >= self.timeout_s:
+                protocol.force_close()

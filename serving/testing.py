@@ -79,6 +79,11 @@ class ServerThread:
         self.server = TestServer(self.app, host="127.0.0.1")
         self.call(self.server.start_server())
 
+        async def sweep_first_requests():  # as `jaxstream serve` does: connections without a request are closed
+            return asyncio.create_task(self.state.first_request.watch(self.server.runner.server))
+
+        self._deadline = self.call(sweep_first_requests())
+
     def call(self, coro, timeout: float = 60.0):
         """Runs `coro` on the server's loop and returns its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -87,6 +92,7 @@ class ServerThread:
         return f"{scheme}://127.0.0.1:{self.server.port}{path}"
 
     def close(self) -> None:
+        self.loop.call_soon_threadsafe(self._deadline.cancel)
         self.call(self.server.close())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()

@@ -241,6 +241,47 @@ async def test_a_client_in_a_loop_of_bad_events_is_closed_and_the_others_keep_go
         server.close()
 
 
+async def test_a_connection_without_a_request_is_closed_when_due_and_the_others_stay(engine, model):
+    server = ServerThread(engine, ServerConfig(limits=Limits(first_request_timeout_s=1.0)))
+    try:
+        async def connect():
+            return await asyncio.open_connection("127.0.0.1", server.server.port)
+
+        silent = await connect()
+        trickling = await connect()
+        trickling[1].write(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        served = await connect()  # made a request and then says nothing: keep-alive's business, not ours
+
+        async def get(path: str) -> bytes:
+            served[1].write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            head = await served[0].readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            await served[0].readexactly(length)
+            return head.split(b"\r\n")[0]
+
+        assert await get("/health") == b"HTTP/1.1 200 OK"
+        socket = await connected(server, model)  # a WebSocket that sends nothing more
+
+        async def closed_by_server(reader, writer):
+            while True:
+                writer.write(b"a")  # a byte now and then, as a slowloris client sends
+                try:
+                    if await asyncio.wait_for(reader.read(1 << 16), 0.2) == b"":
+                        return True
+                except TimeoutError:
+                    pass
+
+        assert await asyncio.wait_for(closed_by_server(*trickling), 30)
+        assert await asyncio.wait_for(silent[0].read(), 30) == b""
+        assert await get("/v1/models") == b"HTTP/1.1 200 OK"
+        await socket.update(model)
+        assert (await socket.event())["type"] == "session.updated"
+        await socket.close()
+        served[1].close()
+    finally:
+        server.close()
+
+
 # -- drain ----------------------------------------------------------------------------------------------------
 def start_drain(server, timeout):
     return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(drain(server.app, timeout), server.loop))

@@ -171,6 +171,7 @@ async def _serve(model: str, config, engine_config) -> int:
     state = app[SERVER]
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
+    deadline = asyncio.create_task(state.first_request.watch(runner.server))
     loop = asyncio.get_running_loop()
     signals = asyncio.Queue()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -209,6 +210,7 @@ async def _serve(model: str, config, engine_config) -> int:
             _say("stopping now")
         second.cancel()
     finally:
+        deadline.cancel()
         await runner.cleanup()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
