@@ -49,8 +49,8 @@ class Limits:
     # closed (FirstRequestDeadline). aiohttp itself waits for it forever.
     first_request_timeout_s: float = 60.0
     # Errors one WebSocket connection may provoke in any 60 s; one more closes it with 1008. A client stuck in
-    # a loop of bad events otherwise keeps the event loop answering it (one invalid-event flood: ~20,000
-    # error events a second, and 16 paced streams on the same server fell behind real time). None: no limit.
+    # a loop of bad events otherwise has every one answered, for as long as it goes on (one flood: ~20,000
+    # error events a second for 50 s). None: no limit.
     max_errors_per_minute: int | None = 600
     heartbeat_s: float | None = 30.0  # protocol pings to notice dead peers; None: only answer pings
     # HTTP streaming input (specs/realtime_protocols.md §7): payload one Mode A request or Mode B session
