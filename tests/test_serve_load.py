@@ -260,7 +260,7 @@ async def test_a_connection_without_a_request_is_closed_when_due_and_the_others_
             return head.split(b"\r\n")[0]
 
         assert await get("/health") == b"HTTP/1.1 200 OK"
-        socket = await connected(server, model)  # a WebSocket that sends nothing more
+        quiet = await connected(server, model)  # a WebSocket that sends nothing more
 
         async def closed_by_server(reader, writer):
             while True:
@@ -270,13 +270,15 @@ async def test_a_connection_without_a_request_is_closed_when_due_and_the_others_
                         return True
                 except TimeoutError:
                     pass
+                except ConnectionResetError:  # closed with our last byte unread
+                    return True
 
         assert await asyncio.wait_for(closed_by_server(*trickling), 30)
         assert await asyncio.wait_for(silent[0].read(), 30) == b""
         assert await get("/v1/models") == b"HTTP/1.1 200 OK"
-        await socket.update(model)
-        assert (await socket.event())["type"] == "session.updated"
-        await socket.close()
+        await quiet.update(model)
+        assert (await quiet.event())["type"] == "session.updated"
+        await quiet.close()
         served[1].close()
     finally:
         server.close()
