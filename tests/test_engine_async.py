@@ -144,6 +144,9 @@ async def test_input_generator_error_reaches_the_caller(engine):
     (SamplingParams(stop=["x"]), None),
     (SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY), None),
     (SamplingParams(), StreamingInput({"prompt_embeds": [0.0]})),
+    # `generate` merges a slow consumer's outputs by the session's kind: a chunk of another kind would lose or
+    # repeat tokens.
+    (SamplingParams(output_kind=RequestOutputKind.CUMULATIVE), StreamingInput([1], SamplingParams(max_tokens=2))),
 ])
 async def test_rejections(engine, params, chunk):
     async def inputs():

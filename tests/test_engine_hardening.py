@@ -4,6 +4,7 @@ queued-audio bound, and the lifecycle calls that hung or were silently ignored a
 """
 import asyncio
 import threading
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +16,7 @@ from jaxstream.engine.requests import SamplingParams, StreamingInput
 from jaxstream.engine.testing import ToyLM, toy_config
 from jaxstream.errors import (
     BacklogError, CapacityError, DrainingError, EngineDeadError, InvalidAudioError, InvalidRequestError,
-    SessionClosedError,
+    ProcessGroupError, SessionClosedError,
 )
 from jaxstream.models.audio import load_audio
 from jaxstream.models.loading import BUILTIN_MODELS, inspect_checkpoint
@@ -168,6 +169,15 @@ async def test_an_append_refused_for_backlog_is_refused_whole(engine):
 async def test_capacity_and_drain_answer_at_once():
     engine = tiny_engine(max_live_sessions=1)
     try:
+        # A `transcribe` that fails or is cancelled ends its session: each of these used to hold the one
+        # session the engine allows, for good.
+        with pytest.raises(InvalidAudioError):
+            await engine.transcribe(np.full(16000, np.nan, np.float32))
+        cancelled = asyncio.create_task(engine.transcribe(SAMPLE))
+        await asyncio.sleep(0.1)
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        assert cancelled.cancelled()
         first = await engine.start_transcription()
         with pytest.raises(CapacityError):
             await engine.start_transcription()
@@ -233,6 +243,30 @@ async def test_lifecycle_calls_around_shutdown_never_hang():
     with pytest.raises(EngineDeadError):
         await engine.start_transcription()
     assert not engine._live  # noqa: SLF001 - the refused start left no id registered
+
+
+async def test_idle_waiters_return_when_the_engine_thread_dies_mid_tick():
+    """A waiter that arrives while a tick runs, and the tick kills the thread: it used to wait as a queued
+    command that nothing would ever run."""
+    engine = AsyncEngine(ToyLM(toy_config()),
+                         config=EngineConfig(max_sessions=2, batch_buckets=(2,), prefill_buckets=((2, 16),)))
+    ticking = threading.Event()
+
+    def dying_step():
+        ticking.set()
+        time.sleep(0.3)
+        raise ProcessGroupError("lost a process")
+
+    engine.core.step = dying_step
+    stream = engine.generate([1, 2, 3], SamplingParams(max_tokens=4), request_id="dies")
+    consumer = asyncio.create_task(anext(stream))
+    await asyncio.to_thread(ticking.wait, 10)
+    await asyncio.wait_for(engine.wait_until_idle(), timeout=10)
+    with pytest.raises(EngineDeadError):
+        await consumer
+    assert not engine.healthy
+    await asyncio.wait_for(engine.wait_until_idle(), timeout=1)  # and at once afterwards
+    engine.close()
 
 
 async def test_shutdown_ends_a_generate_whose_input_has_not_started():

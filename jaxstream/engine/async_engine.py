@@ -80,7 +80,10 @@ class AsyncEngine:
         self._stopping = False
         self._draining = False
         self.dead_reason: BaseException | None = None  # why the engine thread stopped, once it has
-        self._idle_waiters: list = []  # (loop, future) resolved when the engine has nothing to do
+        # (loop, future) resolved when the engine has nothing to do; None once the engine has stopped. The
+        # event loops add to it directly (under `_live_lock`), not by a command: a command still queued when
+        # the thread dies would never run, and its caller would wait for good.
+        self._idle_waiters: list | None = []
         # Request / session ids whose stream has not ended -> (loop, target): the event loops add and
         # remove entries; the engine thread reads them once, when it stops, to end every stream.
         self._live: dict[str, tuple] = {}
@@ -96,7 +99,7 @@ class AsyncEngine:
         that stops text generation at the EOS ids the checkpoint declares (else its tokenizer's).
 
         Returns once every program is compiled. The default `EngineConfig` serves 64 sessions and compiles
-        16 programs (about 20 s for the tiny model on a 2-core CPU); `EngineConfig(max_sessions=1)`
+        17 programs (about 20 s for the tiny model on a 2-core CPU); `EngineConfig(max_sessions=1)`
         compiles 5 (about 6 s) and is the one for a script transcribing one stream at a time (see
         `EngineConfig`, "Start-up cost")."""
         from jaxstream.engine import builders
@@ -156,8 +159,7 @@ class AsyncEngine:
                 if not worked or now - self._metrics_time > _METRICS_PERIOD_S:
                     self._metrics, self._metrics_time = engine_metrics.snapshot(self.core), now
                 if self._idle_waiters and not self.core.has_work() and self._commands.empty():
-                    waiters, self._idle_waiters = self._idle_waiters, []
-                    self._outbox.extend((loop, _Resolve(future), None) for loop, future in waiters)
+                    self._outbox.extend(self._take_idle_waiters(last=False))
                 self._flush_outbox()
                 self.core.off_tick_cpu_s += time.thread_time() - cpu
                 if not worked:
@@ -184,9 +186,15 @@ class AsyncEngine:
             with self._live_lock:
                 live = list(self._live.values())
             self._outbox.extend((loop, target, error) for loop, target in live)
-            waiters, self._idle_waiters = self._idle_waiters, []
-            self._outbox.extend((loop, _Resolve(future), None) for loop, future in waiters)
+            self._outbox.extend(self._take_idle_waiters(last=True))
             self._flush_outbox()
+
+    def _take_idle_waiters(self, *, last: bool) -> list:
+        """Outbox items that resolve every idle waiter; with `last`, later ones return at once."""
+        with self._live_lock:
+            waiters = self._idle_waiters or []
+            self._idle_waiters = None if last else []
+        return [(loop, _Resolve(future), None) for loop, future in waiters]
 
     def _drain_commands(self) -> None:
         appends = []  # consecutive audio appends, applied together (one per stream per 80 ms in steady state)
@@ -283,7 +291,7 @@ class AsyncEngine:
         self.dead_reason = error
         with self._live_lock:
             live = list(self._live.values())
-        _post([(loop, target, error) for loop, target in live])
+        _post([(loop, target, error) for loop, target in live] + self._take_idle_waiters(last=True))
 
     # -- text generation ------------------------------------------------------------------------------
     async def generate(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None):
@@ -344,6 +352,11 @@ class AsyncEngine:
                     chunk = StreamingInput(chunk)
                 params = chunk.sampling_params or default_params
                 params.check_supported(streaming=True)
+                if params.output_kind is not default_params.output_kind:
+                    # `generate` merges a slow consumer's queued outputs by the session's kind: chunks of
+                    # another kind would lose tokens (deltas merged as totals) or repeat them.
+                    raise InvalidRequestError(f"a chunk's output_kind ({params.output_kind.name}) must be the "
+                                              f"session's ({default_params.output_kind.name})")
                 if isinstance(chunk.prompt, dict) and "prompt_embeds" in chunk.prompt:
                     raise ValueError("prompt_embeds are not supported with streaming input")
                 ids = self._tokenize(chunk.prompt, first=first)
@@ -433,7 +446,7 @@ class AsyncEngine:
         if len(self._live) >= self.max_live_sessions:
             raise _rejected(CapacityError(f"the engine holds {len(self._live)} sessions, its limit; try again later"))
         session_id = session_id or uuid.uuid4().hex
-        max_slots = max(1, int(self.config.max_queued_audio_seconds / SLOT_SECONDS))
+        max_slots = max(1, int(round(self.config.max_queued_audio_seconds / SLOT_SECONDS, 6)))  # 2.32 s: 29, not 28
         front_end = self._front_end.stream(StreamingLogMel(n_delay, n_left_pad_tokens=cfg.n_left_pad_tokens),
                                            sample_rate)
         prompt = transcription_prompt(cfg, n_delay)
@@ -458,12 +471,16 @@ class AsyncEngine:
     async def transcribe(self, pcm, delay_ms: int | None = None) -> TranscriptionDone:
         """Transcribes a whole recording (float32 mono 16 kHz)."""
         session = await self.start_transcription(delay_ms)
-        await session.append(pcm)
-        await session.finish()
         done = None
-        async for event in session:
-            if isinstance(event, TranscriptionDone):
-                done = event
+        try:
+            await session.append(pcm)
+            await session.finish()
+            async for event in session:
+                if isinstance(event, TranscriptionDone):
+                    done = event
+        except BaseException:  # bad audio, or the caller gave up: the session must not outlive the call
+            await session.abort("transcribe_failed")
+            raise
         if done is None:
             raise EngineError("the transcription ended without a result")
         return done
@@ -473,12 +490,14 @@ class AsyncEngine:
         now (for tests, benchmarks and draining). Returns at once when the engine is stopped."""
         if not self.healthy:
             return
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        try:
-            self._send(lambda: self._idle_waiters.append((loop, future)))
-        except EngineDeadError:
-            return
+        future = asyncio.get_running_loop().create_future()
+        with self._live_lock:
+            if self._idle_waiters is None:  # the thread has stopped since `healthy` was read
+                return
+            # Commands sent before this are queued ahead of the engine's next idle check, which waits for
+            # the queue to be empty.
+            self._idle_waiters.append((future.get_loop(), future))
+        self._wake.set()
         await future
 
     # -- lifecycle ------------------------------------------------------------------------------------
