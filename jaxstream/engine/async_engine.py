@@ -446,7 +446,8 @@ class AsyncEngine:
         if len(self._live) >= self.max_live_sessions:
             raise _rejected(CapacityError(f"the engine holds {len(self._live)} sessions, its limit; try again later"))
         session_id = session_id or uuid.uuid4().hex
-        max_slots = max(1, int(round(self.config.max_queued_audio_seconds / SLOT_SECONDS, 6)))  # 2.32 s: 29, not 28
+        # Rounded first: 2.32 s / 80 ms is 28.999999999999996 in floating point, and the bound is 29 slots.
+        max_slots = max(1, int(round(self.config.max_queued_audio_seconds / SLOT_SECONDS, 6)))
         front_end = self._front_end.stream(StreamingLogMel(n_delay, n_left_pad_tokens=cfg.n_left_pad_tokens),
                                            sample_rate)
         prompt = transcription_prompt(cfg, n_delay)
