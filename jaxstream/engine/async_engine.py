@@ -416,9 +416,9 @@ class AsyncEngine:
         `sample_rate` Hz (resampled to 16 kHz as it streams).
 
         `max_audio_seconds` limits the audio the session takes (appends past it are refused). Under window
-        admission (`EngineConfig(realtime_admission="window")`) the engine reserves device memory for each session's largest size, so a
-        limit shorter than the attention windows (e.g. a file of known length, or a server's per-connection
-        audio limit) lets more sessions run at once.
+        admission (`EngineConfig(realtime_admission="window")`) the engine reserves device memory for each
+        session's largest size, so a limit shorter than the attention windows (e.g. a file of known length, or
+        a server's per-connection audio limit) lets more sessions run at once.
 
         Answers at once: `CapacityError` when `max_live_sessions` sessions are live, `DrainingError` while
         draining, `EngineDeadError` after shutdown, `InvalidRequestError` for a bad delay or rate.
