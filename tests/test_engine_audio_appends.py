@@ -15,8 +15,8 @@ from jaxstream.engine.async_engine import AsyncEngine
 from jaxstream.engine.builders import build_realtime_core
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.residency import TickStats
-from jaxstream.engine.transcription_session import (PROGRESS, AudioBacklog, TranscriptionDelta, TranscriptionDone,
-                                                    transcript_sink, transcription_prompt)
+from jaxstream.engine.transcription_session import (PROGRESS, AudioBacklog, GeneratedIds, TranscriptionDelta,
+                                                    TranscriptionDone, transcript_sink, transcription_prompt)
 from jaxstream.errors import EngineError, InvalidRequestError
 from jaxstream.models import loading
 from jaxstream.models.audio import load_audio, n_delay_from_ms, offline_features, prompt_length
@@ -239,6 +239,15 @@ def test_a_burst_of_new_streams_is_prefilled_in_one_dispatch(reference):
     assert dispatch.key == ("prefill", 32, chunk) and len(dispatch.rows) == 32
 
 
+def test_an_appender_waiting_before_the_engine_took_its_stream_leaves_the_waiters_with_room():
+    waiters, backlog = set(), AudioBacklog()
+    backlog.start_waiting()  # more than the bound queued before the engine applied `add_session`
+    backlog.attach(lambda: 0, lambda: 0, waiters, stream=object())
+    assert backlog in waiters  # the engine's ticks wake it
+    backlog.stop_waiting()
+    assert not waiters  # used to stay: every dispatch of the stream then posted a stray PROGRESS
+
+
 def test_consumed_audio_is_read_from_the_rows_and_waiting_appenders_are_woken(core, reference):
     """`AudioBacklog.consumed` follows the row's dispatched slots (no per-session update in a tick); an
     appender waiting for room gets PROGRESS from the tick that consumes its stream's audio, not from one
@@ -317,3 +326,24 @@ def test_collected_slots_count_only_slots_whose_text_was_handed_on():
         covered = collected - len(prompt) + 1
         assert collected <= consumed and all(i < handed for i in text if i < covered), (collected, handed)
     assert any(i < half - len(prompt) + 1 for i in text)  # text in the first half: the checks saw some
+
+
+async def test_collected_slots_count_only_once_their_ids_are_posted_to_the_event_loop():
+    """AsyncEngine's sinks collect a tick's events in an outbox posted after the tick; `collected` used to
+    count the slots inside the tick, so a reader on the event loop (Kyutai's markers) could see a slot
+    counted whose text was still in the outbox (4 of 223 reads with a 10 us thread switch interval). The
+    engine now posts what a dispatch handed on before the count is raised."""
+    loaded = loading.load_model("tiny")
+    sample = load_audio(loading.BUILTIN_MODELS["tiny"].parent / "samples" / "sample.wav")
+    async with AsyncEngine(loaded.model, config=EngineConfig(**SMALL),
+                           tokenizer=load_tokenizer(loaded.tokenizer_path)) as engine:
+        core, unposted = engine.core, []
+        advance = core._advance  # noqa: SLF001
+
+        def checked(*args):
+            advance(*args)  # hands ids on, then counts their slots
+            unposted.extend(item for _, _, item in engine._outbox if isinstance(item, GeneratedIds))  # noqa: SLF001
+
+        core._advance = checked  # noqa: SLF001 - on the engine thread, right after each count
+        done = await engine.transcribe(sample)
+    assert done.text and not unposted

@@ -12,7 +12,7 @@ import pytest
 from jaxstream.engine import audio_front_end
 from jaxstream.engine.audio_front_end import FrontEndWorker
 from jaxstream.engine.transcription_session import TranscriptAssembler, TranscriptionSession
-from jaxstream.errors import EngineDeadError, InvalidAudioError
+from jaxstream.errors import EngineDeadError, InvalidAudioError, SessionClosedError
 from jaxstream.models import audio
 from jaxstream.models.tokenizers import load_tokenizer
 
@@ -269,3 +269,32 @@ async def test_an_append_cancelled_while_waiting_for_room_still_hands_its_slots_
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert len(link.audio) == 2 and session.backlog.sent == sum(len(mel) for mel, _, _ in link.audio)
+
+
+async def test_a_finish_cancelled_while_an_append_waits_for_room_still_ends_the_stream(worker):
+    """finish() waits for the order lock behind an append that waits for room; a caller's timeout there
+    used to lose the end for good (and a second finish() returned at once): the engine never learnt where
+    the stream ends."""
+    link = _RecordingLink()
+    session = session_on(worker, link, max_queued_slots=1)  # no engine consumes: the second append waits
+    pcm = recordings(1, seed=5)[0]
+    await session.append(pcm[:9000])
+    waiting = asyncio.create_task(session.append(pcm[9000:12000]))
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if session.backlog.waiting:
+            break
+    ending = asyncio.create_task(session.finish())
+    await asyncio.sleep(0.01)
+    ending.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await ending
+    waiting.cancel()  # the append hands its slots on and lets the end follow
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await asyncio.wait_for(session.finish(), timeout=30)  # waits for the same end
+    slots = np.concatenate([mel for mel, _, _ in link.audio]).reshape(-1, 128)
+    np.testing.assert_allclose(slots, audio.offline_features(pcm[:12000], 6), atol=1e-6)
+    assert link.audio[-1][2] == slots.shape[0] // 8 and [t for _, _, t in link.audio[:-1]] == [None, None]
+    with pytest.raises(SessionClosedError):
+        await session.append(pcm[12000:])

@@ -72,6 +72,7 @@ class AsyncEngine:
             # Narrowband audio and untrained delays transcribe badly without an error: said once, in the log.
             self._input_warnings = audio_checks.WarnOnce(logger)
             self._front_end = FrontEndWorker(warn=self._input_warnings)  # every session's log-mel, batched
+            self.core.hand_off_barrier = self._flush_outbox  # text events go out before `collected` counts them
         else:
             self.kind = "text"
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

@@ -20,6 +20,7 @@ whose detokenizer (transcription_session.TranscriptAssembler) runs on the consum
 """
 import dataclasses
 import time
+import typing
 
 import numpy as np
 
@@ -105,6 +106,10 @@ class RealtimeScheduler(RealtimeAdmission):
         self._uncollected = (0.0, 0.0, 0.0)
         self._device_call_cpu = 0.0  # this call's CPU inside the device's calls so far
         self._waiting: set = set()  # AudioBacklogs of appenders waiting for room (added on the event loop)
+        # Called after a dispatch's ids are handed to their sinks and before `collected` counts them: an
+        # engine whose sinks buffer (AsyncEngine's outbox) posts them here, so that a reader on the event
+        # loop that sees the count has their events queued ahead of it (Kyutai's markers count on it).
+        self.hand_off_barrier: typing.Callable[[], None] | None = None
         slot_shape = (model_cfg.mel_frames_per_token, model_cfg.encoder.num_mel_bins)
         self.rows = StreamRows(self.cache.specs, slot_shape, TOKEN_BUFFER + max(engine_cfg.realtime_step_buckets))
         self._text_table = _text_id_table(tokenizer)
@@ -536,6 +541,8 @@ class RealtimeScheduler(RealtimeAdmission):
             else:
                 deliver(session, GeneratedIds(ids, logprobs, session.samples, False))
         # Counted after the hand-offs above are queued: a consumer that sees the count sees their ids next.
+        if busy.size and self.hand_off_barrier is not None:
+            self.hand_off_barrier()
         live = rows.generation[dispatch.rows] == dispatch.generations
         rows.collected[dispatch.rows[live]] = (dispatch.starts + dispatch.counts)[live]
 

@@ -197,9 +197,10 @@ class AudioBacklog:
     dispatches with one array operation over all its rows, not a Python update per session; once the
     stream lets go of its row the last count is kept. `queued` (the difference) counts audio still in the
     command queue too, which the scheduler's own state cannot see. `collected` counts the same way the slots
-    whose generated ids the engine has collected: it is raised after their text was handed to the stream,
-    so once a reader sees it reach a slot, the text of the audio up to there is already on its way (events
-    the engine posted run on the event loop ahead of anything scheduled after the read). While an appender
+    whose generated ids the engine has collected: it is raised after their text was handed to the stream
+    (and posted to its event loop: the scheduler's `hand_off_barrier`), so once a reader sees it reach a slot,
+    the text of the audio up to there is already on its way (events the engine posted run on the event loop
+    ahead of anything scheduled after the read). While an appender
     waits for room it is in the engine's set of waiters, and the scheduler wakes it after a tick that
     consumed some of its audio (the `PROGRESS` event).
     """
@@ -248,6 +249,9 @@ class AudioBacklog:
         if self._joined is not None:
             self._joined.discard(self)
             self._joined = None
+        waiters = self._waiters
+        if waiters is not None:  # `attach` added it there if it began waiting before the engine took the stream
+            waiters.discard(self)
 
     def attach(self, consumed, collected, waiters: set, stream) -> None:
         """Engine thread: the stream now counts its consumed and collected slots with `consumed()` and
@@ -296,6 +300,7 @@ class TranscriptionSession:
         self._order = asyncio.Lock()  # appends and finish reach the front end in call order
         self._events: asyncio.Queue = asyncio.Queue()
         self._closed = False  # finish() or abort() called
+        self._finishing: asyncio.Future | None = None  # finish()'s hand-over of the end, once called
         self.outcome: str | BaseException | None = None  # "done", an abort reason, or the error; None while live
         self._iterated = False  # the iterator has returned its last event
 
@@ -391,16 +396,24 @@ class TranscriptionSession:
                 backlog.stop_waiting()
 
     async def finish(self) -> None:
-        """End of the audio: right padding is added and the remaining text flushed. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        """End of the audio: right padding is added and the remaining text flushed. Idempotent: a second call
+        waits for the same end. Cancelling it does not take the end back."""
+        if self._finishing is None:
+            if self._closed:  # aborted
+                return
+            self._closed = True
+            # A task of its own: a finish() cancelled while an append holds the order lock must still end
+            # the stream once the append is done (the session takes no more audio: nothing else would).
+            self._finishing = asyncio.ensure_future(self._finish_in_order())
+        await asyncio.shield(self._finishing)
+
+    async def _finish_in_order(self) -> None:
         async with self._order:
             if self.outcome is not None:
                 return
             computed = self._front.finish()
-            computed.add_done_callback(self._hand_on_end)  # a cancelled finish() still ends the stream
-            await asyncio.shield(computed)
+            computed.add_done_callback(self._hand_on_end)
+            await computed
 
     def _hand_on_end(self, computed: asyncio.Future) -> None:
         if not computed.cancelled() and computed.exception() is None:
