@@ -235,7 +235,9 @@ def test_a_burst_of_new_streams_is_prefilled_in_one_dispatch(reference):
     for i in range(32):
         core.add_session(f"s{i}", n_delay=N_DELAY, prompt_ids=prompt, sink=lambda item: None, backlog=AudioBacklog())
     core.add_audio_many([(f"s{i}", slots, 0.0, None) for i in range(32)])
-    [dispatch] = core._schedule()  # noqa: SLF001 - what one tick would dispatch
+    booked = []
+    core._schedule(booked)  # noqa: SLF001 - what one tick would dispatch
+    [dispatch] = booked
     assert dispatch.key == ("prefill", 32, chunk) and len(dispatch.rows) == 32
 
 

@@ -280,3 +280,43 @@ def test_a_failed_dispatch_ends_the_sessions_of_its_tick_and_frees_their_audio(m
     for sink in events.values():
         assert isinstance(sink[-1], RuntimeError) and str(sink[-1]) == "device lost"
     assert core.at_baseline() and core.rows.mel.num_held == 0
+
+
+def test_a_tick_whose_scheduling_fails_after_booking_frees_what_it_booked(monkeypatch):
+    """Window admission: a new stream's admission evicts an idle parked one to host memory, and the copy
+    fails after the tick already booked a decoding stream's slots. The error ends every session (what
+    AsyncEngine does with an error from a tick); the booked slab blocks used to stay held for good."""
+    from jaxstream.engine.builders import build_realtime_core
+    from jaxstream.engine.transcription_session import AudioBacklog, transcription_prompt
+    from jaxstream.models import loading
+
+    loaded = loading.load_model(FIXTURES / "voxtral_tiny", dtype="float32")
+    config = EngineConfig(max_sessions=2, page_size=4, encoder_page_size=4, batch_buckets=(2,),
+                          realtime_step_buckets=(1,), realtime_prefill_buckets=((2, 40),), realtime_admission="window")
+    core = build_realtime_core(loaded.model, config, load_tokenizer(FIXTURES / "voxtral_tiny" / "tekken.json"))
+    cfg, n_delay = loaded.model.cfg, n_delay_from_ms(480)
+    prompt = transcription_prompt(cfg, n_delay)
+    slots = np.random.default_rng(0).standard_normal((len(prompt) + 4, cfg.mel_frames_per_token,
+                                                      cfg.encoder.num_mel_bins)).astype(np.float32)
+    for name in ("decoding", "idle"):
+        core.add_session(name, n_delay=n_delay, prompt_ids=prompt, sink=lambda item: None, backlog=AudioBacklog())
+        core.add_audio(name, slots[: len(prompt) + 1], 0.0)
+    while core.has_work():
+        core.step()
+    core.rows.last_arrival[core.sessions["idle"].row] -= 5.0  # parked, and idle long enough to be evicted
+    core.add_session("new", n_delay=n_delay, prompt_ids=prompt, sink=lambda item: None, backlog=AudioBacklog())
+    core.add_audio("new", slots[: len(prompt)], 0.0)  # needs the idle stream's slot
+    core.add_audio("decoding", slots[len(prompt) + 1:], 1280.0)  # booked before the admission
+
+    def offload(*args, **kwargs):
+        raise RuntimeError("host copy failed")
+
+    monkeypatch.setattr(core.cache, "offload", offload)
+    with pytest.raises(RuntimeError, match="host copy failed"):
+        core.step()
+    monkeypatch.undo()
+    for session in list(core.sessions.values()):
+        core.fail(session, RuntimeError("engine tick failed"))
+    while core.has_work():
+        core.step()
+    assert not core.sessions and core.rows.mel.num_held == 0 and core.at_baseline()

@@ -260,7 +260,12 @@ class RealtimeScheduler(RealtimeAdmission):
         Returns False when there was nothing to dispatch or collect."""
         start, cpu_start = time.perf_counter(), time.thread_time()
         self.tick += 1
-        scheduled = self._schedule()
+        scheduled: list[Dispatch] = []
+        try:
+            self._schedule(scheduled)
+        except BaseException:  # e.g. an eviction's host copy failed: nothing booked may stay held
+            self._drop_in_flight(scheduled)
+            raise
         if not scheduled:
             self.end_starvation(busy=bool(self._in_flight))
         dispatched, self._device_call_cpu = [], 0.0
@@ -324,7 +329,9 @@ class RealtimeScheduler(RealtimeAdmission):
             self._advance(dispatch, np.asarray(out["tokens"]), np.asarray(out["logprobs"]), now)
         return waited
 
-    def _schedule(self) -> list[Dispatch]:
+    def _schedule(self, scheduled: list[Dispatch]) -> None:
+        """Books this tick's dispatches into `scheduled` (the caller's, so it can free them if a later
+        placement raises)."""
         rows = self.rows
         self.held_until = None
         ready = self._feedable()
@@ -333,13 +340,12 @@ class RealtimeScheduler(RealtimeAdmission):
         self.begin_tick()
         candidates = np.flatnonzero(ready)
         if not candidates.size:
-            return []
+            return
         if self.demand:  # strictly by arrival: an evicted older stream comes back before newer ones run
             candidates = candidates[np.argsort(rows.arrival[candidates], kind="stable")]
         else:  # resident sessions first (they hold slots and pages), then the others in arrival order
             candidates = candidates[np.lexsort((rows.arrival[candidates], ~resident[candidates]))]
         decoding = rows.fed[candidates] >= rows.prompt_len[candidates]
-        scheduled = []
         decode = candidates[decoding]
         if decode.size and self._hold(decode, ready, resident):
             decode = decode[:0]
@@ -362,7 +368,6 @@ class RealtimeScheduler(RealtimeAdmission):
             prefill, counts = self._place(prefill[:batch_rows], np.minimum(remaining[:batch_rows], chunk))
             if prefill.size:
                 scheduled.append(self._book(("prefill", batch_rows, chunk), prefill, counts))
-        return scheduled
 
     def _hold(self, decode: np.ndarray, ready: np.ndarray, resident: np.ndarray) -> bool:
         """Whether `decode` (rows with audio here, none behind) waits for the paced streams whose next slot
