@@ -113,6 +113,43 @@ async def test_with_host_memory_full_the_newest_starved_stream_ends_and_the_othe
         engine.close()
 
 
+async def test_with_host_memory_full_a_newer_stream_between_chunks_gives_way_to_the_oldest():
+    """The oldest stream grows when the pools are full and the two newer ones hold their pages between chunks
+    (no audio queued, so they ask for nothing): the newest ends with `CapacityError` (it used to be the
+    oldest, the one stream asking for a page), the oldest finishes with the tokens of a stream run alone,
+    and so does the middle one. Encoder pages in use: the first 6 (1 s), the others 10 each (3.5 s), of 30;
+    the first needs 11 by its end."""
+    engine = _build(host_offload_bytes=0)
+
+    async def computed(session):
+        async with asyncio.timeout(60):
+            while session.backlog.consumed < session.backlog.sent:
+                await asyncio.sleep(0.02)
+
+    async def result(session):
+        await session.finish()
+        return [event async for event in session][-1]
+
+    try:
+        expected = (await engine.transcribe(SAMPLE)).token_ids
+        sessions = [await engine.start_transcription(session_id=f"stream{i}") for i in range(STREAMS)]
+        await sessions[0].append(SAMPLE[:16_000])
+        await computed(sessions[0])
+        for session in sessions[1:]:
+            await session.append(SAMPLE[:56_000])
+            await computed(session)
+        await sessions[0].append(SAMPLE[16_000:])
+        assert (await asyncio.wait_for(result(sessions[0]), timeout=60)).token_ids == expected
+        with pytest.raises(CapacityError, match="host memory"):
+            [event async for event in sessions[2]]
+        await sessions[1].append(SAMPLE[56_000:])
+        assert (await asyncio.wait_for(result(sessions[1]), timeout=60)).token_ids == expected
+        await engine.wait_until_idle()
+        assert engine.core.at_baseline()
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 async def test_random_clients_in_short_pools_get_solo_tokens_and_leave_nothing_behind(seed):
     """Six streams in pools of one window (16 pages each; a 4.4 s stream needs 12 encoder pages): random

@@ -19,7 +19,7 @@ avoided:
 
 Under both, a stream never displaces an older one that is still streaming, so two paced streams never take
 turns evicting each other every 80 ms. Under demand admission, when host memory is full too and no stream can
-advance, the newest starved stream ends with `CapacityError` rather than every stream waiting forever.
+advance, the newest stream on the device ends with `CapacityError` rather than every stream waiting forever.
 """
 import logging
 import time
@@ -173,12 +173,17 @@ class RealtimeAdmission(Residency):
     def end_starvation(self, busy: bool) -> None:
         """Demand admission, after a tick that dispatched nothing: when nothing is in flight either (`busy`
         False), resident streams found no page, and host memory refused the streams that could have given
-        theirs up, the newest starved stream ends with `CapacityError`, so that the others go on. (Without a
-        refusal a starved stream waits: the streams ahead of it end, or go idle and become movable.)"""
+        theirs up, the newest stream on the device that arrived no earlier than the oldest starved one ends
+        with `CapacityError`, so that the others go on. It may be one with no audio this tick (between a
+        paced client's chunks): it holds pages all the same, and ending the starved older stream instead
+        would let a newer one displace it. (Without a refusal a starved stream waits: the streams ahead of
+        it end, or go idle and become movable.)"""
         if not self.demand or busy or not self._starved or not self._host_full:
             return
         rows = self.rows
-        row = max(self._starved, key=lambda r: rows.arrival[r])
+        oldest = min(rows.arrival[r] for r in self._starved)
+        on_device = np.flatnonzero((rows.slot >= 0) & (rows.arrival >= oldest))
+        row = int(on_device[np.argmax(rows.arrival[on_device])])
         session = rows.sessions[row]
         logger.warning("session %s: no KV page for it and none can be freed (host memory full): ending it",
                        session.request_id)
