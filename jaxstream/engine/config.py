@@ -37,7 +37,7 @@ class EngineConfig:
       transcription session cannot recompute (its audio is gone). With `realtime_admission="demand"` (the
       default) streams take pages as they grow, so as many run as their actual lengths fit; a stream that
       finds no page displaces parked streams idle for a second, then streams that arrived after it, to host
-      memory, and when host memory is full too the newest starved stream ends with `CapacityError`
+      memory, and when host memory is full too the newest stream on the device ends with `CapacityError`
       (engine/realtime_admission.py). With `"window"` admission commits a whole window of every pool to each
       stream, or the pages of its whole length when `start_transcription(max_audio_seconds=)` caps it shorter:
       every admitted stream can always advance, and a stream that finds the pools committed waits (after
