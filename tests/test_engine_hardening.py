@@ -269,6 +269,27 @@ async def test_idle_waiters_return_when_the_engine_thread_dies_mid_tick():
     engine.close()
 
 
+async def test_a_generate_refused_by_a_dying_engine_frees_its_request_id(monkeypatch):
+    """The engine thread dies between generate()'s admission check and its first command: the caller gets
+    the error, and the id is free again (it used to stay registered: the id was 'already running')."""
+    engine = AsyncEngine(ToyLM(toy_config()),
+                         config=EngineConfig(max_sessions=2, batch_buckets=(2,), prefill_buckets=((2, 16),)))
+    try:
+        send = engine._send  # noqa: SLF001
+
+        def dies_once(*args, **kwargs):
+            monkeypatch.setattr(engine, "_send", send)
+            raise EngineDeadError("the engine thread died: lost it")
+
+        monkeypatch.setattr(engine, "_send", dies_once)
+        with pytest.raises(EngineDeadError):
+            [out async for out in engine.generate([1, 2, 3], SamplingParams(max_tokens=2), request_id="r")]
+        outputs = [out async for out in engine.generate([1, 2, 3], SamplingParams(max_tokens=2), request_id="r")]
+        assert outputs[-1].finished
+    finally:
+        engine.close()
+
+
 async def test_shutdown_ends_a_generate_whose_input_has_not_started():
     engine = AsyncEngine(ToyLM(toy_config()),
                          config=EngineConfig(max_sessions=2, batch_buckets=(2,), prefill_buckets=((2, 16),)))

@@ -313,13 +313,13 @@ class AsyncEngine:
         sink = self._sink(outputs)
         feeder = None
         self._register(request_id, outputs)
-        if streaming:
-            feeder = asyncio.create_task(self._feed(prompt, request_id, params, sink, outputs))
-        else:
-            self._send(lambda: self.core.add_chunk(request_id, ids, params, first=True, resumable=False, sink=sink),
-                       request_id, sink)
         ended = False
-        try:
+        try:  # from here the id is registered: whatever happens, the `finally` below lets go of it
+            if streaming:
+                feeder = asyncio.create_task(self._feed(prompt, request_id, params, sink, outputs))
+            else:
+                self._send(lambda: self.core.add_chunk(request_id, ids, params, first=True, resumable=False,
+                                                       sink=sink), request_id, sink)
             while True:
                 item = await outputs.get()
                 if item is END_OF_STREAM:
