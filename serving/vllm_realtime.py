@@ -110,7 +110,9 @@ class VllmRealtime:
         self.pending_samples = 0
         self.utterance: _Utterance | None = None
         self.next_commit = False  # strict: commit{} received during finalisation, starts at done
-        self.next_final = False  # ... and its final commit too
+        # ... and its final commit too: the number of `pending` chunks that are its audio (later ones are the
+        # next utterance's); None: no final yet
+        self.next_final: int | None = None
         self.discarding = False  # strict: the engine ended the utterance early; drop audio until a commit
         self.turn_detection: dict | None = None  # VAD settings (the extension in the module docstring)
         self.segmenter: TurnSegmenter | None = None
@@ -154,7 +156,7 @@ class VllmRealtime:
 
     async def finish_for_drain(self) -> None:
         async with self._lock:
-            self.next_commit = self.next_final = False
+            self.next_commit, self.next_final = False, None
             utterance = self.utterance
             if utterance is not None and not utterance.finalizing:
                 try:
@@ -225,6 +227,11 @@ class VllmRealtime:
         if vad_moves and (self.next_commit or (self.utterance is not None and not self.utterance.finalizing)):
             raise ProtocolError("invalid_request", "turn_detection cannot change while a transcription takes "
                                 "audio: send input_audio_buffer.commit with final=true first")
+        # Built before anything changes (building may fail): a failed update leaves the session as it was.
+        segmenter = None
+        if vad_moves and turn_detection is not None:  # its clock starts with the audio held for a commit
+            segmenter = TurnSegmenter(vad_config(turn_detection), SAMPLING_RATE,
+                                      self.stream_samples - self.pending_samples)
         self.delay_ms = delay if delay is not None else self.delay_ms
         self.validated = True
         if self.compat:
@@ -233,29 +240,22 @@ class VllmRealtime:
                    "transcription_delay_ms": self.delay_ms or self.server.engine.default_delay_ms}
         if vad_asked or self.turn_detection is not None:  # clients that never ask see vLLM's fields only
             session["turn_detection"] = turn_detection
-        await self.conn.send({"type": "session.updated", "session": session})
         if vad_moves:
             self.turn_detection = turn_detection
-            await self._restart_vad()
+            if self.segmenter is not None:
+                self.segmenter.close()
+            self.segmenter = segmenter
+        await self.conn.send({"type": "session.updated", "session": session})
+        if segmenter is not None:  # audio held for the next commit goes through the new VAD (no utterance runs)
+            held, self.pending, self.pending_samples = self.pending, [], 0
+            for pcm in held:
+                await self._segment(pcm)
 
     def _parse_turn_detection(self, value) -> dict | None:
         try:
             return parse_turn_detection(value)
         except TurnDetectionError as exc:
             raise ProtocolError("invalid_request", f"turn_detection.{exc}" if exc.field else str(exc)) from None
-
-    async def _restart_vad(self) -> None:
-        """New VAD settings (no utterance runs): audio held for the next commit goes through the new VAD."""
-        if self.segmenter is not None:
-            self.segmenter.close()
-            self.segmenter = None
-        if self.turn_detection is None:
-            return
-        held, self.pending, self.pending_samples = self.pending, [], 0
-        self.segmenter = TurnSegmenter(vad_config(self.turn_detection), SAMPLING_RATE,
-                                       self.stream_samples - sum(pcm.size for pcm in held))
-        for pcm in held:
-            await self._segment(pcm)
 
     async def _on_append(self, event: dict) -> None:
         if "audio" not in event:
@@ -351,8 +351,8 @@ class VllmRealtime:
                 self.next_commit = True
         elif utterance is not None and not utterance.finalizing:
             await self._finalize(utterance)
-        elif self.next_commit and not self.next_final:
-            self.next_final = True
+        elif self.next_commit and self.next_final is None:
+            self.next_final = len(self.pending)
         elif self.discarding:
             self.discarding = False  # the engine had already ended this utterance and sent its done
         elif not self.compat:
@@ -360,7 +360,8 @@ class VllmRealtime:
                                 "input_audio_buffer.commit without final to start one")
 
     # -- utterances -----------------------------------------------------------------------------------
-    async def _start(self, after: asyncio.Task | None = None) -> None:
+    async def _start(self, after: asyncio.Task | None = None, held: int | None = None) -> None:
+        """A new utterance, fed the first `held` chunks of `pending` (None: all of them)."""
         if self.server.draining:
             raise ProtocolError("draining", "The server is shutting down and starts no new transcription")
         session = await start_session(self.server.engine, self.delay_ms,
@@ -374,8 +375,10 @@ class VllmRealtime:
         self._pumps.add(utterance.pump)
         utterance.pump.add_done_callback(self._pumps.discard)
         self._last_pump = utterance.pump
-        pending, self.pending, self.pending_samples = self.pending, [], 0
-        for pcm in pending:
+        held = len(self.pending) if held is None else held
+        mine, self.pending = self.pending[:held], self.pending[held:]
+        self.pending_samples -= sum(pcm.size for pcm in mine)
+        for pcm in mine:
             await self._feed(utterance, pcm)
 
     async def _feed(self, utterance: _Utterance, pcm: np.ndarray) -> None:
@@ -457,10 +460,10 @@ class VllmRealtime:
             self.conn.stop(self.server.drain_breach())
             return
         if self.next_commit:
-            final, self.next_commit, self.next_final = self.next_final, False, False
+            final, self.next_commit, self.next_final = self.next_final, False, None
             try:
-                await self._start()
-                if final:
+                await self._start(held=final)
+                if final is not None:
                     await self._finalize(self.utterance)
             except (ProtocolError, EngineError) as exc:
                 await self._error(getattr(exc, "code", "processing_error"), str(exc))

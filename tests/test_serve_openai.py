@@ -310,6 +310,104 @@ async def test_an_openai_first_event_switches_the_dialect(server, model, speech,
     await client.ws.close()
 
 
+async def test_a_beta_first_event_switches_to_the_beta_dialect(server, model, speech, reference):
+    """No OpenAI handshake and transcription_session.update first: the connection speaks the beta dialect,
+    as with the beta handshake (spec §4.2, §4.4): transcription_session.* and conversation.item.created, no
+    GA event names."""
+    client = Client(await websockets.connect(server.url(), max_size=None))
+    assert json.loads(await client.ws.recv())["id"].startswith("sess-")  # vLLM's
+    await client.send({"type": "transcription_session.update", "session": {
+        "input_audio_format": "pcm16", "input_audio_transcription": {"model": model}, "turn_detection": None}})
+    kinds = [(await client.event())["type"] for _ in range(4)]
+    assert kinds == ["transcription_session.created", "rate_limits.updated", "transcription_session.updated",
+                     "rate_limits.updated"]
+    for chunk in pcm_base64(at_24k(speech), 24000):
+        await client.send({"type": "input_audio_buffer.append", "audio": chunk})
+    await client.send({"type": "input_audio_buffer.commit"})
+    events = await client.until("conversation.item.input_audio_transcription.completed")
+    kinds = {e["type"] for e in events}
+    assert "conversation.item.created" in kinds and not kinds & {"conversation.item.added", "conversation.item.done"}
+    assert list(transcripts(events).values()) == [reference]
+    await client.ws.close()
+
+
+async def test_vad_times_stay_on_the_connection_clock_across_a_format_change(server, model, speech):
+    """2 s of G.711 (8 kHz), cleared; then 24 kHz PCM with server VAD: speech_started/stopped count those 2 s
+    as 2 s, within 150 ms of where the speech really starts and stops."""
+    client = await Client.connect(server)
+    await client.until("session.created")
+    await client.send(ga_update(model, fmt={"type": "audio/pcmu"}))
+    await client.until("session.updated")
+    await client.send({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\xff" * 16000).decode()})
+    await client.send({"type": "input_audio_buffer.clear"})
+    await client.until("input_audio_buffer.cleared")
+    await client.send(ga_update(model, turn_detection={"type": "server_vad", "silence_duration_ms": 800}))
+    await client.until("session.updated")
+    lead = 2.0 + 1.0  # the G.711 audio, then the silence before the speech
+    stream = np.concatenate([np.zeros(16000, np.float32), speech, np.zeros(int(1.2 * 16000), np.float32)])
+    for chunk in pcm_base64(at_24k(stream), 24000):
+        await client.send({"type": "input_audio_buffer.append", "audio": chunk})
+    events = await client.until("conversation.item.done")
+    await client.ws.close()
+    loud = np.convolve(np.abs(speech), np.ones(160) / 160, "same") > 0.02
+    first, last = np.flatnonzero(loud)[[0, -1]] / 16000
+    (started,) = [e for e in events if e["type"] == "input_audio_buffer.speech_started"]
+    (stopped,) = [e for e in events if e["type"] == "input_audio_buffer.speech_stopped"]
+    assert abs(started["audio_start_ms"] / 1000 - (lead + first)) <= 0.15, (started, lead + first)
+    assert abs(stopped["audio_end_ms"] / 1000 - (lead + last)) <= 0.15, (stopped, lead + last)
+
+
+async def test_null_vad_settings_take_their_defaults(server, model, speech):
+    """threshold, prefix_padding_ms and silence_duration_ms null in server_vad count as absent ("null clears",
+    spec §4.3): the session says OpenAI's defaults, as for a bare server_vad, and the VAD turns speech into an
+    item."""
+    client = await Client.connect(server)
+    await client.until("session.created")
+    await client.send(ga_update(model, turn_detection={"type": "server_vad"}))
+    bare = (await client.until("session.updated"))[-1]["session"]["audio"]["input"]["turn_detection"]
+    await client.send(ga_update(model, turn_detection=None))
+    await client.until("session.updated")
+    await client.send(ga_update(model, turn_detection={"type": "server_vad", "threshold": None,
+                                                       "prefix_padding_ms": None, "silence_duration_ms": None,
+                                                       "idle_timeout_ms": None}))
+    updated = (await client.until("session.updated"))[-1]["session"]["audio"]["input"]["turn_detection"]
+    assert updated == bare == {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
+                               "silence_duration_ms": 500, "idle_timeout_ms": None}
+    stream = np.concatenate([np.zeros(8000, np.float32), speech, np.zeros(16000, np.float32)])
+    for chunk in pcm_base64(at_24k(stream), 24000):
+        await client.send({"type": "input_audio_buffer.append", "audio": chunk})
+    events = await client.until("conversation.item.done")
+    await client.ws.close()
+    assert "error" not in {e["type"] for e in events}, events
+    assert [e["type"] for e in events if e["type"].startswith("input_audio_buffer.")] == [
+        "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped", "input_audio_buffer.committed"]
+
+
+async def test_an_update_whose_vad_fails_to_start_changes_nothing(server, model, speech, reference, monkeypatch):
+    """A segmenter that cannot be built fails the update as a whole: the session stays as it was (format and
+    manual turns), as the spec's "session.updated: the effective configuration" must then say."""
+    import jaxstream.serving.openai_realtime as openai_realtime
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no VAD model")
+
+    client = await Client.connect(server)
+    await client.until("session.created")
+    monkeypatch.setattr(openai_realtime, "TurnSegmenter", broken)
+    await client.send(ga_update(model, fmt={"type": "audio/pcmu"}, turn_detection={"type": "server_vad"}))
+    error = (await client.until("error"))[-1]
+    assert error["error"]["code"] == "processing_error", error
+    monkeypatch.undo()
+    await client.send({"type": "session.update", "session": {"type": "transcription"}})
+    session = (await client.until("session.updated"))[-1]["session"]["audio"]["input"]
+    assert session["turn_detection"] is None and session["format"] == {"type": "audio/pcm", "rate": 24000}
+    for chunk in pcm_base64(at_24k(speech), 24000):  # manual turns at 24 kHz, as before the update
+        await client.send({"type": "input_audio_buffer.append", "audio": chunk})
+    await client.send({"type": "input_audio_buffer.commit"})
+    assert list(transcripts(await client.until("conversation.item.done")).values()) == [reference]
+    await client.ws.close()
+
+
 async def test_drain_commits_the_open_item_and_closes(engine, model, speech, reference):
     """A draining server commits the item still open, sends its transcript, then closes with 1001."""
     from jaxstream.serving.app import drain

@@ -274,6 +274,28 @@ async def test_pipelined_next_utterance_keeps_its_audio(server, model, audio, re
     await client.close()
 
 
+async def test_audio_after_a_queued_final_waits_for_the_next_utterance(server, model, audio, engine):
+    """A queued utterance (commit{} during finalisation) whose final also arrives before the first done holds
+    only the audio up to that final: what follows is kept for the utterance after it (module table)."""
+    first, queued, later = audio[:28000], audio[28000:40000], audio[40000:]
+    client = await connected(server, model)
+    await client.commit()
+    await client.append(first)
+    await client.commit(final=True)
+    await client.commit()  # queued: starts when the first done is sent
+    await client.append(queued)
+    await client.commit(final=True)
+    await client.append(later)  # after the queued one's final: the next utterance's
+    dones = [(await client.until("transcription.done"))[-1] for _ in range(2)]
+    await client.commit()
+    await client.commit(final=True)
+    dones.append((await client.until("transcription.done"))[-1])
+    await client.close()
+    for done, pcm in zip(dones, (first, queued, later)):
+        assert done["usage"]["audio_seconds"] == pytest.approx(pcm.size / 16000), (done, pcm.size)
+        assert done["text"] == (await engine.transcribe(pcm)).text
+
+
 async def test_stray_final_is_an_error_and_does_not_poison_the_next_utterance(server, vllm_server, model, audio,
                                                                               reference):
     client = await connected(server, model)

@@ -167,6 +167,66 @@ async def test_segmenter_keeps_the_connection_clock_and_every_sample(stream):
             np.testing.assert_array_equal(turn, audio[first:first + turn.size])
 
 
+@pytest.mark.parametrize("threshold", [0.15, 0.1])
+async def test_a_low_threshold_still_ends_turns(stream, threshold):
+    """threshold <= 0.15 (legal: [0, 1]): turns still end, in the silence after each sentence, as Silero's own
+    stop threshold has a floor (max(threshold - 0.15, 0.01))."""
+    audio, spans = stream
+    config = vad_config(parse_turn_detection({**VAD, "threshold": threshold}))
+    segmenter, events, step = TurnSegmenter(config, SAMPLING_RATE), [], int(0.32 * SAMPLING_RATE)
+    for begin in range(0, audio.size, step):
+        events += [e for e in await segmenter.push(audio[begin:begin + step]) if e.kind != "speech"]
+    segmenter.close()
+    assert [e.kind for e in events] == ["started", "stopped"] * len(SENTENCES), events
+    for (started, stopped), (start, end) in zip(zip(events[::2], events[1::2]), spans):
+        assert abs(started.sample / SAMPLING_RATE - start) <= 0.15, (started.sample, start)
+        assert end - 0.15 <= stopped.sample / SAMPLING_RATE < end + GAP_S / 2, (stopped.sample, end)
+
+
+async def test_null_settings_take_their_defaults(server, model, stream):
+    """threshold, prefix_padding_ms and silence_duration_ms null count as absent (spec §4.3, "null clears"):
+    the session says OpenAI's defaults and the VAD turns the first sentence into an utterance."""
+    audio, spans = stream
+    client = await RealtimeClient.connect(server.url())
+    await client.update(model, turn_detection={"type": "server_vad", "threshold": None, "prefix_padding_ms": None,
+                                               "silence_duration_ms": None, "idle_timeout_ms": None})
+    updated = await client.event()
+    assert updated["session"]["turn_detection"] == {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
+                                                    "silence_duration_ms": 500, "idle_timeout_ms": None}, updated
+    await client.append(audio[:int((spans[0][1] + 1.0) * SAMPLING_RATE)])  # the first sentence and 1 s after it
+    events = await client.until("transcription.done")
+    await client.close()
+    assert [e["type"] for e in events if e["type"].startswith("jaxstream.")] == [
+        "jaxstream.speech_started", "jaxstream.speech_stopped"] and events[-1]["text"]
+
+
+async def test_an_update_whose_vad_fails_to_start_changes_nothing(server, model, engine, stream, monkeypatch):
+    """A segmenter that cannot be built fails the update as a whole: no session.updated, manual commits as
+    before, and the audio held for a commit is still there."""
+    import jaxstream.serving.vllm_realtime as vllm_realtime
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no VAD model")
+
+    audio, spans = stream
+    held = audio[:int((spans[0][1] + 0.2) * SAMPLING_RATE)]  # the first sentence
+    client = await RealtimeClient.connect(server.url())
+    await client.update(model)
+    await client.event()
+    await client.append(held)
+    monkeypatch.setattr(vllm_realtime, "TurnSegmenter", broken)
+    await client.update(model, turn_detection=VAD)
+    error = await client.event()
+    assert error["type"] == "error" and error["code"] == "processing_error", error
+    monkeypatch.undo()
+    await client.commit()
+    await client.commit(final=True)
+    done = (await client.until("transcription.done"))[-1]
+    await client.close()
+    assert done["usage"]["audio_seconds"] == pytest.approx(held.size / SAMPLING_RATE)
+    assert done["text"] == (await engine.transcribe(held)).text and done["text"]
+
+
 @pytest.mark.parametrize("turn_detection, contains", [
     ({"type": "loud_vad"}, "turn_detection.type"),
     ({"type": "server_vad", "threshold": 2}, "turn_detection.threshold"),
