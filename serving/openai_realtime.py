@@ -50,7 +50,8 @@ from jaxstream.errors import EngineError
 from jaxstream.models.audio import SLOT_SECONDS
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_g711_base64, decode_pcm16_base64
 from jaxstream.serving.engine_sessions import start_session, token_logprobs
-from jaxstream.serving.vad import TurnDetectionError, TurnSegmenter, parse_turn_detection, vad_config
+from jaxstream.serving.vad import (TurnDetectionError, TurnSegmenter, parse_turn_detection, start_turn_segmenter,
+                                   vad_config)
 from jaxstream.serving.websocket import ConnectionClosed
 
 logger = logging.getLogger(__name__)
@@ -241,7 +242,7 @@ class OpenAiRealtime:
             raise ClientError("invalid_request", f"{moved[0]} cannot change while the input buffer holds audio: "
                               "commit or clear it first", f"session.{moved[0]}")
         if moved:  # built before anything changes: a segmenter that fails to start fails the whole update
-            segmenter = self._new_segmenter(changes.get("turn_detection", self.turn_detection),
+            segmenter = await self._new_segmenter(changes.get("turn_detection", self.turn_detection),
                                             FORMAT_RATES[changes.get("format", self.format)])
             if self.segmenter is not None:
                 self.segmenter.close()
@@ -346,11 +347,11 @@ class OpenAiRealtime:
         await self._send("input_audio_buffer.cleared")
 
     # -- server VAD -----------------------------------------------------------------------------------
-    def _new_segmenter(self, turn_detection: dict | None, rate: int) -> TurnSegmenter | None:
+    async def _new_segmenter(self, turn_detection: dict | None, rate: int) -> TurnSegmenter | None:
         """A segmenter for these settings at `rate`, starting at the connection clock's present."""
         if turn_detection is None:
             return None
-        return TurnSegmenter(vad_config(turn_detection), rate, self.stream_ticks * rate // CLOCK_RATE)
+        return await start_turn_segmenter(vad_config(turn_detection), rate, self.stream_ticks * rate // CLOCK_RATE)
 
     async def _detect(self, pcm: np.ndarray) -> None:
         """Routes `pcm` by the segmenter's turns: speech goes to the open item (opened at speech_started,

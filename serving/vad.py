@@ -214,6 +214,12 @@ class TurnEvent:
     idle_from: int | None = None
 
 
+async def start_turn_segmenter(config: VadConfig, input_rate: int, stream_start: int = 0) -> "TurnSegmenter":
+    """`TurnSegmenter(...)`, built on a worker thread: with no idle model in the pool, loading one takes
+    ~40 ms, which on the event loop would hold up every connection (more for many starting at once)."""
+    return await asyncio.to_thread(TurnSegmenter, config, input_rate, stream_start)
+
+
 class TurnSegmenter:
     """Cuts one connection's audio stream into turns with a SpeechDetector: speech and `prefix_padding_ms`
     before it belong to a turn, audio outside speech does not (only its last `prefix_padding_ms` is kept, for

@@ -58,7 +58,8 @@ from jaxstream.models.audio import SAMPLING_RATE  # the protocol's audio rate, n
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_pcm16_base64
 from jaxstream.serving.engine_sessions import failure_of, start_session
 from jaxstream.serving.limits import CLOSE_UNSUPPORTED_DATA, Breach
-from jaxstream.serving.vad import TurnDetectionError, TurnSegmenter, parse_turn_detection, vad_config
+from jaxstream.serving.vad import (TurnDetectionError, TurnSegmenter, parse_turn_detection, start_turn_segmenter,
+                                   vad_config)
 from jaxstream.serving.websocket import ConnectionClosed
 
 logger = logging.getLogger(__name__)
@@ -230,8 +231,8 @@ class VllmRealtime:
         # Built before anything changes (building may fail): a failed update leaves the session as it was.
         segmenter = None
         if vad_moves and turn_detection is not None:  # its clock starts with the audio held for a commit
-            segmenter = TurnSegmenter(vad_config(turn_detection), SAMPLING_RATE,
-                                      self.stream_samples - self.pending_samples)
+            segmenter = await start_turn_segmenter(vad_config(turn_detection), SAMPLING_RATE,
+                                                   self.stream_samples - self.pending_samples)
         self.delay_ms = delay if delay is not None else self.delay_ms
         self.validated = True
         if self.compat:

@@ -388,12 +388,12 @@ async def test_an_update_whose_vad_fails_to_start_changes_nothing(server, model,
     manual turns), as the spec's "session.updated: the effective configuration" must then say."""
     import jaxstream.serving.openai_realtime as openai_realtime
 
-    def broken(*args, **kwargs):
+    async def broken(*args, **kwargs):
         raise RuntimeError("no VAD model")
 
     client = await Client.connect(server)
     await client.until("session.created")
-    monkeypatch.setattr(openai_realtime, "TurnSegmenter", broken)
+    monkeypatch.setattr(openai_realtime, "start_turn_segmenter", broken)
     await client.send(ga_update(model, fmt={"type": "audio/pcmu"}, turn_detection={"type": "server_vad"}))
     error = (await client.until("error"))[-1]
     assert error["error"]["code"] == "processing_error", error

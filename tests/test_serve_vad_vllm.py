@@ -5,6 +5,7 @@ the engine's own for the audio each utterance held; `--compat vllm` ignores the 
 import io
 import shutil
 import subprocess
+import threading
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import soxr
 from jaxstream.models.audio import SAMPLING_RATE
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.testing import RealtimeClient, ServerThread
+from jaxstream.serving import vad
 from jaxstream.serving.vad import TurnSegmenter, parse_turn_detection, vad_config
 from serve_fixtures import engine, engine_returns_to_baseline, model, server  # noqa: F401 - pytest fixtures
 
@@ -55,10 +57,18 @@ def vllm_server(engine):
     server.close()
 
 
-async def test_vad_turns_without_commits(server, engine, model, stream):
+async def test_vad_turns_without_commits(server, engine, model, stream, monkeypatch):
     """No commit at all (and audio appended before VAD was on is segmented too): speech_started/stopped
     within 150 ms of the synthesized speech, then one transcription.done per sentence, in order, each
-    equal to its concatenated deltas and to engine.transcribe of exactly the audio its turn held."""
+    equal to its concatenated deltas and to engine.transcribe of exactly the audio its turn held. The VAD
+    model is taken (or loaded, ~40 ms) off the server's event loop."""
+    acquire, threads = vad._POOL.acquire, []  # noqa: SLF001
+
+    def recorded(rate):
+        threads.append(threading.current_thread())
+        return acquire(rate)
+
+    monkeypatch.setattr(vad._POOL, "acquire", recorded)  # noqa: SLF001
     audio, spans = stream
     client = await RealtimeClient.connect(server.url())
     lead = int(LEAD_S * SAMPLING_RATE)
@@ -74,6 +84,7 @@ async def test_vad_turns_without_commits(server, engine, model, stream):
         events.append(await client.event(60))
         assert events[-1]["type"] != "error", events[-1]
     await client.close()
+    assert threads and server._thread not in threads  # noqa: SLF001
     kinds = [e["type"] for e in events]
     positions = lambda kind: [n for n, k in enumerate(kinds) if k == kind]  # noqa: E731
     stops, dones = positions("jaxstream.speech_stopped"), positions("transcription.done")
@@ -205,7 +216,7 @@ async def test_an_update_whose_vad_fails_to_start_changes_nothing(server, model,
     before, and the audio held for a commit is still there."""
     import jaxstream.serving.vllm_realtime as vllm_realtime
 
-    def broken(*args, **kwargs):
+    async def broken(*args, **kwargs):
         raise RuntimeError("no VAD model")
 
     audio, spans = stream
@@ -214,7 +225,7 @@ async def test_an_update_whose_vad_fails_to_start_changes_nothing(server, model,
     await client.update(model)
     await client.event()
     await client.append(held)
-    monkeypatch.setattr(vllm_realtime, "TurnSegmenter", broken)
+    monkeypatch.setattr(vllm_realtime, "start_turn_segmenter", broken)
     await client.update(model, turn_detection=VAD)
     error = await client.event()
     assert error["type"] == "error" and error["code"] == "processing_error", error
