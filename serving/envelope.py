@@ -23,8 +23,9 @@ Server VAD, jaxstream's opt-in extension: `session.update` with `turn_detection`
 `semantic_vad` object, serving/vad.py; null: manual turns again). The server then starts an utterance where
 speech starts (`input_audio_buffer.speech_started`, request_id `vad-<n>`) and finalises it where speech
 stops (`input_audio_buffer.speech_stopped`); earlier utterances finish while the next one streams, and audio
-outside speech is not transcribed. `commit{final:true}` ends the speech in progress (end of stream);
-`commit{final:false}` is refused.
+outside speech is not transcribed. `idle_timeout_ms` without speech: `input_audio_buffer.timeout_triggered`
+opens a turn of its own holding the prefix padding (or nothing), which ends with its `done` as every turn does.
+`commit{final:true}` ends the speech in progress (end of stream); `commit{final:false}` is refused.
 
 Limits: the API key (`?api_key=`, `X-API-Key`, or Bearer) is checked after the upgrade, so a bad one gets an
 `error` and close 4001 (the auth middleware leaves this route to us). The connection cap (4002), idle
@@ -361,13 +362,14 @@ class EnvelopeProtocol:
                 if turn.kind == "started":
                     await self._send("input_audio_buffer.speech_started", session_id, utterance.request_id,
                                      audio_start_ms=segmenter.ms(turn.sample))
-                else:  # nobody spoke for idle_timeout_ms: the silence is committed, as OpenAI does
+                else:  # nobody spoke for idle_timeout_ms: the buffer (the prefix padding) is committed, as OpenAI
+                    # does, even with none kept: its done (empty) answers vad-N as a done answers every turn.
                     await self._send("input_audio_buffer.timeout_triggered", session_id, utterance.request_id,
                                      audio_start_ms=segmenter.ms(turn.idle_from),
                                      audio_end_ms=segmenter.ms(turn.sample))
                 await self._feed(utterance, turn.audio)
                 if turn.kind == "timeout":
-                    await self._finalize(utterance)
+                    await self._finalize(utterance, empty_ok=True)
                 continue
             utterance = self.open  # None when the model (or a failure) ended the turn early: audio dropped
             if utterance is not None:
@@ -376,7 +378,7 @@ class EnvelopeProtocol:
                 await self._send("input_audio_buffer.speech_stopped", session_id,
                                  utterance.request_id if utterance else None, audio_end_ms=segmenter.ms(turn.sample))
                 if utterance is not None and self.open is utterance:
-                    await self._finalize(utterance)
+                    await self._finalize(utterance, empty_ok=True)
 
     # -- utterances -----------------------------------------------------------------------------------
     async def _start(self, session_id: str | None, request_id: str | None) -> _Utterance:
@@ -409,10 +411,12 @@ class EnvelopeProtocol:
             return
         utterance.samples += pcm.size
 
-    async def _finalize(self, utterance: _Utterance) -> None:
+    async def _finalize(self, utterance: _Utterance, *, empty_ok: bool = False) -> None:
+        """Ends `utterance`'s audio. An empty one is the client's mistake (commit_empty), unless the server
+        committed it (`empty_ok`)."""
         if self.open is utterance:
             self.open = None
-        if utterance.samples == 0:
+        if utterance.samples == 0 and not empty_ok:
             await self._abort(utterance, outcome="empty", reason="empty")
             raise EnvelopeError("input_audio_buffer_commit_empty", "input_audio_buffer_commit_empty", "Cannot "
                                 "finalise an empty utterance: no audio was appended since its commit")

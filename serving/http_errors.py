@@ -12,6 +12,9 @@ from jaxstream.errors import EngineError
 # Engine error code -> HTTP status. Capacity and draining are worth retrying elsewhere or later.
 _ENGINE_STATUS = {"capacity": 503, "draining": 503, "engine_dead": 503, "backlog": 503,
                   "invalid_audio": 400, "invalid_request": 400, "session_closed": 409}
+# The engine is busy: it refused the call whole, and the same call may succeed on this server later. A draining
+# or dead engine will not serve it again.
+RETRYABLE_ENGINE_CODES = frozenset({"capacity", "backlog"})
 
 
 class RequestError(Exception):

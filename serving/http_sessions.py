@@ -16,10 +16,14 @@ text chunk as its own `StreamingInput` under the engine's cumulative-prompt rule
 
 Chunks are applied in `sequence_id` order: one that arrives early is held until the gap fills; a repeated
 `sequence_id` is acknowledged and ignored, or refused (409) when its content differs from what was received.
-What a session remembers of the ids is bounded: the next id expected, the held chunks (at most
-`max_held_chunks`) and the digests of the last `_RECENT_DIGESTS` applied ones (an older duplicate is
-acknowledged without the content check). The payload bytes a session received (held chunks included) are
-capped; crossing the cap answers 413, closes the session and aborts its engine session.
+What a session remembers of the ids is bounded: the next id expected, the held chunks (less than
+`max_held_chunks` ids ahead of it; an id further ahead is refused, 422) and the digests of the last
+`_RECENT_DIGESTS` applied ones (an older duplicate is acknowledged without the content check). The payload
+bytes a session received (held chunks included) are capped; crossing the cap answers 413, closes the session
+and aborts its engine session. A chunk or finish the engine refuses for now (at capacity: 503, Retry-After)
+changes nothing: the chunk stays held unapplied and its retry (or a finish) applies it. A refusal of the
+client's input (a finish with no payload: 422) leaves the session open; one the engine answers for good
+(draining, dead, invalid audio) closes it.
 
 A session with unfinished input and no chunk for `session_timeout_s` is closed (410 afterwards), as is one
 whose event stream dropped and was not resumed within `resume_grace_s`; a finished session stays readable
@@ -41,7 +45,7 @@ from aiohttp import web
 from jaxstream.serving import sse, streaming_input
 from jaxstream.serving.http_completions import TextInput, check_tokenizer, sampling_params
 from jaxstream.serving.http_errors import (
-    RequestError, check_kind, check_model, check_ready, engine_request_error, read_json,
+    RETRYABLE_ENGINE_CODES, RequestError, check_kind, check_model, check_ready, engine_request_error, read_json,
 )
 from jaxstream.serving.http_transcriptions import AudioInput, parse_delay_ms, parse_include
 
@@ -50,6 +54,7 @@ logger = logging.getLogger(__name__)
 PREFIX = "/v1/streaming_input/sessions"
 _TOMBSTONES = 4096  # ids of closed sessions remembered, so that late calls get 410 rather than 404
 _RECENT_DIGESTS = 64  # applied chunks whose content a duplicate is checked against
+_MISSING_SHOWN = 8  # ids a finish refused for a gap names
 # A session lives on the replica that created it; behind a balancer, a gateway sends its later requests to the
 # replica this header names (deploy/README.md: the pod's name, resolvable as <pod>.jaxstream-pods).
 REPLICA_HEADER = "X-Jaxstream-Replica"
@@ -195,7 +200,10 @@ class StreamingInputSessions:
                 if known is not None and known != digest:
                     raise RequestError(409, "sequence_conflict", f"sequence_id {seq} was already received "
                                        "with different content", "sequence_id")
-                return session.acknowledgement(sequence_id=seq, duplicate=True)
+                if seq != session.next_seq:
+                    return session.acknowledgement(sequence_id=seq, duplicate=True)
+                await self._apply_ready(session)  # the retry of a chunk the engine refused for now
+                return session.acknowledgement(sequence_id=seq)
             if session.input_ended or (session.end_seq is not None and seq > session.end_seq):
                 raise RequestError(409, "input_finished", f"The input ended; sequence_id {seq} comes after it",
                                    "sequence_id")
@@ -205,10 +213,14 @@ class StreamingInputSessions:
             if end and any(held > seq for held in session.held):
                 raise RequestError(409, "input_finished", f"end_of_input at {seq} precedes chunks already "
                                    "received", "sequence_id")
-            if len(session.held) >= self.max_held_chunks and seq != session.next_seq:
-                raise RequestError(422, "too_many_held_chunks", f"{len(session.held)} chunks already wait "
-                                   f"for sequence_id {session.next_seq}", "sequence_id")
+            # The window bounds what an id can cost: the held chunks, and the gap a finish reports.
+            if seq >= session.next_seq + self.max_held_chunks:
+                raise RequestError(422, "sequence_id_out_of_window", f"sequence_id {seq} is too far ahead: "
+                                   f"{session.next_seq} comes next, and chunks are held for a gap of at most "
+                                   f"{self.max_held_chunks} ids", "sequence_id")
             piece = session.stream.decode(payload) if payload else None
+            if end and piece is None and seq == session.next_seq:
+                session.feed.check_end()  # before anything changes: the session stays open for its input
             if piece is not None and not session.feed.count(session.stream.measure(piece)[0]):
                 await self.close(session, f"payload over the {self.max_payload_bytes}-byte cap")
                 raise RequestError(413, "payload_too_large", f"The session received more than "
@@ -216,23 +228,41 @@ class StreamingInputSessions:
             session.held[seq] = (piece, end, digest)
             if end:
                 session.end_seq = seq
-            while session.next_seq in session.held:
-                piece, end, digest = session.held.pop(session.next_seq)
-                session.recent[session.next_seq] = digest
-                if len(session.recent) > _RECENT_DIGESTS:
-                    session.recent.popitem(last=False)
-                session.next_seq += 1
-                await self._apply(session, piece, end)
+            if seq == session.next_seq:
+                await self._apply_ready(session)
             return session.acknowledgement(sequence_id=seq)
 
-    async def _apply(self, session: InputSession, piece, end: bool) -> None:
+    async def _apply_ready(self, session: InputSession) -> None:
+        """Applies the held chunks that continue the input, in order. One the engine refused for now (at
+        capacity: 503, Retry-After) stays held and unapplied, so that a retry of it, or of finish, applies it."""
+        while session.next_seq in session.held:
+            seq = session.next_seq
+            piece, end, digest = session.held[seq]
+            retry = False
+            try:
+                if piece is not None:
+                    await self._apply(session, session.feed.add(piece))
+                    session.held[seq] = (None, end, digest)  # in: the retry of a refused end must not add it again
+                if end:
+                    await self._apply(session, session.feed.end())
+            except RequestError as exc:
+                retry = exc.code in RETRYABLE_ENGINE_CODES
+                raise
+            finally:  # a refusal for good (or a cancelled request) consumed the chunk all the same
+                if not retry:
+                    del session.held[seq]
+                    session.recent[seq] = digest
+                    if len(session.recent) > _RECENT_DIGESTS:
+                        session.recent.popitem(last=False)
+                    session.next_seq += 1
+
+    async def _apply(self, session: InputSession, step) -> None:
+        """Awaits `step`, a call of the session's feed; a refusal for good closes the session."""
         try:
-            if piece is not None:
-                await session.feed.add(piece)
-            if end:
-                await session.feed.end()
+            await step
         except RequestError as exc:
-            if exc.status >= 500 or exc.code == "invalid_audio":  # the engine refused it: the session is lost
+            if exc.code not in RETRYABLE_ENGINE_CODES and (exc.status >= 500 or exc.code == "invalid_audio"):
+                # the engine refused it for good: the session is lost
                 await self.close(session, f"the engine refused the input: {exc}")
             raise
 
@@ -241,13 +271,23 @@ class StreamingInputSessions:
             if session.closed:
                 raise RequestError(410, "session_expired", f"Session {session.id} is closed")
             if not session.input_ended:
+                await self._apply_ready(session)  # a chunk the engine refused for now goes first
+            if not session.input_ended:
                 if session.held:
-                    missing = sorted(set(range(session.next_seq, max(session.held))) - set(session.held))
-                    raise RequestError(409, "chunks_missing", f"Chunks {missing} have not arrived; send them "
-                                       "before finishing")
+                    raise _chunks_missing(session)
+                await self._apply(session, session.feed.end())  # refused: nothing changed, the input stays open
                 session.end_seq = session.next_seq - 1
-                await self._apply(session, None, True)
             return session.acknowledgement()
+
+
+def _chunks_missing(session: InputSession) -> RequestError:
+    """The 409 of a finish while chunks wait for a gap: how many ids are missing, and the first of them."""
+    last = max(session.held)
+    count = last - session.next_seq + 1 - len(session.held)
+    first = [seq for seq in range(session.next_seq, last) if seq not in session.held][:_MISSING_SHOWN]
+    more = ", ..." if count > len(first) else ""
+    return RequestError(409, "chunks_missing", f"{count} chunks have not arrived (sequence_id "
+                        f"{', '.join(map(str, first))}{more}); send them before finishing")
 
 
 STREAMING_INPUT = web.AppKey("jaxstream_streaming_input", StreamingInputSessions)

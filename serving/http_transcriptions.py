@@ -131,6 +131,10 @@ class AudioInput(streaming_input.EngineInput):
     def join(pieces: list) -> np.ndarray:
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
+    def progress(self) -> int:
+        """Audio slots the engine has computed: silence yields no text, and is work all the same."""
+        return 0 if self.session is None else self.session.backlog.consumed
+
     async def start(self) -> None:
         self.session = await start_session(self.state.engine, self.delay_ms, max_audio_seconds=self.seconds)
         self._pump = asyncio.create_task(self._run_pump(time.monotonic()))

@@ -14,6 +14,7 @@ the server does it for them and frees the engine).
 import asyncio
 import collections
 import logging
+import typing
 
 from aiohttp import web
 
@@ -119,20 +120,24 @@ def client_gone(request: web.Request) -> bool:
 
 
 async def stream_log(request: web.Request, log: EventLog, *, after: int = 0, keepalive_s: float = KEEPALIVE_S,
-                     first_event_timeout_s: float | None = FIRST_EVENT_TIMEOUT_S) -> tuple[web.StreamResponse, bool]:
+                     first_event_timeout_s: float | None = FIRST_EVENT_TIMEOUT_S,
+                     progress: typing.Callable[[], int] | None = None) -> tuple[web.StreamResponse, bool]:
     """Writes `log`'s events above `after` to the client until `[DONE]`. Returns the response (for the
     handler to return) and True when the client got the whole stream; False when it went away first or the
     first-event timeout ended it (the caller then decides whether the producer is cancelled). A replay gap
-    is answered with an `error` event."""
+    is answered with an `error` event. `progress`, when given, counts the producer's work (a transcription's
+    computed audio): the first-event timeout then runs from its last change, so that a producer working
+    through input that yields nothing (an upload's silent lead) is not taken for a stuck one."""
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
-    return response, await _write_events(request, response, log, after, keepalive_s, first_event_timeout_s)
+    return response, await _write_events(request, response, log, after, keepalive_s, first_event_timeout_s,
+                                         progress or (lambda: 0))
 
 
-async def _write_events(request, response, log, after, keepalive_s, first_event_timeout_s) -> bool:
+async def _write_events(request, response, log, after, keepalive_s, first_event_timeout_s, progress) -> bool:
     loop = asyncio.get_running_loop()
     started = last_write = loop.time()
-    sent_any = False
+    sent_any, worked = False, progress()
     try:
         while True:
             try:
@@ -152,6 +157,8 @@ async def _write_events(request, response, log, after, keepalive_s, first_event_
                 await response.write_eof()
                 return True
             now = loop.time()
+            if (done := progress()) != worked:
+                started, worked = now, done
             if not sent_any and first_event_timeout_s is not None and now - started >= first_event_timeout_s:
                 logger.info("SSE %s: nothing produced in %.0f s, ending the stream", request.path,
                             first_event_timeout_s)

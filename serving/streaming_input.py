@@ -153,6 +153,10 @@ class EngineInput(abc.ABC):
             self.log.append(sse.error_payload(message, code))
         asyncio.ensure_future(self.abort(code))
 
+    def progress(self) -> int:
+        """A count of the engine's work on this input that yields no event (none by default)."""
+        return 0
+
     @abc.abstractmethod
     async def abort(self, reason: str) -> None:
         """Stops the engine session (if any) and ends the output; idempotent."""
@@ -164,9 +168,12 @@ class EngineInput(abc.ABC):
     async def serve_output(self, request: web.Request) -> web.StreamResponse | None:
         """The request's answer while the output is produced. With a log: the SSE response (the input is
         aborted if the client leaves before the end). Without: waits for the end watching the socket, since a
-        plain response writes nothing until then; None once the output is complete, 499 if the client left."""
+        plain response writes nothing until then; None once the output is complete, 499 if the client left.
+        The first-event timeout runs from the input's last `progress`: an upload's first text comes where its
+        speech starts, which may be minutes in, while the engine works through the silence before it."""
         if self.log is not None:
-            response, complete = await sse.stream_log(request, self.log)
+            response, complete = await sse.stream_log(
+                request, self.log, first_event_timeout_s=sse.FIRST_EVENT_TIMEOUT_S, progress=self.progress)
             if not complete:
                 await self.abort("client_disconnected")
             return response
@@ -200,37 +207,44 @@ class InputFeed:
         return self.payload_bytes <= self.max_payload_bytes
 
     async def add(self, piece) -> None:
+        """Applies the next piece. A start the engine refuses leaves the feed as it was, so that the same
+        piece can be offered again (Mode B keeps a chunk refused for capacity for the client's retry)."""
         size, seconds = self.stream.measure(piece)
-        self.applied_bytes += size
-        self.audio_seconds += seconds
         try:
             if self.stream.started:
                 await self.stream.append(piece)
-                return
-            self._pending.append(piece)
-            if self.policy.holds(self.applied_bytes, self.audio_seconds):
-                await self._start()
+            elif self.policy.holds(self.applied_bytes + size, self.audio_seconds + seconds):
+                await self._start([*self._pending, piece])
+            else:
+                self._pending.append(piece)
         except EngineError as exc:
             raise engine_request_error(exc) from None
+        self.applied_bytes += size
+        self.audio_seconds += seconds
+
+    def check_end(self) -> None:
+        """RequestError 422 when ending the input now would end it empty; the input then stays open."""
+        if not self.ended and not self.stream.started and not self._pending:
+            raise RequestError(422, "no_input", "The input ended before any payload arrived")
 
     async def end(self) -> None:
-        """Ends the input (idempotent); starts the engine first when the policy was still buffering."""
+        """Ends the input (idempotent); starts the engine first when the policy was still buffering. A start
+        the engine refuses leaves the input open, its buffered pieces kept."""
         if self.ended:
             return
+        self.check_end()
         try:
             if not self.stream.started:
-                if not self._pending:
-                    raise RequestError(422, "no_input", "The input ended before any payload arrived")
-                await self._start()
+                await self._start(self._pending)
             self.ended = True
             await self.stream.finish()
         except EngineError as exc:
             raise engine_request_error(exc) from None
 
-    async def _start(self) -> None:
-        await self.stream.start()
-        piece, self._pending = self.stream.join(self._pending), []
-        await self.stream.append(piece)
+    async def _start(self, pieces: list) -> None:
+        await self.stream.start()  # the engine refuses a start whole: nothing to undo
+        self._pending = []
+        await self.stream.append(self.stream.join(pieces))
 
 
 # -- draining -----------------------------------------------------------------------------------------------

@@ -253,6 +253,23 @@ async def test_server_vad_starts_and_finalises_utterances(server, model, audio, 
     await client.ws.close()
 
 
+async def test_idle_timeout_without_prefix_padding_ends_its_turn_with_an_empty_done(server):
+    """With prefix_padding_ms 0 an idle timeout has no audio to commit. The server's commit is no client
+    mistake: the turn ends with a done, as every turn does (OpenAI commits the empty buffer too), empty since
+    nobody spoke, and no input_audio_buffer_commit_empty error follows (it did, on every timeout)."""
+    client = await opened(server)
+    vad = {"type": "server_vad", "prefix_padding_ms": 0, "idle_timeout_ms": 5000}
+    await client.send("session.update", {"turn_detection": vad})
+    await client.until("session.updated")
+    await client.append(np.zeros(int(5.3 * SAMPLING_RATE), np.float32), request_id="a")
+    timeout, done = await client.event(), await client.event()
+    assert (timeout["type"], timeout["request_id"]) == ("input_audio_buffer.timeout_triggered", "vad-1")
+    assert (done["type"], done["request_id"], done["payload"]["text"]) == ("transcription.done", "vad-1", ""), done
+    await client.send("ping", request_id="p")
+    assert (await client.event())["type"] == "pong"  # nothing else came
+    await client.ws.close()
+
+
 async def test_drain_finishes_the_running_utterance_then_closes_1001(engine, audio):
     """A draining server ends the utterance still taking audio itself, sends its done, then closes 1001.
     (8 s: half of it waits for the utterance to end on its own, half is left for its flush, on a busy CI box.)"""

@@ -3,6 +3,7 @@
 specs/realtime_protocols.md §8 (sse.py), and the Mode B streaming-input sessions of §7.2 with aiohttp."""
 import asyncio
 import io
+import itertools
 import json
 import os
 import socket
@@ -210,6 +211,35 @@ async def read_sse(response, count: int | None = None) -> tuple[list, str]:
     return parse_sse(raw), raw
 
 
+async def test_the_first_event_timeout_runs_from_the_producers_last_progress():
+    """A producer still working (its progress count moves on) is not timed out before its first event, even
+    one that comes after several timeouts' time; one that stops working is, from then on."""
+    log, working, work = sse.EventLog(), True, itertools.count()
+
+    async def handler(request):
+        response, _ = await sse.stream_log(request, log, after=sse.last_event_id(request), first_event_timeout_s=0.3,
+                                           progress=lambda: next(work) if working else -1)
+        return response
+
+    app = web.Application()
+    app.router.add_get("/", handler)
+    test_server = TestServer(app, host="127.0.0.1")
+    await test_server.start_server()
+    try:
+        async with aiohttp.ClientSession() as http:
+            late = asyncio.get_running_loop().call_later(1.2, log.append, {"late": True})
+            async with http.get(test_server.make_url("/")) as response:
+                events, _ = await read_sse(response, count=1)
+            assert events == [(1, {"late": True})]
+            late.cancel()
+            working = False
+            async with http.get(test_server.make_url("/"), headers={"Last-Event-ID": "1"}) as response:
+                events, _ = await read_sse(response)
+            assert events[0][1]["error"]["code"] == "first_token_timeout" and events[-1][1] == "[DONE]"
+    finally:
+        await test_server.close()
+
+
 async def test_stream_log_keepalive_first_event_timeout_and_replay_gap():
     log = sse.EventLog(capacity=2)
 
@@ -268,6 +298,29 @@ async def test_client_disconnect_aborts_the_engine_session(server, model, audio)
             response.close()  # drops the connection (leaving the context would read the stream to its end)
     await wait_engine_baseline(server.state.engine, timeout=10)
     assert aborted._value.get() == before + 1
+
+
+async def test_a_silent_lead_does_not_time_out_a_streamed_upload(server, engine, model, audio, monkeypatch):
+    """An upload's first text comes where its speech starts, which may be minutes in: the engine working
+    through the silence is no stuck stream. The first-event timeout (15 s; a fifth of a second here, so that
+    8 s of silence outlast it) runs from the engine's last computed audio: it used to end the stream and
+    abort the transcription (found with 180 s)."""
+    monkeypatch.setattr(sse, "FIRST_EVENT_TIMEOUT_S", 0.2)
+    pcm = np.concatenate([np.zeros(8 * 16000, np.float32), audio])
+    expected = (await engine.transcribe(pcm)).text
+    buffer = io.BytesIO()
+    soundfile.write(buffer, pcm, 16000, format="WAV")
+    form = aiohttp.FormData()
+    form.add_field("file", buffer.getvalue(), filename="lead.wav")
+    form.add_field("model", model)
+    form.add_field("stream", "true")
+    async with aiohttp.ClientSession() as http:
+        async with http.post(server.url("/v1/audio/transcriptions", "http"), data=form) as response:
+            assert response.status == 200
+            events, _ = await read_sse(response)
+    data = [event for _, event in events]
+    assert data[-1] == "[DONE]" and data[-2]["type"] == "transcript.text.done", data[:2]
+    assert "".join(event["delta"] for event in data[:-2]) == data[-2]["text"] == expected
 
 
 # -- Mode B streaming-input sessions ------------------------------------------------------------------------

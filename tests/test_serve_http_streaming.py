@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import websockets
 
+from jaxstream.errors import CapacityError
 from jaxstream.serving.app import drain
 from jaxstream.serving.audio_codecs import encode_pcm16_base64
 from jaxstream.serving.config import ServerConfig
@@ -112,6 +113,83 @@ async def test_sequence_record_is_bounded(server, model, audio):
         assert status == 409 and body["error"]["code"] == "sequence_conflict"
         assert (await call(http, server, "POST", base + "/finish"))[0] == 200
         assert (await call(http, server, "GET", base + "/result"))[0] == 200
+
+
+async def test_sequence_ids_far_ahead_are_refused_and_a_gap_is_counted(server, model, audio):
+    """What a held chunk costs is bounded by how far ahead its id may be, not only by how many are held: an
+    id past the window is refused with a 4xx (§7.2: held until the gap fills, or rejected), and a finish
+    refused for a gap says how many ids are missing in a short answer (it listed all of them: 26 MB and
+    seconds of a blocked event loop for one id of 3,000,000)."""
+    window = server.app[STREAMING_INPUT].max_held_chunks
+    piece = chunks_of(audio[:CHUNK])[0]
+    async with aiohttp.ClientSession() as http:
+        _, created = await call(http, server, "POST", SESSIONS, json={"model": model})
+        base = f"{SESSIONS}/{created['session_id']}"
+        for far in (10 ** 9, window):
+            status, body = await call(http, server, "POST", base + "/chunks", json={**piece, "sequence_id": far})
+            assert 400 <= status < 500 and body["error"]["param"] == "sequence_id", body
+        status, body = await call(http, server, "POST", base + "/chunks", json={**piece, "sequence_id": window - 1})
+        assert status == 202 and body["held"] == [window - 1]
+        status, body = await call(http, server, "POST", base + "/finish")
+        assert status == 409 and body["error"]["code"] == "chunks_missing"
+        assert str(window - 1) in body["error"]["message"] and len(json.dumps(body)) < 1024, body
+
+
+@pytest.mark.parametrize("refused_end", ["finish", "empty end_of_input chunk"])
+async def test_a_refused_end_leaves_the_session_open_for_its_input(server, model, audio, reference, refused_end):
+    """Ending an input before any payload is refused (422 no_input) and ends nothing: the chunks that follow
+    are taken and transcribed (§7.2's 409 is for a chunk after an accepted end)."""
+    async with aiohttp.ClientSession() as http:
+        _, created = await call(http, server, "POST", SESSIONS, json={"model": model})
+        base = f"{SESSIONS}/{created['session_id']}"
+        if refused_end == "finish":
+            status, body = await call(http, server, "POST", base + "/finish")
+        else:
+            empty_end = {"sequence_id": 0, "payload": "", "end_of_input": True}
+            status, body = await call(http, server, "POST", base + "/chunks", json=empty_end)
+        assert status == 422 and body["error"]["code"] == "no_input"
+        for chunk in chunks_of(audio):
+            assert (await call(http, server, "POST", base + "/chunks", json=chunk))[0] == 202
+        status, result = await call(http, server, "GET", base + "/result")
+    assert status == 200 and result["text"] == reference.text
+
+
+@pytest.mark.parametrize("refused", ["first chunk", "last chunk", "finish"])
+async def test_an_engine_at_capacity_keeps_the_session_and_its_input(server, engine, model, audio, reference,
+                                                                      monkeypatch, refused):
+    """An engine at its session limit answers 503 with Retry-After: try again later (http_errors). The
+    session keeps what it received, and the retry of the refused chunk or finish starts the engine with the
+    whole input, once (it closed the session: the retry got 410 and the uploaded audio was lost)."""
+    real_start = engine.start_transcription
+    refusals = []
+
+    async def start_transcription(*args, **kwargs):
+        if refusals:
+            raise refusals.pop()
+        return await real_start(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "start_transcription", start_transcription)
+    # The last chunk holds most of the speech: were it applied twice, the transcript would show it.
+    chunks = [{"sequence_id": n, "payload": encode_pcm16_base64(piece), "end_of_input": n == 1 and refused != "finish"}
+              for n, piece in enumerate((audio[:CHUNK], audio[CHUNK:]))]
+    calls = [("/chunks", chunk) for chunk in chunks] + ([("/finish", None)] if refused == "finish" else [])
+    at = 0 if refused == "first chunk" else len(calls) - 1
+    policy = "on_first_chunk" if refused == "first chunk" else "on_end_only"
+    async with aiohttp.ClientSession() as http:
+        _, created = await call(http, server, "POST", SESSIONS, json={"model": model, "start_policy": policy})
+        base = server.url(f"{SESSIONS}/{created['session_id']}", "http")
+        for n, (path, body) in enumerate(calls):
+            if n == at:
+                refusals.append(CapacityError("the engine holds all the sessions it can; try again later"))
+                async with http.post(base + path, json=body) as response:
+                    assert response.status == 503 and int(response.headers["Retry-After"]) >= 1
+                    assert (await response.json())["error"]["code"] == "capacity"
+            async with http.post(base + path, json=body) as response:
+                answer = await response.json()
+                assert response.status == (200 if path == "/finish" else 202), answer
+                assert not answer.get("duplicate")
+        status, result = await call(http, server, "GET", f"{SESSIONS}/{created['session_id']}/result")
+    assert status == 200 and result["text"] == reference.text
 
 
 async def test_per_key_limits_are_shared_with_websockets(engine, model, audio):
