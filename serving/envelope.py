@@ -63,7 +63,8 @@ from jaxstream.models.audio import SAMPLING_RATE  # the protocol's audio rate, n
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_pcm16_base64
 from jaxstream.serving.engine_sessions import failure_of, start_session
 from jaxstream.serving.limits import CLOSE_NORMAL, CLOSE_UNAUTHORIZED, Breach, RollingWindowLimiter
-from jaxstream.serving.vad import TurnDetectionError, TurnSegmenter, parse_turn_detection, vad_config
+from jaxstream.serving.vad import (TurnDetectionError, TurnSegmenter, parse_turn_detection, start_turn_segmenter,
+                                   vad_config)
 from jaxstream.serving.websocket import ConnectionClosed
 
 logger = logging.getLogger(__name__)
@@ -275,11 +276,12 @@ class EnvelopeProtocol:
             if self.open is not None or self.pending:
                 raise EnvelopeError("invalid_request", "utterance_in_progress", "turn_detection cannot change while "
                                     "an utterance takes audio or audio waits for one: finish or cancel it first")
+            # Built before anything changes: a segmenter that fails to start leaves the session as it was.
+            segmenter = (await start_turn_segmenter(vad_config(turn_detection), SAMPLING_RATE, self.stream_samples)
+                         if turn_detection else None)
             if self.segmenter is not None:
                 self.segmenter.close()
-            self.segmenter = (TurnSegmenter(vad_config(turn_detection), SAMPLING_RATE, self.stream_samples)
-                              if turn_detection else None)
-            self.turn_detection = turn_detection
+            self.segmenter, self.turn_detection = segmenter, turn_detection
         self.delay_ms = delay
         await self._send("session.updated", session_id, request_id, model=model_id,
                          transcription_delay_ms=delay or self.server.engine.default_delay_ms,

@@ -270,6 +270,32 @@ async def test_idle_timeout_without_prefix_padding_ends_its_turn_with_an_empty_d
     await client.ws.close()
 
 
+async def test_an_update_whose_vad_fails_to_start_changes_nothing(server, audio, monkeypatch):
+    """A new segmenter that cannot be built fails the update whole: the one running goes on detecting speech
+    (it used to be closed first, its model back in the pool, and the session found no speech any more)."""
+    from jaxstream.serving import vad as vad_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no VAD model")
+
+    client = await opened(server)
+    vad = {"type": "server_vad", "silence_duration_ms": 500}
+    await client.send("session.update", {"turn_detection": vad})
+    await client.until("session.updated")
+    monkeypatch.setattr(vad_module, "SpeechDetector", broken)
+    await client.send("session.update", {"turn_detection": {**vad, "silence_duration_ms": 800}}, request_id="u")
+    assert (await client.event())["type"] == "error"
+    monkeypatch.undo()
+    silence = np.zeros(int(0.8 * SAMPLING_RATE), np.float32)
+    await client.append(np.concatenate([silence, audio, silence, silence]))
+    events = [await client.event(timeout=20)]
+    while events[-1]["type"] != "transcription.done":
+        events.append(await client.event(timeout=20))
+    kinds = [e["type"] for e in events]
+    assert "input_audio_buffer.speech_started" in kinds and "input_audio_buffer.speech_stopped" in kinds, kinds
+    await client.ws.close()
+
+
 async def test_drain_finishes_the_running_utterance_then_closes_1001(engine, audio):
     """A draining server ends the utterance still taking audio itself, sends its done, then closes 1001.
     (8 s: half of it waits for the utterance to end on its own, half is left for its flush, on a busy CI box.)"""
