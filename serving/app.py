@@ -67,7 +67,7 @@ class ServerState:
         self.connections: set = set()
         self._connections_changed = asyncio.Event()
         self.created = int(time.time())
-        self.key_limits = KeyLimits(config.limits, by_api_key=bool(config.api_keys))
+        self.key_limits = KeyLimits(config.limits, config.api_keys)
         # Its sweep needs aiohttp's server, which the app never sees: `jaxstream serve` runs it on its runner.
         self.first_request = FirstRequestDeadline(config.limits.first_request_timeout_s)
         if engine is not None:

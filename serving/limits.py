@@ -159,24 +159,25 @@ class RollingWindowLimiter:
 class KeyLimits:
     """At most `max_streams_per_key` open streams (WebSocket connections, streaming HTTP requests, Mode B
     sessions) and `max_requests_per_minute_per_key` requests (HTTP calls and WebSocket handshakes) per
-    client key: the API key presented when the server requires keys, else the client's address (a key
-    the server does not check would let a client pick a fresh identity per request)."""
+    client key: the API key presented when it is one of the server's keys, else the client's address (a key
+    the server does not accept would let a client pick a fresh identity per request: routes that check the
+    key after the upgrade, /ws and Kyutai's, see wrong ones too)."""
 
     _SWEEP_AT = 4096  # rate windows kept before the idle ones are dropped
 
-    def __init__(self, limits: Limits, by_api_key: bool):
+    def __init__(self, limits: Limits, api_keys: tuple[str, ...]):
         self.max_streams = limits.max_streams_per_key
         self.max_requests = limits.max_requests_per_minute_per_key
-        self.by_api_key = by_api_key
+        self.api_keys = api_keys
         self._streams: collections.Counter = collections.Counter()
         self._rates: dict[str, tuple[RollingWindowLimiter, float]] = {}  # key -> (window, last request time)
 
     def key_of(self, request) -> str:
-        from jaxstream.serving.auth import presented_key
+        from jaxstream.serving.auth import is_authorized, presented_key
 
-        if self.by_api_key:
+        if self.api_keys and is_authorized(request, self.api_keys):
             # A digest, so the accounting never holds the secret itself.
-            return "key:" + hashlib.sha256((presented_key(request) or "").encode()).hexdigest()[:24]
+            return "key:" + hashlib.sha256(presented_key(request).encode()).hexdigest()[:24]
         return f"addr:{request.remote}"
 
     def request_wait(self, key: str) -> float | None:

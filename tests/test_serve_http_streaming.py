@@ -224,6 +224,28 @@ async def test_per_key_limits_are_shared_with_websockets(engine, model, audio):
         server.close()
 
 
+async def test_wrong_keys_share_their_address_budget(engine):
+    """/ws checks the key after the upgrade, so its handshakes with wrong keys reach the per-key request
+    limit: they count against the client's address, not a fresh identity per key (10 of 10 random keys
+    used to be upgraded against a limit of 5). The server's own keys keep their own budgets."""
+    server = ServerThread(engine, ServerConfig(api_keys=("a",), limits=Limits(max_requests_per_minute_per_key=3)))
+    try:
+        statuses = []
+        for n in range(4):
+            try:
+                async with websockets.connect(server.url("/ws") + f"?api_key=wrong{n}") as ws:
+                    statuses.append(101)
+                    assert json.loads(await ws.recv())["payload"]["code"] == "unauthorized"
+            except websockets.InvalidStatus as exc:
+                statuses.append(exc.response.status_code)
+        assert statuses == [101, 101, 101, 429]
+        async with aiohttp.ClientSession() as http:
+            async with http.get(server.url("/v1/models", "http"), headers={"Authorization": "Bearer a"}) as response:
+                assert response.status == 200
+    finally:
+        server.close()
+
+
 async def test_drain_ends_the_input_of_http_streams_and_waits_for_them(engine, audio, reference):
     server = ServerThread(engine)
     lines = ndjson(server.state.model_id, audio, end=False)
