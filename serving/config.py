@@ -40,6 +40,12 @@ class ServerConfig:
     limits: Limits = dataclasses.field(default_factory=Limits)
 
     def __post_init__(self):
+        if not isinstance(self.host, str):
+            raise ValueError(f"host must be a string, got {self.host!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be a whole number in 0..65535, got {self.port!r}")
+        if self.served_model_name is not None and not isinstance(self.served_model_name, str):
+            raise ValueError(f"served_model_name must be a string, got {self.served_model_name!r}")
         if self.compat not in COMPAT_MODES:
             raise ValueError(f"compat must be one of {', '.join(COMPAT_MODES)}, got {self.compat!r}")
         if not self.drain_timeout_s > 0:

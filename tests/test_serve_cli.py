@@ -118,7 +118,7 @@ async def test_serve_reports_ready_after_compiling_and_drains_on_sigterm(tmp_pat
     (["serve", "--config", "no-such-config"], "neither a file nor a preset"),
     (["serve", "--api-key", ""], "API key is empty"),
     (["serve", "--idle-timeout", "0"], "idle_timeout_s must be positive"),
-    (["serve", "--compat", "vllm", "--port", "70000"], "not a port number"),
+    (["serve", "--compat", "vllm", "--port", "70000"], "port must be a whole number in 0..65535, got 70000"),
 ])
 def test_configuration_mistakes_are_one_line(argv, message, capsys):
     assert main(argv) == 2
@@ -133,6 +133,21 @@ def test_a_fractional_count_in_a_server_toml_is_a_one_line_mistake(tmp_path, cap
     assert main(["serve", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert "max_requests_per_minute_per_key must be a whole number, got 10.5" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("toml, message", [
+    ('[server]\nport = "18123"\n', "port must be a whole number in 0..65535, got '18123'"),  # was a traceback
+    ("[server]\nport = 18123.5\n", "port must be a whole number in 0..65535, got 18123.5"),  # listened on 18123
+    ("[server]\nhost = 5\n", "host must be a string, got 5"),
+    ("[server]\nserved_model_name = 7\n", "served_model_name must be a string, got 7"),  # no request matched
+    ('[engine]\ndefault_delay_ms = "480"\n', "default_delay_ms must be a whole number of milliseconds, got '480'"),
+])
+def test_wrong_types_in_a_server_toml_are_one_line_mistakes(tmp_path, capsys, toml, message):
+    path = tmp_path / "s.toml"
+    path.write_text(toml)
+    assert main(["serve", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
 
 
 def test_server_toml(tmp_path):

@@ -94,7 +94,11 @@ def run(args) -> int:
               max_requests_per_minute_per_key=args.max_requests_per_minute)
     _override(engine, max_sessions=args.max_sessions, default_delay_ms=args.delay_ms)
     engine.setdefault("max_queued_audio_seconds", _SERVER_MAX_QUEUED_AUDIO_S)
-    checked_delay_ms(engine.get("default_delay_ms"))
+    delay_ms = engine.get("default_delay_ms")
+    if delay_ms is not None and (isinstance(delay_ms, bool) or not isinstance(delay_ms, int)):
+        raise UserError(f"bad server configuration: default_delay_ms must be a whole number of milliseconds, "
+                        f"got {delay_ms!r}")
+    checked_delay_ms(delay_ms)
     from jaxstream.engine.config import EngineConfig
 
     try:
@@ -103,8 +107,6 @@ def run(args) -> int:
                               **server)
     except (TypeError, ValueError) as exc:
         raise UserError(f"bad server configuration: {exc}") from None
-    if not 0 <= config.port <= 65535:
-        raise UserError(f"--port {config.port}: not a port number")
     model = model_source(args.model or (file.model if file else None))
     # A server logs a line per connection by default; libraries' loggers (absl, orbax, jax) stay at warnings.
     level = args.log_level or ("debug" if getattr(args, "verbose", 0) >= 2 else "info")
