@@ -204,6 +204,9 @@ class StreamingInputSessions:
                     return session.acknowledgement(sequence_id=seq, duplicate=True)
                 await self._apply_ready(session)  # the retry of a chunk the engine refused for now
                 return session.acknowledgement(sequence_id=seq)
+            if end and not payload and session.end_seq is not None and seq > session.end_seq:
+                # §7.2: a repeated end_of_input (or finish) has no further effect.
+                return session.acknowledgement(sequence_id=seq, duplicate=True)
             if session.input_ended or (session.end_seq is not None and seq > session.end_seq):
                 raise RequestError(409, "input_finished", f"The input ended; sequence_id {seq} comes after it",
                                    "sequence_id")

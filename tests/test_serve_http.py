@@ -361,6 +361,10 @@ async def test_out_of_order_and_duplicate_chunks_give_engine_transcribe_result(s
         assert again[0] == 200 and again[1]["state"] == "finished"  # finish after end_of_input: no effect
         late = await call(http, server, "POST", base + "/chunks", json={**chunks[0], "sequence_id": 99})
         assert late[0] == 409 and late[1]["error"]["code"] == "input_finished"
+        # §7.2: a repeated end_of_input has no further effect (an empty one: a payload is new input, above).
+        ended = await call(http, server, "POST", base + "/chunks", json={**chunks[0], "sequence_id": 99,
+                                                                         "payload": "", "end_of_input": True})
+        assert ended[0] == 200 and ended[1]["duplicate"] and ended[1]["state"] == "finished", ended
 
 
 async def test_resumed_event_stream_yields_every_event_once(server, model, audio, reference):
