@@ -282,6 +282,7 @@ class EnvelopeProtocol:
             if self.segmenter is not None:
                 self.segmenter.close()
             self.segmenter, self.turn_detection = segmenter, turn_detection
+            self.discarding = False  # an utterance the model ended early is no one's once the turns change
         self.delay_ms = delay
         await self._send("session.updated", session_id, request_id, model=model_id,
                          transcription_delay_ms=delay or self.server.engine.default_delay_ms,

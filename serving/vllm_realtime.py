@@ -246,6 +246,7 @@ class VllmRealtime:
             if self.segmenter is not None:
                 self.segmenter.close()
             self.segmenter = segmenter
+            self.discarding = False  # an utterance the engine ended early is no one's once the turns change
         await self.conn.send({"type": "session.updated", "session": session})
         if segmenter is not None:  # audio held for the next commit goes through the new VAD (no utterance runs)
             held, self.pending, self.pending_samples = self.pending, [], 0

@@ -296,6 +296,29 @@ async def test_an_update_whose_vad_fails_to_start_changes_nothing(server, audio,
     await client.ws.close()
 
 
+async def test_audio_is_held_again_once_vad_went_on_and_off_after_an_early_end(server, engine, audio, monkeypatch):
+    """The model ended an utterance on its own ([STREAMING_PAD] stands in for its end-of-text id, so the
+    first decode step ends it): audio is dropped until the next commit. Turning VAD on and off meanwhile
+    starts over: audio appended after that waits for the next commit, as always (it used to be dropped)."""
+    client = await opened(server)
+    monkeypatch.setattr(engine.core, "eos_id", engine.tokenizer.streaming_pad_id)
+    await client.send("input_audio_buffer.commit", {"final": False}, request_id="early")
+    await client.append(audio[:20000], request_id="early")
+    await client.until("transcription.done", "early")
+    await engine.wait_until_idle()
+    monkeypatch.undo()
+    for turn_detection in ({"type": "server_vad"}, None):
+        await client.send("session.update", {"turn_detection": turn_detection})
+        assert (await client.event())["type"] == "session.updated"
+    await client.append(audio, request_id="held")
+    await client.send("input_audio_buffer.commit", {"final": False}, request_id="held")
+    await client.send("input_audio_buffer.commit", {"final": True}, request_id="held")
+    _, done = transcript(await client.until("transcription.done", "held"), "held")
+    assert done["payload"]["usage"]["audio_seconds"] == pytest.approx(audio.size / SAMPLING_RATE, abs=0.1)
+    assert done["payload"]["text"] == (await engine.transcribe(audio)).text
+    await client.ws.close()
+
+
 async def test_drain_finishes_the_running_utterance_then_closes_1001(engine, audio):
     """A draining server ends the utterance still taking audio itself, sends its done, then closes 1001.
     (8 s: half of it waits for the utterance to end on its own, half is left for its flush, on a busy CI box.)"""

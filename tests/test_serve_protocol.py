@@ -296,6 +296,33 @@ async def test_audio_after_a_queued_final_waits_for_the_next_utterance(server, m
         assert done["text"] == (await engine.transcribe(pcm)).text
 
 
+async def test_audio_is_held_again_once_vad_went_on_and_off_after_an_early_end(server, model, audio, engine,
+                                                                              monkeypatch):
+    """The engine ended an utterance on its own (an end-of-text id; here [STREAMING_PAD] stands in for it, so
+    the first decode step ends it): strict mode then drops audio until the next commit. Turning VAD on and
+    off meanwhile starts over: audio appended after that is held for the next commit, as always (it used to
+    be dropped, and that commit started an empty utterance)."""
+    client = await connected(server, model)
+    monkeypatch.setattr(engine.core, "eos_id", engine.tokenizer.streaming_pad_id)
+    await client.commit()
+    await client.append(audio[:20000])
+    ended = (await client.until("transcription.done"))[-1]  # without a final: the engine ended it
+    assert ended["usage"]["audio_seconds"] < audio.size / 16000
+    await engine.wait_until_idle()
+    monkeypatch.undo()
+    await client.update(model, turn_detection={"type": "server_vad"})
+    assert (await client.event())["type"] == "session.updated"
+    await client.update(model, turn_detection=None)
+    assert (await client.event())["type"] == "session.updated"
+    await client.append(audio)
+    await client.commit()
+    await client.commit(final=True)
+    done = (await client.until("transcription.done"))[-1]
+    await client.close()
+    assert done["usage"]["audio_seconds"] == pytest.approx(audio.size / 16000)
+    assert done["text"] == (await engine.transcribe(audio)).text
+
+
 async def test_stray_final_is_an_error_and_does_not_poison_the_next_utterance(server, vllm_server, model, audio,
                                                                               reference):
     client = await connected(server, model)
