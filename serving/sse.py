@@ -43,7 +43,8 @@ class ReplayGone(Exception):
 
 class EventLog:
     """Events of one output stream, numbered from 1, the newest `capacity` kept for replay. `close()`
-    appends the `[DONE]` sentinel; nothing is appended after it."""
+    appends the `[DONE]` sentinel; nothing is appended after it (a producer that learns of the end late,
+    after an error ended the stream, adds nothing behind `[DONE]`)."""
 
     def __init__(self, capacity: int = 1024):
         self._events: collections.deque = collections.deque(maxlen=capacity)  # (id, data)
@@ -51,9 +52,10 @@ class EventLog:
         self.closed = False
         self._changed = asyncio.Event()
 
-    def append(self, data: dict | str) -> int:
+    def append(self, data: dict | str) -> int | None:
+        """The event's id; None once the log is closed (the event is dropped)."""
         if self.closed:
-            raise RuntimeError("the event log is closed")
+            return None
         self.last_id += 1
         self._events.append((self.last_id, data))
         self._changed.set()

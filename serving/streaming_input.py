@@ -150,7 +150,9 @@ class EngineInput(abc.ABC):
 
     def fail(self, code: str, message: str) -> None:
         if self.log is not None and not self.log.closed:
+            # The stream's last event: output the engine session still holds queued does not follow it.
             self.log.append(sse.error_payload(message, code))
+            self.log.close()
         asyncio.ensure_future(self.abort(code))
 
     def progress(self) -> int:

@@ -12,6 +12,7 @@ import pytest
 import websockets
 
 from jaxstream.errors import CapacityError
+from jaxstream.serving import sse, streaming_input
 from jaxstream.serving.app import drain
 from jaxstream.serving.audio_codecs import encode_pcm16_base64
 from jaxstream.serving.config import ServerConfig
@@ -222,6 +223,27 @@ async def test_per_key_limits_are_shared_with_websockets(engine, model, audio):
         await wait_engine_baseline(engine)
     finally:
         server.close()
+
+
+async def test_an_error_is_the_last_event_of_a_failed_stream():
+    """`fail` (a Mode B session closed, a drain that runs out of time) logs its error while the engine session
+    may still hold output queued for the pump: what the pump appends after it used to follow the error on the
+    SSE stream, a transcript.text.done included. The error now ends the log."""
+    class Input(streaming_input.EngineInput):
+        aborted = None
+
+        async def abort(self, reason):
+            self.aborted = reason
+
+    log = sse.EventLog()
+    stream = Input(state=None, log=log)
+    log.append({"type": "transcript.text.delta", "delta": "he"})
+    stream.fail("session_closed", "The session was closed")
+    assert log.append({"type": "transcript.text.done", "text": "he who"}) is None  # the pump, a turn later
+    await asyncio.sleep(0)
+    assert [data["type"] if isinstance(data, dict) else data for _, data in log.after(0)] == [
+        "transcript.text.delta", "error", sse.DONE]
+    assert stream.aborted == "session_closed"
 
 
 async def test_wrong_keys_share_their_address_budget(engine):
