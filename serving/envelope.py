@@ -378,8 +378,9 @@ class EnvelopeProtocol:
             if utterance is not None:
                 await self._feed(utterance, turn.audio)
             if turn.kind == "stopped":
-                await self._send("input_audio_buffer.speech_stopped", session_id,
-                                 utterance.request_id if utterance else None, audio_end_ms=segmenter.ms(turn.sample))
+                # The turn's id even when the model ended its utterance early (it answered speech_started).
+                await self._send("input_audio_buffer.speech_stopped", session_id, f"vad-{self.vad_turns}",
+                                 audio_end_ms=segmenter.ms(turn.sample))
                 if utterance is not None and self.open is utterance:
                     await self._finalize(utterance, empty_ok=True)
 

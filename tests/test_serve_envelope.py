@@ -296,6 +296,25 @@ async def test_an_update_whose_vad_fails_to_start_changes_nothing(server, audio,
     await client.ws.close()
 
 
+async def test_a_vad_turn_the_model_ended_early_still_stops_under_its_id(server, engine, audio, monkeypatch):
+    """[STREAMING_PAD] stands in for the end-of-text id, so the model ends vad-1's utterance at its first
+    decode step, long before the speech stops: speech_stopped still names vad-1 (it used to say null)."""
+    client = await opened(server)
+    await client.send("session.update", {"turn_detection": {"type": "server_vad", "silence_duration_ms": 500}})
+    await client.until("session.updated")
+    monkeypatch.setattr(engine.core, "eos_id", engine.tokenizer.streaming_pad_id)
+    silence = np.zeros(int(0.8 * SAMPLING_RATE), np.float32)
+    await client.append(np.concatenate([silence, audio]))
+    events = await client.until("transcription.done", "vad-1")  # ended early: the speech has not stopped
+    await engine.wait_until_idle()
+    monkeypatch.undo()
+    await client.append(np.concatenate([silence, silence]))
+    events += await client.until("input_audio_buffer.speech_stopped")
+    started = [e for e in events if e["type"] == "input_audio_buffer.speech_started"]
+    assert [e["request_id"] for e in started] == [events[-1]["request_id"]] == ["vad-1"], events
+    await client.ws.close()
+
+
 async def test_audio_is_held_again_once_vad_went_on_and_off_after_an_early_end(server, engine, audio, monkeypatch):
     """The model ended an utterance on its own ([STREAMING_PAD] stands in for its end-of-text id, so the
     first decode step ends it): audio is dropped until the next commit. Turning VAD on and off meanwhile
