@@ -44,6 +44,9 @@ MAX_SAMPLE_MAGNITUDE = 2.0
 ALLOWED_DELAYS_MS = tuple(range(SLOT_MS, 1201, SLOT_MS)) + (2400,)
 ALLOWED_DELAYS_TEXT = f"a multiple of {SLOT_MS} between {SLOT_MS} and 1200, or 2400"
 _FRAMES_PER_BLOCK = 4096  # bounds the float64 work arrays of the offline path (~13 MB per block)
+# load_audio decodes this many frames at a time (2.7 s at 48 kHz, 1 MB of float32 stereo).
+_DECODE_BLOCK_FRAMES = 1 << 17
+_UNKNOWN_FRAMES = 2**63 - 1  # libsndfile's frame count for a stream of unknown length (SF_COUNT_MAX)
 # The streaming path's block: its work arrays (~1.6 MB) come back from the allocator's free lists. A stream's
 # end releases ~18 slots at once, and 32 streams ending together made one 15 MB FFT output whose fresh pages
 # cost more than the FFT (24 ms against 3 for 4,608 frames).
@@ -52,6 +55,15 @@ _SLOTS_PER_BLOCK = 64
 
 class AudioError(ValueError):
     """Audio the front end cannot use: wrong rate, shape or values, or a file that is missing/undecodable."""
+
+
+class AudioTooLongError(AudioError):
+    """A file longer than the caller's limit (`load_audio`'s `max_seconds`); `seconds` is its length when
+    the file declares it, else None (the decoding stopped at the limit)."""
+
+    def __init__(self, message: str, seconds: float | None = None):
+        super().__init__(message)
+        self.seconds = seconds
 
 
 def _mel_filters() -> np.ndarray:
@@ -438,10 +450,14 @@ def resample_to_16k(audio, sampling_rate: int) -> np.ndarray:
     return soxr.resample(samples, int(sampling_rate), SAMPLING_RATE, quality="HQ").astype(np.float32)
 
 
-def load_audio(source: str | os.PathLike | bytes) -> np.ndarray:
+def load_audio(source: str | os.PathLike | bytes, max_seconds: float | None = None) -> np.ndarray:
     """An audio file (path or the file's bytes; wav/flac/ogg/mp3/...) -> mono float32 at 16 kHz.
 
-    Channels are averaged. Raises `AudioError` naming the file when it is missing or cannot be decoded.
+    Channels are averaged. Raises `AudioError` naming the file when it is missing or cannot be decoded. With
+    `max_seconds`, longer audio raises `AudioTooLongError` before more than that much of it is decoded: a
+    compressed file of hours of silence is a few MB, its samples gigabytes. The length the file declares is
+    checked first; the decoding, a block at a time, stops once it passes the limit all the same, since a
+    stream of unknown length declares libsndfile's maximum count.
     """
     import soundfile
 
@@ -452,10 +468,24 @@ def load_audio(source: str | os.PathLike | bytes) -> np.ndarray:
         if not os.path.isfile(name):
             raise AudioError(f"audio file not found: {name}")
     try:
-        samples, rate = soundfile.read(handle, dtype="float32", always_2d=True)
+        with soundfile.SoundFile(handle) as audio:
+            rate = audio.samplerate
+            limit = math.inf if max_seconds is None else max_seconds * rate
+            if limit < audio.frames < _UNKNOWN_FRAMES:
+                raise AudioTooLongError(f"audio {name} lasts {audio.frames / rate:.0f} s, more than the limit "
+                                        f"of {max_seconds:g} s", audio.frames / rate)
+            blocks, frames = [], 0
+            # Channels are averaged block by block: only the mono samples are kept.
+            while (block := audio.read(_DECODE_BLOCK_FRAMES, dtype="float32", always_2d=True)).size:
+                frames += len(block)
+                if frames > limit:
+                    raise AudioTooLongError(f"audio {name} lasts more than the limit of {max_seconds:g} s")
+                blocks.append(block.mean(axis=1) if block.shape[1] > 1 else block[:, 0])
+    except AudioError:
+        raise
     except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
         raise AudioError(f"cannot decode audio {name}: {exc}") from exc
-    mono = samples.mean(axis=1) if samples.shape[1] > 1 else samples[:, 0]
+    mono = np.concatenate(blocks) if blocks else np.zeros(0, np.float32)
     try:
         return resample_to_16k(mono, rate)
     except AudioError as exc:

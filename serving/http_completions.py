@@ -78,14 +78,15 @@ def check_tokenizer(state) -> None:
 
 
 def parse_stream(body: dict) -> tuple[bool, bool]:
-    """(stream, include_usage)."""
-    stream, options = body.get("stream", False), body.get("stream_options") or {}
-    if not isinstance(stream, bool):
-        raise RequestError(400, "invalid_request", "stream must be true or false", "stream")
-    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+    """(stream, include_usage). Null is false: OpenAI documents both as boolean or null (its SDK sends null
+    for a None argument)."""
+    stream, options = body.get("stream"), body.get("stream_options") or {}
+    if stream is not None and not isinstance(stream, bool):
+        raise RequestError(400, "invalid_request", "stream must be true, false or null", "stream")
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage"), bool | None):
         raise RequestError(400, "invalid_request", "stream_options must be {\"include_usage\": bool}",
                            "stream_options")
-    return stream, bool(options.get("include_usage", False))
+    return bool(stream), bool(options.get("include_usage"))
 
 
 class TextInput(streaming_input.EngineInput):

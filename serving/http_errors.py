@@ -6,6 +6,7 @@ import asyncio
 import json
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from jaxstream.errors import EngineError
 
@@ -90,16 +91,20 @@ async def body_read(read, limits):
     """Awaits one read of a request body (`read`, a coroutine). A body silent for `limits.idle_timeout_s` is
     refused with 408, as an idle WebSocket is closed: a client that announced more than it sends would
     otherwise hold its connection forever. A body that breaks off (the connection lost, or a multipart body
-    that ends inside a part) is a 400: an answer the client may never read, but one that aiohttp sends or
-    drops quietly, where an exception escaping the handler is logged as the server's own failure."""
+    that ends inside a part) or that aiohttp cannot parse is a 400: an answer the client may never read, but
+    one that aiohttp sends or drops quietly, where an exception escaping the handler is logged as the
+    server's own failure."""
     try:
         return await asyncio.wait_for(read, limits.idle_timeout_s)
     except TimeoutError:
         raise RequestError(408, "idle_timeout", f"No input for {limits.idle_timeout_s:g} s") from None
     except ConnectionError as exc:
         raise RequestError(400, "client_disconnected", f"The request body broke off: {exc}") from None
-    except ValueError as exc:  # aiohttp's multipart reader: a body that ends before its closing boundary
-        raise RequestError(400, "invalid_request", f"The request body is not complete multipart data: {exc}") from None
+    # aiohttp's multipart reader raises ValueError for a missing or too long boundary and a body that ends
+    # before its closing boundary, and its HTTP parser's errors for a part header without a colon or longer
+    # than its line limit; a body it cannot decode (broken gzip or chunked framing) is a RequestPayloadError.
+    except (ValueError, HttpProcessingError, web.RequestPayloadError) as exc:
+        raise RequestError(400, "invalid_request", f"The request body is malformed: {exc}") from None
 
 
 def parse_json_object(data: bytes, what: str = "The body") -> dict:
@@ -107,6 +112,8 @@ def parse_json_object(data: bytes, what: str = "The body") -> dict:
         value = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise RequestError(422, "invalid_json", f"{what} is not JSON: {exc}") from None
+    except RecursionError:  # json's decoder recurses per nesting level: `[` * 100000 is a small body
+        raise RequestError(422, "invalid_json", f"{what} is not JSON: it is nested too deeply") from None
     if not isinstance(value, dict):
         raise RequestError(422, "invalid_json", f"{what} must be a JSON object")
     return value

@@ -3,10 +3,11 @@
 A multipart upload as OpenAI's SDK sends it: `file`, `model`, `response_format` (json | text | verbose_json
 | srt | vtt), `timestamp_granularities[]` (segment, word), `stream`, `include[]=logprobs` (json only, as
 OpenAI: each text token's `{token, logprob, bytes}` in the answer and the stream events), and fields we accept
-and ignore (`language`, `prompt`, `temperature`: the model neither needs nor uses them). The file is decoded
-with soundfile and resampled to 16 kHz (`load_audio`) off the event loop, then streamed into one engine
-session. With `stream=true` the answer is SSE: `transcript.text.delta` events then `transcript.text.done`,
-and the engine session is aborted as soon as the client goes away.
+and ignore (`language`, `prompt`, `temperature`: the model neither needs nor uses them). Once the request is
+admitted, the file is decoded with soundfile and resampled to 16 kHz (`load_audio`) off the event loop, no
+further than the server's audio limit, then streamed into one engine session. With `stream=true` the answer
+is SSE: `transcript.text.delta` events then `transcript.text.done`, and the engine session is aborted as soon
+as the client goes away.
 
 With `X-Streaming-Input: true` the body is Mode A's NDJSON instead (streaming_input.py): an optional
 parameters line (`model`, `delay_ms`, `include: ["logprobs"]`, `start_policy`, ...), then chunks of base64
@@ -20,11 +21,11 @@ import logging
 import time
 
 import numpy as np
-from aiohttp import web
+from aiohttp import BodyPartReader, web
 
 from jaxstream.engine.transcription_session import TranscriptionDelta, TranscriptionDone
 from jaxstream.errors import EngineError
-from jaxstream.models.audio import SAMPLING_RATE, AudioError, load_audio
+from jaxstream.models.audio import SAMPLING_RATE, AudioError, AudioTooLongError, load_audio
 from jaxstream.serving import sse, streaming_input
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_pcm16_base64
 from jaxstream.serving.engine_sessions import start_session, token_logprobs
@@ -38,6 +39,12 @@ logger = logging.getLogger(__name__)
 
 MAX_FILE_BYTES = 25 << 20  # OpenAI's upload limit
 _FIELD_BYTES = 4 << 10  # a form field that is not the file
+# The whole form: the file and some fields. OpenAI's SDK sends a dozen parts at most; without these caps a
+# body of endless small fields (or a gzip body inflating to them) was read whole, each field kept.
+_FORM_BYTES = MAX_FILE_BYTES + (1 << 20)
+_MAX_PARTS = 64
+_FIELDS = ("model", "response_format", "stream", "language")  # the fields the route reads; others are skipped
+_LIST_FIELDS = ("timestamp_granularities", "include")
 RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 _STREAM_FORMATS = ("json", "text")  # as OpenAI: a stream carries text events, not subtitles
 _SEGMENT_GAP_S = 1.0  # a pause this long between words starts a new segment
@@ -187,55 +194,92 @@ class AudioInput(streaming_input.EngineInput):
 
 
 # -- the request ------------------------------------------------------------------------------------------
-async def _read_part(part, limit: int, name: str, limits) -> bytes:
-    data = bytearray()
+async def _read_part(part, limit: int, name: str, limits, room: int, keep: bool = True) -> tuple[bytes, int]:
+    """(the part's bytes, empty unless `keep`; its size). RequestError 413 past `limit`, the part's own cap,
+    or past `room`, what the form's cap leaves."""
+    data, size = bytearray(), 0
     while chunk := await body_read(part.read_chunk(64 << 10), limits):
-        data += chunk
-        if len(data) > limit:
+        size += len(chunk)
+        if size > limit:
             raise RequestError(413, "file_too_large" if name == "file" else "field_too_large",
                                f"`{name}` is larger than {limit} bytes", name)
-    return bytes(data)
+        if size > room:
+            raise RequestError(413, "request_too_large", f"The form is larger than {_FORM_BYTES} bytes")
+        if keep:
+            data += chunk
+    return bytes(data), size
+
+
+async def _next_part(reader, limits):
+    try:
+        return await body_read(reader.next(), limits)
+    except RuntimeError as exc:  # aiohttp's reader: a first part `_charset_` longer than any charset name
+        raise RequestError(400, "invalid_request", f"The request body is malformed: {exc}") from None
 
 
 async def _parse_form(request: web.Request) -> tuple[bytes, dict, dict[str, list[str]]]:
-    """(file bytes, the other fields, the list fields `timestamp_granularities` and `include`). The
-    multipart reader is used directly: the app's body limit is sized for small JSON, not uploads."""
+    """(file bytes, the fields the route reads, the list fields `timestamp_granularities` and `include`).
+    The multipart reader is used directly: the app's body limit is sized for small JSON, not uploads."""
     if not request.content_type.startswith("multipart/form-data"):
         raise RequestError(400, "invalid_request", "Send the audio as multipart/form-data with a `file` field")
     limits = server_state(request).config.limits
-    reader = await request.multipart()
-    audio, fields, lists = None, {}, {"timestamp_granularities": [], "include": []}
-    while (part := await body_read(reader.next(), limits)) is not None:
-        if part.name == "file":
-            audio = await _read_part(part, MAX_FILE_BYTES, "file", limits)
-        elif part.name:
-            value = (await _read_part(part, _FIELD_BYTES, part.name, limits)).decode("utf-8", "replace")
-            name = part.name.removesuffix("[]")
-            if name in lists:
-                lists[name].append(value)
-            else:
-                fields[part.name] = value
+    reader = await body_read(request.multipart(), limits)
+    audio, fields, lists = None, {}, {name: [] for name in _LIST_FIELDS}
+    room, parts = _FORM_BYTES, 0
+    while (part := await _next_part(reader, limits)) is not None:
+        parts += 1
+        if parts > _MAX_PARTS:
+            raise RequestError(413, "request_too_large", f"The form has more than {_MAX_PARTS} parts")
+        if not isinstance(part, BodyPartReader):  # a part of type multipart/*: aiohttp's nested reader
+            raise RequestError(400, "invalid_request", "A form field cannot itself be multipart data")
+        name = part.name or ""
+        if name == "file":
+            audio, size = await _read_part(part, MAX_FILE_BYTES, name, limits, room)
+        else:
+            base = name.removesuffix("[]")
+            value, size = await _read_part(part, _FIELD_BYTES, name, limits, room,
+                                           keep=name in _FIELDS or base in lists)
+            if base in lists:
+                lists[base].append(value.decode("utf-8", "replace"))
+            elif name in _FIELDS:
+                fields[name] = value.decode("utf-8", "replace")
+        room -= size
     if not audio:
         raise RequestError(400, "invalid_request", "Missing required parameter: 'file'", "file")
     return audio, fields, lists
 
 
 def _flag(fields: dict, name: str) -> bool:
-    value = fields.get(name, "false").strip().lower()
-    if value not in ("true", "false", "1", "0"):
+    """A boolean field; empty is false, as absent: OpenAI documents the flags as boolean or null, and a form
+    field has no null."""
+    value = fields.get(name, "").strip().lower()
+    if value not in ("true", "false", "1", "0", ""):
         raise RequestError(400, "invalid_request", f"`{name}` must be true or false, got {value!r}", name)
     return value in ("true", "1")
 
 
-async def _decode(audio: bytes, state):
+async def _decode(audio: bytes, state, handle: streaming_input.DrainHandle) -> np.ndarray:
+    """The upload as 16 kHz PCM, decoded off the event loop and no further than the server's audio limit.
+    A handler cancelled meanwhile cannot stop the thread: `handle` (the request's connection slot) is then
+    forgotten once the thread ends, so that the connection limit bounds the decodes running at once."""
+    limit = state.config.limits.max_audio_seconds
+    decode = asyncio.ensure_future(asyncio.to_thread(load_audio, audio, max_seconds=limit))
     try:
-        pcm = await asyncio.to_thread(load_audio, audio)
+        pcm = await asyncio.shield(decode)
+    except asyncio.CancelledError:
+        def forget(task: asyncio.Future) -> None:
+            if not task.cancelled():
+                task.exception()  # retrieved: nobody is left to answer with it
+            state.forget(handle)
+
+        decode.add_done_callback(forget)
+        raise
+    except AudioTooLongError as exc:
+        lasts = "" if exc.seconds is None else f" {exc.seconds:.0f} s,"
+        raise RequestError(400, "audio_too_long", f"The audio lasts{lasts} more than the limit of {limit:g} s",
+                           "file") from None
     except AudioError as exc:
         raise RequestError(400, "invalid_audio", f"Could not decode the audio file: {exc}", "file") from None
-    seconds = pcm.size / SAMPLING_RATE
-    if seconds > state.config.limits.max_audio_seconds:
-        raise RequestError(400, "audio_too_long", f"The audio lasts {seconds:.0f} s, more than the limit of "
-                           f"{state.config.limits.max_audio_seconds:g} s", "file")
     if pcm.size == 0:
         raise RequestError(400, "invalid_audio", "The audio file holds no samples", "file")
     return pcm
@@ -299,17 +343,23 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
         if stream and response_format not in _STREAM_FORMATS:
             raise RequestError(400, "invalid_request", f"response_format {response_format!r} cannot be "
                                "streamed; use json or text", "response_format")
-        pcm = await _decode(audio, state)
-        audio_input = AudioInput(state, log=sse.EventLog() if stream else None, logprobs=logprobs,
-                                 seconds=pcm.size / SAMPLING_RATE)
+        audio_input = AudioInput(state, log=sse.EventLog() if stream else None, logprobs=logprobs)
         handle = streaming_input.DrainHandle(audio_input)
-        streaming_input.admit(state, handle)
+        streaming_input.admit(state, handle)  # before the decoding: the connection limit bounds the decodes
         try:
+            pcm = await _decode(audio, state, handle)
+        except RequestError:
+            state.forget(handle)
+            raise
+        try:
+            if audio_input.done:  # a drain stopped the request while it decoded
+                raise RequestError(503, "draining", "The server is shutting down; retry on another replica")
+            audio_input.seconds = pcm.size / SAMPLING_RATE
             await audio_input.start()
         except EngineError as exc:
             state.forget(handle)
             raise engine_request_error(exc) from None
-        except asyncio.CancelledError:  # the client left while the session started (start_session frees it)
+        except (RequestError, asyncio.CancelledError):  # a start_session cancelled frees its session itself
             state.forget(handle)
             raise
     except RequestError as exc:

@@ -1,16 +1,19 @@
 """The narrowband and trained-delay checks (models/audio_checks.py) against audio whose band is known by
 construction: the bundled wideband sample, the same speech through soxr down to 8 kHz and back, and through
-the synthetic phone line the tiny-v2 corpora use; and the engine's front end saying so once."""
+the synthetic phone line the tiny-v2 corpora use; and the engine's front end saying so once. Also
+`load_audio`'s length limit, which keeps a long file from being decoded whole."""
 import asyncio
+import io
 import logging
 
 import numpy as np
 import pytest
+import soundfile
 import soxr
 
 from jaxstream.engine.audio_front_end import FrontEndWorker
 from jaxstream.models import audio_checks, loading
-from jaxstream.models.audio import StreamingLogMel, load_audio
+from jaxstream.models.audio import AudioTooLongError, StreamingLogMel, load_audio, resample_to_16k
 from jaxstream.models.config import VoxtralConfig
 from jaxstream.synth.augment import telephone
 
@@ -109,3 +112,42 @@ async def test_a_stream_is_judged_while_it_is_still_streaming(wideband):
     finally:
         worker.close()
 
+
+
+# -- load_audio's length limit ----------------------------------------------------------------------------------
+def flac(samples: np.ndarray, rate: int) -> bytes:
+    buffer = io.BytesIO()
+    soundfile.write(buffer, samples, rate, format="FLAC")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("declares_length", [True, False])
+def test_load_audio_refuses_a_long_file_without_decoding_it_whole(monkeypatch, declares_length):
+    """A compressed file of hours of silence is small, its samples gigabytes (a 2.7 MB FLAC of 2 h of 96 kHz
+    stereo decoded to 12 GB before the server checked its length). With `max_seconds` a file is refused from
+    the length it declares, or, when it declares none (libsndfile's unknown-length count), once the decoding,
+    a block at a time, passes the limit; audio within the limit decodes as before."""
+    rate = 8000
+    long_silence = flac(np.zeros((60 * rate, 2), np.float32), rate)
+    noise = np.random.default_rng(0).uniform(-0.5, 0.5, (3 * rate, 2)).astype(np.float32)
+    short_noise = flac(noise, rate)
+    expected = resample_to_16k(soundfile.read(io.BytesIO(short_noise), dtype="float32")[0].mean(axis=1), rate)
+    requested = []
+    read = soundfile.SoundFile.read
+
+    def recording_read(self, frames=-1, *args, **kwargs):
+        requested.append(frames)
+        return read(self, frames, *args, **kwargs)
+
+    monkeypatch.setattr(soundfile.SoundFile, "read", recording_read)
+    if not declares_length:
+        monkeypatch.setattr(soundfile.SoundFile, "frames", property(lambda self: 2**63 - 1))
+    with pytest.raises(AudioTooLongError) as raised:
+        load_audio(long_silence, max_seconds=10)
+    assert raised.value.seconds == (60 if declares_length else None)
+    if declares_length:
+        assert requested == []
+    else:
+        assert requested and all(0 < frames < 60 * rate for frames in requested)
+        assert sum(requested) < 60 * rate
+    np.testing.assert_array_equal(load_audio(short_noise, max_seconds=3), expected)

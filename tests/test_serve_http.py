@@ -8,7 +8,10 @@ import json
 import os
 import socket
 import subprocess
+import threading
 import types
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import numpy as np
@@ -18,7 +21,7 @@ import soundfile
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from jaxstream.serving import sse
+from jaxstream.serving import http_transcriptions, sse
 from jaxstream.serving.audio_codecs import encode_pcm16_base64
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.http_sessions import REPLICA_HEADER, STREAMING_INPUT
@@ -112,6 +115,18 @@ def test_sdk_errors_in_openai_shape(client, model, wav, kwargs, error, code):
     assert raised.value.body["code"] == code and raised.value.body["message"]
 
 
+async def test_an_empty_stream_field_is_false(server, model, wav, reference):
+    """OpenAI documents `stream` as boolean or null, and a form field has no null: empty is false, as absent
+    (it was a 400)."""
+    form = aiohttp.FormData()
+    form.add_field("file", wav, filename="sample.wav")
+    form.add_field("model", model)
+    form.add_field("stream", "")
+    async with aiohttp.ClientSession() as http:
+        async with http.post(server.url("/v1/audio/transcriptions", "http"), data=form) as response:
+            assert response.status == 200 and (await response.json())["text"] == reference.text
+
+
 def test_api_key_is_required(engine, wav):
     server = ServerThread(engine, ServerConfig(api_keys=("secret",)))
     try:
@@ -166,6 +181,112 @@ def test_bodies_that_break_off_or_stall_get_an_answer_and_no_server_error(engine
             server.call(asyncio.sleep(0.5))
         assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
     finally:
+        server.close()
+
+
+def _form(*parts: tuple[bytes, bytes, bytes]) -> bytes:
+    """A multipart body (boundary XyZ) of (name, extra part headers, value) parts."""
+    return b"".join(b'--XyZ\r\nContent-Disposition: form-data; name="%s"\r\n%s\r\n%s\r\n' % part
+                    for part in parts) + b"--XyZ--\r\n"
+
+
+@pytest.mark.parametrize("content_type, body", [
+    ("multipart/form-data", _form((b"model", b"", b"m"))),
+    ("multipart/form-data; boundary=" + "b" * 71, b"--" + b"b" * 71 + b"--\r\n"),  # longer than RFC 2046's 70
+    ("multipart/form-data; boundary=XyZ", _form(  # a part that is itself multipart: aiohttp's nested reader
+        (b"model", b"", b"m"), (b"extra", b"Content-Type: multipart/mixed; boundary=AbC\r\n", b"--AbC--"))),
+    ("multipart/form-data; boundary=XyZ", _form((b"model", b"Bogus\r\n", b"m"))),
+    ("multipart/form-data; boundary=XyZ", _form((b"model", b"X-A: " + b"a" * (65 << 10) + b"\r\n", b"m"))),
+    ("multipart/form-data; boundary=XyZ", _form((b"_charset_", b"", b"x" * 40), (b"model", b"", b"m"))),
+], ids=["no boundary", "long boundary", "nested multipart", "header without colon", "long header", "long charset"])
+def test_malformed_multipart_is_a_400_in_openai_shape(server, content_type, body, caplog):
+    """aiohttp's multipart reader refuses these with exceptions the route let through: aiohttp's plain-text
+    500 and a traceback in the log."""
+    with caplog.at_level("ERROR"):
+        status, answer = _raw_post(server, "/v1/audio/transcriptions", content_type, len(body), body)
+    assert status.endswith("400 Bad Request"), (status, answer)
+    assert answer["error"]["code"] == "invalid_request" and answer["error"]["type"] == "invalid_request_error"
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
+async def test_a_form_is_bounded_in_parts_and_bytes(server, model, monkeypatch):
+    """Every form field was kept, however many: 387 MB of small fields was read whole, and a 1.2 MB gzip body
+    inflating to them took 650 MB. The parts and the bytes of a form are capped (413)."""
+    many = _form((b"model", b"", model.encode()), *[(b"f%d" % i, b"", b"v" * 100) for i in range(100)])
+    gzip = zlib.compressobj(wbits=31)
+    monkeypatch.setattr(http_transcriptions, "_FORM_BYTES", 64 << 10)
+    files = _form(*[(b'file"; filename="a.wav', b"", b"\0" * (40 << 10))] * 2)  # each under the file cap
+    url = server.url("/v1/audio/transcriptions", "http")
+    async with aiohttp.ClientSession() as http:
+        for body, headers in ((many, {}), (gzip.compress(many) + gzip.flush(), {"Content-Encoding": "gzip"}),
+                              (files, {})):
+            async with http.post(url, data=body, headers={
+                    "Content-Type": "multipart/form-data; boundary=XyZ", **headers}) as response:
+                answer = await response.json()
+                assert response.status == 413 and answer["error"]["code"] == "request_too_large", answer
+
+
+def _flac(seconds: float, rate: int = 8000) -> bytes:
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.zeros(int(seconds * rate), np.float32), rate, format="FLAC")
+    return buffer.getvalue()
+
+
+def test_a_long_upload_is_refused_without_decoding_it_whole(engine, monkeypatch):
+    """A compressed file of hours of silence is small, its samples gigabytes: a 2.7 MB FLAC of 2 h of 96 kHz
+    stereo was decoded whole (12 GB) before its length was checked. Its declared length is checked first; a
+    file that declares none (libsndfile's unknown-length count) is decoded a block at a time and refused
+    past the limit. Both are the 400 audio_too_long of a long file."""
+    flac = _flac(60)
+    requested = []
+    read = soundfile.SoundFile.read
+
+    def recording_read(self, frames=-1, *args, **kwargs):
+        requested.append(frames)
+        return read(self, frames, *args, **kwargs)
+
+    monkeypatch.setattr(soundfile.SoundFile, "read", recording_read)
+    server = ServerThread(engine, ServerConfig(limits=Limits(max_audio_seconds=10)))
+    client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0)
+    try:
+        for declared in (True, False):
+            if not declared:
+                monkeypatch.setattr(soundfile.SoundFile, "frames", property(lambda self: 2**63 - 1))
+            with pytest.raises(openai.BadRequestError) as raised:
+                client.audio.transcriptions.create(model=server.state.model_id, file=("long.flac", flac))
+            assert raised.value.body["code"] == "audio_too_long" and raised.value.body["param"] == "file"
+            assert ("60 s" in raised.value.body["message"]) == declared
+            assert requested == [] if declared else 0 < sum(requested) < 60 * 8000
+    finally:
+        server.close()
+
+
+def test_an_upload_is_admitted_before_it_is_decoded(engine, wav, monkeypatch):
+    """Uploads were decoded before they were admitted: the connection limit did not bound the decodes
+    running at once. Now a decoding upload holds its slot, and one more is refused (429)."""
+    decoding, release = threading.Event(), threading.Event()
+    load_audio = http_transcriptions.load_audio
+
+    def slow_load_audio(*args, **kwargs):
+        decoding.set()
+        release.wait(30)
+        return load_audio(*args, **kwargs)
+
+    monkeypatch.setattr(http_transcriptions, "load_audio", slow_load_audio)
+    server = ServerThread(engine, ServerConfig(limits=Limits(max_connections=1)))
+    client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=10)
+    upload = {"model": server.state.model_id, "file": ("sample.wav", wav)}
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(client.audio.transcriptions.create, **upload)
+            assert decoding.wait(30)
+            with pytest.raises(openai.RateLimitError) as raised:
+                client.audio.transcriptions.create(**upload)
+            assert raised.value.body["code"] == "capacity"
+            release.set()
+            assert first.result(60).text
+    finally:
+        release.set()
         server.close()
 
 

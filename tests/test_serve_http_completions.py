@@ -109,6 +109,36 @@ def test_sdk_errors_in_openai_shape(server, model, kwargs, error, code):
     assert raised.value.body["code"] == code and raised.value.body["message"]
 
 
+def test_sdk_null_stream_flags_are_false(engine, server, model):
+    """OpenAI documents `stream` and `stream_options.include_usage` as boolean or null, and the SDK sends
+    null for None: a plain completion (they were refused with 400)."""
+    client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
+    result = client.completions.create(model=model, prompt="w5 w17", max_tokens=4, temperature=0, stream=None,
+                                       stream_options={"include_usage": None})
+    assert result.choices[0].text == asyncio.run(engine_tokens(engine, "w5 w17", greedy(4)))[1]
+
+
+async def test_deeply_nested_json_is_invalid_json(engine, server, model, caplog):
+    """json's decoder recurses per nesting level: `[` * 100000, a small body, raised RecursionError, a 500
+    with a traceback (a server_error event on a later Mode A line). It is invalid JSON like any other."""
+    deep = b"[" * 100_000 + b"\n"
+    mode_a = {"X-Streaming-Input": "true"}
+    with caplog.at_level("ERROR"):
+        async with aiohttp.ClientSession() as http:
+            for path, headers in (("/v1/completions", {}), (SESSIONS, {}), ("/v1/completions", mode_a)):
+                async with http.post(server.url(path, "http"), data=deep, headers={
+                        "Content-Type": "application/json", **headers}) as response:
+                    answer = await response.json()
+                    assert response.status == 422 and answer["error"]["code"] == "invalid_json", answer
+            lines = ndjson_lines(model, CHUNKS)
+            async with http.post(server.url("/v1/completions", "http"), data=lines[0] + lines[1] + deep,
+                                 headers=mode_a) as response:
+                events, _ = await read_sse(response)
+            assert events[-2][1]["error"]["code"] == "invalid_json" and events[-1][1] == "[DONE]"
+        await wait_engine_baseline(engine)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
 async def test_speech_routes_refuse_a_text_model(server, model):
     async with aiohttp.ClientSession() as http:
         form = aiohttp.FormData()
