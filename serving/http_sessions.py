@@ -310,9 +310,11 @@ def _new_session(body: dict, registry: StreamingInputSessions, key: str) -> tupl
     params = body.get("params") or {}
     if not isinstance(params, dict):
         raise RequestError(422, "invalid_request", "params must be an object", "params")
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    if stream is None:  # null is false, as in OpenAI's APIs
+        stream = False
     if not isinstance(stream, bool):
-        raise RequestError(422, "invalid_request", "stream must be true or false", "stream")
+        raise RequestError(422, "invalid_request", "stream must be true, false or null", "stream")
     log = sse.EventLog() if stream else None
     if modality == "audio":
         engine_input = AudioInput(state, parse_delay_ms(params, state, "params.delay_ms"), log,

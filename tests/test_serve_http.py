@@ -461,7 +461,7 @@ async def test_out_of_order_and_duplicate_chunks_give_engine_transcribe_result(s
     chunks = chunks_of(audio)
     order = [1, 0, 3, 3, 2] + list(range(4, len(chunks)))  # 1 and 3 wait for a gap; 3 twice
     async with aiohttp.ClientSession() as http:
-        async with http.post(server.url(SESSIONS, "http"), json={"model": model, "modality": "audio",
+        async with http.post(server.url(SESSIONS, "http"), json={"model": model, "modality": "audio", "stream": None,
                                                                   "params": {"include": ["logprobs"]}}) as response:
             status, created = response.status, await response.json()
             # The replica a gateway routes the session's later requests to (deploy/README.md).
