@@ -32,7 +32,8 @@ SCRIPT = textwrap.dedent("""
 
 
 def _released_mib(mode: str) -> float:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")}
+    # glibc's malloc as it comes: no tuning, and no allocator preloaded in its place (TCMalloc has no trim).
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_") and key != "LD_PRELOAD"}
     result = subprocess.run([sys.executable, "-c", SCRIPT, mode], check=True, env=env, timeout=120,
                             capture_output=True, text=True)
     return float(result.stdout)
