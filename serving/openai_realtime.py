@@ -355,30 +355,40 @@ class OpenAiRealtime:
 
     async def _detect(self, pcm: np.ndarray) -> None:
         """Routes `pcm` by the segmenter's turns: speech goes to the open item (opened at speech_started,
-        committed at speech_stopped), the rest is not transcribed."""
+        committed at speech_stopped), the rest is not transcribed. A turn whose item fails to open or take
+        audio is reported and the rest of its audio dropped; the turn events after it still go out."""
         segmenter = self.segmenter
         for turn in await segmenter.push(pcm):
-            if turn.kind == "started":
-                item_id = _item_id()
-                await self._send("input_audio_buffer.speech_started", item_id=item_id,
-                                 audio_start_ms=segmenter.ms(turn.sample))
-                await self._feed(await self._open_item(item_id), turn.audio)
-            elif turn.kind == "speech":  # a manual commit during speech leaves no item open: the rest is a new one
-                await self._feed(self.open or await self._open_item(), turn.audio)
-            elif turn.kind == "stopped":
-                item = self.open
-                if item is not None:
-                    await self._feed(item, turn.audio)
-                await self._send("input_audio_buffer.speech_stopped", audio_end_ms=segmenter.ms(turn.sample),
-                                 item_id=item.id if item is not None else None)
-                if item is not None:
-                    await self._commit(item)
-            else:  # OpenAI commits the (silent) buffer when nobody spoke for idle_timeout_ms
-                item = await self._open_item()
-                await self._send("input_audio_buffer.timeout_triggered", item_id=item.id,
-                                 audio_start_ms=segmenter.ms(turn.idle_from), audio_end_ms=segmenter.ms(turn.sample))
+            try:
+                await self._on_turn(turn, segmenter)
+            except ClientError as exc:
+                await self._error(exc.code, exc.message, exc.param, None, server_side=False)
+            except EngineError as exc:
+                await self._error(exc.code, str(exc), None, None)
+
+    async def _on_turn(self, turn, segmenter) -> None:
+        """One turn event of `_detect`."""
+        if turn.kind == "started":
+            item_id = _item_id()
+            await self._send("input_audio_buffer.speech_started", item_id=item_id,
+                             audio_start_ms=segmenter.ms(turn.sample))
+            await self._feed(await self._open_item(item_id), turn.audio)
+        elif turn.kind == "speech":  # a manual commit during speech leaves no item open: the rest is a new one
+            await self._feed(self.open or await self._open_item(), turn.audio)
+        elif turn.kind == "stopped":
+            item = self.open
+            if item is not None:
                 await self._feed(item, turn.audio)
+            await self._send("input_audio_buffer.speech_stopped", audio_end_ms=segmenter.ms(turn.sample),
+                             item_id=item.id if item is not None else None)
+            if item is not None:
                 await self._commit(item)
+        else:  # OpenAI commits the (silent) buffer when nobody spoke for idle_timeout_ms
+            item = await self._open_item()
+            await self._send("input_audio_buffer.timeout_triggered", item_id=item.id,
+                             audio_start_ms=segmenter.ms(turn.idle_from), audio_end_ms=segmenter.ms(turn.sample))
+            await self._feed(item, turn.audio)
+            await self._commit(item)
 
     # -- items ----------------------------------------------------------------------------------------
     async def _open_item(self, item_id: str | None = None) -> _Item:

@@ -383,6 +383,37 @@ async def test_null_vad_settings_take_their_defaults(server, model, speech):
         "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped", "input_audio_buffer.committed"]
 
 
+async def test_a_turn_whose_item_cannot_open_still_stops(server, model, speech, monkeypatch):
+    """The engine refuses the item of a VAD turn (at capacity): the client gets the error, then the turn's
+    speech_stopped all the same (one append held the whole turn: its stop used to be skipped with the rest of
+    the append's turn events), and the next turn is an item as usual."""
+    import jaxstream.serving.openai_realtime as openai_realtime
+    from jaxstream.errors import CapacityError
+
+    start_session = openai_realtime.start_session
+
+    async def refused_once(*args, **kwargs):
+        monkeypatch.setattr(openai_realtime, "start_session", start_session)
+        raise CapacityError("the engine holds 64 sessions, its limit; try again later")
+
+    client = await Client.connect(server)
+    await client.until("session.created")
+    await client.send(ga_update(model, turn_detection={"type": "server_vad"}))
+    await client.until("session.updated")
+    monkeypatch.setattr(openai_realtime, "start_session", refused_once)
+    stream = at_24k(np.concatenate([np.zeros(8000, np.float32), speech, np.zeros(16000, np.float32)]))
+    await client.send({"type": "input_audio_buffer.append", "audio": encode_pcm16_base64(stream)})
+    events = [e for e in await client.until("input_audio_buffer.speech_stopped")
+              if e["type"] != "rate_limits.updated"]
+    assert [e["type"] for e in events] == ["input_audio_buffer.speech_started", "error",
+                                           "input_audio_buffer.speech_stopped"], events
+    assert events[1]["error"]["code"] == "capacity" and events[2]["item_id"] is None
+    await client.send({"type": "input_audio_buffer.append", "audio": encode_pcm16_base64(stream)})
+    events = await client.until("conversation.item.done")
+    await client.ws.close()
+    assert "error" not in {e["type"] for e in events}, events
+
+
 async def test_an_update_whose_vad_fails_to_start_changes_nothing(server, model, speech, reference, monkeypatch):
     """A segmenter that cannot be built fails the update as a whole: the session stays as it was (format and
     manual turns), as the spec's "session.updated: the effective configuration" must then say."""
