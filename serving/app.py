@@ -34,6 +34,7 @@ from jaxstream.serving import demo, envelope, kyutai, openai_realtime, realtime_
 from jaxstream.serving.auth import OPEN_PATHS, auth_middleware, is_authorized
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.http_completions import add_completion_routes
+from jaxstream.serving.http_errors import error_response
 from jaxstream.serving.http_sessions import add_streaming_input_routes
 from jaxstream.serving.http_transcriptions import add_transcription_routes
 from jaxstream.serving.limits import (
@@ -340,8 +341,7 @@ async def _health(request: web.Request) -> web.Response:
 async def _models(request: web.Request) -> web.Response:
     state = request.app[SERVER]
     if state.engine is None:
-        return web.json_response({"error": {"message": "The model is still loading", "type": "unavailable",
-                                            "code": "not_ready"}}, status=503)
+        return error_response(503, "not_ready", "The model is still loading")
     return web.json_response({"object": "list", "data": [{
         "id": state.model_id, "object": "model", "created": state.created, "owned_by": "jaxstream",
         "root": str(state.engine.model_name), "parent": None}]})

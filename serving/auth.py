@@ -85,7 +85,7 @@ def auth_middleware(keys: tuple[str, ...], open_paths=OPEN_PATHS):
             logger.info("refused %s %s from %s: missing or wrong API key", request.method, request.path,
                         request.remote)
             return web.json_response(
-                {"error": {"message": "Missing or invalid API key", "type": "authentication_error",
+                {"error": {"message": "Missing or invalid API key", "type": "authentication_error", "param": None,
                            "code": "invalid_api_key"}},
                 status=401, headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)

@@ -84,6 +84,7 @@ async def test_serve_reports_ready_after_compiling_and_drains_on_sigterm(tmp_pat
                 assert response.status == 200
             async with http.get(base + "/v1/models") as response:
                 assert response.status == 401
+                assert set((await response.json())["error"]) == {"message", "type", "param", "code"}
             async with http.get(base + "/v1/models", headers=key) as response:
                 model = (await response.json())["data"][0]["id"]
         with pytest.raises(websockets.InvalidStatus):

@@ -675,6 +675,11 @@ async def test_every_websocket_route_refuses_while_the_model_loads():
                 with pytest.raises(websockets.ConnectionClosed) as closed:
                     await asyncio.wait_for(ws.recv(), 10)
                 assert closed.value.rcvd is not None and closed.value.rcvd.code == 1013, route
+        async with aiohttp.ClientSession() as http:  # and the HTTP routes with OpenAI's error shape
+            async with http.get(server.make_url("/v1/models")) as response:
+                assert response.status == 503 and int(response.headers["Retry-After"]) >= 1
+                error = (await response.json())["error"]
+                assert set(error) == {"message", "type", "param", "code"} and error["code"] == "not_ready"
     finally:
         built.set()
         await server.close()
