@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -286,6 +287,31 @@ async def test_a_generate_refused_by_a_dying_engine_frees_its_request_id(monkeyp
             [out async for out in engine.generate([1, 2, 3], SamplingParams(max_tokens=2), request_id="r")]
         outputs = [out async for out in engine.generate([1, 2, 3], SamplingParams(max_tokens=2), request_id="r")]
         assert outputs[-1].finished
+    finally:
+        engine.close()
+
+
+async def test_a_tick_that_consumed_the_device_state_leaves_a_fresh_one_for_the_next_request():
+    """A tick fails after a device call consumed the donated state (a restore that ran out of memory): the
+    engine ends every session and rebuilds the state, so the next request runs (it used to fail too, on the
+    deleted buffers)."""
+    engine = AsyncEngine(ToyLM(toy_config()),
+                         config=EngineConfig(max_sessions=2, batch_buckets=(2,), prefill_buckets=((2, 16),)))
+    try:
+        expected = [out async for out in engine.generate([1, 2, 3], SamplingParams(max_tokens=3), request_id="x")]
+        step = engine.core.step
+
+        def consuming_step():
+            engine.core.step = step
+            for leaf in jax.tree_util.tree_leaves(engine.core.cache.state):
+                leaf.delete()
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+        engine.core.step = consuming_step
+        with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+            [out async for out in engine.generate([1, 2, 3], SamplingParams(max_tokens=3), request_id="a")]
+        again = [out async for out in engine.generate([1, 2, 3], SamplingParams(max_tokens=3), request_id="b")]
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]
     finally:
         engine.close()
 

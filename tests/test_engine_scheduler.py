@@ -266,6 +266,36 @@ def test_lru_parked_session_evicted_for_a_new_request(core, host_bytes):
     assert sinks["c"].chunks() == reference([([7, 8], 3, None)])[0]
 
 
+def test_a_failed_restore_gives_back_its_pages_and_slot(core, monkeypatch):
+    """The program that brings an evicted session back raises (the device out of memory): the tick's error
+    ends the sessions as AsyncEngine does, and nothing stays held (the restore's pages and slot used to
+    stay taken for good)."""
+    held = [core.cache.take_slot(), core.cache.take_slot()]  # 2 of 4 slots left
+    try:
+        add(core, "a", [1, 2, 3], greedy(3), Collector(), first=True)
+        run(core)
+        add(core, "b", [4, 5, 6], greedy(3), Collector(), first=True)
+        run(core)
+        add(core, "c", [7, 8], greedy(3), Collector(), first=True)
+        run(core)
+        assert core.sessions["a"].offloaded is not None  # moved to host memory for c
+
+        def restore_fails(*args):
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+        monkeypatch.setattr(core.cache, "_restore", restore_fails)
+        add(core, "a", [9], greedy(3), Collector())
+        with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+            run(core)
+        monkeypatch.undo()
+        for session in list(core.sessions.values()):
+            core.fail(session, RuntimeError("engine tick failed"))
+    finally:
+        for slot in held:
+            core.cache.release_slot(slot)
+    assert core.cache.num_free_slots == 4 and core.at_baseline()
+
+
 def test_bad_chunk_fails_only_its_session(core):
     good, bad = Collector(), Collector()
     add(core, "good", [1, 2], greedy(6), good, first=True, resumable=False)

@@ -155,6 +155,8 @@ class AsyncEngine:
                     except Exception as exc:  # noqa: BLE001 - an engine bug: end every session, keep serving
                         logger.exception("engine tick failed; ending every session")
                         self._fail_everything(exc)
+                        if self.core.cache.state_lost():  # a failed call consumed the donated device state
+                            self.core.reset_device_state()
                     cpu = time.thread_time()
                 now = time.monotonic()
                 if not worked or now - self._metrics_time > _METRICS_PERIOD_S:

@@ -258,16 +258,25 @@ class DeviceCache:
     def restore(self, offloaded, pages: dict[str, SessionPages]) -> int:
         """Brings an offloaded session back into fresh pages and a slot; returns the slot."""
         old_tables, data = offloaded
-        stacks = {}
-        for name, old in old_tables.items():
-            used = np.flatnonzero(old)
-            pages[name].assign(self.pools[name], used.tolist())
-            # Back to full page-table rows; unused rows land on null entries, which the scatter drops.
-            stacks[name] = [tuple(_expand(part, used, len(old)) for part in layer) for layer in data["stacks"][name]]
         slot = self.take_slot()
-        tables = {name: p.table.copy() for name, p in pages.items()}
-        self.warm_up()
-        self.state = self._restore(self.state, np.int32(slot), tables, {"stacks": stacks, "slots": data["slots"]})
+        try:
+            stacks = {}
+            for name, old in old_tables.items():
+                used = np.flatnonzero(old)
+                pages[name].assign(self.pools[name], used.tolist())
+                # Back to full page-table rows; unused rows land on null entries, which the scatter drops.
+                stacks[name] = [tuple(_expand(part, used, len(old)) for part in layer)
+                                for layer in data["stacks"][name]]
+            tables = {name: p.table.copy() for name, p in pages.items()}
+            self.warm_up()
+            self.state = self._restore(self.state, np.int32(slot), tables, {"stacks": stacks, "slots": data["slots"]})
+        except BaseException:
+            # A failed restore (the device out of memory) keeps nothing: its pages and slot go back, and the
+            # session stays offloaded (the caller keeps the host copy).
+            for name, session_pages in pages.items():
+                session_pages.release(self.pools[name])
+            self.release_slot(slot)
+            raise
         return slot
 
 
