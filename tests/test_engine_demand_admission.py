@@ -4,6 +4,7 @@ their lengths fit; when they outgrow the pools, newer streams move to host memor
 back with the same tokens, and the oldest stream is never the one that moves.
 """
 import asyncio
+import itertools
 import logging
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 from jaxstream.engine.async_engine import AsyncEngine
 from jaxstream.engine.config import EngineConfig
-from jaxstream.errors import CapacityError
+from jaxstream.errors import CapacityError, SessionClosedError
 from jaxstream.models import loading
 from jaxstream.models.audio import load_audio
 
@@ -144,6 +145,50 @@ async def test_with_host_memory_full_a_newer_stream_between_chunks_gives_way_to_
             [event async for event in sessions[2]]
         await sessions[1].append(SAMPLE[56_000:])
         assert (await asyncio.wait_for(result(sessions[1]), timeout=60)).token_ids == expected
+        await engine.wait_until_idle()
+        assert engine.core.at_baseline()
+    finally:
+        engine.close()
+
+
+async def test_an_older_stream_in_host_memory_comes_back_when_a_newer_one_holds_the_pages():
+    """A pauses long enough to be moved to host memory for B, whose growth then fills the pools; host memory
+    has no room for B. When A speaks again it cannot come back, and B, wrapping on its own pages, never asks
+    for one: A used to wait as long as B streamed (6 s here, for good with a longer B). Now B ends with
+    `CapacityError` after `STARVED_SECONDS`, and A finishes with the tokens of a stream run alone."""
+    model, tokenizer = long_window_tiny_voxtral(encoder_window=128, decoder_window=64)
+    engine = AsyncEngine(model, tokenizer=tokenizer, config=EngineConfig(
+        max_sessions=2, batch_buckets=(2,), realtime_prefill_buckets=((2, 32),), page_size=16, encoder_page_size=32,
+        num_pages=1 + 4, encoder_num_pages=1 + 4, realtime_step_buckets=(1, 4), realtime_admission="demand",
+        host_offload_bytes=150_000, cache_silent_prefix=False))
+
+    async def computed(session):
+        async with asyncio.timeout(60):
+            while session.backlog.consumed < session.backlog.sent:
+                await asyncio.sleep(0.02)
+
+    try:
+        expected = (await engine.transcribe(SAMPLE[:24_000])).token_ids
+        a = await engine.start_transcription(session_id="A")
+        await a.append(SAMPLE[:16_000])
+        await computed(a)
+        await asyncio.sleep(1.3)  # idle: any stream may move it
+        b = await engine.start_transcription(session_id="B")
+        await b.append(SAMPLE[:32_000])
+        await computed(b)
+        assert engine.core.sessions["A"].offloaded is not None
+        await a.append(SAMPLE[16_000:24_000])
+        async with asyncio.timeout(60):
+            for begin in itertools.cycle(range(32_000, 60_000, 1280)):  # B streams at real time until it ends
+                try:
+                    await b.append(SAMPLE[begin:begin + 1280])
+                except SessionClosedError:
+                    break
+                await asyncio.sleep(0.08)
+        with pytest.raises(CapacityError, match="host memory"):
+            [event async for event in b]
+        await a.finish()
+        assert [event async for event in a][-1].token_ids == expected
         await engine.wait_until_idle()
         assert engine.core.at_baseline()
     finally:

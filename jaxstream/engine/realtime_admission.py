@@ -15,11 +15,14 @@ avoided:
   streams idle for `IDLE_SECONDS` or more (least recently active first), then resident streams that arrived
   after it and are not in this tick's batch (newest first). Each moves to host memory (`host_offload_bytes`)
   and comes back bit for bit when pages free up. Streams are placed in arrival order, so the oldest stream
-  always advances (no livelock).
+  always advances (no livelock): a stream that finds no page (or cannot come back from host memory) keeps
+  newer streams from taking pages, and if host memory refuses its victims for `STARVED_SECONDS`, newer
+  streams stop running until one gives way (below).
 
 Under both, a stream never displaces an older one that is still streaming, so two paced streams never take
-turns evicting each other every 80 ms. Under demand admission, when host memory is full too and no stream can
-advance, the newest stream on the device ends with `CapacityError` rather than every stream waiting forever.
+turns evicting each other every 80 ms. Under demand admission, when host memory is full too and a stream
+cannot advance, the newest stream on the device ends with `CapacityError` rather than the older one waiting
+as long as the newer ones run (or every stream waiting forever).
 """
 import logging
 import time
@@ -34,6 +37,9 @@ logger = logging.getLogger(__name__)
 # A parked stream with no audio for this long is idle, not between the chunks of a paced stream: any
 # stream may displace it.
 IDLE_SECONDS = 1.0
+# A stream starved while host memory refuses the newer streams that could give it pages waits this long for
+# one of them to end or pause on its own; then they stop running, and the newest one ends.
+STARVED_SECONDS = 1.0
 PARKED = STATUS_CODE[Status.PARKED]
 
 
@@ -51,6 +57,8 @@ class RealtimeAdmission(Residency):
         self._preempted: set[int] = set()
         self._starved: list[int] = []
         self._host_full = False
+        self._starved_since: float | None = None  # when host-full starvation began (across ticks)
+        self._held_newer = False  # this tick kept newer streams from running for a starved one
 
     def begin_tick(self) -> None:
         """Forgets the previous tick's placements (the scheduler calls it before placing a tick's rows)."""
@@ -59,6 +67,7 @@ class RealtimeAdmission(Residency):
             self._preempted.clear()
             self._starved.clear()
             self._host_full = False
+            self._held_newer = False
 
     # -- admission ------------------------------------------------------------------------------------
     def admit(self, session) -> bool:
@@ -142,10 +151,16 @@ class RealtimeAdmission(Residency):
         marks the resident ones whose next slots need new pages. Returns the placed mask."""
         rows = self.rows
         placed = np.zeros(len(candidates), bool)
+        hold = self._starved_since is not None and time.perf_counter() - self._starved_since >= STARVED_SECONDS
         for i, row in enumerate(candidates.tolist()):
             session = rows.sessions[row]
             if row in self._preempted:
                 continue  # moved off the device by an older stream this tick
+            if hold and self._starved and self._host_full:
+                # An older stream has waited STARVED_SECONDS with nowhere to move its victims: the newer ones
+                # stop, so that the newest of them can end (`end_starvation`) without a batch that holds it.
+                self._held_newer = True
+                continue
             if session.resident and not missing[i]:
                 placed[i] = True
             elif self._starved:
@@ -163,27 +178,38 @@ class RealtimeAdmission(Residency):
                     # slot and being moved to host memory by the next older stream that needs a page.
                     self.cache.release_slot(session.slot)
                     session.slot = None
-                elif session.resident:
+                elif not fresh:  # on the device and short of a page, or in host memory with no way back
                     self._starved.append(row)
             if placed[i]:
                 self._placed[row] = True  # at once: the streams after it must not displace it
                 session.status = Status.RUNNING
         return placed
 
-    def end_starvation(self, busy: bool) -> None:
-        """Demand admission, after a tick that dispatched nothing: when nothing is in flight either (`busy`
-        False), resident streams found no page, and host memory refused the streams that could have given
-        theirs up, the newest stream on the device that arrived no earlier than the oldest starved one ends
-        with `CapacityError`, so that the others go on. It may be one with no audio this tick (between a
-        paced client's chunks): it holds pages all the same, and ending the starved older stream instead
-        would let a newer one displace it. (Without a refusal a starved stream waits: the streams ahead of
-        it end, or go idle and become movable.)"""
-        if not self.demand or busy or not self._starved or not self._host_full:
+    def end_starvation(self, busy: bool, dispatched: bool) -> None:
+        """Demand admission, after each tick's placement: when streams found no page (or no way back from
+        host memory) and host memory refused the streams that could have given theirs up, the newest stream
+        on the device that arrived after the oldest starved one ends with `CapacityError`, so that the older
+        ones go on. That happens once the tick dispatched nothing and nothing is in flight (no stream can
+        advance), or once the newer streams were held back for a starved one (`STARVED_SECONDS`): the newest
+        may be one with no audio this tick, or one wrapping on its own pages that never asks for more. (Without
+        a refusal a starved stream waits: the streams ahead of it end, or go idle and become movable.)"""
+        if not self.demand or not self._starved or not self._host_full:
+            self._starved_since = None
+            return
+        if self._starved_since is None:
+            self._starved_since = time.perf_counter()
+        idle = not busy and not dispatched
+        if not idle and not self._held_newer:
             return
         rows = self.rows
         oldest = min(rows.arrival[r] for r in self._starved)
-        on_device = np.flatnonzero((rows.slot >= 0) & (rows.arrival >= oldest))
-        row = int(on_device[np.argmax(rows.arrival[on_device])])
+        on_device = rows.slot >= 0
+        newer = np.flatnonzero(on_device & (rows.arrival > oldest) & ~self._placed)
+        if not newer.size and idle:  # no newer stream holds pages: the oldest starved one itself ends
+            newer = np.flatnonzero(on_device & (rows.arrival >= oldest))
+        if not newer.size:
+            return  # the starved streams are in host memory: they wait for the older streams
+        row = int(newer[np.argmax(rows.arrival[newer])])
         session = rows.sessions[row]
         logger.warning("session %s: no KV page for it and none can be freed (host memory full): ending it",
                        session.request_id)

@@ -266,8 +266,7 @@ class RealtimeScheduler(RealtimeAdmission):
         except BaseException:  # e.g. an eviction's host copy failed: nothing booked may stay held
             self._drop_in_flight(scheduled)
             raise
-        if not scheduled:
-            self.end_starvation(busy=bool(self._in_flight))
+        self.end_starvation(busy=bool(self._in_flight), dispatched=bool(scheduled))
         dispatched, self._device_call_cpu = [], 0.0
         try:
             for dispatch in scheduled:
