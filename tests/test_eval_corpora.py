@@ -219,3 +219,57 @@ def test_shards_partition_the_limited_selection():
     for bad in ("4/4", "-1/2", "1", "a/b", "0/0"):
         with pytest.raises(UserError, match="--shard"):
             parse_shard(bad)
+
+
+ODD_TEXTS = ["line\u2028separator", "next\u0085line", "form\x0cfeed", "group\x1dseparator"]  # str.splitlines breaks all
+
+
+def test_readers_split_lines_only_at_line_ends(tmp_path):
+    """Transcripts holding characters that `str.splitlines()` takes as line breaks stay whole in every
+    line-based layout; a JSONL row with U+2028 (`json.dumps(ensure_ascii=False)` writes it raw) once failed."""
+    records = [{"id": f"j{i}", "audio": f"j{i}.wav", "text": text} for i, text in enumerate(ODD_TEXTS)]
+    manifest = tmp_path / "raw.jsonl"
+    manifest.write_text("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in records), encoding="utf-8")
+    assert [(u.id, u.text) for u in read_corpus(manifest).utterances] == [(r["id"], r["text"]) for r in records]
+
+    folder = tmp_path / "ls" / "1" / "2"
+    folder.mkdir(parents=True)
+    (folder / "1-2.trans.txt").write_bytes("".join(f"1-2-{i} {t}\n" for i, t in enumerate(ODD_TEXTS)).encode())
+    assert [u.text for u in read_corpus(tmp_path / "ls").utterances] == ODD_TEXTS
+
+    fleurs = tmp_path / "fleurs"
+    (fleurs / "audio" / "test").mkdir(parents=True)
+    rows = [[str(i), f"{i}.wav", t, t.lower(), "x", "16000", "MALE"] for i, t in enumerate(ODD_TEXTS)]
+    (fleurs / "test.tsv").write_bytes("".join("\t".join(r) + "\n" for r in rows).encode())
+    assert [u.text for u in read_corpus(fleurs).utterances] == ODD_TEXTS
+
+
+def test_common_voice_tsv_reads_as_the_csv_module_does(tmp_path):
+    """A U+0085 in a sentence once cut it there and made its tail a fake utterance."""
+    header = ["client_id", "path", "sentence", "up_votes", "down_votes"]
+    rows = [["c1", "a.mp3", "first sentence\u0085with NEL", "2", "0"], ["c2", "b.mp3", "second\u2028one", "2", "0"]]
+    (tmp_path / "clips").mkdir()
+    tsv = tmp_path / "test.tsv"
+    tsv.write_bytes("".join("\t".join(r) + "\n" for r in [header, *rows]).encode())
+    with open(tsv, encoding="utf-8", newline="") as handle:
+        oracle = list(csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE))
+    corpus = read_corpus(tmp_path)
+    assert corpus.layout == "commonvoice"
+    assert [(u.id, u.text, u.speaker) for u in corpus.utterances] == [
+        (row["path"], row["sentence"], row["client_id"]) for row in oracle]
+    assert [u.text for u in corpus.utterances] == [rows[0][2], rows[1][2]]
+
+
+def test_csv_manifest_quoted_fields_follow_rfc_4180(tmp_path):
+    """A quoted field may hold line breaks (RFC 4180); it once read as 'line oneline two'."""
+    manifest = tmp_path / "m.csv"
+    manifest.write_bytes('audio,text\na.wav,"line one\nline two"\r\nb.wav,"he said ""hi"""\nc.wav,odd\u2028text\n'
+                         .encode())
+    with open(manifest, encoding="utf-8", newline="") as handle:
+        oracle = list(csv.DictReader(handle))
+    corpus = read_corpus(manifest)
+    assert [u.text for u in corpus.utterances] == [row["text"] for row in oracle]
+    assert [u.text for u in corpus.utterances] == ["line one\nline two", 'he said "hi"', "odd\u2028text"]
+    manifest.write_text("audio,text\na.wav,ok\nb.wav," + "y" * (csv.field_size_limit() + 1) + "\n")
+    with pytest.raises(UserError, match=r"m.csv:3: not a valid CSV/TSV record \(field larger"):
+        read_corpus(manifest)

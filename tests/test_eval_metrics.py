@@ -6,7 +6,9 @@ from whisper_normalizer.basic import BasicTextNormalizer
 from whisper_normalizer.english import EnglishTextNormalizer
 
 from jaxstream.errors import UserError
-from jaxstream.evaluation import Corpus, Evaluation, RunOptions, Utterance, UtteranceResult, WordTiming, summarize
+from jaxstream.evaluation import (
+    NORMALIZERS, Corpus, Evaluation, RunOptions, Utterance, UtteranceResult, WordTiming, summarize,
+)
 from jaxstream.evaluation.metrics import (
     emitted_words, make_normalizer, score, speaker_breakdown, word_emission_latencies,
 )
@@ -90,6 +92,16 @@ def test_empty_references_are_excluded_like_the_leaderboard(tmp_path):
     kept = [f"u{i}" for i, t in enumerate(texts) if oracle(t).strip() not in ("", "ignore time segment in scoring")]
     assert [u.id for u in evaluation.utterances] == kept == ["u0", "u5"]
     assert evaluation.corpus["excluded"] == ["u1", "u2", "u3", "u4"]
+
+
+@pytest.mark.parametrize("normalizer_name", NORMALIZERS)
+def test_the_ted_lium_marker_is_excluded_under_every_normalizer(tmp_path, normalizer_name):
+    """`--normalizer none` keeps TED-LIUM's underscores, so its marker once was scored as a three-word reference."""
+    texts = ["ignore_time_segment_in_scoring", " ignore_time_segment_in_scoring ", "keep this one"]
+    corpus = Corpus(str(tmp_path), "manifest", tuple(Utterance(f"u{i}", f"u{i}.wav", t) for i, t in enumerate(texts)))
+    evaluation = Evaluation(corpus, model="m", delays=[None], options=RunOptions(), normalizer_name=normalizer_name)
+    assert [u.id for u in evaluation.utterances] == ["u2"]
+    assert evaluation.corpus["excluded"] == ["u0", "u1"]
 
 
 def test_resume_keeps_successes_and_retries_failures(tmp_path):

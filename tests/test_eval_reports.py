@@ -1,4 +1,5 @@
 """Reports: JSON round trip, merging shard reports, the per-utterance CSV and the Markdown/terminal tables."""
+import copy
 import csv
 import io
 import json
@@ -70,6 +71,90 @@ def test_merged_shard_reports_equal_the_full_report(tmp_path):
     other = dict(shards[0], model="another")
     with pytest.raises(UserError, match="different model"):
         merge_reports([shards[1], other])
+
+
+def _timed(report, wall_seconds):
+    """`report` as if each of its runs had taken `wall_seconds`."""
+    report = copy.deepcopy(report)
+    for run in report["runs"]:
+        run["wall_seconds"] = wall_seconds
+    return report
+
+
+def test_a_merge_with_a_shard_missing_is_incomplete_and_says_so(tmp_path, capsys):
+    half = merge_reports([_evaluation(tmp_path, "0/2").report()])
+    assert not half["complete"] and not half["runs"][0]["complete"]
+    assert half["corpus"]["selected"] == 3
+    assert "incomplete: shard 1/2 not given" in capsys.readouterr().err
+    whole = merge_reports([_evaluation(tmp_path, f"{i}/2").report() for i in (1, 0)])
+    assert whole["complete"] and capsys.readouterr().err == ""
+
+
+def test_a_shard_given_twice_counts_once(tmp_path, capsys):
+    """Once `--merge s0 s0 s1` reported 9 selected of 6 and the RTFx of 1.5 corpora of work."""
+    full = _evaluation(tmp_path).report()
+    s0, s1 = (_timed(_evaluation(tmp_path, f"{i}/2").report(), wall) for i, wall in ((0, 1.0), (1, 3.0)))
+    merged = merge_reports([s0, s0, s1])
+    (run,) = merged["runs"]
+    assert merged["complete"] and merged["corpus"]["selected"] == full["corpus"]["selected"] == len(TEXTS)
+    assert run["summary"] == full["runs"][0]["summary"] and run["utterances"] == full["runs"][0]["utterances"]
+    assert run["wall_seconds"] == 4.0
+    assert run["rtfx"] == pytest.approx(run["summary"]["audio_seconds"] / 4.0)
+    ok = [(r, h) for r, h in TEXTS if h is not None]
+    assert run["summary"]["wer"] == pytest.approx(jiwer.wer([r for r, _ in ok], [h for _, h in ok]))
+    assert capsys.readouterr().err == ""
+
+
+def test_a_resumed_shard_replaces_its_earlier_part(tmp_path):
+    """A later report's result replaces an earlier failed one; the resumed report's wall time already holds the
+    earlier part's, so it is not added again."""
+    earlier = _timed(_evaluation(tmp_path, "1/2").report(), 2.0)  # u5 failed in it
+    resumed = copy.deepcopy(earlier)
+    (u5,) = [u for u in resumed["runs"][0]["utterances"] if u["id"] == "u5"]
+    u5.update(error=None, hypothesis="it failed", hypothesis_normalized="it failed", word_counts=[2, 0, 0, 0],
+              char_counts=[9, 0, 0, 0])
+    resumed["runs"][0]["wall_seconds"] = 2.5
+    merged = merge_reports([_timed(_evaluation(tmp_path, "0/2").report(), 1.0), earlier, resumed])
+    (run,) = merged["runs"]
+    assert merged["complete"] and run["summary"]["errors"] == 0 and run["summary"]["transcribed"] == len(TEXTS)
+    assert run["wall_seconds"] == 3.5
+
+
+def test_a_delay_only_some_shards_ran_is_incomplete(tmp_path, capsys):
+    s0 = _evaluation(tmp_path, "0/2").report()
+    s1 = _evaluation(tmp_path, "1/2").report()
+    other_delay = copy.deepcopy(s0["runs"][0])
+    other_delay["delay_ms"] = 960
+    s0["runs"].append(other_delay)
+    merged = merge_reports([s0, s1])
+    assert [(run["delay_ms"], run["complete"]) for run in merged["runs"]] == [(480, True), (960, False)]
+    assert not merged["complete"]
+    assert "delay 960 ms not run by shard 1/2" in capsys.readouterr().err
+    interrupted = _evaluation(tmp_path, "1/2").report()
+    del interrupted["runs"][0]["utterances"][0]
+    assert not merge_reports([_evaluation(tmp_path, "0/2").report(), interrupted])["complete"]
+    assert "delay 480 ms: 5 of 6 utterances run" in capsys.readouterr().err
+
+
+def test_empty_shards_are_empty_parts_that_merge_normally(tmp_path, capsys):
+    shards = [_evaluation(tmp_path, f"{i}/8").report() for i in range(8)]
+    assert [len(shard["runs"][0]["utterances"]) for shard in shards[len(TEXTS):]] == [0, 0]
+    assert all(shard["complete"] for shard in shards)
+    merged, full = merge_reports(shards), _evaluation(tmp_path).report()
+    assert merged["complete"] and merged["corpus"]["selected"] == len(TEXTS)
+    assert merged["runs"][0]["summary"] == full["runs"][0]["summary"]
+    assert not merge_reports(shards[:len(TEXTS)])["complete"]
+    assert "shard 6/8, 7/8 not given" in capsys.readouterr().err
+
+
+def test_only_parts_of_one_sharding_merge(tmp_path):
+    s0 = _evaluation(tmp_path, "0/2").report()
+    for other, message in [(_evaluation(tmp_path, "1/3").report(), r"shard count: --shard 0/2 vs --shard 1/3"),
+                           (_evaluation(tmp_path).report(), "shard count: --shard 0/2 vs no --shard"),
+                           (dict(s0, corpus=dict(s0["corpus"], shard="1/2", limit=4)), "different --limit"),
+                           (dict(s0, corpus=dict(s0["corpus"], selected=2)), "shard 0/2 that select different")]:
+        with pytest.raises(UserError, match=message):
+            merge_reports([s0, other])
 
 
 def test_load_report_rejects_other_files(tmp_path):

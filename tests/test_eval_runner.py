@@ -147,6 +147,65 @@ def test_eval_cli_names_its_manifest_says_why_utterances_failed_and_the_delay_us
     assert run["delay_ms"] == 480 and run["summary"]["wer"] == 0
 
 
+def _manifest(path: Path, texts: list[str]) -> Path:
+    """A JSONL manifest of `texts`; its audio does not exist (the tests using it run no utterance)."""
+    path.write_text("".join(json.dumps({"id": f"u{i}", "audio": f"u{i}.wav", "text": text}) + "\n"
+                            for i, text in enumerate(texts)))
+    return path
+
+
+def test_an_empty_shard_is_an_empty_part_and_only_an_empty_selection_is_an_error(tmp_path, capsys):
+    """`--shard 7/8` of 6 utterances once failed with "every selected utterance has an empty reference" (and
+    hung the other processes under --shard auto)."""
+    corpus = _manifest(tmp_path / "six.jsonl", [f"word {i}" for i in range(6)])
+    for args, why in [(["--shard", "7/8"], "selects no utterance"), (["--limit", "2", "--shard", "2/3"],
+                                                                      "selects no utterance")]:
+        assert _eval(corpus, *args, "--report", tmp_path / "part.json") == 0
+        assert f"shard {args[-1]} {why}: its part of the report is empty" in capsys.readouterr().err
+        part = load_report(tmp_path / "part.json")
+        (run,) = part["runs"]
+        assert part["complete"] and run["complete"] and part["corpus"]["selected"] == 0
+        assert run["summary"]["utterances"] == 0 and run["utterances"] == []
+
+    mixed = _manifest(tmp_path / "mixed.jsonl", ["", "a word"])  # shard 0/2 holds only the empty reference
+    assert _eval(mixed, "--shard", "0/2") == 0
+    assert "shard 0/2 has only empty references: its part of the report is empty" in capsys.readouterr().err
+
+    empty = _manifest(tmp_path / "empty.jsonl", ["", "[noise]", "ignore_time_segment_in_scoring"])
+    for args in ([], ["--shard", "1/2"], ["--limit", "1", "--shard", "0/2"]):
+        assert _eval(empty, *args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("jaxstream eval: error: nothing to evaluate: the reference of every selected")
+        assert not any("error" in line for line in err[:-1]), err
+
+
+def test_a_process_that_fails_hands_its_error_to_process_0(tmp_path, monkeypatch, capsys):
+    """Under --shard auto process 0 waits for every part; a process that failed without sending one once left it
+    waiting for a day."""
+    from jaxstream import distributed
+    from jaxstream.commands import eval as eval_command
+
+    sent = []
+    monkeypatch.setattr(distributed, "gather_json", lambda name, value: sent.append((name, value)))
+    monkeypatch.setattr(distributed, "initialize", lambda args: distributed.ProcessGroup(1, 2))
+    assert _eval(_manifest(tmp_path / "empty.jsonl", ["", "[noise]"]), "--shard", "auto") == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1].removeprefix("jaxstream eval: error: ")
+    assert message.startswith("nothing to evaluate") and sent == [("eval-report", {"error": message})]
+
+    sent.clear()
+    monkeypatch.setattr(eval_command, "_run", lambda *args: (_ for _ in ()).throw(RuntimeError("no device\nat all")))
+    with pytest.raises(RuntimeError, match="no device"):
+        _eval(_manifest(tmp_path / "two.jsonl", ["", "a word"]), "--shard", "auto")
+    assert sent == [("eval-report", {"error": "RuntimeError: no device"})]
+
+    monkeypatch.setattr(distributed, "initialize", lambda args: distributed.ProcessGroup(0, 2))  # process 0
+    monkeypatch.setattr(distributed, "gather_json", lambda name, value: [value, {"error": "RuntimeError: no device"}])
+    assert _eval(tmp_path / "two.jsonl", "--shard", "auto", "--report", tmp_path / "all.json") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("\njaxstream eval: error: 1 of 2 processes failed; process 1: RuntimeError: no device"), err
+    assert (tmp_path / "all.part-0-of-2.json").exists() and not (tmp_path / "all.json").exists()
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine():
     from jaxstream.engine.async_engine import AsyncEngine

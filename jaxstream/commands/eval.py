@@ -12,7 +12,8 @@ utterances (unreadable audio, say) are listed on stderr with their reasons, and 
 `--shard auto` runs one part per process of a multi-process job (`jaxstream.distributed`: the same command on
 every process, with --coordinator/--num-processes/--process-id or the job's environment); process 0 gathers
 the parts and prints and writes the merged report. With --report each process also keeps its own part beside
-it (PATH.part-I-of-N.json), which --resume continues.
+it (PATH.part-I-of-N.json), which --resume continues. A process that fails hands its error to process 0, which
+reports it. A shard may be empty (more shards than utterances): it is an empty part, and merges as any other.
 """
 import sys
 
@@ -61,7 +62,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from jaxstream.evaluation import load_report, merge_reports, write_reports
+    from jaxstream.evaluation import load_report, merge_reports
 
     if args.report is not None and args.report.endswith((".md", ".csv")):
         raise UserError("--report names the JSON report; the .md and .csv files are written next to it")
@@ -81,6 +82,30 @@ def run(args) -> int:
         group = distributed.initialize(args)
     elif distributed.settings(args, environ={}) is not None:  # flags only: a job's environment is no error
         raise UserError("the multi-process flags go with --shard auto")
+    try:
+        report = _evaluate_part(args, group)
+    except BaseException as exc:
+        if not group.leader:  # process 0 waits for this part: send it the error, or the whole job hangs
+            _send_failure(exc)
+        raise
+    if group.count > 1:
+        parts = distributed.gather_json("eval-report", {"report": report})
+        if not group.leader:
+            return 0
+        failures = [f"process {index}: {part['error']}" for index, part in enumerate(parts) if "error" in part]
+        if failures:
+            raise UserError(f"{len(failures)} of {group.count} processes failed; {'; '.join(failures)}")
+        report = merge_reports([part["report"] for part in parts])
+    _finish(report, args.report)
+    # An empty shard failed nothing: only a run whose every utterance failed is a failure.
+    failed_everything = all(run["summary"]["transcribed"] == 0 < run["summary"]["errors"] for run in report["runs"])
+    return 1 if failed_everything else 0
+
+
+def _evaluate_part(args, group) -> dict:
+    """This process's report: its shard of the corpus evaluated, resumed from its own report if asked."""
+    from jaxstream.evaluation import write_reports
+
     evaluation = _plan(args, group)
     own_report = args.report
     if args.report is not None and group.count > 1:
@@ -96,16 +121,23 @@ def run(args) -> int:
                 save(evaluation)  # what is done so far, so --resume can continue from here
             raise
     report = evaluation.report()
-    if group.count > 1:
-        if own_report is not None:
-            write_reports(report, own_report)  # this process's part, complete: --resume skips it all
-        parts = distributed.gather_json("eval-report", report)
-        if not group.leader:
-            return 0
-        report = merge_reports(parts)
-    _finish(report, args.report)
-    failed_everything = all(run["summary"]["transcribed"] == 0 for run in report["runs"])
-    return 1 if failed_everything else 0
+    if own_report is not None and group.count > 1:
+        write_reports(report, own_report)  # this process's part, complete: --resume skips it all
+    return report
+
+
+def _send_failure(exc: BaseException) -> None:
+    """Hands process 0, in place of this process's part, why it failed."""
+    if isinstance(exc, UserError):
+        reason = str(exc)
+    elif isinstance(exc, KeyboardInterrupt):
+        reason = "interrupted"
+    else:
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    try:
+        distributed.gather_json("eval-report", {"error": reason})
+    except Exception as send_error:  # noqa: BLE001 - the job is going down; the original error is the one to raise
+        print(f"warning: could not tell process 0 that this process failed: {send_error}", file=sys.stderr)
 
 
 def _part_path(report_path: str, group) -> str:
@@ -138,8 +170,22 @@ def _plan(args, group):
     if len(corpus.warnings) > 5:
         print(f"  ... and {len(corpus.warnings) - 5} more skipped", file=sys.stderr)
     if not evaluation.utterances:
-        raise UserError("nothing to evaluate: every selected utterance has an empty reference")
+        _check_something_to_evaluate(corpus, args.limit, evaluation.normalizer)
+        why = "has only empty references" if evaluation.corpus["selected"] else "selects no utterance"
+        print(f"shard {evaluation.corpus['shard']} {why}: its part of the report is empty", file=sys.stderr)
     return evaluation
+
+
+def _check_something_to_evaluate(corpus, limit: int | None, normalizer) -> None:
+    """UserError unless some utterance of the whole selection (every shard's) has a reference to score: one
+    shard may well be empty (more shards than utterances), and is then a valid empty part."""
+    from jaxstream.evaluation import select_utterances
+    from jaxstream.evaluation.metrics import is_scored_reference
+
+    selected = select_utterances(corpus.utterances, limit)  # never empty: a corpus has utterances, limit >= 1
+    if not any(is_scored_reference(normalizer(utterance.text)) for utterance in selected):
+        raise UserError(f"nothing to evaluate: the reference of every selected utterance ({len(selected)}) is "
+                        "empty after normalization (or marks a segment not to score)")
 
 
 def _resume(evaluation, report_path: str) -> None:

@@ -29,6 +29,7 @@ of the evaluation run instead of stopping it. Utterances come back sorted by id,
 """
 import csv
 import dataclasses
+import io
 import json
 from pathlib import Path
 
@@ -159,7 +160,7 @@ def _read_librispeech(root: Path):
     utterances = []
     for transcript in sorted(root.rglob("*.trans.txt")):
         audio_by_id = {audio.stem: audio for audio in _audio_files(transcript.parent, recursive=False)}
-        for line_number, line in enumerate(_read_text(transcript).splitlines(), 1):
+        for line_number, line in enumerate(_lines(_read_text(transcript)), 1):
             if not line.strip():
                 continue
             utterance_id, _, text = line.strip().partition(" ")
@@ -181,7 +182,7 @@ def _read_manifest(root: Path):
         root = manifests[0]
     if root.suffix in (".jsonl", ".json"):
         rows = []
-        for line_number, line in enumerate(_read_text(root).splitlines(), 1):
+        for line_number, line in enumerate(_lines(_read_text(root)), 1):
             if line.strip():
                 try:
                     rows.append((line_number, json.loads(line)))
@@ -189,8 +190,8 @@ def _read_manifest(root: Path):
                     raise UserError(f"{root}:{line_number}: not a JSON object ({exc.msg})") from None
     else:
         delimiter = "\t" if root.suffix == ".tsv" else ","
-        reader = csv.DictReader(_read_text(root).splitlines(), delimiter=delimiter)
-        rows = [(line_number, row) for line_number, row in enumerate(reader, 2)]
+        reader = csv.DictReader(_csv_source(_read_text(root)), delimiter=delimiter)
+        rows = _csv_rows(root, reader)
     utterances = [_manifest_utterance(root, line_number, row) for line_number, row in rows]
     return utterances, [], root
 
@@ -240,13 +241,14 @@ def _read_commonvoice(root: Path):
     if not tsv.is_file():
         raise UserError(f"Common Voice folder {root} has no test.tsv (pass the TSV file of another split)")
     clips = tsv.parent / "clips"
-    rows = csv.DictReader(_read_text(tsv).splitlines(), delimiter="\t", quoting=csv.QUOTE_NONE)
-    missing = _COMMONVOICE_COLUMNS - set(rows.fieldnames or ())
+    reader = csv.DictReader(_csv_source(_read_text(tsv)), delimiter="\t", quoting=csv.QUOTE_NONE)
+    rows = _csv_rows(tsv, reader)
+    missing = _COMMONVOICE_COLUMNS - set(reader.fieldnames or ())
     if missing:
         raise UserError(f"{tsv} is not a Common Voice TSV: no {', '.join(sorted(missing))} column")
     utterances = [
         Utterance(row["path"], str(clips / row["path"]), row["sentence"] or "", speaker=row.get("client_id") or None)
-        for row in rows
+        for _, row in rows
     ]
     return utterances, [], tsv
 
@@ -257,7 +259,7 @@ def _read_fleurs(root: Path):
         raise UserError(f"FLEURS folder {root} has no test.tsv (pass the TSV file of another split)")
     audio_dir = tsv.parent / "audio" / tsv.stem
     utterances = []
-    for line_number, line in enumerate(_read_text(tsv).splitlines(), 1):
+    for line_number, line in enumerate(_lines(_read_text(tsv)), 1):
         if not line.strip():
             continue
         fields = line.split("\t")
@@ -352,6 +354,26 @@ def _first_value(row: dict, keys: tuple[str, ...]):
         if value not in (None, ""):
             return value
     return None
+
+
+def _lines(text: str) -> list[str]:
+    """The lines of a line-based file. Not `str.splitlines()`: that also breaks at U+2028, U+0085, form feeds
+    and \\x1c-\\x1e, which a transcript may hold (`json.dumps(ensure_ascii=False)` writes U+2028 raw)."""
+    return [line.rstrip("\r") for line in text.split("\n")]
+
+
+def _csv_source(text: str) -> io.StringIO:
+    """A CSV/TSV file's text for the csv module, which splits the records itself: only at line ends, and not
+    inside a quoted field (RFC 4180)."""
+    return io.StringIO(text, newline="")
+
+
+def _csv_rows(path: Path, reader: csv.DictReader) -> list[tuple[int, dict]]:
+    """(line number where the record ends, row) of every record of a CSV/TSV file."""
+    try:
+        return [(reader.line_num, row) for row in reader]
+    except csv.Error as exc:  # raised before the line it is in is counted
+        raise UserError(f"{path}:{reader.line_num + 1}: not a valid CSV/TSV record ({exc})") from None
 
 
 def _read_text(path: Path) -> str:

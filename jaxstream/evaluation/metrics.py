@@ -5,9 +5,10 @@ Conventions (those of the Open ASR Leaderboard, `huggingface/open_asr_leaderboar
 - Whisper's `EnglishTextNormalizer` (package `whisper-normalizer`) is applied to the reference **and** the
   hypothesis before scoring (`basic` = Whisper's `BasicTextNormalizer` for other languages, `none` only
   collapses whitespace).
-- Utterances whose *normalized* reference is empty or reads "ignore time segment in scoring" are not
-  evaluated at all (the leaderboard's `is_target_text_in_range` filter): they are listed in the report
-  as excluded and never transcribed, so they affect neither WER nor RTFx.
+- Utterances whose *normalized* reference is empty or reads "ignore time segment in scoring" (or TED-LIUM's
+  raw `ignore_time_segment_in_scoring`, which `none` leaves as it is) are not evaluated at all (the
+  leaderboard's `is_target_text_in_range` filter): they are listed in the report as excluded and never
+  transcribed, so they affect neither WER nor RTFx.
 - WER and CER are corpus-level: total (substitutions + deletions + insertions) over total reference words
   (characters, spaces included, for CER) — what `jiwer.wer(list_of_refs, list_of_hyps)` computes. Each
   utterance's counts are kept, so summing them reproduces the corpus figure exactly.
@@ -27,6 +28,8 @@ from jaxstream.errors import UserError
 
 NORMALIZERS = ("english", "basic", "none")
 IGNORED_REFERENCE = "ignore time segment in scoring"
+# TED-LIUM writes the marker with underscores; the english/basic normalizers turn them into spaces, `none` does not.
+_IGNORED_REFERENCES = (IGNORED_REFERENCE, IGNORED_REFERENCE.replace(" ", "_"))
 
 
 @dataclasses.dataclass
@@ -93,7 +96,7 @@ def make_normalizer(name: str) -> Callable[[str], str]:
 def is_scored_reference(normalized_reference: str) -> bool:
     """False for references the leaderboard filters out (empty or an ignore-time-segment marker)."""
     stripped = normalized_reference.strip()
-    return bool(stripped) and stripped != IGNORED_REFERENCE
+    return bool(stripped) and stripped not in _IGNORED_REFERENCES
 
 
 def word_counts(reference: str, hypothesis: str) -> tuple[int, int, int, int]:

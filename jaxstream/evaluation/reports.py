@@ -40,10 +40,12 @@ import datetime
 import io
 import json
 import os
+import sys
 import threading
 from pathlib import Path
 
 from jaxstream.errors import UserError
+from jaxstream.evaluation.corpora import parse_shard
 from jaxstream.evaluation.metrics import UtteranceResult, speaker_breakdown, summarize
 
 SCHEMA = "jaxstream-eval/1"
@@ -135,35 +137,76 @@ def run_results(run: dict) -> list[UtteranceResult]:
 
 
 def merge_reports(reports: list[dict]) -> dict:
-    """One report from the reports of disjoint shards (or partial runs) of the same evaluation.
+    """One report from the reports of the shards (`--shard i/N`) of one evaluation, or of partial runs of it.
 
-    Utterances are joined per delay (a later report's result replaces an earlier failed one); wall time
-    is summed, so the merged RTFx is the throughput of one process; streams keep the peak and the smallest
-    sustained count.
+    Every part must have the same `--limit` and shard count N (no `--shard`: N = 1). A shard may be given
+    more than once (a rerun, or a resumed report beside the one it continued): its utterances are joined per
+    delay (a later report's result replaces an earlier failed one) and of its timings those of the part with
+    the longest wall time are kept, as a resumed report's already include the run it continued. Wall time is
+    summed over shards, so the merged RTFx is the throughput of one process; streams keep the peak and the
+    smallest sustained count. A run is complete only when every shard ran it and every selected utterance has
+    a result; what is missing is said on stderr.
     """
     if not reports:
         raise UserError("nothing to merge")
     first = reports[0]
     for report in reports[1:]:
         check_compatible(first, report, "merge")
-    delays = list(dict.fromkeys(run["delay_ms"] for report in reports for run in report["runs"]))
+        if _shard(report)[1] != _shard(first)[1]:
+            mine, theirs = (f"--shard {r['corpus']['shard']}" if r["corpus"]["shard"] else "no --shard"
+                            for r in (first, report))
+            raise UserError(f"cannot merge reports of a different shard count: {mine} vs {theirs}")
+        for what, key in (("--limit", "limit"), ("corpus size", "utterances")):
+            if first["corpus"][key] != report["corpus"][key]:
+                raise UserError(f"cannot merge reports of a different {what}: {first['corpus'][key]!r} vs "
+                                f"{report['corpus'][key]!r}")
+    count = _shard(first)[1]
+    by_shard: dict[int, list[dict]] = {}  # shard index -> its reports, in the order given
+    for report in reports:
+        by_shard.setdefault(_shard(report)[0], []).append(report)
+    selected = 0
+    for index, group in sorted(by_shard.items()):
+        sizes = sorted({report["corpus"]["selected"] for report in group})
+        if len(sizes) > 1:
+            raise UserError(f"cannot merge reports of shard {index}/{count} that select different numbers of "
+                            f"utterances: {', '.join(map(str, sizes))}")
+        selected += sizes[0]
+    excluded = sorted({item for report in reports for item in report["corpus"]["excluded"]})
+    missing = [f"{index}/{count}" for index in range(count) if index not in by_shard]
+    gaps = [f"shard {', '.join(missing)} not given"] if missing else []
     runs = []
-    for delay_ms in delays:
-        parts = [run for report in reports if (run := find_run(report, delay_ms)) is not None]
+    for delay_ms in dict.fromkeys(run["delay_ms"] for report in reports for run in report["runs"]):
         by_id: dict[str, UtteranceResult] = {}
-        for part in parts:
-            for result in run_results(part):
-                if result.ok or result.id not in by_id:
-                    by_id[result.id] = result
+        timed, not_run = [], []  # one timed part per shard that ran this delay; the shards that did not
+        for index, group in sorted(by_shard.items()):
+            parts = [run for report in group if (run := find_run(report, delay_ms)) is not None]
+            if not parts:
+                not_run.append(f"{index}/{count}")
+                continue
+            for part in parts:
+                for result in run_results(part):
+                    if result.ok or result.id not in by_id:
+                        by_id[result.id] = result
+            timed.append(max(parts, key=lambda part: part["wall_seconds"]))
         results = [by_id[key] for key in sorted(by_id)]
-        runs.append(run_entry(delay_ms, results, sum(part["wall_seconds"] for part in parts),
-                              combine_streams([part["streams"] for part in parts]),
-                              all(part["complete"] for part in parts)))
-    corpus = dict(first["corpus"])
-    corpus["selected"] = sum(report["corpus"]["selected"] for report in reports)
-    corpus["shard"] = None
-    corpus["excluded"] = sorted({item for report in reports for item in report["corpus"]["excluded"]})
+        delay = "the default delay" if delay_ms is None else f"delay {delay_ms} ms"
+        if not_run:
+            gaps.append(f"{delay} not run by shard {', '.join(not_run)}")
+        elif not missing and len(results) < selected - len(excluded):
+            gaps.append(f"{delay}: {len(results)} of {selected - len(excluded)} utterances run")
+        complete = not missing and not not_run and len(results) >= selected - len(excluded)
+        runs.append(run_entry(delay_ms, results, sum(part["wall_seconds"] for part in timed),
+                              combine_streams([part["streams"] for part in timed]), complete))
+    if gaps:
+        print(f"warning: the merged report is incomplete: {'; '.join(gaps)}", file=sys.stderr)
+    corpus = dict(first["corpus"], selected=selected, shard=None, excluded=excluded)
     return build_report(model=first["model"], corpus=corpus, settings=first["settings"], runs=runs)
+
+
+def _shard(report: dict) -> tuple[int, int]:
+    """(i, N) of a report's `--shard i/N`; (0, 1) for a report of the whole selection."""
+    shard = report["corpus"]["shard"]
+    return (0, 1) if shard is None else parse_shard(shard)
 
 
 def combine_streams(parts: list[dict]) -> dict:
