@@ -4,9 +4,35 @@ Parsed from Hugging Face `config.json` (model_type voxtral_realtime, mistral, ll
 `params.json`; `VOXTRAL_MINI_4B` is the real Voxtral-Mini-4B-Realtime-2602 configuration.
 """
 import dataclasses
+import math
+import types
 from typing import Any
 
 from jaxstream.models.audio import DEFAULT_DELAY_MS, MEL_FRAMES_PER_SLOT, N_LEFT_PAD_TOKENS, SLOT_MS
+
+
+def _check_fields(config, may_be_zero=frozenset()) -> None:
+    """Raises ValueError naming the first int / float field of the wrong type or sign, so that a config.json
+    with `"num_hidden_layers": "2"` or `"rms_norm_eps": null` fails here in one line, not deep in the model."""
+    for field in dataclasses.fields(config):
+        value, kind = getattr(config, field.name), field.type
+        if isinstance(kind, types.UnionType):  # `int | None`: None means "not set"
+            if value is None:
+                continue
+            kind = next(t for t in kind.__args__ if t is not type(None))
+        if kind not in (int, float):
+            continue  # booleans and tuples come converted by the parsers; nested configurations check themselves
+        number = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+        if not number or not math.isfinite(value) or value < 0 or (value == 0 and field.name not in may_be_zero):
+            sign = "non-negative" if field.name in may_be_zero else "positive"
+            expected = "integer" if kind is int else "number"
+            raise ValueError(f"{type(config).__name__}.{field.name} must be a {sign} {expected}, got {value!r}")
+
+
+def _default_head_dim(hidden_size, num_heads):
+    """hidden_size // num_heads when both are positive integers; else 0, which fails the checks after theirs."""
+    valid = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (hidden_size, num_heads))
+    return hidden_size // num_heads if valid else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +56,9 @@ class TextConfig:
     # original_max_positions); None for plain RoPE.
     rope_llama3_scaling: tuple[float, float, float, int] | None = None
 
+    def __post_init__(self):
+        _check_fields(self, may_be_zero={"ada_t_cond_dim"})
+
     @property
     def attention_window(self) -> int:
         """The window the KV ring must cover: the sliding window, or all positions for full attention."""
@@ -50,6 +79,9 @@ class EncoderConfig:
     rope_theta: float = 1e6
     norm_eps: float = 1e-5
 
+    def __post_init__(self):
+        _check_fields(self)
+
 
 @dataclasses.dataclass(frozen=True)
 class VoxtralConfig:
@@ -66,6 +98,10 @@ class VoxtralConfig:
     eos_id: int = 2
     streaming_pad_id: int = 32
     streaming_word_id: int = 33
+
+    def __post_init__(self):
+        _check_fields(self, may_be_zero={"n_left_pad_tokens", "default_delay_ms", "bos_id", "eos_id",
+                                         "streaming_pad_id", "streaming_word_id"})
 
 
 VOXTRAL_MINI_4B = VoxtralConfig(
@@ -105,7 +141,7 @@ def text_config_from_hf(cfg: dict[str, Any], *, ada_t_cond_dim: int = 0) -> Text
         num_layers=cfg["num_hidden_layers"],
         num_heads=num_heads,
         num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        head_dim=cfg.get("head_dim") or _default_head_dim(cfg["hidden_size"], num_heads),
         rope_theta=_rope_theta(cfg, 10000.0),
         norm_eps=cfg.get("rms_norm_eps", 1e-5),
         sliding_window=cfg.get("sliding_window"),
@@ -129,7 +165,7 @@ def config_from_hf(cfg: dict[str, Any]) -> TextConfig | VoxtralConfig:
         intermediate_size=audio["intermediate_size"],
         num_layers=audio["num_hidden_layers"],
         num_heads=audio["num_attention_heads"],
-        head_dim=audio.get("head_dim") or audio["hidden_size"] // audio["num_attention_heads"],
+        head_dim=audio.get("head_dim") or _default_head_dim(audio["hidden_size"], audio["num_attention_heads"]),
         num_mel_bins=audio.get("num_mel_bins", 128),
         sliding_window=audio.get("sliding_window") or 750,
         # The encoder config class defaults to 1e4 but the real model uses 1e6 (spec pitfall 1).
@@ -157,7 +193,7 @@ def config_from_mistral_params(params: dict[str, Any]) -> TextConfig | VoxtralCo
         num_layers=params["n_layers"],
         num_heads=params["n_heads"],
         num_kv_heads=params.get("n_kv_heads") or params["n_heads"],
-        head_dim=params.get("head_dim") or params["dim"] // params["n_heads"],
+        head_dim=params.get("head_dim") or _default_head_dim(params["dim"], params["n_heads"]),
         rope_theta=float(params.get("rope_theta", 1e6)),
         norm_eps=params.get("norm_eps", 1e-5),
         sliding_window=params.get("sliding_window"),
@@ -174,7 +210,7 @@ def config_from_mistral_params(params: dict[str, Any]) -> TextConfig | VoxtralCo
         intermediate_size=enc["hidden_dim"],
         num_layers=enc["n_layers"],
         num_heads=enc["n_heads"],
-        head_dim=enc.get("head_dim") or enc["dim"] // enc["n_heads"],
+        head_dim=enc.get("head_dim") or _default_head_dim(enc["dim"], enc["n_heads"]),
         num_mel_bins=enc["audio_encoding_args"]["num_mel_bins"],
         sliding_window=enc.get("sliding_window") or 750,
         rope_theta=float(enc.get("rope_theta", 1e6)),

@@ -8,7 +8,8 @@
       `model.safetensors.index.json` (legacy on-disk and modern transformers names both accepted)
       (+ `tokenizer.json`, + `generation_config.json`: `load_checkpoint_tokenizer`, `declared_token_ids`),
   (c) a jaxstream Orbax checkpoint written by `save_checkpoint` / `jaxstream convert`:
-      `jaxstream.json` (format, config, parameter dtype, tokenizer file) + `state/` (Orbax) + tokenizer,
+      `jaxstream.json` (format, config, parameter dtype, tokenizer file) + `state/` (Orbax) + tokenizer
+      (+ the tokenizer_config.json of a tokenizer.json),
 - a Hugging Face repo id `org/name`, downloaded with `huggingface_hub.snapshot_download` (a clear
   one-line `UserError` when offline or not found).
 
@@ -20,6 +21,8 @@ and shardings.
 """
 import dataclasses
 import json
+import logging
+import math
 import os
 import re
 import shutil
@@ -44,6 +47,8 @@ from jaxstream.models.native_weights import (
 from jaxstream.models.text_lm import TextLM
 from jaxstream.models.tokenizers import TOKENIZER_FILES, HFTokenizer, Tokenizer, load_tokenizer
 from jaxstream.models.voxtral import VoxtralRealtime
+
+logger = logging.getLogger(__name__)
 
 # Built-in model name -> packaged checkpoint directory (any of the formats above).
 BUILTIN_MODELS: dict[str, Path] = {"tiny": Path(__file__).parent / "assets" / "tiny"}
@@ -70,7 +75,7 @@ class LoadedModel(NamedTuple):
 
     model: Model  # the NNX module; the engine takes `nnx.split(model)`
     config: ModelConfig
-    tokenizer_path: Path | None  # tekken.json / tokenizer.model / tokenizer.json next to the weights
+    tokenizer_path: Path | None  # next to the weights (`_checkpoint_tokenizer`); None: a text model without one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +120,8 @@ def load_model(source: str | os.PathLike, *, dtype=None, param_dtype=None, shard
 def load_checkpoint_tokenizer(directory: Path, tokenizer_path: Path | None) -> Tokenizer | None:
     """The tokenizer `load_model` found (`LoadedModel.tokenizer_path`) in checkpoint `directory`. A
     tokenizer.json takes BOS / EOS from the checkpoint's configuration (`declared_token_ids`) where it
-    declares them, else from its own tokenizer_config.json."""
+    declares them, else from its own tokenizer_config.json. A file that cannot be read raises a one-line
+    `UserError` naming it (`TokenizerFileError`)."""
     if tokenizer_path is None:
         return None
     if tokenizer_path.name != "tokenizer.json":
@@ -129,8 +135,7 @@ def declared_token_ids(directory: Path) -> tuple[int | None, tuple[int, ...]]:
     generation_config.json first, then config.json; `eos_token_id` may be one id or a list (Llama 3 stops at
     any of three). A jaxstream checkpoint: those of the source it was converted from (`save_checkpoint`)."""
     if (directory / ORBAX_METADATA).is_file():
-        metadata = _read_json(directory / ORBAX_METADATA)
-        return metadata.get("bos_token_id"), tuple(metadata.get("eos_token_ids") or ())
+        return _orbax_metadata(directory).declared_ids
     bos_id, eos_ids = None, ()
     for name in ("generation_config.json", "config.json"):
         if not (directory / name).is_file():
@@ -193,18 +198,27 @@ def _download(repo_id: str) -> Path:
         raise UserError(f"model {repo_id!r} is not a local directory and cannot be downloaded from the Hugging "
                         f"Face Hub: {why} and it is not in the local cache") from None
     except OSError as exc:  # network and HTTP errors of huggingface_hub derive from OSError
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"downloading {repo_id!r} from the Hugging Face Hub failed: {first_line}") from None
+        raise UserError(f"downloading {repo_id!r} from the Hugging Face Hub failed: {_first_line(exc)}") from None
 
 
 # ---------------------------------------------------------------------------------------- inspecting
 
 
+def _first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of an error from a library, for a one-line `UserError` (TensorStore's run to pages)."""
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else type(exc).__name__
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"cannot read {path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _parse_config(path: Path, parse: Callable[[dict], ModelConfig]) -> ModelConfig:
@@ -216,38 +230,45 @@ def _parse_config(path: Path, parse: Callable[[dict], ModelConfig]) -> ModelConf
         raise UserError(f"{path}: {exc}") from None
 
 
-# A Hugging Face directory usually ships its original sentencepiece `tokenizer.model` beside `tokenizer.json`;
-# only the tokenizer.json keeps the checkpoint's own ids (our `SentencePieceTokenizer` uses the Voxtral layout,
-# control ids first), so there it comes before tokenizer.model. tekken.json has the checkpoint's ids everywhere.
-_HF_TOKENIZER_ORDER = ("tekken.json", "tokenizer.json", "tokenizer.model")
+# The tokenizer files a model can use, in order of preference, whatever the checkpoint's format. tekken.json has
+# the checkpoint's ids everywhere. Our `SentencePieceTokenizer` reads a tokenizer.model in the Voxtral layout
+# (control ids first): right for the Voxtral models jaxstream trains, wrong for a text model, whose repo ships its
+# original sentencepiece model beside tokenizer.json, the one file that keeps the checkpoint's own ids. Voxtral
+# needs the realtime control ids, which a tokenizer.json lacks.
+_VOXTRAL_TOKENIZERS = ("tekken.json", "tokenizer.model")
+_TEXT_TOKENIZERS = ("tekken.json", "tokenizer.json")
 
 
-def _tokenizer_file(directory: Path, order=tuple(TOKENIZER_FILES)) -> Path | None:
-    return next((directory / name for name in order if (directory / name).is_file()), None)
+def _checkpoint_tokenizer(directory: Path, config: ModelConfig, candidates=tuple(TOKENIZER_FILES)) -> Path | None:
+    """The first tokenizer file of `directory` among `candidates` that `config`'s model can use. Voxtral without
+    one is refused (it cannot transcribe); a text model loads without one and then takes token ids only."""
+    voxtral = isinstance(config, VoxtralConfig)
+    present = [name for name in candidates if (directory / name).is_file()]
+    found = next((directory / name for name in (_VOXTRAL_TOKENIZERS if voxtral else _TEXT_TOKENIZERS)
+                  if name in present), None)
+    if found is None and voxtral:
+        raise UserError(f"{directory} has no tekken.json or tokenizer.model: Voxtral Realtime needs its tokenizer")
+    if found is None and "tokenizer.model" in present:
+        logger.warning("%s: tokenizer.model not used: it would be read in the Voxtral id layout, not this text "
+                       "model's (add the checkpoint's tokenizer.json)", directory)
+    return found
 
 
 def inspect_checkpoint(directory: Path) -> CheckpointInfo:
     """Recognises the checkpoint format of `directory` and parses its configuration (no weights read)."""
-    tokenizer = _tokenizer_file(directory)
     if (directory / ORBAX_METADATA).is_file():
-        metadata = _read_json(directory / ORBAX_METADATA)
-        if metadata.get("format") != ORBAX_FORMAT or not (directory / ORBAX_STATE_DIR).is_dir():
-            raise UserError(f"{directory / ORBAX_METADATA} does not describe a jaxstream Orbax checkpoint "
-                            f"(format {ORBAX_FORMAT!r} with a {ORBAX_STATE_DIR}/ directory)")
-        if metadata.get("format_version", 0) > ORBAX_FORMAT_VERSION:
-            raise UserError(f"{directory} was written by a newer jaxstream (checkpoint format version "
-                            f"{metadata['format_version']}); upgrade jaxstream to load it")
-        config = _parse_config(directory / ORBAX_METADATA, lambda meta: config_from_dict(meta["config"]))
-        tokenizer = directory / metadata["tokenizer"] if metadata.get("tokenizer") else None
-        return CheckpointInfo("orbax", directory, config, (), tokenizer)
+        metadata = _orbax_metadata(directory)
+        candidates = (metadata.tokenizer,) if metadata.tokenizer else ()
+        return CheckpointInfo("orbax", directory, metadata.config, (),
+                              _checkpoint_tokenizer(directory, metadata.config, candidates))
     native_files = tuple(sorted(directory.glob(_NATIVE_WEIGHTS)))
     if (directory / "params.json").is_file() and native_files:
         config = _parse_config(directory / "params.json", config_from_mistral_params)
-        return CheckpointInfo("native", directory, config, native_files, tokenizer)
+        return CheckpointInfo("native", directory, config, native_files, _checkpoint_tokenizer(directory, config))
     if (directory / "config.json").is_file():
         config = _parse_config(directory / "config.json", config_from_hf)
         return CheckpointInfo("hf", directory, config, _hf_weight_files(directory),
-                              _tokenizer_file(directory, _HF_TOKENIZER_ORDER))
+                              _checkpoint_tokenizer(directory, config))
     if (directory / "params.json").is_file():
         raise UserError(f"{directory} has params.json but no consolidated.safetensors")
     raise UserError(f"{directory} is not a model checkpoint: it has no params.json (Mistral native), config.json "
@@ -294,31 +315,44 @@ def _hf_legacy_name(name: str, config: ModelConfig) -> str:
     return name
 
 
-def _tensor_sources(info: CheckpointInfo) -> dict[str, _Source]:
-    """HF on-disk name -> where to read it, after checking names and shapes against the configuration."""
+class _Stored(NamedTuple):
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors' name: "BF16", "F32", ...
+
+
+def _stored_tensors(files: tuple[Path, ...]) -> dict[str, _Stored]:
+    """Name -> where and what each tensor of `files` is, from their headers."""
     from safetensors import SafetensorError, safe_open
 
-    stored: dict[str, tuple[Path, tuple[int, ...]]] = {}
-    for file in info.weight_files:
+    stored: dict[str, _Stored] = {}
+    for file in files:
         try:
             with safe_open(file, framework="numpy") as reader:
                 for name in reader.keys():
                     if name in stored:
-                        raise UserError(f"tensor {name!r} is stored twice ({stored[name][0].name}, {file.name})")
-                    stored[name] = (file, tuple(reader.get_slice(name).get_shape()))
+                        raise UserError(f"tensor {name!r} is stored twice ({stored[name].file.name}, {file.name})")
+                    tensor = reader.get_slice(name)
+                    stored[name] = _Stored(file, tuple(tensor.get_shape()), tensor.get_dtype())
         except (OSError, SafetensorError) as exc:
             raise UserError(f"cannot read {file}: {exc}") from None
+    return stored
+
+
+def _tensor_sources(info: CheckpointInfo) -> dict[str, _Source]:
+    """HF on-disk name -> where to read it, after checking names and shapes against the configuration."""
+    stored = _stored_tensors(info.weight_files)
     try:
         if info.kind == "native":
-            check_native_tensors(info.config, {name: shape for name, (_, shape) in stored.items()})
+            check_native_tensors(info.config, {name: tensor.shape for name, tensor in stored.items()})
             renamed = {native_to_hf_name(name, info.config): name for name in stored}
         else:
             renamed = {_hf_legacy_name(name, info.config): name for name in stored}
-            check_tensor_names(info.config, {hf: stored[name][1] for hf, name in renamed.items()})
+            check_tensor_names(info.config, {hf: stored[name].shape for hf, name in renamed.items()})
     except CheckpointMismatchError as exc:
         raise UserError(f"{info.directory}: {exc}") from None
     ignored = ignorable_names(info.config)
-    return {hf: _Source(stored[name][0], name,
+    return {hf: _Source(stored[name].file, name,
                         rope_heads=rope_permutation_heads(hf, info.config) if info.kind == "native" else None)
             for hf, name in renamed.items() if hf not in ignored}
 
@@ -327,16 +361,19 @@ _SAFETENSORS_DTYPES = {"BF16": jnp.bfloat16, "F16": jnp.float16, "F32": jnp.floa
 
 
 def checkpoint_dtype(info: CheckpointInfo) -> jnp.dtype:
-    """The dtype the checkpoint stores its parameters in (that of its first tensor)."""
+    """The dtype the checkpoint stores its parameters in. Where its tensors differ (float32 norms beside
+    bfloat16 weights, say), the floating dtype that holds the most parameters, the first stored on a tie:
+    what the bulk of the model was trained and shipped in."""
     if info.kind == "orbax":
-        return jnp.dtype(_read_json(info.directory / ORBAX_METADATA)["param_dtype"])
-    from safetensors import safe_open
-
-    with safe_open(info.weight_files[0], framework="numpy") as reader:
-        stored = reader.get_slice(next(iter(reader.keys()))).get_dtype()
-    if stored not in _SAFETENSORS_DTYPES:
-        raise UserError(f"{info.weight_files[0]} stores {stored} tensors; expected floating-point parameters")
-    return jnp.dtype(_SAFETENSORS_DTYPES[stored])
+        return _orbax_metadata(info.directory).param_dtype
+    sizes: dict[str, int] = {}
+    for tensor in _stored_tensors(info.weight_files).values():
+        sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + math.prod(tensor.shape)
+    floating = {dtype: size for dtype, size in sizes.items() if dtype in _SAFETENSORS_DTYPES}
+    if not floating:
+        stored = ", ".join(sorted(sizes)) if sizes else "no"
+        raise UserError(f"{info.directory} stores {stored} tensors; expected floating-point parameters")
+    return jnp.dtype(_SAFETENSORS_DTYPES[max(floating, key=floating.get)])
 
 
 def _stream_safetensors(info: CheckpointInfo, param_dtype, shardings: dict, progress: bool | None) -> dict:
@@ -437,13 +474,50 @@ def config_from_dict(data: dict[str, Any]) -> ModelConfig:
     raise ValueError(f"unknown configuration type {kind!r}")
 
 
+class _OrbaxMetadata(NamedTuple):
+    config: ModelConfig
+    param_dtype: jnp.dtype
+    tokenizer: str | None  # a file beside jaxstream.json
+    declared_ids: tuple[int | None, tuple[int, ...]]  # see `declared_token_ids`
+
+
+def _orbax_metadata(directory: Path) -> _OrbaxMetadata:
+    """The checked contents of `directory`'s jaxstream.json: a hand-edited or damaged file fails here, in one
+    line, not later as a TypeError or a missing tokenizer."""
+    path = directory / ORBAX_METADATA
+    metadata = _read_json(path)
+    if metadata.get("format") != ORBAX_FORMAT or not (directory / ORBAX_STATE_DIR).is_dir():
+        raise UserError(f"{path} does not describe a jaxstream Orbax checkpoint "
+                        f"(format {ORBAX_FORMAT!r} with a {ORBAX_STATE_DIR}/ directory)")
+    version = metadata.get("format_version", 0)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise UserError(f"{path}: format_version must be an integer, got {version!r}")
+    if version > ORBAX_FORMAT_VERSION:
+        raise UserError(f"{directory} was written by a newer jaxstream (checkpoint format version {version}); "
+                        "upgrade jaxstream to load it")
+    config = _parse_config(path, lambda meta: config_from_dict(meta["config"]))
+    param_dtype = metadata.get("param_dtype")
+    if param_dtype not in (floating := tuple(jnp.dtype(dtype).name for dtype in _SAFETENSORS_DTYPES.values())):
+        raise UserError(f"{path}: param_dtype must be one of {', '.join(floating)}, got {param_dtype!r}")
+    tokenizer = metadata.get("tokenizer")
+    if tokenizer is not None and (not isinstance(tokenizer, str) or Path(tokenizer).name != tokenizer):
+        raise UserError(f"{path}: tokenizer must be the name of a file beside it, got {tokenizer!r}")
+    if tokenizer and not (directory / tokenizer).is_file():
+        raise UserError(f"{directory} lacks {tokenizer}, the tokenizer {ORBAX_METADATA} names")
+    bos_id = metadata.get("bos_token_id")
+    declared = (None if bos_id is None else _token_ids(bos_id, path, "bos_token_id", several=False)[0],
+                _token_ids(metadata.get("eos_token_ids") or [], path, "eos_token_ids", several=True))
+    return _OrbaxMetadata(config, jnp.dtype(param_dtype), tokenizer, declared)
+
+
 class CheckpointExistsError(UserError):
     """The destination already holds a jaxstream checkpoint and `overwrite` was not given."""
 
 
 def check_destination(destination: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """The absolute checkpoint directory for `destination`, which must be missing, empty, or (with
-    `overwrite`) a jaxstream checkpoint; anything else would lose the user's files."""
+    `overwrite`) a jaxstream checkpoint; anything else would lose the user's files. Its parent must be
+    writable: `save_checkpoint` writes beside it."""
     directory = Path(destination).expanduser().resolve()
     if directory.exists():
         if not directory.is_dir():
@@ -454,8 +528,8 @@ def check_destination(destination: str | os.PathLike, *, overwrite: bool = False
                                 "refusing to overwrite it")
             if not overwrite:
                 raise CheckpointExistsError(f"destination {directory} already holds a checkpoint")
-    elif not os.access(_existing_ancestor(directory), os.W_OK):
-        raise UserError(f"cannot create destination {directory}: permission denied")
+    if not os.access(_existing_ancestor(directory.parent), os.W_OK):
+        raise UserError(f"cannot write destination {directory}: permission denied")
     return directory
 
 
@@ -469,25 +543,44 @@ def save_checkpoint(loaded: LoadedModel, destination: str | os.PathLike, *, over
                     declared_ids: tuple[int | None, tuple[int, ...]] = (None, ())) -> Path:
     """Writes `loaded` as a jaxstream Orbax checkpoint (state, `jaxstream.json`, tokenizer file) and returns
     its directory (see `check_destination`). `declared_ids` are the source's (BOS id, EOS ids) as
-    `declared_token_ids` read them; they are kept so the converted checkpoint stops where its source did."""
+    `declared_token_ids` read them, and a tokenizer.json takes its tokenizer_config.json along (`HFTokenizer`'s
+    BOS / EOS fallback): the converted checkpoint stops where its source did.
+
+    Everything is written into a hidden sibling directory that is renamed into place at the end, so a failed or
+    interrupted write leaves the destination as it was (an overwritten checkpoint is removed only then)."""
     import orbax.checkpoint as ocp
 
     directory = check_destination(destination, overwrite=overwrite)
-    if directory.exists():
-        shutil.rmtree(directory)
-    directory.mkdir(parents=True)
-    params = nnx.to_pure_dict(nnx.state(loaded.model, nnx.Param))
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(directory / ORBAX_STATE_DIR, params)
-    tokenizer = None
-    if loaded.tokenizer_path is not None:
-        tokenizer = loaded.tokenizer_path.name
-        shutil.copyfile(loaded.tokenizer_path, directory / tokenizer)
-    metadata = {"format": ORBAX_FORMAT, "format_version": ORBAX_FORMAT_VERSION,
-                "config": config_to_dict(loaded.config), "param_dtype": str(jax.tree.leaves(params)[0].dtype),
-                "tokenizer": tokenizer, "bos_token_id": declared_ids[0], "eos_token_ids": list(declared_ids[1])}
-    # Written last: its presence marks a complete checkpoint.
-    (directory / ORBAX_METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
+    staging = directory.with_name(f".{directory.name}.partial")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(staging, ignore_errors=True)  # what a killed write left
+    try:
+        staging.mkdir()
+        params = nnx.to_pure_dict(nnx.state(loaded.model, nnx.Param))
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(staging / ORBAX_STATE_DIR, params)
+        tokenizer = None
+        if loaded.tokenizer_path is not None:
+            tokenizer = loaded.tokenizer_path.name
+            shutil.copyfile(loaded.tokenizer_path, staging / tokenizer)
+            tokenizer_config = loaded.tokenizer_path.parent / "tokenizer_config.json"
+            if tokenizer == "tokenizer.json" and tokenizer_config.is_file():
+                shutil.copyfile(tokenizer_config, staging / tokenizer_config.name)
+        metadata = {"format": ORBAX_FORMAT, "format_version": ORBAX_FORMAT_VERSION,
+                    "config": config_to_dict(loaded.config), "param_dtype": str(jax.tree.leaves(params)[0].dtype),
+                    "tokenizer": tokenizer, "bos_token_id": declared_ids[0], "eos_token_ids": list(declared_ids[1])}
+        (staging / ORBAX_METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
+        if directory.exists():  # an empty directory, or the checkpoint `overwrite` replaces
+            replaced = directory.with_name(f".{directory.name}.replaced")
+            shutil.rmtree(replaced, ignore_errors=True)
+            directory.rename(replaced)
+            staging.rename(directory)
+            shutil.rmtree(replaced)
+        else:
+            staging.rename(directory)
+    except BaseException:  # Ctrl-C included: no half-written checkpoint is left behind
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return directory
 
 
@@ -508,6 +601,5 @@ def _restore_orbax(directory: Path, abstract: nnx.State, param_dtype, shardings:
     try:
         with ocp.StandardCheckpointer(multiprocessing_options=options) as checkpointer:
             return checkpointer.restore(state_dir, target)
-    except (ValueError, KeyError, FileNotFoundError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"{state_dir} does not match {ORBAX_METADATA}: {first_line}") from None
+    except Exception as exc:  # Orbax and TensorStore raise plain Exceptions for missing or damaged files
+        raise UserError(f"cannot restore {state_dir} as {ORBAX_METADATA} describes it: {_first_line(exc)}") from None

@@ -16,20 +16,39 @@ A Hugging Face `tokenizer.json` (`HFTokenizer`, through the `tokenizers` library
 id layout instead: its special tokens are its control ids, and text comes from the library's decoder.
 
 `load_tokenizer(path)` takes a `tekken.json` / `tokenizer.model` / `tokenizer.json` file or a directory
-holding one.
+holding one. A file that cannot be read as its kind raises `TokenizerFileError`, a `UserError` naming the file.
 """
 import abc
 import codecs
+import contextlib
 import dataclasses
 import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from jaxstream.models.errors import UserError
+
 NUM_CONTROL_IDS = 1000
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 11
 STREAMING_PAD_ID, STREAMING_WORD_ID = 32, 33
 _SPM_SPACE = "\u2581"
+
+
+class TokenizerFileError(UserError, ValueError):
+    """A tokenizer file that cannot be read as its kind; the one-line message names the file."""
+
+
+@contextlib.contextmanager
+def _reading(path: Path):
+    """Turns a library's failure to read `path` into a `TokenizerFileError`: each library has its own (json's
+    and pydantic's ValueErrors, `tokenizers`' bare Exception, sentencepiece's OSError / RuntimeError)."""
+    try:
+        yield
+    except Exception as exc:
+        text = str(exc).strip()
+        first_line = text.splitlines()[0] if text else type(exc).__name__
+        raise TokenizerFileError(f"cannot read tokenizer {path}: {first_line}") from None
 
 
 class Tokenizer(abc.ABC):
@@ -135,9 +154,10 @@ class TekkenTokenizer(Tokenizer):
     def __init__(self, path: str | os.PathLike):
         from mistral_common.tokens.tokenizers.tekken import Tekkenizer
 
-        tekkenizer = Tekkenizer.from_file(Path(path))
+        with _reading(path):
+            tekkenizer = Tekkenizer.from_file(Path(path))
         if tekkenizer.num_special_tokens != NUM_CONTROL_IDS:
-            raise ValueError(
+            raise TokenizerFileError(
                 f"{path}: expected {NUM_CONTROL_IDS} special tokens (the Voxtral id layout), "
                 f"got {tekkenizer.num_special_tokens}"
             )
@@ -192,7 +212,8 @@ class SentencePieceTokenizer(Tokenizer):
     def __init__(self, path: str | os.PathLike):
         import sentencepiece
 
-        self._sp = sentencepiece.SentencePieceProcessor(model_file=os.fspath(path))
+        with _reading(path):
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=os.fspath(path))
         num_pieces = self._sp.get_piece_size()
         self.vocab_size = NUM_CONTROL_IDS + num_pieces
         self.bos_id, self.eos_id = BOS_ID, EOS_ID
@@ -236,7 +257,8 @@ class HFTokenizer(Tokenizer):
         import tokenizers
 
         path = Path(path)
-        self._tokenizer = tokenizers.Tokenizer.from_file(os.fspath(path))
+        with _reading(path):
+            self._tokenizer = tokenizers.Tokenizer.from_file(os.fspath(path))
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self._special_ids = frozenset(token_id for token_id, token in self._tokenizer.get_added_tokens_decoder().items()
                                       if token.special)
@@ -249,7 +271,10 @@ class HFTokenizer(Tokenizer):
         """`bos_token` / `eos_token` of a tokenizer_config.json (a string, or an AddedToken dict) -> ids."""
         if not config_path.is_file():
             return {}
-        config = json.loads(config_path.read_text())
+        with _reading(config_path):
+            config = json.loads(config_path.read_text())
+        if not isinstance(config, dict):
+            raise TokenizerFileError(f"cannot read tokenizer {config_path}: expected a JSON object")
         ids = {}
         for key in ("bos_token", "eos_token"):
             token = config.get(key)

@@ -8,6 +8,8 @@ reference outputs (tests/make_reference_fixtures.py).
 import json
 import math
 import shutil
+import subprocess
+import sys
 import tempfile
 import tracemalloc
 from pathlib import Path
@@ -225,8 +227,9 @@ def test_modern_names_sharded_index_and_tied_head(voxtral_hf, tmp_path):
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {name: file for file, members in shards.items() for name in members}}))
     shutil.copy(VOXTRAL_DIR / "config.json", out / "config.json")
+    shutil.copy(VOXTRAL_DIR / "tekken.json", out / "tekken.json")  # Voxtral does not load without its tokenizer
     model, _, tokenizer = loading.load_model(out)
-    assert tokenizer is None
+    assert tokenizer == out / "tekken.json"
     assert_same_params(model, voxtral_hf[0].model)
 
 
@@ -486,3 +489,177 @@ def test_bfloat16_load_streams_tensors(tmp_path):
     assert whole_peak >= size  # the measurement sees a full host copy ...
     assert peak - kept < size / 5 and peak < 1.2 * size  # ... and the loader holds a few tensors at a time
     del whole
+
+
+# ------------------------------------------------------------------ tokenizers, metadata and broken files
+
+
+def word_level_tokenizer_json(path: Path):
+    """A tokenizer.json with the checkpoint's own ids (`hello` is 3); returns the `tokenizers` object."""
+    from tokenizers import Tokenizer, models
+
+    tokenizer = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3}, unk_token="<unk>"))
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tokenizer.save(str(path))
+    return tokenizer
+
+
+def test_text_models_never_read_tokenizer_model_in_the_voxtral_layout(tmp_path, caplog):
+    """A native (params.json) directory takes tokenizer.json over the original sentencepiece model too, and a
+    text model whose only tokenizer is a tokenizer.model loads without one instead of with ids off by 1000."""
+    native = write_native(MISTRAL_DIR, tmp_path / "native")
+    oracle = word_level_tokenizer_json(native / "tokenizer.json")
+    shutil.copy(loading.BUILTIN_MODELS["tiny"] / "tokenizer.model", native / "tokenizer.model")
+    loaded = loading.load_model(native)
+    assert loaded.tokenizer_path == native / "tokenizer.json"
+    tokenizer = loading.load_checkpoint_tokenizer(native, loaded.tokenizer_path)
+    assert tokenizer.encode("hello") == oracle.encode("hello", add_special_tokens=False).ids == [3]
+
+    (native / "tokenizer.json").unlink()
+    hf = copy_fixture(MISTRAL_DIR, tmp_path / "hf")
+    shutil.copy(native / "tokenizer.model", hf / "tokenizer.model")
+    for directory in (native, hf):
+        with caplog.at_level("WARNING", logger="jaxstream.models.loading"):
+            assert loading.load_model(directory).tokenizer_path is None
+        assert "tokenizer.model not used" in caplog.text
+        caplog.clear()
+
+
+def test_convert_dtype_auto_broken_and_mixed_checkpoints(tmp_path, capsys):
+    def convert_error(source) -> str:
+        assert cli.main(["convert", str(source), str(tmp_path / "out")]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and not (tmp_path / "out").exists()
+        return lines[0]
+
+    truncated = copy_fixture(MISTRAL_DIR, tmp_path / "truncated")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[:len(data) // 2])
+    assert "cannot read" in convert_error(truncated) and "model.safetensors" in convert_error(truncated)
+    empty = copy_fixture(MISTRAL_DIR, tmp_path / "empty", lambda tensors: {})
+    assert "stores no tensors" in convert_error(empty)
+    integers = copy_fixture(MISTRAL_DIR, tmp_path / "integers",
+                            lambda tensors: {name: t.astype(np.int32) for name, t in tensors.items()})
+    assert "stores I32 tensors; expected floating-point parameters" in convert_error(integers)
+
+    # The first tensor stored (a small one) in float32, the bulk of the parameters in bfloat16: bfloat16.
+    with safe_open(MISTRAL_DIR / "model.safetensors", "numpy") as reader:
+        first = next(iter(reader.keys()))
+    mixed = copy_fixture(MISTRAL_DIR, tmp_path / "mixed", lambda tensors: {
+        name: t if name == first else t.astype(ml_dtypes.bfloat16) for name, t in tensors.items()})
+    assert loading.checkpoint_dtype(loading.inspect_checkpoint(mixed)) == jnp.bfloat16
+
+
+@pytest.fixture(scope="module")
+def voxtral_orbax(tmp_path_factory):
+    out = tmp_path_factory.mktemp("orbax") / "voxtral"
+    assert cli.main(["convert", str(VOXTRAL_DIR), str(out)]) == 0
+    return out
+
+
+def broken_orbax(source: Path, destination: Path, metadata_edit=None) -> Path:
+    shutil.copytree(source, destination)
+    if metadata_edit is not None:
+        metadata = json.loads((destination / "jaxstream.json").read_text())
+        metadata_edit(metadata)
+        (destination / "jaxstream.json").write_text(json.dumps(metadata))
+    return destination
+
+
+def test_orbax_metadata_and_state_errors_are_one_line(voxtral_orbax, tmp_path):
+    no_tokenizer = broken_orbax(voxtral_orbax, tmp_path / "no_tokenizer")
+    (no_tokenizer / "tekken.json").unlink()
+    assert "lacks tekken.json, the tokenizer jaxstream.json names" in one_line_error(no_tokenizer)
+    outside = broken_orbax(voxtral_orbax, tmp_path / "outside", lambda m: m.update(tokenizer="../x/tekken.json"))
+    assert "tokenizer must be the name of a file beside it" in one_line_error(outside)
+    version = broken_orbax(voxtral_orbax, tmp_path / "version", lambda m: m.update(format_version="1"))
+    assert "format_version must be an integer, got '1'" in one_line_error(version)
+    no_dtype = broken_orbax(voxtral_orbax, tmp_path / "no_dtype", lambda m: m.pop("param_dtype"))
+    assert "param_dtype must be one of" in one_line_error(no_dtype)
+    with pytest.raises(UserError, match="param_dtype"):
+        loading.checkpoint_dtype(loading.CheckpointInfo("orbax", no_dtype, VOXTRAL_MINI_4B, (), None))
+    no_data = broken_orbax(voxtral_orbax, tmp_path / "no_data")
+    shutil.rmtree(no_data / "state" / "ocdbt.process_0")
+    # In a process of its own: after the first failed read Orbax abandons its other reads, whose failures
+    # surface later as "Exception ignored in ..." tracebacks (after the CLI's error line, or in a later test).
+    result = subprocess.run([sys.executable, "-m", "jaxstream", "convert", str(no_data), str(tmp_path / "out")],
+                            capture_output=True, text=True, timeout=300)
+    [message] = [line for line in result.stderr.splitlines() if line.startswith("jaxstream convert: error:")]
+    assert result.returncode == 2 and len(message) < 400
+    assert message.startswith(f"jaxstream convert: error: cannot restore {no_data / 'state'}")
+
+
+def test_tokenizer_file_errors_are_one_line(voxtral_orbax, tmp_path):
+    def tokenizer_error(directory: Path) -> str:
+        with pytest.raises(UserError) as err:
+            loading.load_checkpoint_tokenizer(directory, loading.load_model(directory).tokenizer_path)
+        assert "\n" not in str(err.value)
+        return str(err.value)
+
+    no_tekken = copy_fixture(VOXTRAL_DIR, tmp_path / "no_tekken")
+    (no_tekken / "tekken.json").unlink()
+    assert "Voxtral Realtime needs its tokenizer" in one_line_error(no_tekken)
+    orbax_without = broken_orbax(voxtral_orbax, tmp_path / "orbax_without", lambda m: m.update(tokenizer=None))
+    (orbax_without / "tekken.json").unlink()
+    assert "Voxtral Realtime needs its tokenizer" in one_line_error(orbax_without)
+
+    malformed = copy_fixture(VOXTRAL_DIR, tmp_path / "malformed")
+    (malformed / "tekken.json").write_text('{"not": "tekken"')
+    assert f"cannot read tokenizer {malformed / 'tekken.json'}" in tokenizer_error(malformed)
+    specials = copy_fixture(VOXTRAL_DIR, tmp_path / "specials")
+    tekken = json.loads((specials / "tekken.json").read_text())
+    tekken["config"].update(default_num_special_tokens=1001, default_vocab_size=1101)
+    (specials / "tekken.json").write_text(json.dumps(tekken))
+    assert "expected 1000 special tokens" in tokenizer_error(specials)
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        directory = copy_fixture(FIXTURES / "llama_tiny", tmp_path / name)
+        word_level_tokenizer_json(directory / "tokenizer.json")
+        (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+        (directory / name).write_text("{bad")
+        assert f"cannot read tokenizer {directory / name}" in tokenizer_error(directory)
+
+
+def test_failed_convert_leaves_the_destination_as_it_was(voxtral_orbax, tmp_path):
+    loaded = loading.load_model(VOXTRAL_DIR)
+    before = flat_params(loading.load_model(voxtral_orbax).model)
+    lost = loaded._replace(tokenizer_path=tmp_path / "gone" / "tekken.json")  # fails after state/ is written
+    for destination in (voxtral_orbax, tmp_path / "fresh"):
+        with pytest.raises(FileNotFoundError):
+            loading.save_checkpoint(lost, destination, overwrite=True)
+        assert sorted(path.name for path in destination.parent.iterdir() if path.name.startswith(".")) == []
+    assert not (tmp_path / "fresh").exists()
+    after = flat_params(loading.load_model(voxtral_orbax).model)
+    assert before.keys() == after.keys() and all(np.array_equal(before[path], after[path]) for path in before)
+    assert loading.check_destination(voxtral_orbax, overwrite=True) == voxtral_orbax
+    assert loading.save_checkpoint(loaded, voxtral_orbax, overwrite=True) == voxtral_orbax
+    assert loading.load_model(voxtral_orbax).tokenizer_path == voxtral_orbax / "tekken.json"
+
+
+def test_convert_keeps_bos_eos_named_only_in_tokenizer_config(tmp_path):
+    source = copy_fixture(FIXTURES / "llama_tiny", tmp_path / "source")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({k: v for k, v in config.items() if not k.endswith("token_id")}))
+    (source / "generation_config.json").unlink()
+    word_level_tokenizer_json(source / "tokenizer.json")
+    (source / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    assert cli.main(["convert", str(source), str(tmp_path / "converted")]) == 0
+    for directory in (source, tmp_path / "converted"):
+        tokenizer = loading.load_checkpoint_tokenizer(directory, loading.load_model(directory).tokenizer_path)
+        assert (tokenizer.bos_id, tokenizer.eos_id) == (1, 2)
+
+
+@pytest.mark.parametrize("edit, field", [
+    ({"num_hidden_layers": "2"}, "num_layers must be a positive integer, got '2'"),
+    ({"hidden_size": 64.0}, "hidden_size must be a positive integer, got 64.0"),
+    ({"vocab_size": -5}, "vocab_size must be a positive integer, got -5"),
+    ({"num_attention_heads": 0, "head_dim": None}, "num_heads must be a positive integer, got 0"),
+    ({"rms_norm_eps": None}, "norm_eps must be a positive number, got None"),
+    ({"max_position_embeddings": True}, "max_positions must be a positive integer, got True"),
+], ids=["string", "float", "negative", "zero-heads", "null-eps", "bool"])
+def test_malformed_config_values_are_one_line_errors(tmp_path, edit, field):
+    broken = copy_fixture(MISTRAL_DIR, tmp_path / "m")
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, **edit}))
+    message = one_line_error(broken)
+    assert "config.json" in message and field in message

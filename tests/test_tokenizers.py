@@ -313,3 +313,15 @@ def test_tekken_text_outside_a_truncated_vocab_is_a_clear_error(tiny_tekken):
     # The fixture keeps only byte ranks 0..99, so 'z' (byte 122) has no token: tiktoken would panic.
     with pytest.raises(ValueError, match="cannot be encoded"):
         tiny_tekken.encode("zebra")
+
+
+def test_unreadable_tokenizer_files_are_one_line_user_errors(tmp_path):
+    from jaxstream.errors import UserError
+
+    for name in ("tokenizer.model", "tokenizer.json", "tekken.json"):
+        (tmp_path / name).write_bytes(b"\x00 not a tokenizer")
+        with pytest.raises(UserError) as err:
+            load_tokenizer(tmp_path / name)
+        assert isinstance(err.value, ValueError)  # callers that caught ValueError still do
+        message = str(err.value)
+        assert message.startswith(f"cannot read tokenizer {tmp_path / name}: ") and "\n" not in message
