@@ -5,9 +5,9 @@
 
 Speaks vLLM's realtime protocol (works against `jaxstream serve` and `vllm serve`): it records 16 kHz mono,
 sends every 80 ms of audio as it is captured, prints the text as it streams back, and on Ctrl-C sends the
-final commit and prints the final transcript. Needs `websockets`, `numpy` and `sounddevice`
-(`pip install sounddevice`; on Linux also the PortAudio library, e.g. `apt install libportaudio2`).
-"""
+final commit and prints the final transcript (a second Ctrl-C stops waiting for it). Needs `websockets`,
+`numpy` and `sounddevice` (`pip install sounddevice`; on Linux also the PortAudio library, e.g.
+`apt install libportaudio2`)."""
 import argparse
 import asyncio
 import base64
@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from realtime_client import SAMPLE_RATE, served_model
+from realtime_client import SAMPLE_RATE, Failed, open_session, read_transcript, run_client, served_model
 
 CHUNK = 1280  # 80 ms: one model step
 
@@ -47,50 +47,49 @@ async def run(args) -> int:
     loop = asyncio.get_running_loop()
     chunks: asyncio.Queue = asyncio.Queue()
     async with websockets.connect(args.url, additional_headers=headers) as ws:
-        created = json.loads(await ws.recv())
-        if created.get("type") != "session.created":
-            print(f"refused: {created}", file=sys.stderr)
-            return 1
-        update = {"type": "session.update", "model": model}
-        if args.delay_ms is not None:
-            update["transcription_delay_ms"] = args.delay_ms
-        await ws.send(json.dumps(update))
-        await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+        await open_session(ws, model, args.delay_ms)
+        appends = 0
+        final_sent = asyncio.Event()
+
+        async def send(pcm16: bytes) -> None:
+            nonlocal appends
+            appends += 1
+            await ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                      "audio": base64.b64encode(pcm16).decode("ascii")}))
 
         async def send_audio():
-            try:
-                while True:
-                    pcm16 = await chunks.get()
-                    await ws.send(json.dumps({"type": "input_audio_buffer.append",
-                                              "audio": base64.b64encode(pcm16).decode("ascii")}))
-            except asyncio.CancelledError:  # Ctrl-C: the utterance ends here
-                await ws.send(json.dumps({"type": "input_audio_buffer.commit", "final": True}))
-
-        async def receive() -> int:
-            async for message in ws:
-                event = json.loads(message)
-                if event["type"] == "transcription.delta":
-                    print(event["delta"], end="", flush=True)
-                elif event["type"] == "transcription.done":
-                    print(f"\n\nfinal: {event['text']}")
-                    return 0
-                elif event["type"] == "error":
-                    print(f"\nerror {event.get('code')}: {event.get('error')}", file=sys.stderr)
-            print("\nthe server closed the connection", file=sys.stderr)
-            return 1
+            while True:
+                await send(await chunks.get())
 
         stop = asyncio.Event()
-        loop.add_signal_handler(signal.SIGINT, stop.set)
+
+        def interrupted():
+            loop.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C stops waiting for the transcript
+            stop.set()
+
+        loop.add_signal_handler(signal.SIGINT, interrupted)
+        receiver = asyncio.create_task(read_transcript(ws, final_sent))
         with open_microphone(loop, chunks):
             print("listening; Ctrl-C to stop", file=sys.stderr)
             sender = asyncio.create_task(send_audio())
-            receiver = asyncio.create_task(receive())
             stopped = asyncio.create_task(stop.wait())
             await asyncio.wait({receiver, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        sender.cancel()  # sends the final commit
-        await asyncio.gather(sender, return_exceptions=True)
+        sender.cancel()
         stopped.cancel()
-        return await receiver
+        await asyncio.gather(sender, stopped, return_exceptions=True)
+        if not receiver.done():  # Ctrl-C: the utterance ends here
+            while not chunks.empty():  # captured before the microphone closed
+                await send(chunks.get_nowait())
+            if appends == 0:  # Ctrl-C within the first 80 ms: the server would refuse an empty utterance
+                receiver.cancel()
+                await asyncio.gather(receiver, return_exceptions=True)
+                raise Failed("no audio was captured")
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit", "final": True}))
+            final_sent.set()
+            print("finishing the transcript; Ctrl-C again to stop waiting", file=sys.stderr)
+        done = await receiver
+        print(f"\nfinal: {done['text']}")
+        return 0
 
 
 def main() -> int:
@@ -99,7 +98,8 @@ def main() -> int:
     parser.add_argument("--api-key", default=os.environ.get("JAXSTREAM_API_KEY"))
     parser.add_argument("--model", default=None, help="model id (default: the server's first, from /v1/models)")
     parser.add_argument("--delay-ms", type=int, default=None, help="transcription delay (jaxstream servers)")
-    return asyncio.run(run(parser.parse_args()))
+    args = parser.parse_args()
+    return run_client(run(args), args.url)
 
 
 if __name__ == "__main__":

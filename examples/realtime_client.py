@@ -8,6 +8,9 @@ input_audio_buffer.commit, base64 PCM16 16 kHz appends, commit with final=true, 
 events (printed as they arrive) and one transcription.done. Needs only `websockets`, `numpy` and
 `soundfile`. Files not at 16 kHz are resampled by linear interpolation (convert them with sox or ffmpeg
 for the best quality).
+
+Any failure (an error event, a refused or closed connection) ends the run with one line on stderr and exit
+code 1. microphone_client.py imports the protocol helpers below.
 """
 import argparse
 import asyncio
@@ -22,6 +25,12 @@ import urllib.request
 import numpy as np
 
 SAMPLE_RATE = 16000
+# Silence from the server for this long after the final commit: its transcription.done is not coming.
+DONE_TIMEOUT_S = 60
+
+
+class Failed(Exception):
+    """Ends the run: its message is printed as one line on stderr and the exit code is 1."""
 
 
 def load_pcm16(path: str) -> np.ndarray:
@@ -45,24 +54,84 @@ def served_model(url: str, api_key: str | None) -> str:
         return json.load(response)["data"][0]["id"]
 
 
+async def open_session(ws, model: str, delay_ms: int | None) -> None:
+    """session.created, then session.update and the commit that starts the utterance."""
+    created = json.loads(await ws.recv())
+    if created.get("type") != "session.created":
+        raise Failed(f"refused: {created}")
+    update = {"type": "session.update", "model": model}
+    if delay_ms is not None:
+        update["transcription_delay_ms"] = delay_ms  # a jaxstream extension; vLLM ignores it
+    await ws.send(json.dumps(update))
+    await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+
+
+async def read_transcript(ws, final_sent: asyncio.Event) -> dict:
+    """Prints the deltas as they arrive and returns the transcription.done event.
+
+    An error event raises Failed: these clients send only valid events, so an error means no transcript is
+    coming (a setup error such as model_not_found, or the utterance failed). So does DONE_TIMEOUT_S of
+    silence once `final_sent` is set. A closed connection raises websockets.ConnectionClosed."""
+    line_open = False
+    quiet_s = 0
+    try:
+        while True:
+            try:
+                message = await asyncio.wait_for(ws.recv(), 1.0)  # cancelling recv() loses no message
+            except TimeoutError:
+                quiet_s = quiet_s + 1 if final_sent.is_set() else 0
+                if quiet_s >= DONE_TIMEOUT_S:
+                    raise Failed(f"no transcription.done {DONE_TIMEOUT_S} s after the final commit") from None
+                continue
+            quiet_s = 0
+            event = json.loads(message)
+            if event["type"] == "transcription.delta":
+                print(event["delta"], end="", flush=True)
+                line_open = True
+            elif event["type"] == "transcription.done":
+                return event
+            elif event["type"] == "error":
+                raise Failed(f"error {event.get('code')}: {event.get('error')}")
+    finally:
+        if line_open:
+            print()  # ends the transcript's line before what follows it on the terminal
+
+
+def run_client(coroutine, url: str) -> int:
+    """Runs `coroutine` (it returns the exit code); a failure ends as one line on stderr and exit code 1."""
+    import websockets
+
+    try:
+        return asyncio.run(coroutine)
+    except KeyboardInterrupt:
+        return 130
+    except Failed as exc:
+        print(exc, file=sys.stderr)
+    except websockets.ConnectionClosed as exc:  # e.g. 4000 idle_timeout, 4003 max duration, 1001 draining
+        print(f"the server closed the connection: {exc.rcvd.code} {exc.rcvd.reason}" if exc.rcvd else
+              "the connection to the server was lost", file=sys.stderr)
+    except websockets.InvalidStatus as exc:  # e.g. 401: a missing or wrong API key
+        print(f"the server refused the connection: HTTP {exc.response.status_code}", file=sys.stderr)
+    except urllib.error.HTTPError as exc:  # from GET /v1/models
+        print(f"the server refused GET /v1/models: HTTP {exc.code} {exc.reason}", file=sys.stderr)
+    except OSError as exc:
+        print(f"cannot reach {url}: {exc}", file=sys.stderr)
+    return 1
+
+
 async def transcribe(args) -> int:
     import websockets
 
     pcm = load_pcm16(args.file)
+    if pcm.size == 0:
+        raise Failed(f"{args.file} holds no audio")
     model = args.model or served_model(args.url, args.api_key)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     chunk = max(1, int(SAMPLE_RATE * args.chunk_ms / 1000))
     async with websockets.connect(args.url, additional_headers=headers, max_size=None) as ws:
-        created = json.loads(await ws.recv())
-        if created.get("type") != "session.created":
-            print(f"refused: {created}", file=sys.stderr)
-            return 1
-        update = {"type": "session.update", "model": model}
-        if args.delay_ms is not None:
-            update["transcription_delay_ms"] = args.delay_ms  # a jaxstream extension; vLLM ignores it
-        await ws.send(json.dumps(update))
-        await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+        await open_session(ws, model, args.delay_ms)
         start = time.monotonic()
+        final_sent = asyncio.Event()
 
         async def send_audio():
             for begin in range(0, len(pcm), chunk):
@@ -72,25 +141,18 @@ async def transcribe(args) -> int:
                 await ws.send(json.dumps({"type": "input_audio_buffer.append",
                                           "audio": base64.b64encode(piece.tobytes()).decode("ascii")}))
             await ws.send(json.dumps({"type": "input_audio_buffer.commit", "final": True}))
+            final_sent.set()
 
         sender = asyncio.create_task(send_audio())
         try:
-            async for message in ws:
-                event = json.loads(message)
-                if event["type"] == "transcription.delta":
-                    print(event["delta"], end="", flush=True)
-                elif event["type"] == "transcription.done":
-                    print()
-                    usage = event.get("usage") or {}
-                    print(f"[{time.monotonic() - start:.2f} s, {len(pcm) / SAMPLE_RATE:.2f} s of audio, "
-                          f"{usage.get('completion_tokens')} tokens]", file=sys.stderr)
-                    return 0
-                elif event["type"] == "error":
-                    print(f"\nerror {event.get('code')}: {event.get('error')}", file=sys.stderr)
-            print("\nthe server closed the connection before transcription.done", file=sys.stderr)
-            return 1
+            done = await read_transcript(ws, final_sent)
         finally:
             sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)  # a closed socket is the reader's to report
+    usage = done.get("usage") or {}
+    print(f"[{time.monotonic() - start:.2f} s, {len(pcm) / SAMPLE_RATE:.2f} s of audio, "
+          f"{usage.get('completion_tokens')} tokens]", file=sys.stderr)
+    return 0
 
 
 def main() -> int:
@@ -103,21 +165,7 @@ def main() -> int:
     parser.add_argument("--chunk-ms", type=float, default=80.0, help="audio per append (default 80 ms)")
     parser.add_argument("--fast", action="store_true", help="send as fast as possible instead of in real time")
     args = parser.parse_args()
-    import websockets
-
-    try:
-        return asyncio.run(transcribe(args))
-    except KeyboardInterrupt:
-        return 130
-    except websockets.InvalidStatus as exc:  # e.g. 401: a missing or wrong API key
-        print(f"the server refused the connection: HTTP {exc.response.status_code}", file=sys.stderr)
-        return 1
-    except urllib.error.HTTPError as exc:  # from GET /v1/models
-        print(f"the server refused GET /v1/models: HTTP {exc.code} {exc.reason}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"cannot reach {args.url}: {exc}", file=sys.stderr)
-        return 1
+    return run_client(transcribe(args), args.url)
 
 
 if __name__ == "__main__":

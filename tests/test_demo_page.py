@@ -230,6 +230,106 @@ def test_a_busy_server_is_explained(browser, engine):
         busy.close()
 
 
+# The page's WebSocket, wrapped: every socket opened (window.__sockets) and every event type sent
+# (window.__sent); while window.__hold is true, the server's messages wait for window.__release().
+SOCKET_SPY = """
+window.__sockets = []; window.__sent = []; window.__hold = false; window.__held = [];
+window.__release = () => { window.__hold = false; window.__held.splice(0).forEach((deliver) => deliver()); };
+window.WebSocket = class extends window.WebSocket {
+  constructor(...args) { super(...args); window.__sockets.push(this); }
+  send(data) { window.__sent.push(JSON.parse(data).type); super.send(data); }
+  set onmessage(handler) {
+    super.onmessage = (m) => (window.__hold ? window.__held.push(() => handler(m)) : handler(m));
+  }
+};
+"""
+
+
+def spy_on_sockets(driver):
+    driver.execute_script(SOCKET_SPY)
+
+
+def sockets_opened(driver) -> int:
+    return driver.execute_script("return window.__sockets.length")
+
+
+def all_sockets_closed(driver) -> bool:
+    return driver.execute_script("return window.__sockets.every((ws) => ws.readyState === WebSocket.CLOSED)")
+
+
+def idle(driver) -> bool:
+    """No session runs: Start is enabled again and Stop is not."""
+    return driver.find_element("id", "start").is_enabled() and not driver.find_element("id", "stop").is_enabled()
+
+
+def test_a_double_click_on_start_runs_one_session(browser, server):
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    open_page(browser, server.url("/", scheme="http"), key=API_KEY)
+    spy_on_sockets(browser)
+    ActionChains(browser).double_click(browser.find_element("id", "start")).perform()
+    wait_for(browser, lambda: "Listening" in text_of(browser, "status"))
+    browser.find_element("id", "stop").click()
+    wait_for(browser, lambda: idle(browser))
+    assert sockets_opened(browser) == 1
+    wait_for(browser, lambda: all_sockets_closed(browser))  # Stop ended the only session
+
+
+def test_start_while_a_file_loads_runs_one_session(browser, server, speech_wav):
+    open_page(browser, server.url("/", scheme="http"), key=API_KEY)
+    spy_on_sockets(browser)
+    browser.find_element("id", "file").send_keys(str(speech_wav))
+    browser.execute_script("document.getElementById('start').click()")  # as a click that lands at once
+    wait_for(browser, lambda: "Streaming speech.wav" in text_of(browser, "status"))
+    browser.find_element("id", "stop").click()
+    wait_for(browser, lambda: idle(browser))
+    assert sockets_opened(browser) == 1
+    wait_for(browser, lambda: all_sockets_closed(browser))
+
+
+def test_stop_while_connecting_starts_no_session(browser, server):
+    open_page(browser, server.url("/", scheme="http"), key=API_KEY)
+    spy_on_sockets(browser)
+    browser.execute_script("window.__hold = true")  # session.created waits: a slow or distant server
+    browser.find_element("id", "start").click()
+    wait_for(browser, lambda: "Connecting" in text_of(browser, "status"))
+    wait_for(browser, lambda: browser.find_element("id", "stop").is_enabled())
+    browser.find_element("id", "stop").click()
+    browser.execute_script("window.__release()")
+    wait_for(browser, lambda: idle(browser))
+    assert "Stopped" in text_of(browser, "status")
+    wait_for(browser, lambda: all_sockets_closed(browser))
+    assert "input_audio_buffer.append" not in browser.execute_script("return window.__sent")
+
+
+def test_without_audio_worklet_files_stream_and_start_explains(browser, server, speech_wav):
+    """As on a page that is neither https nor localhost, where browsers give no AudioWorklet."""
+    open_page(browser, server.url("/", scheme="http"), key=API_KEY)
+    browser.execute_script("delete BaseAudioContext.prototype.audioWorklet")
+    browser.find_element("id", "file").send_keys(str(speech_wav))
+    wait_for(browser, lambda: "Streaming speech.wav" in text_of(browser, "status"))
+    browser.find_element("id", "stop").click()
+    wait_for(browser, lambda: idle(browser))
+    browser.find_element("id", "start").click()
+    wait_for(browser, lambda: "audio could not be set up" in text_of(browser, "status"))
+    assert "error" in browser.find_element("id", "status").get_attribute("class")
+    wait_for(browser, lambda: idle(browser))
+
+
+def test_a_failed_worklet_load_is_tried_again(browser, server):
+    open_page(browser, server.url("/", scheme="http"), key=API_KEY)
+    browser.execute_script("window.__addModule = AudioWorklet.prototype.addModule;"
+                           "AudioWorklet.prototype.addModule = () => Promise.reject(new Error('load failed'));")
+    browser.find_element("id", "start").click()
+    wait_for(browser, lambda: "load failed" in text_of(browser, "status"))
+    wait_for(browser, lambda: idle(browser))
+    browser.execute_script("AudioWorklet.prototype.addModule = window.__addModule")
+    browser.find_element("id", "start").click()
+    wait_for(browser, lambda: "Listening" in text_of(browser, "status"))
+    browser.find_element("id", "stop").click()
+    wait_for(browser, lambda: idle(browser))
+
+
 def test_no_session_is_left_behind(server, engine):
     from jaxstream.serving.testing import wait_engine_baseline
 

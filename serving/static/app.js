@@ -34,7 +34,10 @@ const CLOSE_TEXT = {
 let apiKey = sessionStorage.getItem(KEY_STORAGE) || "";
 let modelId = null;
 let audioContext = null;
-let active = null; // {utterance, stop()} while a microphone or file stream runs
+let captureLoaded = false; // the capture worklet is loaded into audioContext
+// The one session at a time, from the click (or chosen file) that starts it to its end:
+// {utterance, stop(), stopRequested}; utterance and stop are null until the socket and the audio are ready.
+let session = null;
 
 function setStatus(text, kind = "info") {
   ui.status.textContent = text;
@@ -259,13 +262,20 @@ function showLevel(peak) {
 }
 
 // -- audio: one context for capture and playback, created on the first click (autoplay rules) ----------
-async function ensureAudio() {
-  if (audioContext === null) {
-    audioContext = new AudioContext();
+// `capture`: the microphone's worklet is loaded too. Files do without it, so they stream even where the
+// browser has no AudioWorklet (pages that are neither https nor localhost).
+async function ensureAudio(capture) {
+  if (audioContext === null) audioContext = new AudioContext();
+  if (capture && !captureLoaded) {
     await audioContext.audioWorklet.addModule("/static/pcm16-worklet.js");
+    captureLoaded = true; // only once loaded: a failed load is tried again on the next Start
   }
   await audioContext.resume();
   return audioContext;
+}
+
+function audioError(err) {
+  return `The browser's audio could not be set up: ${err && err.message ? err.message : err}`;
 }
 
 function microphoneError(err) {
@@ -284,45 +294,75 @@ function microphoneError(err) {
   }
 }
 
-async function run(label, prepare) {
-  // prepare(utterance) starts the audio source and returns its stop function; the utterance sends audio.
-  const delayMs = Number(ui.delay.value) || null;
+// Runs work(current) as the session, unless one runs already. The session is taken before anything is
+// awaited: a second click, a file dropped meanwhile and Stop see it at once.
+async function startSession(work) {
+  if (session !== null || modelId === null) return;
+  const current = { utterance: null, stop: null, stopRequested: false };
+  session = current;
   setRunning(true);
-  const utterance = new Utterance(label);
   try {
-    const ended = new Promise((resolve) => { utterance.onEnded = resolve; });
-    setStatus("Connecting…");
-    await utterance.open(delayMs);
-    const stop = await prepare(utterance);
-    active = { utterance, stop };
-    const error = await ended;
-    stop();
-    if (error) setStatus(error, error === ERROR_TEXT.capacity ? "busy" : "error");
-    else setStatus("Done. Press Start for another utterance, or drop a file.");
+    await work(current);
   } catch (err) {
-    if (!utterance.ended) utterance.end(null);
-    setStatus(err.message, err.message === ERROR_TEXT.capacity ? "busy" : "error");
+    setStatus(err && err.message ? err.message : String(err), "error");
   } finally {
-    active = null;
+    session = null;
     showLevel(0);
     setRunning(false);
   }
 }
 
-ui.start.addEventListener("click", async () => {
+const STOPPED_TEXT = "Stopped before any audio was sent.";
+
+async function run(current, label, prepare) {
+  // prepare(utterance) starts the audio source and returns its stop function; the utterance sends audio.
+  if (current.stopRequested) {
+    setStatus(STOPPED_TEXT);
+    return;
+  }
+  const delayMs = Number(ui.delay.value) || null;
+  const utterance = new Utterance(label);
+  current.utterance = utterance;
+  try {
+    const ended = new Promise((resolve) => { utterance.onEnded = resolve; });
+    setStatus("Connecting…");
+    await utterance.open(delayMs);
+    if (current.stopRequested) { // Stop while connecting: the audio source never starts
+      utterance.end(null);
+      setStatus(STOPPED_TEXT);
+      return;
+    }
+    current.stop = await prepare(utterance);
+    const error = await ended;
+    current.stop();
+    if (error) setStatus(error, error === ERROR_TEXT.capacity ? "busy" : "error");
+    else setStatus("Done. Press Start for another utterance, or drop a file.");
+  } catch (err) {
+    if (!utterance.ended) utterance.end(null);
+    setStatus(err.message, err.message === ERROR_TEXT.capacity ? "busy" : "error");
+  }
+}
+
+ui.start.addEventListener("click", () => startSession(async (current) => {
   if (!navigator.mediaDevices || !navigator.mediaDevices.getUserMedia) {
     setStatus("This browser only gives the microphone to https:// pages and to localhost. Open the page " +
       "over https, or through an SSH tunnel to localhost.", "error");
     return;
   }
+  let context;
+  try {
+    context = await ensureAudio(true);
+  } catch (err) {
+    setStatus(audioError(err), "error");
+    return;
+  }
   let stream;
   try {
-    const context = await ensureAudio();
     stream = await navigator.mediaDevices.getUserMedia({
       // Raw audio: the model was trained on it; echo cancellation and noise suppression distort speech.
       audio: { channelCount: 1, echoCancellation: false, noiseSuppression: false, autoGainControl: false },
     });
-    await run("microphone", async (utterance) => {
+    await run(current, "microphone", async (utterance) => {
       const source = context.createMediaStreamSource(stream);
       const worklet = new AudioWorkletNode(context, "pcm16-capture", { channelCount: 1, channelCountMode: "explicit" });
       const mute = context.createGain();
@@ -346,19 +386,26 @@ ui.start.addEventListener("click", async () => {
   } finally {
     if (stream) stream.getTracks().forEach((track) => track.stop());
   }
-});
+}));
 
 ui.stop.addEventListener("click", () => {
-  if (active) {
-    active.stop();
-    active.utterance.finish();
+  if (session === null) return;
+  session.stopRequested = true; // honoured once the socket is open, when Stop comes before the audio
+  if (session.stop) {
+    session.stop();
+    session.utterance.finish();
   }
 });
 
 // -- a file, streamed at real time --------------------------------------------------------------------
-async function streamFile(file) {
-  if (active || modelId === null) return;
-  const context = await ensureAudio();
+const streamFile = (file) => startSession(async (current) => {
+  let context;
+  try {
+    context = await ensureAudio(false);
+  } catch (err) {
+    setStatus(audioError(err), "error");
+    return;
+  }
   let decoded;
   try {
     decoded = await context.decodeAudioData(await file.arrayBuffer());
@@ -374,7 +421,7 @@ async function streamFile(file) {
   source.start();
   const pcm = (await offline.startRendering()).getChannelData(0);
 
-  await run(file.name, async (utterance) => {
+  await run(current, file.name, async (utterance) => {
     const player = context.createBufferSource();
     player.buffer = decoded;
     player.connect(context.destination);
@@ -407,7 +454,7 @@ async function streamFile(file) {
       try { player.stop(); } catch (err) { /* already ended */ }
     };
   });
-}
+});
 
 ui.file.addEventListener("change", () => {
   if (ui.file.files.length) streamFile(ui.file.files[0]);

@@ -1,0 +1,267 @@
+"""examples/realtime_client.py and examples/microphone_client.py as a user runs them: subprocesses against a
+server over loopback. Every failure ends the run with one line on stderr (no traceback) and exit code 1,
+instead of a wait for a transcription.done that never comes. The microphone is a fake `sounddevice` module
+that plays a wav at real time, or delivers nothing.
+
+The test server closes idle connections after a few seconds, so a client that waits forever fails here at
+once (with the traceback of the close) rather than after the default 150 s."""
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+
+from jaxstream.serving.config import ServerConfig
+from jaxstream.serving.limits import Limits
+from jaxstream.serving.testing import ServerThread, sample_audio, sample_words
+from serve_fixtures import engine, engine_returns_to_baseline  # noqa: F401 - pytest fixtures
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+API_KEY = "clients-key"
+EXIT_S = 60  # a client still running after this is waiting for something that never comes
+
+FAKE_SOUNDDEVICE = '''
+"""sounddevice for the tests: plays $FAKE_MICROPHONE (a 16 kHz wav) once at real time, then prints
+"microphone: played" on stderr and delivers nothing more; without it, a device that never delivers."""
+import os
+import sys
+import threading
+import time
+
+import soundfile
+
+
+class InputStream:
+    def __init__(self, samplerate, channels, dtype, blocksize, callback):
+        self.blocksize, self.callback = blocksize, callback
+        path = os.environ.get("FAKE_MICROPHONE")
+        self.audio = soundfile.read(path, dtype="float32", always_2d=True)[0] if path else None
+        self.closed = threading.Event()
+
+    def play(self):
+        start = time.monotonic()
+        for begin in range(0, len(self.audio) - self.blocksize + 1, self.blocksize):
+            if self.closed.wait(max(0.0, start + (begin + self.blocksize) / 16000 - time.monotonic())):
+                return
+            self.callback(self.audio[begin:begin + self.blocksize], self.blocksize, None, None)
+        print("microphone: played", file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        if self.audio is not None:
+            self.thread = threading.Thread(target=self.play, daemon=True)
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.closed.set()
+'''
+
+
+@pytest.fixture(scope="module")
+def server(engine):  # noqa: F811 - the fixture imported above
+    server = ServerThread(engine, ServerConfig(api_keys=(API_KEY,), limits=Limits(idle_timeout_s=3.0)))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def wavs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("wavs")
+    soundfile.write(folder / "speech.wav", sample_audio(), 16000, subtype="PCM_16")
+    soundfile.write(folder / "empty.wav", np.zeros(0, np.float32), 16000, subtype="PCM_16")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fake_sounddevice(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fake-sounddevice")
+    (folder / "sounddevice.py").write_text(FAKE_SOUNDDEVICE)
+    return folder
+
+
+class Client:
+    """One example client as a subprocess; its stderr is read line by line as it comes."""
+
+    def __init__(self, script: str, *args: str, env: dict | None = None):
+        self.process = subprocess.Popen([sys.executable, str(EXAMPLES / script), *args], stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+        self.stderr: list[str] = []
+        self._lines: queue.Queue = queue.Queue()
+        self._readers = [threading.Thread(target=self._read_stderr, daemon=True),
+                         threading.Thread(target=self._read_stdout, daemon=True)]
+        for reader in self._readers:
+            reader.start()
+
+    def _read_stderr(self):
+        for line in self.process.stderr:
+            self.stderr.append(line.rstrip("\n"))
+            self._lines.put(self.stderr[-1])
+        self._lines.put(None)
+
+    def _read_stdout(self):
+        self.stdout = self.process.stdout.read()
+
+    def wait_for(self, text: str) -> None:
+        try:
+            while (line := self._lines.get(timeout=EXIT_S)) is not None:
+                if text in line:
+                    return
+        except queue.Empty:
+            self.process.kill()
+            raise AssertionError(f"the client did not print {text!r}: {self.stderr}") from None
+        raise AssertionError(f"the client exited before printing {text!r}: {self.stderr}")
+
+    def result(self) -> tuple[int, str, list[str]]:
+        """(exit code, stdout, stderr's non-empty lines) once the client exits."""
+        try:
+            self.process.wait(timeout=EXIT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise AssertionError(f"the client did not exit; stderr so far: {self.stderr}") from None
+        finally:
+            for reader in self._readers:
+                reader.join()
+        return self.process.returncode, self.stdout, [line for line in self.stderr if line.strip()]
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + EXIT_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def assert_one_line_failure(result, *expected: str) -> None:
+    code, _, stderr = result
+    assert code == 1 and len(stderr) == 1, stderr
+    assert all(text in stderr[0] for text in expected), stderr
+
+
+class FakeServer:
+    """A /v1/realtime server that sends session.created, records what the client sends, and then either
+    never answers (`close_after` None) or closes the connection with that code after the first append."""
+
+    def __init__(self, close_after: int | None = None):
+        from websockets.sync.server import serve
+
+        self.received: list[dict] = []
+        self.close_after = close_after
+        self.server = serve(self._handle, "127.0.0.1", 0)
+        self.url = f"ws://127.0.0.1:{self.server.socket.getsockname()[1]}/v1/realtime"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def _handle(self, ws):
+        from websockets import ConnectionClosed
+
+        ws.send(json.dumps({"type": "session.created", "id": "sess-0"}))
+        with contextlib.suppress(ConnectionClosed):  # the client may go without a close handshake
+            for message in ws:
+                self.received.append(json.loads(message))
+                if self.close_after and self.received[-1]["type"] == "input_audio_buffer.append":
+                    ws.close(self.close_after, "closed by the test")
+
+    def types(self) -> list[str]:
+        return [event["type"] + ("(final)" if event.get("final") else "") for event in self.received]
+
+    def close(self):
+        self.server.shutdown()
+
+
+# -- realtime_client.py -----------------------------------------------------------------------------------
+def test_realtime_client_transcribes_a_file(server, wavs):
+    code, stdout, stderr = Client("realtime_client.py", str(wavs / "speech.wav"), "--url", server.url(),
+                                  "--api-key", API_KEY, "--fast").result()
+    assert code == 0, stderr
+    heard = set(stdout.split())
+    assert sum(word in heard for word in sample_words()) >= len(sample_words()) - 2, stdout
+
+
+def test_realtime_client_an_empty_file_is_one_line_error(server, wavs):
+    result = Client("realtime_client.py", str(wavs / "empty.wav"), "--url", server.url(), "--api-key", API_KEY,
+                    "--fast").result()
+    assert_one_line_failure(result, "empty.wav", "no audio")
+
+
+def test_realtime_client_a_wrong_model_ends_the_run(server, wavs):
+    result = Client("realtime_client.py", str(wavs / "speech.wav"), "--url", server.url(), "--api-key", API_KEY,
+                    "--model", "no-such-model", "--fast").result()
+    assert_one_line_failure(result, "model_not_found", "no-such-model")
+
+
+def test_realtime_client_a_server_close_is_one_line(wavs):
+    fake = FakeServer(close_after=4000)
+    try:
+        result = Client("realtime_client.py", str(wavs / "speech.wav"), "--url", fake.url, "--model", "m").result()
+    finally:
+        fake.close()
+    assert_one_line_failure(result, "the server closed the connection: 4000 closed by the test")
+
+
+# -- microphone_client.py ---------------------------------------------------------------------------------
+def microphone(fake_sounddevice, *args: str, wav: Path | None = None) -> Client:
+    env = {"PYTHONPATH": str(fake_sounddevice), "FAKE_MICROPHONE": str(wav) if wav else ""}
+    return Client("microphone_client.py", *args, env=env)
+
+
+def test_microphone_client_transcribes_until_ctrl_c(server, wavs, fake_sounddevice):
+    client = microphone(fake_sounddevice, "--url", server.url(), "--api-key", API_KEY, wav=wavs / "speech.wav")
+    client.wait_for("microphone: played")
+    client.process.send_signal(signal.SIGINT)
+    code, stdout, stderr = client.result()
+    assert code == 0, stderr
+    final = stdout.split("final: ")[-1].split()
+    assert sum(word in final for word in sample_words()) >= len(sample_words()) - 2, stdout
+
+
+@pytest.mark.parametrize("model", [[], ["--model", "m"]], ids=["models-route", "websocket"])
+def test_microphone_client_a_refused_key_is_one_line(server, fake_sounddevice, model):
+    result = microphone(fake_sounddevice, "--url", server.url(), "--api-key", "wrong", *model).result()
+    assert_one_line_failure(result, "HTTP 401")
+
+
+def test_microphone_client_a_wrong_model_ends_the_run(server, fake_sounddevice):
+    client = microphone(fake_sounddevice, "--url", server.url(), "--api-key", API_KEY, "--model", "no-such-model")
+    code, _, stderr = client.result()
+    assert code == 1 and "Traceback" not in "\n".join(stderr), stderr
+    assert "model_not_found" in stderr[-1], stderr
+
+
+def test_microphone_client_ctrl_c_before_any_audio(server, fake_sounddevice):
+    """The fake microphone delivers nothing: Ctrl-C then ends the run without a final commit, which the
+    server would refuse (input_audio_buffer_commit_empty)."""
+    client = microphone(fake_sounddevice, "--url", server.url(), "--api-key", API_KEY)
+    client.wait_for("listening")
+    client.process.send_signal(signal.SIGINT)
+    code, _, stderr = client.result()
+    assert code == 1 and "Traceback" not in "\n".join(stderr), stderr
+    assert stderr[-1] == "no audio was captured", stderr
+
+
+def test_microphone_client_a_second_ctrl_c_stops_waiting(wavs, fake_sounddevice):
+    """A server that never answers: the first Ctrl-C sends the final commit, the second ends the wait."""
+    fake = FakeServer()
+    try:
+        client = microphone(fake_sounddevice, "--url", fake.url, "--model", "m", wav=wavs / "speech.wav")
+        try:
+            wait_until(lambda: "input_audio_buffer.append" in fake.types(), "no audio reached the server")
+            client.process.send_signal(signal.SIGINT)
+            wait_until(lambda: "input_audio_buffer.commit(final)" in fake.types(), "no final commit")
+            client.process.send_signal(signal.SIGINT)
+        except AssertionError:
+            client.process.kill()
+            raise
+        code, _, stderr = client.result()
+    finally:
+        fake.close()
+    assert code == 130 and "Traceback" not in "\n".join(stderr), stderr
