@@ -11,9 +11,10 @@ from typing import Any
 from jaxstream.models.audio import DEFAULT_DELAY_MS, MEL_FRAMES_PER_SLOT, N_LEFT_PAD_TOKENS, SLOT_MS
 
 
-def _check_fields(config, may_be_zero=frozenset()) -> None:
+def _check_fields(config, may_be_zero=frozenset(), any_sign=frozenset()) -> None:
     """Raises ValueError naming the first int / float field of the wrong type or sign, so that a config.json
-    with `"num_hidden_layers": "2"` or `"rms_norm_eps": null` fails here in one line, not deep in the model."""
+    with `"num_hidden_layers": "2"` or `"rms_norm_eps": null` fails here in one line, not deep in the model.
+    Fields in `any_sign` are only checked for their type."""
     for field in dataclasses.fields(config):
         value, kind = getattr(config, field.name), field.type
         if isinstance(kind, types.UnionType):  # `int | None`: None means "not set"
@@ -23,6 +24,8 @@ def _check_fields(config, may_be_zero=frozenset()) -> None:
         if kind not in (int, float):
             continue  # booleans and tuples come converted by the parsers; nested configurations check themselves
         number = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+        if number and field.name in any_sign:
+            continue
         if not number or not math.isfinite(value) or value < 0 or (value == 0 and field.name not in may_be_zero):
             sign = "non-negative" if field.name in may_be_zero else "positive"
             expected = "integer" if kind is int else "number"
@@ -100,8 +103,9 @@ class VoxtralConfig:
     streaming_word_id: int = 33
 
     def __post_init__(self):
-        _check_fields(self, may_be_zero={"n_left_pad_tokens", "default_delay_ms", "bos_id", "eos_id",
-                                         "streaming_pad_id", "streaming_word_id"})
+        # eos_id -1: no end-of-text id (`jaxstream bench` runs random weights' streams to their end).
+        _check_fields(self, may_be_zero={"n_left_pad_tokens", "default_delay_ms", "bos_id", "streaming_pad_id",
+                                         "streaming_word_id"}, any_sign={"eos_id"})
 
 
 VOXTRAL_MINI_4B = VoxtralConfig(
