@@ -33,6 +33,9 @@ NUM_CONTROL_IDS = 1000
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 11
 STREAMING_PAD_ID, STREAMING_WORD_ID = 32, 33
 _SPM_SPACE = "\u2581"
+# vLLM primes its incremental detokenizer with the shortest prompt tail of 4 to 23 ids that starts on a
+# character boundary (decodes without U+FFFD), else with the whole prompt.
+_PRIME_MIN_IDS, _PRIME_MAX_IDS = 4, 23
 
 
 class TokenizerFileError(UserError, ValueError):
@@ -106,6 +109,16 @@ class StreamDecoder:
     def text(self) -> str:
         """Everything returned so far."""
         return "".join(self._parts)
+
+    def prime(self, prompt_ids: Iterable[int]) -> None:
+        """Continues the text of a prompt (returned by nothing), as vLLM's detokenizer starts after the prompt:
+        the prompt's text followed by the deltas is `tokenizer.decode(prompt_ids + ids)`. So the space that
+        sentencepiece strips at the start of a text is kept after a prompt with text, and a character whose
+        bytes the prompt begins is completed by the first deltas."""
+        data = b"".join(map(self._token_bytes, prompt_ids))
+        if data:
+            self._strip_space = False
+            self._utf8.decode(data)
 
     def push(self, token_id: int) -> str:
         return self.push_many((token_id,))
@@ -312,12 +325,29 @@ class HFStreamDecoder:
         self._tokenizer = tokenizer
         self._checked = checked
         self._stream = DecodeStream(skip_special_tokens=True)
+        self._prompt: list[int] = []  # the prompt tail the stream was primed with
+        self._prompt_text = ""
         self._ids: list[int] = []
         self._parts: list[str] = []
 
     @property
     def text(self) -> str:
         return "".join(self._parts)
+
+    def prime(self, prompt_ids: Iterable[int]) -> None:
+        """Steps the stream through the prompt's tail and drops its text, as vLLM's FastIncrementalDetokenizer
+        does: decoders that depend on what precedes a token (Metaspace + Strip drops the space of a text's
+        first word) then give the prompt's text + the deltas == `decode(prompt_ids + ids)`."""
+        ids = [self._checked(token_id) for token_id in prompt_ids]
+        tail = ids
+        for count in range(_PRIME_MIN_IDS, min(len(ids), _PRIME_MAX_IDS) + 1):
+            if "\ufffd" not in self._tokenizer.decode(ids[-count:], skip_special_tokens=True):
+                tail = ids[-count:]
+                break
+        for token_id in tail:
+            self._stream.step(self._tokenizer, token_id)
+        self._prompt = tail
+        self._prompt_text = self._tokenizer.decode(tail, skip_special_tokens=True)
 
     def push(self, token_id: int) -> str:
         token_id = self._checked(token_id)
@@ -333,7 +363,8 @@ class HFStreamDecoder:
     def flush(self) -> str:
         """End of the token stream: what `decode` gives beyond the text so far (an incomplete character
         that DecodeStream held back, as U+FFFD)."""
-        delta = self._tokenizer.decode(self._ids, skip_special_tokens=True)[len(self.text):]
+        full = self._tokenizer.decode(self._prompt + self._ids, skip_special_tokens=True)
+        delta = full[len(self._prompt_text) + len(self.text):]
         if delta:
             self._parts.append(delta)
         return delta

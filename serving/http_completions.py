@@ -13,6 +13,7 @@ chunk joins the context before the next chunk) applies chunk by chunk, and `max_
 `TextInput` is the engine side of a text stream for plain requests, Mode A and Mode B (http_sessions.py).
 """
 import asyncio
+import codecs
 import logging
 import time
 import uuid
@@ -71,6 +72,31 @@ def parse_prompt(body: dict, state):
                        f"below {vocab} (one prompt per request)", "prompt")
 
 
+def prompt_ids(prompt, state) -> list[int]:
+    """A one-shot prompt as the engine's ids (its first chunk: BOS, then the text's ids)."""
+    if not isinstance(prompt, str):
+        return prompt
+    tokenizer = state.engine.tokenizer
+    return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
+
+
+def check_context_length(ids: list[int], params: SamplingParams, state) -> None:
+    """vLLM's 400 for a one-shot request that cannot fit: its prompt, or prompt + max_tokens, is over
+    `max_model_len` (the engine would end it at once with 'length' and no text). Streaming-input sessions
+    keep the engine's session rule instead: their context grows past any one request."""
+    limit = state.engine.core.max_model_len
+    if params.max_tokens is None and len(ids) >= limit:
+        message = (f"This model's maximum context length is {limit} tokens. However, you requested {len(ids)} "
+                   f"tokens in the prompt. Please reduce the length of the prompt.")
+    elif params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+        message = (f"This model's maximum context length is {limit} tokens. However, you requested "
+                   f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the messages, {params.max_tokens} in "
+                   f"the completion). Please reduce the length of the messages or completion.")
+    else:
+        return
+    raise RequestError(400, "context_length_exceeded", message, "prompt")
+
+
 def check_tokenizer(state) -> None:
     if state.engine.tokenizer is None:
         raise RequestError(400, "invalid_request", f"{state.model_id!r} has no tokenizer: send token ids",
@@ -110,6 +136,8 @@ class TextInput(streaming_input.EngineInput):
         self.error: EngineError | None = None
         self.aborted = False
         self._chunks: asyncio.Queue = asyncio.Queue()
+        # Chunks are bytes cut anywhere: a character may span two of them, so the input is decoded as one.
+        self._utf8 = codecs.getincrementaldecoder("utf-8")()
 
     @property
     def started(self) -> bool:
@@ -123,28 +151,55 @@ class TextInput(streaming_input.EngineInput):
     def succeeded(self) -> bool:
         return self.done and self.error is None and self.finish_reason is not None and not self.aborted
 
-    def decode(self, payload: str) -> str:
+    def decode(self, payload: str) -> bytes:
+        """The payload's bytes, refused when they are not UTF-8 apart from a character cut at either end
+        (checked on arrival: Mode B holds chunks that arrive early, and applies them in order later)."""
+        data = streaming_input.decode_base64(payload)
+        cut = 0
+        while cut < min(3, len(data)) and 0x80 <= data[cut] < 0xC0:  # the end of a character begun before
+            cut += 1
         try:
-            return streaming_input.decode_base64(payload).decode("utf-8")
+            codecs.getincrementaldecoder("utf-8")().decode(data[cut:])
         except UnicodeDecodeError as exc:
-            raise RequestError(422, "invalid_text", f"payload is not UTF-8 text: {exc}", "payload") from None
+            raise _invalid_text(f"payload is not UTF-8 text: {exc}") from None
+        return data
 
     @staticmethod
-    def measure(text) -> tuple[int, float]:
-        return len(text.encode()) if isinstance(text, str) else 4 * len(text), 0.0
+    def measure(data: bytes) -> tuple[int, float]:
+        return len(data), 0.0
 
     @staticmethod
-    def join(pieces: list) -> str:
-        return "".join(pieces)
+    def join(pieces: list[bytes]) -> bytes:
+        return b"".join(pieces)
+
+    def fail(self, code: str, message: str) -> None:
+        """A bad chunk or input is the client's error, typed as OpenAI types it; only `server_error` is ours."""
+        if code != "server_error" and self.log is not None and not self.log.closed:
+            self.log.append(sse.error_payload(message, code, "invalid_request_error"))
+            self.log.close()
+        super().fail(code, message)
 
     async def start(self) -> None:
         self._pump = asyncio.create_task(self._run())
 
     async def append(self, prompt) -> None:
+        """A prompt: a one-shot request's text or ids, or the next streaming-input bytes (their complete
+        characters; one cut at the end waits for the next chunk)."""
+        if isinstance(prompt, bytes):
+            try:
+                prompt = self._utf8.decode(prompt)
+            except UnicodeDecodeError as exc:
+                raise _invalid_text(f"the input is not UTF-8 text: {exc}") from None
+            if not prompt:
+                return
         self._chunks.put_nowait(prompt)  # bounded by the payload cap; the engine queues chunks FIFO anyway
 
     async def finish(self) -> None:
         self._chunks.put_nowait(_END)
+        try:
+            self._utf8.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise _invalid_text("the input ends inside a UTF-8 character") from None
 
     async def _inputs(self):
         while (prompt := await self._chunks.get()) is not _END:
@@ -213,6 +268,10 @@ class TextInput(streaming_input.EngineInput):
                 "usage": self.usage()}
 
 
+def _invalid_text(message: str) -> RequestError:
+    return RequestError(422, "invalid_text", message, "payload")
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     state = server_state(request)
     try:
@@ -221,8 +280,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
             return await _streaming_input(request, state)
         body = await read_json(request)
         check_model(state, body.get("model"), "text")
-        prompt = parse_prompt(body, state)
+        prompt = prompt_ids(parse_prompt(body, state), state)
         params = sampling_params(body)
+        check_context_length(prompt, params, state)
         stream, include_usage = parse_stream(body)
         text_input = TextInput(state, params, sse.EventLog() if stream else None, include_usage=include_usage)
         handle = streaming_input.DrainHandle(text_input)

@@ -50,6 +50,35 @@ def test_filtered_logits_match_numpy(temperature, top_k, top_p):
         np.testing.assert_allclose(got[row][keep], logits[row][keep] / temperature, rtol=1e-6)
 
 
+def test_top_p_one_keeps_the_tail_where_the_float32_cumsum_saturates():
+    """A 32k-vocabulary row's float32 cumsum reaches 1.0 hundreds of tokens before its end; top_p = 1 must
+    still keep every token (vLLM skips the top-p filter), with or without top-k."""
+    rng = np.random.default_rng(0)
+    logits = (rng.standard_normal((2, 32000)) * 3).astype(np.float32)
+    probs = -jnp.sort(-jax.nn.softmax(logits, axis=-1), axis=-1)
+    assert int((jnp.cumsum(probs, axis=-1) - probs >= 1.0).sum()) > 2  # the premise: mass_before saturates
+    got = np.asarray(sampling.filtered_logits(logits, np.ones(2, np.float32), np.array([0, 20000], np.int32),
+                                              np.ones(2, np.float32)))
+    assert np.isfinite(got[0]).all()
+    assert np.isfinite(got[1]).sum() == 20000
+
+
+def test_banned_ids_are_never_sampled_and_keep_the_raw_logprobs():
+    """min_tokens' bans (-1 pads): greedy and sampled rows take the best remaining id; the logprob is the raw
+    logits' (vLLM's logprobs come before its logits processors)."""
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((4, 30)).astype(np.float32)
+    top = np.argsort(-logits, axis=-1)
+    banned = np.full((4, sampling.MAX_BANNED_IDS), -1, np.int32)
+    banned[:, :2] = top[:, :2]
+    temperature = np.array([0.0, 0.0, 1.0, 1.0], np.float32)
+    tokens, logprobs = sampling.sample(logits, temperature, np.array([0, 0, 1, 1], np.int32), np.ones(4, np.float32),
+                                       np.arange(4, dtype=np.uint32), np.zeros(4, np.int32), banned)
+    np.testing.assert_array_equal(np.asarray(tokens), top[:, 2])
+    log_softmax = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    np.testing.assert_allclose(np.asarray(logprobs), log_softmax[np.arange(4), top[:, 2]], rtol=1e-5)
+
+
 def test_sampling_frequencies_follow_the_filtered_distribution():
     rng = np.random.default_rng(0)
     logits = rng.standard_normal(12).astype(np.float32)

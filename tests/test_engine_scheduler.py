@@ -95,6 +95,30 @@ def test_single_chunk_equals_plain_request(core):
     assert sink.items[-1].finished and sink.items[-1].outputs[0].finish_reason == "length"
 
 
+def greedy_without(context, banned):
+    """The toy model's greedy token with `banned` ids excluded: its logits fall with the circular distance to
+    `toy_next_token`, and argmax takes the lowest id of a tie."""
+    target, vocab = toy_next_token(context, CFG), CFG.vocab_size
+    distance = [min(abs(v - target), vocab - abs(v - target)) for v in range(vocab)]
+    return min((v for v in range(vocab) if v not in banned), key=lambda v: (distance[v], v))
+
+
+def test_min_tokens_bans_stop_ids_until_then(core):
+    """vLLM masks the stop ids (and EOS) to -inf before min_tokens outputs: they are never sampled there (the
+    scheduler only skipped the stop check, so the stop id was still generated and streamed)."""
+    prompt = [3, 1, 4, 1, 5]
+    plain, _ = reference([(prompt, 6, None)])
+    stop = [plain[0][0], plain[0][1]]
+    expected = []
+    while len(expected) < 12 and not (len(expected) >= 3 and expected[-1] in stop):
+        expected.append(greedy_without(prompt + expected, stop if len(expected) < 3 else ()))
+    assert not set(expected[:3]) & set(stop)
+    sink = Collector()
+    add(core, "a", prompt, greedy(12, stop, min_tokens=3), sink, first=True, resumable=False)
+    run(core)
+    assert sink.chunks() == [expected]
+
+
 def test_cumulative_rule_keeps_computed_and_schedules_only_the_chunk(core):
     sink = Collector()
     add(core, "a", [1, 2, 3], greedy(2), sink, first=True)

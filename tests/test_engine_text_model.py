@@ -198,6 +198,47 @@ async def test_tokenizer_json_checkpoint_stops_at_the_declared_eos_ids(tmp_path)
         tokens, outputs = await greedy_tokens(engine, prompt, 20, "eos")
         assert tokens == greedy_run[:3]
         assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "stop"
-        assert "".join(out.outputs[0].text for out in outputs) == " ".join(f"w{t}" for t in tokens)
+        # The text continues the prompt's (vLLM's detokenizer is primed with it): " w<id>" each.
+        assert "".join(out.outputs[0].text for out in outputs) == "".join(f" w{t}" for t in tokens)
         text_prompt = [out async for out in engine.generate("w5 w17", greedy(1), request_id="text")]
         assert text_prompt[-1].prompt_token_ids == [1, 5, 17]  # BOS from config.json, then the words
+
+
+def metaspace_tokenizer(path: Path, vocab_size: int):
+    """`word_level_tokenizer` as Llama-2 / Mistral spell it: Metaspace pieces ("\u2581w<id>") and a decoder whose
+    Strip drops the space of a text's first word."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"\u2581w{i}": i for i in range(3, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(content=" ", left=1, right=0)])
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tokenizer.save(str(path))
+
+
+@pytest.mark.parametrize("make_tokenizer", [metaspace_tokenizer, word_level_tokenizer], ids=["metaspace", "word"])
+async def test_engine_text_continues_the_prompt(tmp_path, make_tokenizer):
+    """vLLM's detokenizer starts after the prompt: prompt text + engine text == decode(prompt + outputs) (with a
+    Metaspace + Strip decoder the first word lost its space). A later chunk leaves the detokenizer as it is, as
+    in vLLM: a session's text continues its first prompt and every output, in order."""
+    directory = tmp_path / "llama"
+    shutil.copytree(LLAMA, directory)
+    make_tokenizer(directory / "tokenizer.json", 256)
+    async with AsyncEngine.from_pretrained(directory, config=LLAMA_CFG) as engine:
+        tokenizer = engine.tokenizer
+        for prompt in ("w5 w17", [1, 5, 17], [5]):
+            outputs = [out async for out in engine.generate(prompt, greedy(5))]
+            ids = outputs[-1].prompt_token_ids + [t for out in outputs for t in out.outputs[0].token_ids]
+            text = "".join(out.outputs[0].text for out in outputs)
+            assert tokenizer.decode(outputs[-1].prompt_token_ids) + text == tokenizer.decode(ids) and text[0] == " "
+
+        async def chunks():
+            for chunk in ([1, 5, 17], [9], [33, 4]):
+                yield StreamingInput(chunk, greedy(3))
+
+        outputs = [out async for out in engine.generate(chunks(), greedy(3))]
+        generated = [t for out in outputs for t in out.outputs[0].token_ids]
+        text = "".join(out.outputs[0].text for out in outputs)
+        assert tokenizer.decode([1, 5, 17]) + text == tokenizer.decode([1, 5, 17] + generated)

@@ -109,6 +109,22 @@ def test_sdk_errors_in_openai_shape(server, model, kwargs, error, code):
     assert raised.value.body["code"] == code and raised.value.body["message"]
 
 
+def test_sdk_context_length_exceeded(engine, server, model):
+    """vLLM answers 400 when a one-shot prompt, or prompt + max_tokens, is over max_model_len (it was a 200
+    with empty text and finish_reason 'length'); a request that just fits is served."""
+    client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
+    limit = engine.core.max_model_len
+    for prompt, max_tokens in (([5] * (limit + 3), 4), ([5] * limit, 4), ([5] * limit, None),
+                               ([5] * (limit - 3), 4), (" ".join(["w5"] * (limit - 1)), 1)):
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        assert raised.value.body["code"] == "context_length_exceeded"
+        assert raised.value.body["message"].startswith(f"This model's maximum context length is {limit} tokens.")
+    result = client.completions.create(model=model, prompt=[5] * (limit - 4), max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert result.usage.completion_tokens == 4 and result.choices[0].finish_reason == "length"
+
+
 def test_sdk_null_stream_flags_are_false(engine, server, model):
     """OpenAI documents `stream` and `stream_options.include_usage` as boolean or null, and the SDK sends
     null for None: a plain completion (they were refused with 400)."""
@@ -247,6 +263,36 @@ async def _slow_body(lines):
     for line in lines:
         yield line
     await asyncio.sleep(60)  # the input stays open: the client leaves first
+
+
+async def test_mode_a_utf8_character_split_across_chunks(engine, server, model):
+    """Chunks are bytes cut anywhere: a character split between two is decoded whole (each payload was
+    decoded on its own, an invalid_text error even under on_end_only). Invalid bytes, or an input ending
+    inside a character, end the stream with an invalid_text error typed as the client's."""
+    data = "w5 w17 \u00e9 w9".encode()
+    cut = data.index(b"\xa9")  # between the two bytes of the \u00e9
+
+    async def mode_a(pieces, **params):
+        head = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0, **params}
+        lines = [head] + [{"modality": "text", "payload": base64.b64encode(p).decode(),
+                           "end_of_input": i == len(pieces) - 1} for i, p in enumerate(pieces)]
+        async with aiohttp.ClientSession() as http:
+            async with http.post(server.url("/v1/completions", "http"), headers={"X-Streaming-Input": "true"},
+                                 data=b"".join(json.dumps(line).encode() + b"\n" for line in lines)) as response:
+                events, _ = await read_sse(response)
+        assert events[-1][1] == "[DONE]"
+        return events[:-1]
+
+    events = await mode_a([data[:cut], data[cut:]], start_policy="on_end_only")
+    expected = await engine_tokens(engine, [data.decode()], chunks=True)
+    assert "".join(e["choices"][0]["text"] for _, e in events) == expected[1] and expected[1]
+    events = await mode_a([data[:cut], data[cut:]])
+    expected = await engine_tokens(engine, ["w5 w17 ", "\u00e9 w9"], chunks=True)
+    assert "".join(e["choices"][0]["text"] for _, e in events) == expected[1]
+    for pieces in ([data[:cut]], [data[:cut], b"a"], [b"w5 \xff w9"]):
+        events = await mode_a(pieces, start_policy="on_end_only")
+        error = events[-1][1]["error"]
+        assert error["code"] == "invalid_text" and error["type"] == "invalid_request_error", pieces
 
 
 async def test_mode_a_errors_end_the_stream(engine, server, model):

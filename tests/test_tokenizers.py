@@ -206,6 +206,36 @@ def test_sentencepiece_round_trip_and_id_layout(spm_dir, text):
     assert streamed == expected and not any("\ufffd" in delta for delta in deltas)
 
 
+def primed_text(tokenizer, prompt, ids) -> str:
+    """The text a session's detokenizer gives for `ids` generated after `prompt`."""
+    decoder = tokenizer.stream_decoder()
+    decoder.prime(prompt)
+    return "".join(decoder.push(token_id) for token_id in ids) + decoder.flush()
+
+
+def check_text_continues_the_prompt(tokenizer, ids, prefix=()):
+    """vLLM's rule: prompt text + generated text == decode(prompt + generated), at every cut of `ids` that does
+    not end the prompt inside a character."""
+    checked = 0
+    for cut in range(len(ids) + 1):
+        prompt = [*prefix, *ids[:cut]]
+        if "\ufffd" in tokenizer.decode(prompt):
+            continue
+        assert tokenizer.decode(prompt) + primed_text(tokenizer, prompt, ids[cut:]) == tokenizer.decode(
+            prompt + ids[cut:]), (prompt, ids[cut:])
+        checked += 1
+    assert checked > 1
+
+
+@pytest.mark.parametrize("text", SPM_TEXTS, ids=["ascii", "spaces-bytes", "latin", "one-char"])
+def test_sentencepiece_text_continues_the_prompt(spm_dir, text):
+    """The space sentencepiece strips at the start of a text is a word's space after a prompt with text."""
+    tokenizer = load_tokenizer(spm_dir[0])
+    ids = tokenizer.encode(text)
+    check_text_continues_the_prompt(tokenizer, ids, prefix=[1])
+    check_text_continues_the_prompt(tokenizer, ids)
+
+
 def test_sentencepiece_byte_fallback_pieces_are_exercised(spm_dir):
     directory, sp = spm_dir
     spm_ids = sp.encode(SPM_TEXTS[1])
@@ -265,6 +295,40 @@ def test_tokenizer_json_flush_completes_a_cut_character(hf_tokenizer_dir):
     cut = next(n for n in range(len(ids), 0, -1) if tokenizer.decode(ids[:n]).endswith("\ufffd"))
     deltas, streamed = stream_decode(tokenizer, ids[:cut])
     assert streamed == tokenizer.decode(ids[:cut]) and deltas[-1].endswith("\ufffd")
+
+
+def metaspace_tokenizer_json(path: Path):
+    """A Llama-2 / Mistral style tokenizer.json: Metaspace pre-tokenizer, byte fallback, and a decoder whose Strip
+    drops the space of a text's first word (ids 0..2 <unk> <s> </s>, 3 + b the byte b, then words)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = {f"\u2581{word}": 259 + i for i, word in enumerate(["a", "b", "the", "fox"])}
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}, **words, "a": 263}
+    tokenizer = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(content=" ", left=1, right=0)])
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tokenizer.save(str(path))
+
+
+def test_tokenizer_json_metaspace_text_continues_the_prompt(tmp_path):
+    """The first generated word keeps its space (it was stripped: the decoder never saw the prompt); a prompt
+    tail that starts inside a character is stepped back over, as vLLM does."""
+    metaspace_tokenizer_json(tmp_path / "tokenizer.json")
+    tokenizer = HFTokenizer(tmp_path / "tokenizer.json", bos_id=1, eos_id=2)
+    chars = [3 + b for b in "\u00e9\u20ac\U0001F600".encode()]
+    assert tokenizer.decode([1, 259]) + primed_text(tokenizer, [1, 259], [260, 263, 261]) == "a ba the"
+    assert primed_text(tokenizer, [1, 259], [260]) == " b"
+    assert primed_text(tokenizer, [1], [260]) == "b"  # no text before it: stripped, as decode([1, 260]) is
+    check_text_continues_the_prompt(tokenizer, [259, 260, *chars, 261, 262, 263, *chars, 259], prefix=[1])
+    check_text_continues_the_prompt(tokenizer, [259] * 30 + chars + [261, 262])
+
+
+def test_tokenizer_json_byte_level_text_continues_the_prompt(hf_tokenizer_dir):
+    tokenizer = load_tokenizer(hf_tokenizer_dir)
+    for text in UTF8_TEXTS:
+        check_text_continues_the_prompt(tokenizer, tokenizer.encode(text), prefix=[1])
 
 
 def test_tokenizer_json_special_ids(hf_tokenizer_dir, tmp_path):

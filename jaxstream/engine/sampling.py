@@ -7,6 +7,10 @@ batched with and whether or not it was preempted and recomputed.
 import jax
 import jax.numpy as jnp
 
+# Ids a row may ban (vLLM's min_tokens: EOS and stop ids until min_tokens outputs); a fixed width keeps the
+# batch's shapes static, so no request compiles a program.
+MAX_BANNED_IDS = 16
+
 
 def filtered_logits(logits, temperature, top_k, top_p):
     """[S, V] logits -> temperature-scaled logits with the tokens outside top-k / top-p set to -inf.
@@ -23,19 +27,26 @@ def filtered_logits(logits, temperature, top_k, top_p):
     sorted_desc = jnp.where(ranks < k[:, None], sorted_desc, -jnp.inf)
     probs = jax.nn.softmax(sorted_desc, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    # The top token is always kept; a token is kept while the mass above it is still below top_p.
-    keep_sorted = (mass_before < top_p[:, None]) | (ranks == 0)
+    # The top token is always kept; a token is kept while the mass above it is still below top_p. A row
+    # with top_p >= 1 keeps everything: its float32 cumsum can reach 1.0 before the tail (vLLM skips it).
+    keep_sorted = (mass_before < top_p[:, None]) | (ranks == 0) | (top_p[:, None] >= 1)
     cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
     return jnp.where((scaled >= cutoff) & (scaled >= kth), scaled, -jnp.inf)
 
 
-def sample(logits, temperature, top_k, top_p, seed, position):
+def sample(logits, temperature, top_k, top_p, seed, position, banned_ids=None):
     """[S, V] logits and per-row params -> (tokens [S] int32, logprobs [S] f32 of the raw logits).
 
     temperature == 0 is greedy. The filtering pass (a sort over the vocabulary) runs only when some row
-    samples.
+    samples. `banned_ids` [S, MAX_BANNED_IDS] (-1 pads) are ids a row must not sample; like vLLM's logits
+    processors they do not change the logprobs, which are those of the raw logits.
     """
-    logits = logits.astype(jnp.float32)
+    raw = jnp.asarray(logits, jnp.float32)
+    logits = raw
+    if banned_ids is not None:
+        vocab = logits.shape[-1]
+        rows = jnp.arange(logits.shape[0])[:, None]
+        logits = logits.at[rows, jnp.where(banned_ids < 0, vocab, banned_ids)].set(-jnp.inf, mode="drop")
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw(_):
@@ -46,5 +57,5 @@ def sample(logits, temperature, top_k, top_p, seed, position):
         return jnp.where(temperature > 0, drawn, greedy)
 
     tokens = jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(raw, axis=-1), tokens[:, None], axis=-1)[:, 0]
     return tokens, logprobs

@@ -103,6 +103,7 @@ def text_batch(rows: int, chunk: int, pages_per_window: int) -> dict[str, np.nda
         "top_p": np.ones(rows, np.float32),
         "seed": np.zeros(rows, np.uint32),
         "position": np.zeros(rows, np.int32),
+        "banned_ids": np.full((rows, sampling.MAX_BANNED_IDS), -1, np.int32),
     }
 
 
@@ -113,7 +114,7 @@ def text_step(model, state, batch, *, stack, attention_impl):
     logits, cache = model(batch["token_ids"], cache, batch["page_table"], batch["lengths"], batch["num_new"],
                           logits_at=logits_at, attention_impl=attention_impl)
     tokens, logprobs = sampling.sample(logits, batch["temperature"], batch["top_k"], batch["top_p"],
-                                       batch["seed"], batch["position"])
+                                       batch["seed"], batch["position"], batch["banned_ids"])
     state = {"stacks": {**state["stacks"], stack: cache}, "slots": state["slots"]}
     return {"tokens": tokens, "logprobs": logprobs}, state
 

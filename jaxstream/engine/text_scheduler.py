@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from jaxstream.engine import first_runs, steps
+from jaxstream.engine import first_runs, sampling, steps
 from jaxstream.engine.requests import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
 from jaxstream.engine.residency import END_OF_STREAM, Residency, SessionBase, Status, TickStats, deliver
 
@@ -118,10 +118,17 @@ class TextScheduler(Residency):
             self.sessions[request_id] = session
         try:
             update = ChunkUpdate(self._validated(prompt_ids), params)
+            if len(self._min_tokens_bans(params)) > sampling.MAX_BANNED_IDS:
+                raise ValueError(f"min_tokens bans the EOS and stop ids until then: at most "
+                                 f"{sampling.MAX_BANNED_IDS} of them are supported")
         except ValueError as exc:
             logger.info("request %s: chunk rejected: %s", request_id, exc)
             self.fail(session, exc)
             return
+        if created and session.detokenizer is not None:
+            # Text continues the prompt's (vLLM primes with the first chunk's prompt only: later chunks leave
+            # the detokenizer as it is, so their text continues the previous outputs').
+            session.detokenizer.prime(update.prompt_ids)
         if created or session.status is Status.PARKED:
             self._apply(session, update)
         else:
@@ -180,6 +187,14 @@ class TextScheduler(Residency):
             deliver(session, self._output(session, [], [], "length", None, finished=True))
             return
         self.waiting.append(session)
+
+    def _min_tokens_bans(self, params: SamplingParams) -> list[int]:
+        """vLLM's MinTokensLogitsProcessor: the EOS ids (unless ignore_eos) and stop ids may not be sampled
+        before min_tokens outputs (skipping the stop check alone would still emit them)."""
+        if not params.min_tokens:
+            return []
+        eos = () if params.ignore_eos else self.eos_token_ids
+        return sorted({*eos, *(params.stop_token_ids or ())})
 
     def _seed(self, params: SamplingParams) -> int:
         if params.seed is not None:
@@ -330,6 +345,9 @@ class TextScheduler(Residency):
             batch["top_p"][i] = params.top_p
             batch["seed"][i] = session.seed
             batch["position"][i] = session.num_tokens
+            if len(session.outputs) < params.min_tokens:
+                bans = self._min_tokens_bans(params)
+                batch["banned_ids"][i, :len(bans)] = bans
         return batch
 
     # -- results --------------------------------------------------------------------------------------
