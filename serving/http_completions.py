@@ -84,7 +84,7 @@ def check_context_length(ids: list[int], params: SamplingParams, state) -> None:
     """vLLM's 400 for a one-shot request that cannot fit: its prompt, or prompt + max_tokens, is over
     `max_model_len` (the engine would end it at once with 'length' and no text). Streaming-input sessions
     keep the engine's session rule instead: their context grows past any one request."""
-    limit = state.engine.core.max_model_len
+    limit = state.engine.max_model_len
     if params.max_tokens is None and len(ids) >= limit:
         message = (f"This model's maximum context length is {limit} tokens. However, you requested {len(ids)} "
                    f"tokens in the prompt. Please reduce the length of the prompt.")

@@ -133,6 +133,11 @@ class AsyncEngine:
         return self._metrics
 
     @property
+    def max_model_len(self) -> int | None:
+        """The longest context of a text session (its prompt and outputs); None for transcription models."""
+        return self.core.max_model_len if self.kind == "text" else None
+
+    @property
     def max_live_sessions(self) -> int:
         return self.config.max_live_sessions or self.config.max_sessions
 
