@@ -340,3 +340,47 @@ def test_synth_cli_sentence_options(tmp_path, tiny_pools, capsys):
     assert main(["synth", os.fspath(out), "--num", "2", "--text", "sentences", "--held-out", "--telephone", "1",
                  "--workers", "1"]) == 0
     assert all(json.loads(line)["telephone"] for line in (out / "manifest.jsonl").read_text().splitlines())
+
+
+@pytest.mark.parametrize("option, message", [
+    (["--engines", "espeak:nan"], "the share must be positive and finite"),
+    (["--engines", "espeak:inf"], "the share must be positive and finite"),
+    (["--seed", "-1"], "--seed must be at least 0, got -1"),
+    (["--augment", "20"], "--augment must be between 0 and 5, got 20.0"),
+    (["--augment", "nan"], "--augment must be between 0 and 5, got nan"),
+    (["--augment", "-1"], "--augment must be between 0 and 5, got -1.0"),
+])
+def test_synth_cli_refuses_bad_numbers(tmp_path, capsys, option, message):
+    from jaxstream.cli import main
+
+    engines = ["--text", "sentences"] if option[0] == "--engines" else []
+    assert main(["synth", os.fspath(tmp_path / "x"), "--num", "1", *engines, *option]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.count("\n") == 0 and message in error
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_strongest_augmentation_keeps_a_positive_speed():
+    from jaxstream.synth.augment import MAX_STRENGTH, augment, augment_sentence
+
+    rng = np.random.default_rng(0)
+    audio = 0.1 * rng.standard_normal(4000).astype(np.float32)
+    for _ in range(20):
+        assert augment(audio, rng, MAX_STRENGTH)[1] > 0
+        assert augment_sentence(audio, rng, MAX_STRENGTH, speed_range=0.15)[1] > 0
+
+
+@needs_festival
+def test_a_missing_festival_voice_is_an_error_not_festivals_default(tmp_path, monkeypatch, capsys):
+    """Without festvox-kdlpc16k Festival falls back to kal_diphone, a flite speaker: it must never be spoken."""
+    from jaxstream.cli import main
+    from jaxstream.errors import UserError
+    from jaxstream.synth import engines
+
+    with pytest.raises(UserError, match="no voice nosuch_voice .*festvox-kdlpc16k"):
+        engines.speak_festival(["hello"], engines.FestivalVoice(name="nosuch_voice"))
+    engines.check_festival_voices()  # the installed training voice loads
+    monkeypatch.setattr(engines, "FESTIVAL_VOICES", ("nosuch_voice",))
+    assert main(["synth", os.fspath(tmp_path / "x"), "--num", "1", "--text", "sentences", "--engines",
+                 "festival"]) == 2
+    assert "Festival has no voice nosuch_voice" in capsys.readouterr().err

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import soundfile
 from flax import nnx
 
 from jaxstream.models import audio as front_end
@@ -533,15 +534,151 @@ def test_several_corpora_pool_their_utterances(corpus, tmp_path):
         assert os.path.isfile(record["path"]) and record["path"].startswith((corpus_dir, os.fspath(other)))
 
 
-def test_a_failing_batch_loader_stops_training_instead_of_hanging(corpus, tokenizer):
+def test_a_failing_batch_loader_stops_training_instead_of_hanging(corpus, tokenizer, tmp_path):
+    from jaxstream.errors import UserError
+
     corpus_dir, records = corpus
     broken = [{**record, "path": "missing.flac"} for record in records]
-    stream = data.BatchStream(corpus_dir, broken, tokenizer, batch_size=2, delays_slots=(6,), seed=0)
-    try:
-        with pytest.raises(RuntimeError, match="batch loader failed"):
-            next(stream)
-    finally:
-        stream.close()
+    audio, _ = soundfile.read(os.path.join(corpus_dir, records[0]["path"]), dtype="float32")
+    soundfile.write(tmp_path / "8k.flac", audio[::2], 8000)
+    telephone = [{**record, "path": os.fspath(tmp_path / "8k.flac")} for record in records]
+    # The corpus's fault, so one line for the user, not a traceback.
+    for bad, message in ((broken, "missing.flac"), (telephone, "expected 16000 Hz audio, got 8000")):
+        stream = data.BatchStream(corpus_dir, bad, tokenizer, batch_size=2, delays_slots=(6,), seed=0)
+        try:
+            with pytest.raises(UserError, match=f"batch loader failed: .*{message}"):
+                next(stream)
+        finally:
+            stream.close()
+
+
+@pytest.fixture(scope="module")
+def three_step_runs(corpus, tmp_path_factory):
+    """The tests' recipe trained 3 steps in one call ("whole") and in two, resumed after step 1 ("resumed")."""
+    from jaxstream.training import load_train_config, train
+
+    corpus_dir, _ = corpus
+    root = tmp_path_factory.mktemp("three_steps")
+    (root / "tiny.toml").write_text(TINY_TOML)
+    cfg = load_train_config(root / "tiny.toml")
+    train(cfg, corpus_dir, os.fspath(root / "whole"), progress=False)
+    train(cfg, corpus_dir, os.fspath(root / "resumed"), until_step=1, progress=False)
+    train(cfg, corpus_dir, os.fspath(root / "resumed"), progress=False)
+    return root, cfg
+
+
+def _logged_losses(run):
+    return [(entry["step"], entry["loss"], entry["accuracy"])
+            for entry in map(json.loads, (run / "log.jsonl").read_text().splitlines())]
+
+
+def test_a_resumed_run_trains_on_the_batches_of_an_uninterrupted_one(three_step_runs):
+    root, _ = three_step_runs
+    assert [step for step, _, _ in _logged_losses(root / "resumed")] == [1, 2, 3]
+    assert _logged_losses(root / "resumed") == _logged_losses(root / "whole")
+    for a, b in zip(jax.tree.leaves(_checkpoint_weights(root / "whole")),
+                    jax.tree.leaves(_checkpoint_weights(root / "resumed")), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_train_refuses_a_target_below_the_runs_step(corpus, three_step_runs, capsys):
+    from jaxstream.cli import main
+    from jaxstream.errors import UserError
+    from jaxstream.training import train
+
+    corpus_dir, _ = corpus
+    root, cfg = three_step_runs
+    run = root / "whole"
+    with pytest.raises(UserError, match="already at step 3, past the requested last step 2"):
+        train(cfg, corpus_dir, os.fspath(run), until_step=2, progress=False)
+    with pytest.raises(UserError, match="already at step 3, past the requested last step 1"):
+        train(cfg, corpus_dir, os.fspath(run), steps=1, progress=False)
+    assert main(["train", "--config", os.fspath(root / "tiny.toml"), "--corpus", corpus_dir, "--out", os.fspath(run),
+                 "--until-step", "3", "--no-progress"]) == 0
+    assert capsys.readouterr().out.strip() == f"{run} is already at step 3: nothing to train"
+    assert [step for step, _, _ in _logged_losses(run)] == [1, 2, 3]
+
+
+def test_resuming_with_another_architecture_names_the_differences(corpus, three_step_runs, tmp_path):
+    from jaxstream.errors import UserError
+    from jaxstream.training import train
+
+    corpus_dir, _ = corpus
+    root, cfg = three_step_runs
+    shutil.copytree(root / "resumed", tmp_path / "run")
+    wider = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, encoder=dataclasses.replace(cfg.model.encoder, intermediate_size=96)))
+    with pytest.raises(UserError, match=r"another architecture than the recipe's \[model\]: encoder.intermediate_size: "
+                                        r"model 64, recipe 96; use a fresh --out$"):
+        train(wider, corpus_dir, os.fspath(tmp_path / "run"), steps=5, progress=False)
+
+
+def test_a_failed_init_from_writes_nothing_to_the_run(corpus, three_step_runs, tmp_path):
+    from jaxstream.errors import UserError
+    from jaxstream.training import train
+
+    corpus_dir, _ = corpus
+    root, cfg = three_step_runs
+    wider = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, encoder=dataclasses.replace(cfg.model.encoder, intermediate_size=96)))
+    with pytest.raises(UserError, match="its architecture differs"):
+        train(wider, corpus_dir, os.fspath(tmp_path / "run"), steps=1, init_from=os.fspath(root / "whole"),
+              progress=False)
+    assert not (tmp_path / "run").exists()  # a retry must not find the source's tokenizer there
+
+
+def test_train_checks_the_corpus_audio_before_training(corpus, tmp_path):
+    from jaxstream.errors import UserError
+    from jaxstream.training import load_train_config, train
+
+    corpus_dir, records = corpus
+    (tmp_path / "tiny.toml").write_text(TINY_TOML)
+    cfg = load_train_config(tmp_path / "tiny.toml")
+    telephone, missing = tmp_path / "telephone", tmp_path / "missing"
+    shutil.copytree(corpus_dir, telephone)
+    shutil.copytree(corpus_dir, missing)
+    audio, _ = soundfile.read(telephone / records[-1]["path"], dtype="float32")
+    soundfile.write(telephone / records[-1]["path"], audio[::2], 8000)
+    os.remove(missing / records[-1]["path"])
+    for bad, message in ((telephone, "is sampled at 8000 Hz; training needs 16000 Hz"),
+                         (missing, "cannot read the corpus audio")):
+        with pytest.raises(UserError, match=message):
+            train(cfg, os.fspath(bad), os.fspath(tmp_path / "run"), progress=False)
+    # A held-out set may be 8 kHz (it is resampled), not incomplete.
+    with pytest.raises(UserError, match="cannot read the corpus audio"):
+        train(cfg, corpus_dir, os.fspath(tmp_path / "run"), eval_corpus_dir=os.fspath(missing), progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_eval_audio_at_another_rate_is_resampled_to_16khz(tmp_path, monkeypatch):
+    from jaxstream.training import decode
+
+    rng = np.random.default_rng(0)
+    soundfile.write(tmp_path / "8k.flac", 0.1 * rng.standard_normal(8000).astype(np.float32), 8000)
+    soundfile.write(tmp_path / "16k.flac", 0.1 * rng.standard_normal(16000).astype(np.float32), 16000)
+    seen = []
+    monkeypatch.setattr(decode, "transcribe_batch", lambda graphdef, params, audios, n_delay: seen.extend(audios)
+                        or [[] for _ in audios])
+    records = [{"path": "8k.flac", "duration": 1.0}, {"path": "16k.flac", "duration": 1.0}]
+    silent = SentencePieceTokenizer.__new__(SentencePieceTokenizer)
+    monkeypatch.setattr(silent, "decode", lambda ids: "", raising=False)
+    decode.transcribe_corpus(None, None, silent, os.fspath(tmp_path), records, 6)
+    assert [audio.size for audio in seen] == [16000, 16000]  # one second each, at 16 kHz
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("delays_ms = [100, 480]", r"\[train\] delays_ms: delay_ms must be a multiple of 80 .*got 100"),
+    ("delays_ms = []", r"\[train\] delays_ms must be a non-empty list"),
+    ("eval_delay_ms = 500", r"\[train\] eval_delay_ms: delay_ms must be a multiple of 80 .*got 500"),
+    ("seed = -1", r"\[train\] seed must be an integer >= 0, got -1"),
+])
+def test_recipe_checks_its_delays_and_seed(tmp_path, setting, message):
+    from jaxstream.training import load_train_config
+
+    recipe = TINY_TOML.replace("delays_ms = [160, 480]", "") + setting + "\n"
+    (tmp_path / "bad.toml").write_text(recipe)
+    with pytest.raises(ValueError, match=message):
+        load_train_config(tmp_path / "bad.toml")
 
 
 def test_xla_gradients_run_and_agree_under_the_training_compiler_options():

@@ -1,6 +1,7 @@
 """`jaxstream synth OUT`: a synthetic speech corpus (espeak-ng, Festival, flite) in LibriSpeech layout with word
 timings."""
 import argparse
+import math
 import os
 import shutil
 
@@ -11,7 +12,8 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "synth", help="generate a synthetic speech corpus with espeak-ng",
         description="Writes OUT/<speaker>/<chapter>/*.flac + *.trans.txt (LibriSpeech layout) and "
-                    "OUT/manifest.jsonl with exact word start/end times. Deterministic in (--seed, index).")
+                    "OUT/manifest.jsonl with exact word start/end times. Each utterance's text, voice and augmentation "
+                    "are deterministic in (--seed, index); espeak-ng's samples also depend on --workers.")
     parser.add_argument("out", metavar="OUT", help="output directory (created; must be empty or absent)")
     parser.add_argument("--num", type=int, default=100, help="number of utterances (default 100)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
@@ -33,7 +35,7 @@ def register(subparsers) -> None:
     parser.add_argument("--min-words", type=int, default=3, help="--text words: shortest sentence (default 3)")
     parser.add_argument("--max-words", type=int, default=7, help="--text words: longest sentence (default 7)")
     parser.add_argument("--augment", type=float, default=1.0, metavar="STRENGTH",
-                        help="augmentation strength: 0 = clean, 1 = default (speed, reverb, noise, gain)")
+                        help="augmentation strength: 0 = clean, 1 = default (speed, reverb, noise, gain), at most 5")
     parser.add_argument("--voice-edits", type=float, default=0.5, metavar="FRACTION",
                         help="share of utterances whose voice variant gets random pitch, consonant, breath and "
                              "formant edits (default 0.5; never in --held-out corpora)")
@@ -43,12 +45,17 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jaxstream.synth import CorpusSpec, generate_corpus
+    from jaxstream.synth.augment import MAX_STRENGTH
     from jaxstream.synth.voices import system_data_dir
 
     if args.num < 1:
         raise UserError(f"--num must be at least 1, got {args.num}")
     if not 1 <= args.min_words <= args.max_words:
         raise UserError(f"need 1 <= --min-words <= --max-words, got {args.min_words} and {args.max_words}")
+    if args.seed < 0:
+        raise UserError(f"--seed must be at least 0, got {args.seed}")
+    if not 0 <= args.augment <= MAX_STRENGTH:  # also refuses nan
+        raise UserError(f"--augment must be between 0 and {MAX_STRENGTH:g}, got {args.augment}")
     if not 0 <= args.voice_edits <= 1:
         raise UserError(f"--voice-edits must be between 0 and 1, got {args.voice_edits}")
     engines = _parse_engines(args.engines)
@@ -64,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
     for name in sorted(needed):
         if shutil.which(_BINARIES[name]) is None:
             raise UserError(_MISSING[name])
+    if "festival" in needed:
+        from jaxstream.synth.engines import check_festival_voices
+
+        check_festival_voices()
     if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
         raise UserError(f"output {args.out} exists and is not an empty directory")
     if args.text == "sentences":
@@ -106,8 +117,8 @@ def _parse_engines(text: str) -> tuple[tuple[str, float], ...]:
             value = float(share) if share else 1.0
         except ValueError:
             raise UserError(f"--engines: {item!r}: the share must be a number") from None
-        if value <= 0:
-            raise UserError(f"--engines: {item!r}: the share must be positive")
+        if not 0 < value < math.inf:  # also refuses nan
+            raise UserError(f"--engines: {item!r}: the share must be positive and finite")
         engines.append((name, value))
     if not engines or len({name for name, _ in engines}) != len(engines):
         raise UserError(f"--engines: need each engine at most once, got {text!r}")

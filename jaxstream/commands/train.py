@@ -59,6 +59,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"bad training config {args.config}: {exc}") from None
     metrics = train(cfg, args.corpus, args.out, eval_corpus_dir=args.eval_corpus, init_from=args.init_from,
                     until_step=args.until_step, progress=not args.no_progress)
+    if "loss" not in metrics:
+        print(f"{args.out} is already at step {metrics['step']}: nothing to train")
+        return 0
     print(" ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
                    for key, value in metrics.items()))
     return 0

@@ -5,6 +5,11 @@ import soxr
 from jaxstream.models.audio import SAMPLING_RATE
 
 
+# The largest strength the chains support: their widest speed range (Festival's, +-0.15 per unit of strength)
+# must keep the speed factor positive, with a margin.
+MAX_STRENGTH = 5.0
+
+
 def change_speed(audio: np.ndarray, factor: float) -> np.ndarray:
     """Plays `audio` `factor` times faster (pitch moves with it, like tape); durations scale by 1/factor."""
     return soxr.resample(audio, SAMPLING_RATE * factor, SAMPLING_RATE).astype(np.float32)

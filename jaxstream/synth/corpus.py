@@ -6,8 +6,10 @@ phone-line sets) with one `<speaker>-<chapter>.trans.txt` per chapter (lines `ID
 in seconds (empty for flite, whose sets are only scored), duration, voice, the voice's settings, and for
 sentence corpora engine and telephone. Two kinds of text: word-list corpora (`text="words"`, the shipped
 model's: each word spoken alone by espeak-ng, so its boundaries are exact; speaker = variant, chapter =
-accent) and sentence corpora (`text="sentences"`, `spoken.py`). Every utterance is a pure function of
-(seed, index), so corpora are reproducible and can be generated in parallel.
+accent) and sentence corpora (`text="sentences"`, `spoken.py`). Every utterance's text, voice, settings and
+augmentation are a pure function of (seed, index), so corpora can be generated in parallel; the samples are
+not: libespeak-ng's output depends on what it spoke before in the same process (calling espeak_Initialize
+again does not reset it), so --workers changes some espeak-ng utterances' audio slightly.
 """
 import dataclasses
 import json

@@ -25,6 +25,7 @@ import numpy as np
 import soundfile
 import soxr
 
+from jaxstream.errors import UserError
 from jaxstream.synth import voices
 from jaxstream.synth.espeak import SAMPLING_RATE, VoiceSpec
 
@@ -193,6 +194,25 @@ class _Festival:
 
 
 FESTIVAL_NOT_INSTALLED = "festival is not installed (Debian/Ubuntu: apt-get install festival festvox-kdlpc16k)"
+
+
+def select_festival_voice(festival: _Festival, name: str) -> None:
+    """Makes `name` Festival's current voice. An unknown voice only prints a SIOD error and leaves Festival on
+    its default, which on Debian without festvox-kdlpc16k is kal_diphone, a flite speaker: never train on it."""
+    replies = festival.ask(f'(voice_{name})\n(format stderr "VOICE %s\\n" current-voice)')
+    if f"VOICE {name}" not in replies:
+        raise UserError(f"Festival has no voice {name} (Debian/Ubuntu: apt-get install festvox-kdlpc16k)")
+    festival.voice = name
+
+
+def check_festival_voices() -> None:
+    """UserError unless Festival is installed with every training voice (`FESTIVAL_VOICES`)."""
+    festival = _Festival()
+    try:
+        for name in FESTIVAL_VOICES:
+            select_festival_voice(festival, name)
+    finally:
+        festival.close()
 # Prints each word's name, first phone's start (the previous segment's end) and last phone's end.
 _FESTIVAL_SAY = """(set! jx_u (utt.synth (eval (list 'Utterance 'Text "{text}"))))
 (utt.save.wave jx_u "{wav}" 'riff)
@@ -211,8 +231,7 @@ def speak_festival(words: list[str], voice: FestivalVoice) -> Spoken | None:
     """`words` spoken by Festival; None when Festival's words are not `words` (it split or merged one)."""
     festival = _festival(os.getpid())
     if festival.voice != voice.name:
-        festival.ask(f"(voice_{voice.name})")
-        festival.voice = voice.name
+        select_festival_voice(festival, voice.name)
     wav = festival.wav
     settings = (f"(Parameter.set 'Duration_Stretch {voice.duration_stretch:.3f})\n"
                 f"(set! int_lr_params '((target_f0_mean {voice.f0_mean}) (target_f0_std {voice.f0_std}) "

@@ -3,6 +3,7 @@ import dataclasses
 import tomllib
 from pathlib import Path
 
+from jaxstream.models.audio import n_delay_from_ms
 from jaxstream.models.config import EncoderConfig, TextConfig, VoxtralConfig
 from jaxstream.models.tokenizers import NUM_CONTROL_IDS
 from jaxstream.training.spm import MODEL_TYPES
@@ -48,6 +49,19 @@ def load_train_config(path: str | Path) -> TrainConfig:
     optimizer = OptimizerConfig(**raw.get("optimizer", {}))
     train = {key: tuple(value) if isinstance(value, list) else value for key, value in train.items()}
     delays = train.get("delays_ms", TrainConfig.delays_ms)
+    # Checked here, not when the first batch or evaluation needs them (after the tokenizer, or 1000 steps, in).
+    if not isinstance(delays, tuple) or not delays:
+        raise ValueError(f"[train] delays_ms must be a non-empty list of delays, got {delays!r}")
+    eval_delay = train.get("eval_delay_ms", TrainConfig.eval_delay_ms)
+    for key, values in (("delays_ms", delays), ("eval_delay_ms", (eval_delay,))):
+        for delay_ms in values:
+            try:
+                n_delay_from_ms(delay_ms)
+            except ValueError as exc:
+                raise ValueError(f"[train] {key}: {exc}") from None
+    seed = train.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"[train] seed must be an integer >= 0, got {seed!r}")
     voxtral = VoxtralConfig(encoder=encoder, text=text, default_delay_ms=int(model.get("default_delay_ms", 480)),
                             trained_delays_ms=(min(delays), max(delays)))
     model_type = str(tokenizer.get("model_type", "bpe"))

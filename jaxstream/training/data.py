@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import soundfile
 
+from jaxstream.errors import UserError
 from jaxstream.models import audio as front_end
 from jaxstream.models.tokenizers import Tokenizer
 from jaxstream.training import targets, vtlp
@@ -125,15 +126,17 @@ class BatchStream:
     Each batch draws one length bucket (proportionally to its size), then `batch_size` utterances of it,
     each at a delay drawn from `delays_slots` and, with `vtlp_range = (low, high)`, its features warped by
     a VTLP factor drawn uniformly from that range. `ctc_labels` maps a record to its CTC target (by default
-    the transcript's characters; `phonemes.PhonemeLexicon.ctc_labels` for phonemes).
+    the transcript's characters; `phonemes.PhonemeLexicon.ctc_labels` for phonemes). The stream starts at
+    training step `first_step`; each step's batch is drawn from its own generator, seeded by (seed, step), so a
+    resumed run trains on the batches an uninterrupted one would have.
     """
 
     def __init__(self, corpus_dir: str, records: list[dict], tokenizer: Tokenizer, *, batch_size: int,
-                 delays_slots: tuple[int, ...], seed: int, prefetch: int = 4,
+                 delays_slots: tuple[int, ...], seed: int, first_step: int = 1, prefetch: int = 4,
                  vtlp_range: tuple[float, ...] = (), ctc_labels: Callable[[dict], np.ndarray] | None = None):
         self.corpus_dir, self.records, self.tokenizer, self.ctc_labels = corpus_dir, records, tokenizer, ctc_labels
         self.batch_size, self.delays, self.vtlp_range = batch_size, delays_slots, vtlp_range
-        self.rng = np.random.default_rng(seed)
+        self.seed, self.next_step = seed, first_step
         max_delay = max(delays_slots)
         self.buckets: dict[int, list[int]] = {}
         for index, record in enumerate(records):
@@ -144,27 +147,29 @@ class BatchStream:
         self._thread = threading.Thread(target=self._fill, daemon=True)
         self._thread.start()
 
-    def _make(self) -> Batch:
+    def _make(self, step: int) -> Batch:
+        rng = np.random.default_rng([self.seed, step])
         keys = sorted(self.buckets)
         sizes = np.array([len(self.buckets[k]) for k in keys], np.float64)
-        bucket = self.buckets[keys[self.rng.choice(len(keys), p=sizes / sizes.sum())]]
-        chosen = self.rng.choice(bucket, size=self.batch_size, replace=len(bucket) < self.batch_size)
-        n_delays = [int(self.rng.choice(self.delays)) for _ in chosen]
-        examples = [load_example(self.corpus_dir, self.records[i], self.tokenizer, d, mel_filters=self._mel_filters())
-                    for i, d in zip(chosen, n_delays)]
+        bucket = self.buckets[keys[rng.choice(len(keys), p=sizes / sizes.sum())]]
+        chosen = rng.choice(bucket, size=self.batch_size, replace=len(bucket) < self.batch_size)
+        n_delays = [int(rng.choice(self.delays)) for _ in chosen]
+        examples = [load_example(self.corpus_dir, self.records[i], self.tokenizer, d,
+                                 mel_filters=self._mel_filters(rng)) for i, d in zip(chosen, n_delays)]
         num_slots = bucket_slots(max(example.tokens.size for example in examples))
         labels = None if self.ctc_labels is None else [self.ctc_labels(self.records[i]) for i in chosen]
         return collate(examples, n_delays, num_slots, labels)
 
-    def _mel_filters(self) -> np.ndarray:
+    def _mel_filters(self, rng: np.random.Generator) -> np.ndarray:
         if not self.vtlp_range:
             return front_end.MEL_FILTERS
-        return vtlp.warped_mel_filters(float(self.rng.uniform(*self.vtlp_range)))
+        return vtlp.warped_mel_filters(float(rng.uniform(*self.vtlp_range)))
 
     def _fill(self) -> None:
         try:
             while not self._stop.is_set():
-                self._put(self._make())
+                self._put(self._make(self.next_step))
+                self.next_step += 1
         except Exception as error:  # handed to the consumer: a dead loader must not leave training waiting
             self._put(error)
 
@@ -181,6 +186,8 @@ class BatchStream:
 
     def __next__(self) -> Batch:
         batch = self._queue.get()
+        if isinstance(batch, (ValueError, soundfile.LibsndfileError)):  # the corpus's audio: a wrong rate, a bad file
+            raise UserError(f"the training batch loader failed: {batch}") from None
         if isinstance(batch, Exception):
             raise RuntimeError(f"the training batch loader failed: {batch}") from batch
         return batch

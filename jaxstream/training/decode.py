@@ -11,7 +11,6 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import soundfile
 from flax import nnx
 
 from jaxstream.models import audio as front_end
@@ -62,12 +61,13 @@ def transcribe_batch(graphdef, params, audios: list[np.ndarray], n_delay: int) -
 
 def transcribe_corpus(graphdef, params, tokenizer: Tokenizer, corpus_dir: str, records: list[dict], n_delay: int,
                       batch_size: int = 16) -> list[str]:
-    """Greedy transcripts of manifest records (batched by similar length)."""
+    """Greedy transcripts of manifest records (batched by similar length); audio at other rates than 16 kHz
+    (a telephone held-out set's 8 kHz) is resampled, as for any transcription."""
     order = sorted(range(len(records)), key=lambda i: records[i]["duration"])
     texts: list[str] = [""] * len(records)
     for first in range(0, len(order), batch_size):
         chosen = order[first : first + batch_size]
-        audios = [soundfile.read(os.path.join(corpus_dir, records[i]["path"]), dtype="float32")[0] for i in chosen]
+        audios = [front_end.load_audio(os.path.join(corpus_dir, records[i]["path"])) for i in chosen]
         for index, ids in zip(chosen, transcribe_batch(graphdef, params, audios, n_delay)):
             texts[index] = tokenizer.decode(ids)
     return texts

@@ -24,7 +24,7 @@ from flax import nnx
 from jaxstream.models import audio as front_end
 from jaxstream.errors import UserError
 from jaxstream.models.config import VoxtralConfig
-from jaxstream.models.loading import LoadedModel, load_model, save_checkpoint
+from jaxstream.models.loading import LoadedModel, inspect_checkpoint, load_model, save_checkpoint
 from jaxstream.models.tokenizers import SentencePieceTokenizer
 from jaxstream.models.voxtral import VoxtralRealtime
 from jaxstream.synth import SentenceSampler, read_manifest
@@ -74,7 +74,8 @@ class InitialModel(NamedTuple):
 
 
 def load_initial_model(source: str, paths: RunPaths) -> InitialModel:
-    """The float32 model to fine-tune from; its tokenizer becomes the run's (kept if the run already has it).
+    """The float32 model to fine-tune from; its tokenizer becomes the run's (`train` copies it once every check
+    has passed; kept if the run already has it).
 
     `source` is a model (name or directory) or a `jaxstream train` run directory: then its exported model
     and, from its latest checkpoint, the auxiliary CTC head, which would otherwise restart from random and
@@ -95,9 +96,7 @@ def load_initial_model(source: str, paths: RunPaths) -> InitialModel:
             or loaded.tokenizer_path.name != TOKENIZER_FILE:
         raise UserError(f"--init-from {source}: not a jaxstream-trained speech model (a Voxtral config and a "
                         f"{TOKENIZER_FILE} are required)")
-    if not paths.tokenizer.is_file():
-        shutil.copyfile(loaded.tokenizer_path, paths.tokenizer)
-    elif paths.tokenizer.read_bytes() != loaded.tokenizer_path.read_bytes():
+    if paths.tokenizer.is_file() and paths.tokenizer.read_bytes() != loaded.tokenizer_path.read_bytes():
         raise UserError(f"--init-from {source}: {paths.tokenizer} is a different tokenizer; use a fresh --out")
     head = None if ctc_head is None else {key: jnp.asarray(value) for key, value in ctc_head.items()}
     return InitialModel(loaded, head)
@@ -135,23 +134,49 @@ def train(cfg: TrainConfig, corpus_dir: str | list[str], out_dir: str, *, eval_c
     if steps:
         cfg = with_total_steps(cfg, steps)  # before any work: the override must fit the schedule
     paths = RunPaths(Path(out_dir).resolve())
-    paths.out.mkdir(parents=True, exist_ok=True)
     records = read_corpora([corpus_dir] if isinstance(corpus_dir, str) else list(corpus_dir))
     untimed = sum(1 for record in records if not record["words"])
     if untimed:
         raise UserError(f"{corpus_dir}: {untimed} utterances have no word timings (flite sets are for evaluation "
                         f"only); training needs `jaxstream synth` corpora from espeak-ng or Festival")
+    check_corpus_audio(records)
+    eval_records = read_manifest(eval_corpus_dir)[: cfg.eval_utterances] if eval_corpus_dir else []
+    check_corpus_audio([{**r, "path": os.path.join(eval_corpus_dir, r["path"])} for r in eval_records], rate=None)
+    total_steps = cfg.optimizer.total_steps
+    last_step = min(total_steps, until_step or total_steps)
+    start = _latest_step(paths)
+    if last_step < start:
+        raise UserError(f"{paths.out} is already at step {start}, past the requested last step {last_step} "
+                        f"(--steps, --until-step or the recipe's total_steps)")
+    if last_step == start:
+        return {"step": start}  # nothing left to train
+    # Every check runs before anything is written to OUT: a failed call must not leave a tokenizer that the
+    # next call would take for the run's.
     initial = load_initial_model(init_from, paths) if init_from else None
+    if initial is not None:
+        cfg = with_vocab_size(cfg, SentencePieceTokenizer(initial.loaded.tokenizer_path).vocab_size)
+        if initial.loaded.config != cfg.model:
+            raise UserError(f"--init-from {init_from}: its architecture differs from the recipe's [model]: "
+                            + ", ".join(_differences(initial.loaded.config, cfg.model)))
+    ctc_classes = PHONEME_CLASSES if cfg.ctc_targets == "phonemes" else CTC_CLASSES
+    if initial is not None and initial.ctc_head is not None and initial.ctc_head["bias"].shape != (ctc_classes,):
+        raise UserError(f"--init-from {init_from}: its CTC head predicts {initial.ctc_head['bias'].shape[0]} "
+                        f"classes; the recipe's ctc_targets = {cfg.ctc_targets!r} need {ctc_classes}")
+    if start:  # the tokenizer exists: a resumed run keeps the architecture it was trained with
+        cfg = with_vocab_size(cfg, SentencePieceTokenizer(paths.tokenizer).vocab_size)
+        exported = inspect_checkpoint(paths.out / "model").config
+        if exported != cfg.model:
+            raise UserError(f"{paths.out} was trained with another architecture than the recipe's [model]: "
+                            + ", ".join(_differences(exported, cfg.model)) + "; use a fresh --out")
+    paths.out.mkdir(parents=True, exist_ok=True)
+    if initial is not None and not paths.tokenizer.is_file():
+        shutil.copyfile(initial.loaded.tokenizer_path, paths.tokenizer)
     tokenizer = ensure_tokenizer(paths, records, cfg.spm_vocab_size, cfg.spm_model_type)
     cfg = with_vocab_size(cfg, tokenizer.vocab_size)
-    total_steps = cfg.optimizer.total_steps
     optimizer = make_optimizer(cfg.optimizer)
 
     ctc_head = None
     if initial is not None:
-        if initial.loaded.config != cfg.model:
-            raise UserError(f"--init-from {init_from}: its architecture differs from the recipe's [model]: "
-                            + ", ".join(_differences(initial.loaded.config, cfg.model)))
         model, ctc_head = initial.loaded.model, initial.ctc_head
     else:
         model = VoxtralRealtime(cfg.model, rngs=nnx.Rngs(cfg.seed))
@@ -159,12 +184,8 @@ def train(cfg: TrainConfig, corpus_dir: str | list[str], out_dir: str, *, eval_c
             embed = model.language_model.embed_tokens
             embed.embedding[...] = jnp.asarray(init_word_embeddings(np.asarray(embed.embedding[...]), tokenizer,
                                                                     cfg.seed))
-    ctc_classes = PHONEME_CLASSES if cfg.ctc_targets == "phonemes" else CTC_CLASSES
     if ctc_head is None:
         ctc_head = init_ctc_head(cfg.model, cfg.seed, ctc_classes)
-    elif ctc_head["bias"].shape != (ctc_classes,):
-        raise UserError(f"--init-from {init_from}: its CTC head predicts {ctc_head['bias'].shape[0]} classes; the "
-                        f"recipe's ctc_targets = {cfg.ctc_targets!r} need {ctc_classes}")
     # Built after the checks above: it asks espeak-ng for the whole vocabulary (~10 s for eight accents).
     lexicon = PhonemeLexicon(records) if cfg.ctc_targets == "phonemes" else None
     graphdef, params = nnx.split(model, nnx.Param)
@@ -173,20 +194,17 @@ def train(cfg: TrainConfig, corpus_dir: str | list[str], out_dir: str, *, eval_c
     weights = jax.device_put({"model": params, "ctc_head": ctc_head}, jax.local_devices()[0])
     opt_state = optimizer.init(weights)
     manager = ocp.CheckpointManager(paths.checkpoints, options=ocp.CheckpointManagerOptions(max_to_keep=3))
-    start = manager.latest_step() or 0
     if start:
         restored = manager.restore(start, args=ocp.args.StandardRestore({"weights": weights, "opt_state": opt_state}))
         weights, opt_state = restored["weights"], restored["opt_state"]
     train_step = make_train_step(graphdef, cfg.model, cfg.optimizer)
 
-    eval_records = read_manifest(eval_corpus_dir)[: cfg.eval_utterances] if eval_corpus_dir else []
     best_wer = _best_wer(paths)
     delays = tuple(front_end.n_delay_from_ms(ms) for ms in cfg.delays_ms)
     # Each record's path names its corpus folder (read_corpora).
     stream = BatchStream("", records, tokenizer, batch_size=cfg.batch_size, delays_slots=delays,
-                         seed=cfg.seed * 1_000_003 + start, vtlp_range=cfg.vtlp_range,
+                         seed=cfg.seed, first_step=start + 1, vtlp_range=cfg.vtlp_range,
                          ctc_labels=lexicon.ctc_labels if lexicon else None)
-    last_step = min(total_steps, until_step or total_steps)
     schedule = learning_rate_schedule(cfg.optimizer)
     metrics: dict = {}
     bar = tqdm(total=last_step, initial=start, unit="step", disable=not progress, dynamic_ncols=True)
@@ -234,6 +252,31 @@ def _differences(model: VoxtralConfig, recipe: VoxtralConfig) -> list[str]:
 
     ours, theirs = flat(dataclasses.asdict(model)), flat(dataclasses.asdict(recipe))
     return [f"{key}: model {ours[key]}, recipe {theirs.get(key)}" for key in ours if ours[key] != theirs.get(key)]
+
+
+def _latest_step(paths: RunPaths) -> int:
+    """The run's newest checkpoint step (0 for a new run), read without creating anything."""
+    if not paths.checkpoints.is_dir():
+        return 0
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(paths.checkpoints) as manager:
+        return manager.latest_step() or 0
+
+
+def check_corpus_audio(records: list[dict], rate: int | None = front_end.SAMPLING_RATE) -> None:
+    """UserError unless every record's audio file exists (and, with `rate`, is sampled at it): found before
+    training starts rather than as a batch loader's failure. Reads only the files' headers."""
+    import soundfile
+
+    for record in records:
+        try:
+            found = soundfile.info(record["path"]).samplerate
+        except (OSError, RuntimeError) as exc:
+            raise UserError(f"cannot read the corpus audio {record['path']}: {exc}") from None
+        if rate is not None and found != rate:
+            raise UserError(f"{record['path']} is sampled at {found} Hz; training needs {rate} Hz audio (a "
+                            f"telephone --held-out corpus is for --eval-corpus only)")
 
 
 def _best_wer(paths: RunPaths) -> float:
