@@ -104,6 +104,7 @@ class OpenAiRealtime:
         self.turn_detection: dict | None = None
         self.segmenter: TurnSegmenter | None = None  # with turn_detection
         self.open: _Item | None = None  # the item audio goes to now
+        self.turn_dropped = False  # VAD: this turn's item could not open; the rest of the turn is dropped
         self.last_item_id: str | None = None
         # Audio appended on this connection in 1/CLOCK_RATE s ticks (the VAD's clock): samples of one rate
         # would misplace VAD times once the format changes.
@@ -356,14 +357,21 @@ class OpenAiRealtime:
     async def _detect(self, pcm: np.ndarray) -> None:
         """Routes `pcm` by the segmenter's turns: speech goes to the open item (opened at speech_started,
         committed at speech_stopped), the rest is not transcribed. A turn whose item fails to open or take
-        audio is reported and the rest of its audio dropped; the turn events after it still go out."""
+        audio is reported and the rest of its audio dropped (one error per turn, not one per append: a long turn
+        at capacity would spend the connection's error budget); the turn events after it still go out."""
         segmenter = self.segmenter
         for turn in await segmenter.push(pcm):
+            if turn.kind == "started":
+                self.turn_dropped = False
+            elif turn.kind == "speech" and self.turn_dropped:
+                continue
             try:
                 await self._on_turn(turn, segmenter)
             except ClientError as exc:
+                self.turn_dropped = turn.kind in ("started", "speech")
                 await self._error(exc.code, exc.message, exc.param, None, server_side=False)
             except EngineError as exc:
+                self.turn_dropped = turn.kind in ("started", "speech")
                 await self._error(exc.code, str(exc), None, None)
 
     async def _on_turn(self, turn, segmenter) -> None:

@@ -414,6 +414,31 @@ async def test_a_turn_whose_item_cannot_open_still_stops(server, model, speech, 
     assert "error" not in {e["type"] for e in events}, events
 
 
+async def test_a_turn_at_capacity_is_one_error_however_many_appends_it_spans(server, model, speech, monkeypatch):
+    """The engine is at capacity for a whole VAD turn streamed in 320 ms appends: one error for the turn, not
+    one per append (each speech push used to try to open an item again: a 12 s turn at 50 appends a second
+    is the 600 errors a minute that close the connection), then its speech_stopped."""
+    import jaxstream.serving.openai_realtime as openai_realtime
+    from jaxstream.errors import CapacityError
+
+    async def refused(*args, **kwargs):
+        raise CapacityError("the engine holds 64 sessions, its limit; try again later")
+
+    client = await Client.connect(server)
+    await client.until("session.created")
+    await client.send(ga_update(model, turn_detection={"type": "server_vad"}))
+    await client.until("session.updated")
+    monkeypatch.setattr(openai_realtime, "start_session", refused)
+    stream = at_24k(np.concatenate([np.zeros(8000, np.float32), speech, np.zeros(16000, np.float32)]))
+    for chunk in pcm_base64(stream, 24000):
+        await client.send({"type": "input_audio_buffer.append", "audio": chunk})
+    events = [e for e in await client.until("input_audio_buffer.speech_stopped")
+              if e["type"] != "rate_limits.updated"]
+    await client.ws.close()
+    assert [e["type"] for e in events] == ["input_audio_buffer.speech_started", "error",
+                                           "input_audio_buffer.speech_stopped"], [e["type"] for e in events]
+
+
 async def test_an_update_whose_vad_fails_to_start_changes_nothing(server, model, speech, reference, monkeypatch):
     """A segmenter that cannot be built fails the update as a whole: the session stays as it was (format and
     manual turns), as the spec's "session.updated: the effective configuration" must then say."""
