@@ -25,3 +25,18 @@ async def engine_returns_to_baseline(engine):
         for request_id in leftover:
             await engine.abort(request_id)
         await engine.wait_until_idle()
+
+
+@pytest.fixture
+def soundfile_reads(monkeypatch) -> list:
+    """The frame counts of every `soundfile.SoundFile.read` the test makes: how much of a file was decoded."""
+    import soundfile
+
+    requested, read = [], soundfile.SoundFile.read
+
+    def recording_read(self, frames=-1, *args, **kwargs):
+        requested.append(frames)
+        return read(self, frames, *args, **kwargs)
+
+    monkeypatch.setattr(soundfile.SoundFile, "read", recording_read)
+    return requested

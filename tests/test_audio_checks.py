@@ -122,7 +122,7 @@ def flac(samples: np.ndarray, rate: int) -> bytes:
 
 
 @pytest.mark.parametrize("declares_length", [True, False])
-def test_load_audio_refuses_a_long_file_without_decoding_it_whole(monkeypatch, declares_length):
+def test_load_audio_refuses_a_long_file_without_decoding_it_whole(monkeypatch, soundfile_reads, declares_length):
     """A compressed file of hours of silence is small, its samples gigabytes (a 2.7 MB FLAC of 2 h of 96 kHz
     stereo decoded to 12 GB before the server checked its length). With `max_seconds` a file is refused from
     the length it declares, or, when it declares none (libsndfile's unknown-length count), once the decoding,
@@ -132,14 +132,8 @@ def test_load_audio_refuses_a_long_file_without_decoding_it_whole(monkeypatch, d
     noise = np.random.default_rng(0).uniform(-0.5, 0.5, (3 * rate, 2)).astype(np.float32)
     short_noise = flac(noise, rate)
     expected = resample_to_16k(soundfile.read(io.BytesIO(short_noise), dtype="float32")[0].mean(axis=1), rate)
-    requested = []
-    read = soundfile.SoundFile.read
-
-    def recording_read(self, frames=-1, *args, **kwargs):
-        requested.append(frames)
-        return read(self, frames, *args, **kwargs)
-
-    monkeypatch.setattr(soundfile.SoundFile, "read", recording_read)
+    requested = soundfile_reads
+    requested.clear()  # the reads of load_audio below, not of `expected` above
     if not declares_length:
         monkeypatch.setattr(soundfile.SoundFile, "frames", property(lambda self: 2**63 - 1))
     with pytest.raises(AudioTooLongError) as raised:

@@ -232,20 +232,12 @@ def _flac(seconds: float, rate: int = 8000) -> bytes:
     return buffer.getvalue()
 
 
-def test_a_long_upload_is_refused_without_decoding_it_whole(engine, monkeypatch):
+def test_a_long_upload_is_refused_without_decoding_it_whole(engine, monkeypatch, soundfile_reads):
     """A compressed file of hours of silence is small, its samples gigabytes: a 2.7 MB FLAC of 2 h of 96 kHz
     stereo was decoded whole (12 GB) before its length was checked. Its declared length is checked first; a
     file that declares none (libsndfile's unknown-length count) is decoded a block at a time and refused
     past the limit. Both are the 400 audio_too_long of a long file."""
-    flac = _flac(60)
-    requested = []
-    read = soundfile.SoundFile.read
-
-    def recording_read(self, frames=-1, *args, **kwargs):
-        requested.append(frames)
-        return read(self, frames, *args, **kwargs)
-
-    monkeypatch.setattr(soundfile.SoundFile, "read", recording_read)
+    flac, requested = _flac(60), soundfile_reads
     server = ServerThread(engine, ServerConfig(limits=Limits(max_audio_seconds=10)))
     client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0)
     try:
@@ -332,6 +324,15 @@ async def read_sse(response, count: int | None = None) -> tuple[list, str]:
     return parse_sse(raw), raw
 
 
+async def _serve(handler) -> TestServer:
+    """`handler` answering GET / on a started loopback test server (the caller closes it)."""
+    app = web.Application()
+    app.router.add_get("/", handler)
+    test_server = TestServer(app, host="127.0.0.1")
+    await test_server.start_server()
+    return test_server
+
+
 async def test_the_first_event_timeout_runs_from_the_producers_last_progress():
     """A producer still working (its progress count moves on) is not timed out before its first event, even
     one that comes after several timeouts' time; one that stops working is, from then on."""
@@ -342,10 +343,7 @@ async def test_the_first_event_timeout_runs_from_the_producers_last_progress():
                                            progress=lambda: next(work) if working else -1)
         return response
 
-    app = web.Application()
-    app.router.add_get("/", handler)
-    test_server = TestServer(app, host="127.0.0.1")
-    await test_server.start_server()
+    test_server = await _serve(handler)
     try:
         async with aiohttp.ClientSession() as http:
             late = asyncio.get_running_loop().call_later(1.2, log.append, {"late": True})
@@ -370,10 +368,7 @@ async def test_stream_log_keepalive_first_event_timeout_and_replay_gap():
                                            first_event_timeout_s=timeout)
         return response
 
-    app = web.Application()
-    app.router.add_get("/", handler)
-    test_server = TestServer(app, host="127.0.0.1")
-    await test_server.start_server()
+    test_server = await _serve(handler)
     try:
         async with aiohttp.ClientSession() as http:
             async with http.get(test_server.make_url("/?timeout=0.4")) as response:
