@@ -193,10 +193,8 @@ class OpenAiRealtime:
                 raise ClientError("unsupported_event", f"{_shown(kind)} is not supported in a transcription "
                                   "session", "type")
             await handler(event)
-        except ClientError as exc:
-            await self._error(exc.code, exc.message, exc.param, event_id, server_side=False)
-        except EngineError as exc:
-            await self._error(exc.code, str(exc), None, event_id, server_side=True)
+        except (ClientError, EngineError) as exc:
+            await self._report(exc, event_id)
         except ConnectionClosed:
             raise
         except Exception:  # noqa: BLE001 - a bug must not cost the client its socket
@@ -367,12 +365,9 @@ class OpenAiRealtime:
                 continue
             try:
                 await self._on_turn(turn, segmenter)
-            except ClientError as exc:
+            except (ClientError, EngineError) as exc:
                 self.turn_dropped = turn.kind in ("started", "speech")
-                await self._error(exc.code, exc.message, exc.param, None, server_side=False)
-            except EngineError as exc:
-                self.turn_dropped = turn.kind in ("started", "speech")
-                await self._error(exc.code, str(exc), None, None)
+                await self._report(exc, None)
 
     async def _on_turn(self, turn, segmenter) -> None:
         """One turn event of `_detect`."""
@@ -543,6 +538,13 @@ class OpenAiRealtime:
 
     async def _send(self, kind: str, **fields) -> None:
         await self.conn.send({"type": kind, "event_id": _event_id(), **fields})
+
+    async def _report(self, exc: ClientError | EngineError, event_id: str | None) -> None:
+        """The error event of a refusal: the client's mistake (ClientError) or the engine's (EngineError)."""
+        if isinstance(exc, ClientError):
+            await self._error(exc.code, exc.message, exc.param, event_id, server_side=False)
+        else:
+            await self._error(exc.code, str(exc), None, event_id, server_side=True)
 
     async def _error(self, code: str, message: str, param: str | None, event_id: str | None, *,
                      server_side: bool = True) -> None:
