@@ -14,7 +14,8 @@ _LAZY = {
     **dict.fromkeys(("contiguous_page_table", "init_kv_cache", "num_parameters", "rope_angles"), "layers"),
     "TextLM": "text_lm",
     **dict.fromkeys(("ConvState", "VoxtralRealtime", "init_conv_state"), "voxtral"),
-    **dict.fromkeys(("BUILTIN_MODELS", "LoadedModel", "load_model", "save_checkpoint"), "loading"),
+    **dict.fromkeys(("BUILTIN_MODELS", "LoadedModel", "load_model"), "loading"),
+    "save_checkpoint": "orbax_writer",
 }
 
 __all__ = sorted(_LAZY)

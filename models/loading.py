@@ -7,7 +7,7 @@
   (b) a Hugging Face checkpoint: `config.json` + `model.safetensors` or a sharded
       `model.safetensors.index.json` (legacy on-disk and modern transformers names both accepted)
       (+ `tokenizer.json`, + `generation_config.json`: `load_checkpoint_tokenizer`, `declared_token_ids`),
-  (c) a jaxstream Orbax checkpoint written by `save_checkpoint` / `jaxstream convert`:
+  (c) a jaxstream Orbax checkpoint written by `jaxstream convert` or `jaxstream train` (orbax_writer.py):
       `jaxstream.json` (format, config, parameter dtype, tokenizer file) + `state/` (Orbax) + tokenizer
       (+ the tokenizer_config.json of a tokenizer.json),
 - a Hugging Face repo id `org/name`, downloaded with `huggingface_hub.snapshot_download` (a clear
@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -133,7 +132,7 @@ def load_checkpoint_tokenizer(directory: Path, tokenizer_path: Path | None) -> T
 def declared_token_ids(directory: Path) -> tuple[int | None, tuple[int, ...]]:
     """(BOS id, EOS ids) a checkpoint declares. Hugging Face: as transformers' `generate` takes them,
     generation_config.json first, then config.json; `eos_token_id` may be one id or a list (Llama 3 stops at
-    any of three). A jaxstream checkpoint: those of the source it was converted from (`save_checkpoint`)."""
+    any of three). A jaxstream checkpoint: those of the source it was converted from (`orbax_writer`)."""
     if (directory / ORBAX_METADATA).is_file():
         return _orbax_metadata(directory).declared_ids
     bos_id, eos_ids = None, ()
@@ -508,80 +507,6 @@ def _orbax_metadata(directory: Path) -> _OrbaxMetadata:
     declared = (None if bos_id is None else _token_ids(bos_id, path, "bos_token_id", several=False)[0],
                 _token_ids(metadata.get("eos_token_ids") or [], path, "eos_token_ids", several=True))
     return _OrbaxMetadata(config, jnp.dtype(param_dtype), tokenizer, declared)
-
-
-class CheckpointExistsError(UserError):
-    """The destination already holds a jaxstream checkpoint and `overwrite` was not given."""
-
-
-def check_destination(destination: str | os.PathLike, *, overwrite: bool = False) -> Path:
-    """The absolute checkpoint directory for `destination`, which must be missing, empty, or (with
-    `overwrite`) a jaxstream checkpoint; anything else would lose the user's files. Its parent must be
-    writable: `save_checkpoint` writes beside it."""
-    directory = Path(destination).expanduser().resolve()
-    if directory.exists():
-        if not directory.is_dir():
-            raise UserError(f"destination {directory} is a file")
-        if any(directory.iterdir()):
-            if not (directory / ORBAX_METADATA).is_file():
-                raise UserError(f"destination {directory} is not empty and not a jaxstream checkpoint; "
-                                "refusing to overwrite it")
-            if not overwrite:
-                raise CheckpointExistsError(f"destination {directory} already holds a checkpoint")
-    if not os.access(_existing_ancestor(directory.parent), os.W_OK):
-        raise UserError(f"cannot write destination {directory}: permission denied")
-    return directory
-
-
-def _existing_ancestor(path: Path) -> Path:
-    while not path.exists():
-        path = path.parent
-    return path
-
-
-def save_checkpoint(loaded: LoadedModel, destination: str | os.PathLike, *, overwrite: bool = False,
-                    declared_ids: tuple[int | None, tuple[int, ...]] = (None, ())) -> Path:
-    """Writes `loaded` as a jaxstream Orbax checkpoint (state, `jaxstream.json`, tokenizer file) and returns
-    its directory (see `check_destination`). `declared_ids` are the source's (BOS id, EOS ids) as
-    `declared_token_ids` read them, and a tokenizer.json takes its tokenizer_config.json along (`HFTokenizer`'s
-    BOS / EOS fallback): the converted checkpoint stops where its source did.
-
-    Everything is written into a hidden sibling directory that is renamed into place at the end, so a failed or
-    interrupted write leaves the destination as it was (an overwritten checkpoint is removed only then)."""
-    import orbax.checkpoint as ocp
-
-    directory = check_destination(destination, overwrite=overwrite)
-    staging = directory.with_name(f".{directory.name}.partial")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(staging, ignore_errors=True)  # what a killed write left
-    try:
-        staging.mkdir()
-        params = nnx.to_pure_dict(nnx.state(loaded.model, nnx.Param))
-        with ocp.StandardCheckpointer() as checkpointer:
-            checkpointer.save(staging / ORBAX_STATE_DIR, params)
-        tokenizer = None
-        if loaded.tokenizer_path is not None:
-            tokenizer = loaded.tokenizer_path.name
-            shutil.copyfile(loaded.tokenizer_path, staging / tokenizer)
-            tokenizer_config = loaded.tokenizer_path.parent / "tokenizer_config.json"
-            if tokenizer == "tokenizer.json" and tokenizer_config.is_file():
-                shutil.copyfile(tokenizer_config, staging / tokenizer_config.name)
-        metadata = {"format": ORBAX_FORMAT, "format_version": ORBAX_FORMAT_VERSION,
-                    "config": config_to_dict(loaded.config), "param_dtype": str(jax.tree.leaves(params)[0].dtype),
-                    "tokenizer": tokenizer, "bos_token_id": declared_ids[0], "eos_token_ids": list(declared_ids[1])}
-        (staging / ORBAX_METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
-        if directory.exists():  # an empty directory, or the checkpoint `overwrite` replaces
-            replaced = directory.with_name(f".{directory.name}.replaced")
-            shutil.rmtree(replaced, ignore_errors=True)
-            directory.rename(replaced)
-            staging.rename(directory)
-            shutil.rmtree(replaced)
-        else:
-            staging.rename(directory)
-    except BaseException:  # Ctrl-C included: no half-written checkpoint is left behind
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return directory
 
 
 def _restore_orbax(directory: Path, abstract: nnx.State, param_dtype, shardings: dict) -> dict:

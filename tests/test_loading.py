@@ -27,7 +27,7 @@ from safetensors.numpy import load_file, save_file
 from jaxstream import cli
 from jaxstream.errors import UserError
 from jaxstream.models import VOXTRAL_MINI_4B, TextConfig, hf_name_map, num_parameters
-from jaxstream.models import loading
+from jaxstream.models import loading, orbax_writer
 from jaxstream.models.layers import contiguous_page_table, init_kv_cache
 from jaxstream.models.native_weights import native_tensor_shapes, native_to_hf_name, rope_permutation_heads
 
@@ -626,13 +626,13 @@ def test_failed_convert_leaves_the_destination_as_it_was(voxtral_orbax, tmp_path
     lost = loaded._replace(tokenizer_path=tmp_path / "gone" / "tekken.json")  # fails after state/ is written
     for destination in (voxtral_orbax, tmp_path / "fresh"):
         with pytest.raises(FileNotFoundError):
-            loading.save_checkpoint(lost, destination, overwrite=True)
+            orbax_writer.save_checkpoint(lost, destination, overwrite=True)
         assert sorted(path.name for path in destination.parent.iterdir() if path.name.startswith(".")) == []
     assert not (tmp_path / "fresh").exists()
     after = flat_params(loading.load_model(voxtral_orbax).model)
     assert before.keys() == after.keys() and all(np.array_equal(before[path], after[path]) for path in before)
-    assert loading.check_destination(voxtral_orbax, overwrite=True) == voxtral_orbax
-    assert loading.save_checkpoint(loaded, voxtral_orbax, overwrite=True) == voxtral_orbax
+    assert orbax_writer.check_destination(voxtral_orbax, overwrite=True) == voxtral_orbax
+    assert orbax_writer.save_checkpoint(loaded, voxtral_orbax, overwrite=True) == voxtral_orbax
     assert loading.load_model(voxtral_orbax).tokenizer_path == voxtral_orbax / "tekken.json"
 
 

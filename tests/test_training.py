@@ -650,6 +650,55 @@ def test_train_checks_the_corpus_audio_before_training(corpus, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_held_out_evaluation_samples_every_voice(tmp_path, monkeypatch):
+    """The periodic held-out WER, which picks RUN/best, is measured on `eval_utterances` utterances spread
+    evenly over the held-out manifest, not its first rows: `jaxstream synth` sorts a manifest by id, so by
+    speaker. Oracle: the speakers the manifest's ids name (`speaker-chapter-utterance`), each of which must
+    get an equal share. The test stops `train` at the audio check of its held-out sample, before any work."""
+    from jaxstream.training import load_train_config, loop, train
+
+    def write_manifest(directory, records):
+        directory.mkdir()
+        (directory / "manifest.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+
+    def record(speaker, chapter, index):
+        utterance = f"{speaker}-{chapter}-{index:05d}"
+        return {"id": utterance, "path": f"{speaker}/{chapter}/{utterance}.flac", "text": "yes", "duration": 1.0,
+                "words": [{"word": "yes", "start": 0.2, "end": 0.5}]}
+
+    write_manifest(tmp_path / "train", [record(100, 0, 0)])
+    # 5 voices x 2 accents x 3 utterances, sorted by id as `generate_corpus` writes a manifest.
+    voices = [(speaker, chapter) for speaker in range(9000, 9005) for chapter in range(2) for _ in range(3)]
+    held_out = sorted((record(speaker, chapter, index) for index, (speaker, chapter) in enumerate(voices)),
+                      key=lambda r: r["id"])
+    write_manifest(tmp_path / "heldout", held_out)
+    speakers = {r["id"].split("-")[0] for r in held_out}
+
+    class Checked(Exception):
+        pass
+
+    def checked_sample(cfg) -> list[str]:
+        def check_corpus_audio(records, rate=front_end.SAMPLING_RATE):
+            if records[0]["path"].startswith(os.fspath(tmp_path / "heldout")):
+                raise Checked([os.path.basename(r["path"]).removesuffix(".flac") for r in records])
+
+        monkeypatch.setattr(loop, "check_corpus_audio", check_corpus_audio)
+        with pytest.raises(Checked) as caught:
+            train(cfg, os.fspath(tmp_path / "train"), os.fspath(tmp_path / "run"),
+                  eval_corpus_dir=os.fspath(tmp_path / "heldout"), progress=False)
+        return caught.value.args[0]
+
+    (tmp_path / "tiny.toml").write_text(TINY_TOML + "eval_utterances = 10\n")
+    cfg = load_train_config(tmp_path / "tiny.toml")
+    sample = checked_sample(cfg)
+    assert len(sample) == 10 and sample == sorted(set(sample))  # distinct, in the manifest's order
+    shares = [sum(utterance.startswith(speaker + "-") for utterance in sample) for speaker in sorted(speakers)]
+    assert shares == [10 // len(speakers)] * len(speakers)
+    assert checked_sample(cfg) == sample  # the same utterances at every evaluation and on resume
+    assert checked_sample(dataclasses.replace(cfg, eval_utterances=64)) == [r["id"] for r in held_out]
+    assert not (tmp_path / "run").exists()
+
+
 def test_eval_audio_at_another_rate_is_resampled_to_16khz(tmp_path, monkeypatch):
     from jaxstream.training import decode
 

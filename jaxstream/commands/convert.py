@@ -25,20 +25,20 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
-    from jaxstream.models import loading
+    from jaxstream.models import loading, orbax_writer
     from jaxstream.models.layers import num_parameters
 
     source = loading.resolve_model_dir(args.src)
     try:
-        destination = loading.check_destination(args.dst, overwrite=args.overwrite)
-    except loading.CheckpointExistsError as exc:
+        destination = orbax_writer.check_destination(args.dst, overwrite=args.overwrite)
+    except orbax_writer.CheckpointExistsError as exc:
         raise UserError(f"{exc} (use --overwrite to replace it)") from None
     if destination == source.resolve():
         raise UserError("SRC and DST are the same directory")
     info = loading.inspect_checkpoint(source)
     dtype = loading.checkpoint_dtype(info) if args.dtype == "auto" else jnp.dtype(args.dtype)
     loaded = loading.load_model(source, dtype=dtype)
-    written = loading.save_checkpoint(loaded, destination, overwrite=args.overwrite,
-                                      declared_ids=loading.declared_token_ids(source))
+    written = orbax_writer.save_checkpoint(loaded, destination, overwrite=args.overwrite,
+                                           declared_ids=loading.declared_token_ids(source))
     print(f"wrote {written} ({num_parameters(loaded.model):,} {dtype.name} parameters from a {info.kind} checkpoint)")
     return 0

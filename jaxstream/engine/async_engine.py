@@ -14,7 +14,6 @@ instead of waiting; `append` awaits under backpressure; `drain` stops admitting 
 a caller sees is an `EngineError` with a stable `code` (jaxstream/errors.py).
 """
 import asyncio
-import dataclasses
 import logging
 import math
 import numbers
@@ -30,8 +29,9 @@ import numpy as np
 from jaxstream.engine import metrics as engine_metrics
 from jaxstream.engine.audio_front_end import FrontEndWorker
 from jaxstream.engine.config import EngineConfig
-from jaxstream.engine.requests import RequestOutput, RequestOutputKind, SamplingParams, StreamingInput
+from jaxstream.engine.requests import RequestOutputKind, SamplingParams
 from jaxstream.engine.residency import END_OF_STREAM
+from jaxstream.engine.text_generation import checked_chunk, merge_pending, prompt_token_ids
 from jaxstream.engine.transcription_session import (
     TranscriptAssembler, TranscriptionDone, TranscriptionSession, transcription_prompt,
 )
@@ -315,7 +315,7 @@ class AsyncEngine:
         except EngineError as exc:
             raise _rejected(exc) from None
         self._check_admitting()
-        ids = None if streaming else self._tokenize(prompt, first=True)
+        ids = None if streaming else prompt_token_ids(self.tokenizer, prompt, first=True)
         outputs: asyncio.Queue = asyncio.Queue()
         sink = self._sink(outputs)
         feeder = None
@@ -335,7 +335,7 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     ended = True
                     raise item
-                item = _merge_pending(item, outputs, delta=params.output_kind is RequestOutputKind.DELTA)
+                item = merge_pending(item, outputs, delta=params.output_kind is RequestOutputKind.DELTA)
                 if item.finished:
                     ended = True
                 if params.output_kind is RequestOutputKind.FINAL_ONLY and not item.finished:
@@ -356,18 +356,8 @@ class AsyncEngine:
         first = True
         try:
             async for chunk in stream:
-                if not isinstance(chunk, StreamingInput):
-                    chunk = StreamingInput(chunk)
-                params = chunk.sampling_params or default_params
-                params.check_supported(streaming=True)
-                if params.output_kind is not default_params.output_kind:
-                    # `generate` merges a slow consumer's queued outputs by the session's kind: chunks of
-                    # another kind would lose tokens (deltas merged as totals) or repeat them.
-                    raise InvalidRequestError(f"a chunk's output_kind ({params.output_kind.name}) must be the "
-                                              f"session's ({default_params.output_kind.name})")
-                if isinstance(chunk.prompt, dict) and "prompt_embeds" in chunk.prompt:
-                    raise ValueError("prompt_embeds are not supported with streaming input")
-                ids = self._tokenize(chunk.prompt, first=first)
+                prompt, params = checked_chunk(chunk, default_params)
+                ids = prompt_token_ids(self.tokenizer, prompt, first=first)
                 if request_id not in self._live:  # read on the event loop, which alone changes it
                     return  # the session ended: nothing more is sent
                 is_first = first
@@ -397,20 +387,6 @@ class AsyncEngine:
         """`_send` for clean-up paths: a stopped engine has already ended every session."""
         if self.healthy:
             self._send(command, request_id, sink)
-
-    def _tokenize(self, prompt, *, first: bool) -> list[int]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return [int(t) for t in prompt["prompt_token_ids"]]
-            prompt = prompt.get("prompt")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; pass token ids instead")
-            bos = [self.tokenizer.bos_id] if first and self.tokenizer.bos_id is not None else []
-            return bos + self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):
-            return [int(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
-        raise TypeError(f"unsupported prompt type {type(prompt).__name__}")
 
     async def abort(self, request_id: str) -> None:
         """Ends a request or session now: a final output with finish_reason 'abort'; queued chunks dropped."""
@@ -610,22 +586,3 @@ class _SessionEvents:
         self._session._put(event)
         if self._session.outcome is not None:  # done, failed or aborted: the engine holds it no more
             self._engine._unregister(self._session.session_id)
-
-
-def _merge_pending(item: RequestOutput, outputs: asyncio.Queue, *, delta: bool) -> RequestOutput:
-    """A slow consumer gets the outputs queued behind `item` merged into one, never across a chunk end."""
-    while item.outputs[0].finish_reason is None and not outputs.empty():
-        following = outputs._queue[0]  # noqa: SLF001 - peek; asyncio.Queue has no public peek
-        if not isinstance(following, RequestOutput):
-            break
-        outputs.get_nowait()
-        item = _merged(item, following) if delta else following  # a cumulative output contains the earlier
-    return item
-
-
-def _merged(first: RequestOutput, second: RequestOutput) -> RequestOutput:
-    a, b = first.outputs[0], second.outputs[0]
-    logprobs = a.logprobs + b.logprobs if a.logprobs is not None and b.logprobs is not None else None
-    completion = dataclasses.replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
-                                     logprobs=logprobs)
-    return dataclasses.replace(second, outputs=[completion])

@@ -24,7 +24,8 @@ from flax import nnx
 from jaxstream.models import audio as front_end
 from jaxstream.errors import UserError
 from jaxstream.models.config import VoxtralConfig
-from jaxstream.models.loading import LoadedModel, inspect_checkpoint, load_model, save_checkpoint
+from jaxstream.models.loading import LoadedModel, inspect_checkpoint, load_model
+from jaxstream.models.orbax_writer import save_checkpoint
 from jaxstream.models.tokenizers import SentencePieceTokenizer
 from jaxstream.models.voxtral import VoxtralRealtime
 from jaxstream.synth import SentenceSampler, read_manifest
@@ -119,6 +120,15 @@ def read_corpora(corpus_dirs: list[str]) -> list[dict]:
             for corpus_dir in corpus_dirs for record in read_manifest(corpus_dir)]
 
 
+def held_out_sample(records: list[dict], count: int) -> list[dict]:
+    """`count` records spread evenly over `records`, in their order (all of them if there are no more). A
+    `jaxstream synth` manifest is sorted by id, so by speaker: its first rows would be a few voices only, and
+    the held-out WER that picks `RUN/best` would be theirs."""
+    if count >= len(records):
+        return list(records)
+    return [records[index * len(records) // count] for index in range(count)]
+
+
 def train(cfg: TrainConfig, corpus_dir: str | list[str], out_dir: str, *, eval_corpus_dir: str | None = None,
           steps: int | None = None, until_step: int | None = None, init_from: str | None = None,
           progress: bool = True) -> dict:
@@ -140,7 +150,7 @@ def train(cfg: TrainConfig, corpus_dir: str | list[str], out_dir: str, *, eval_c
         raise UserError(f"{corpus_dir}: {untimed} utterances have no word timings (flite sets are for evaluation "
                         f"only); training needs `jaxstream synth` corpora from espeak-ng or Festival")
     check_corpus_audio(records)
-    eval_records = read_manifest(eval_corpus_dir)[: cfg.eval_utterances] if eval_corpus_dir else []
+    eval_records = held_out_sample(read_manifest(eval_corpus_dir), cfg.eval_utterances) if eval_corpus_dir else []
     check_corpus_audio([{**r, "path": os.path.join(eval_corpus_dir, r["path"])} for r in eval_records], rate=None)
     total_steps = cfg.optimizer.total_steps
     last_step = min(total_steps, until_step or total_steps)

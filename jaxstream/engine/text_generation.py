@@ -1,0 +1,61 @@
+"""The rules of vLLM's `generate` that need no engine state, which `AsyncEngine.generate` applies on the event
+loop (specs/streaming_semantics.md): a prompt's token ids, a streaming-input chunk checked against its
+session, and a slow consumer's queued outputs merged into one."""
+import asyncio
+import dataclasses
+
+from jaxstream.engine.requests import RequestOutput, SamplingParams, StreamingInput
+from jaxstream.errors import InvalidRequestError
+
+
+def prompt_token_ids(tokenizer, prompt, *, first: bool) -> list[int]:
+    """The ids of `prompt`: token ids, text (tokenized; a session's first text starts with BOS) or vLLM's
+    {"prompt_token_ids": ...} / {"prompt": ...}."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return [int(t) for t in prompt["prompt_token_ids"]]
+        prompt = prompt.get("prompt")
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; pass token ids instead")
+        bos = [tokenizer.bos_id] if first and tokenizer.bos_id is not None else []
+        return bos + tokenizer.encode(prompt)
+    if isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):
+        return [int(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
+    raise TypeError(f"unsupported prompt type {type(prompt).__name__}")
+
+
+def checked_chunk(chunk, session_params: SamplingParams) -> tuple[object, SamplingParams]:
+    """(prompt, sampling parameters) of a streaming-input chunk (a `StreamingInput` or a bare prompt); its
+    parameters default to the session's. Raises for what a streaming session cannot take."""
+    if not isinstance(chunk, StreamingInput):
+        chunk = StreamingInput(chunk)
+    params = chunk.sampling_params or session_params
+    params.check_supported(streaming=True)
+    if params.output_kind is not session_params.output_kind:
+        # `generate` merges a slow consumer's queued outputs by the session's kind: chunks of another kind
+        # would lose tokens (deltas merged as totals) or repeat them.
+        raise InvalidRequestError(f"a chunk's output_kind ({params.output_kind.name}) must be the "
+                                  f"session's ({session_params.output_kind.name})")
+    if isinstance(chunk.prompt, dict) and "prompt_embeds" in chunk.prompt:
+        raise ValueError("prompt_embeds are not supported with streaming input")
+    return chunk.prompt, params
+
+
+def merge_pending(item: RequestOutput, outputs: asyncio.Queue, *, delta: bool) -> RequestOutput:
+    """A slow consumer gets the outputs queued behind `item` merged into one, never across a chunk end."""
+    while item.outputs[0].finish_reason is None and not outputs.empty():
+        following = outputs._queue[0]  # noqa: SLF001 - peek; asyncio.Queue has no public peek
+        if not isinstance(following, RequestOutput):
+            break
+        outputs.get_nowait()
+        item = _merged(item, following) if delta else following  # a cumulative output contains the earlier
+    return item
+
+
+def _merged(first: RequestOutput, second: RequestOutput) -> RequestOutput:
+    a, b = first.outputs[0], second.outputs[0]
+    logprobs = a.logprobs + b.logprobs if a.logprobs is not None and b.logprobs is not None else None
+    completion = dataclasses.replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
+                                     logprobs=logprobs)
+    return dataclasses.replace(second, outputs=[completion])
