@@ -3,7 +3,14 @@
 A JSON body as OpenAI's SDK sends it: `model`, `prompt` (a string, or token ids; a list of one of either),
 `max_tokens` (default 16, as OpenAI), `temperature`, `top_p`, `seed`, `stop` (the engine takes stop token
 ids only: `stop_token_ids`), `n` (1), `stream`, `stream_options.include_usage`, and vLLM's `top_k`,
-`min_tokens`, `ignore_eos`. `stream: true` answers with SSE `text_completion` chunks and `data: [DONE]`.
+`min_tokens`, `ignore_eos`, `return_token_ids`. `stream: true` answers with SSE `text_completion` chunks and
+`data: [DONE]`; `stream_options` without it is refused, as vLLM refuses it.
+
+`return_token_ids` (vLLM's) adds the engine's ids to the choice: `prompt_token_ids` (the prompt as the engine
+took it, BOS included) and `token_ids` (the generated ids). Streamed, `prompt_token_ids` comes in the first
+chunk only (null after it; with streaming input, each later input's ids in the first chunk after them) and each
+chunk's `token_ids` are its own, so a client of a model served without a tokenizer, whose text is empty, still
+gets its output.
 
 With `X-Streaming-Input: true` the body is Mode A's NDJSON (streaming_input.py): an optional parameters
 line, then chunks of base64 UTF-8 text; each chunk applied after the start is one `StreamingInput` of the
@@ -103,16 +110,28 @@ def check_tokenizer(state) -> None:
                            "prompt")
 
 
-def parse_stream(body: dict) -> tuple[bool, bool]:
-    """(stream, include_usage). Null is false: OpenAI documents both as boolean or null (its SDK sends null
-    for a None argument)."""
-    stream, options = body.get("stream"), body.get("stream_options") or {}
-    if stream is not None and not isinstance(stream, bool):
-        raise RequestError(400, "invalid_request", "stream must be true, false or null", "stream")
+def parse_flag(body: dict, name: str) -> bool:
+    """A boolean field; null is false: OpenAI documents its flags as boolean or null (its SDK sends null for a
+    None argument), and vLLM's `return_token_ids` is one too."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(400, "invalid_request", f"{name} must be true, false or null", name)
+    return bool(value)
+
+
+def parse_stream(body: dict, *, implied: bool = False) -> tuple[bool, bool]:
+    """(stream, include_usage). `stream_options` (other than null or empty) without `stream: true` is refused
+    with vLLM's message (its CompletionRequest validator), unless the answer is a stream anyway (`implied`:
+    Mode A)."""
+    stream, options = parse_flag(body, "stream"), body.get("stream_options")
+    if options and not (stream or implied):
+        raise RequestError(400, "invalid_request", "Stream options can only be defined when `stream=True`.",
+                           "stream_options")
+    options = options or {}
     if not isinstance(options, dict) or not isinstance(options.get("include_usage"), bool | None):
         raise RequestError(400, "invalid_request", "stream_options must be {\"include_usage\": bool}",
                            "stream_options")
-    return bool(stream), bool(options.get("include_usage"))
+    return stream, bool(options.get("include_usage"))
 
 
 class TextInput(streaming_input.EngineInput):
@@ -123,15 +142,17 @@ class TextInput(streaming_input.EngineInput):
     modality = "text"
 
     def __init__(self, state, params: SamplingParams, log: sse.EventLog | None = None, *,
-                 include_usage: bool = False):
+                 include_usage: bool = False, return_token_ids: bool = False):
         super().__init__(state, log)
         self.params = params
         self.include_usage = include_usage
+        self.return_token_ids = return_token_ids
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.text = ""
         self.token_ids: list[int] = []
-        self.prompt_tokens = 0
+        self.prompt_token_ids: list[int] = []  # the engine's: the chunk prompts so far
+        self._prompt_streamed = 0  # how many of them the stream carried
         self.finish_reason: str | None = None
         self.error: EngineError | None = None
         self.aborted = False
@@ -172,13 +193,6 @@ class TextInput(streaming_input.EngineInput):
     def join(pieces: list[bytes]) -> bytes:
         return b"".join(pieces)
 
-    def fail(self, code: str, message: str) -> None:
-        """A bad chunk or input is the client's error, typed as OpenAI types it; only `server_error` is ours."""
-        if code != "server_error" and self.log is not None and not self.log.closed:
-            self.log.append(sse.error_payload(message, code, "invalid_request_error"))
-            self.log.close()
-        super().fail(code, message)
-
     async def start(self) -> None:
         self._pump = asyncio.create_task(self._run())
 
@@ -212,14 +226,18 @@ class TextInput(streaming_input.EngineInput):
                 completion = out.outputs[0]
                 self.text += completion.text
                 self.token_ids += completion.token_ids
-                self.prompt_tokens = len(out.prompt_token_ids)
+                self.prompt_token_ids = out.prompt_token_ids
                 self.finish_reason = completion.finish_reason or self.finish_reason
                 finished = out.finished
-                if self.log is not None and (completion.text or finished):
-                    self.log.append(self.chunk(completion.text, self.finish_reason if finished else None))
+                # Ids that decode to no text yet (or a model without a tokenizer) still make a chunk for a client
+                # that asked for them.
+                if self.log is not None and (completion.text or finished
+                                             or (self.return_token_ids and completion.token_ids)):
+                    self.log.append(self.streamed_chunk(completion.text, self.finish_reason if finished else None,
+                                                        completion.token_ids))
             if self.log is not None:
                 if not finished:  # the input closed while the session was parked: no final output came
-                    self.log.append(self.chunk("", self.finish_reason or "stop"))
+                    self.log.append(self.streamed_chunk("", self.finish_reason or "stop", []))
                 if self.include_usage:
                     self.log.append({**self.chunk("", None), "choices": [], "usage": self.usage()})
         except (EngineError, ValueError, TypeError) as exc:  # generate re-raises a chunk's own error
@@ -251,16 +269,34 @@ class TextInput(streaming_input.EngineInput):
         await self.abort("request_ended")
 
     # -- OpenAI shapes ------------------------------------------------------------------------------------
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
     def usage(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.token_ids),
                 "total_tokens": self.prompt_tokens + len(self.token_ids)}
 
-    def chunk(self, text: str, finish_reason: str | None) -> dict:
+    def chunk(self, text: str, finish_reason: str | None, prompt_ids: list[int] | None = None,
+              token_ids: list[int] | None = None) -> dict:
+        """A `text_completion` body of one choice, with the ids when the client asked for them (vLLM's
+        `return_token_ids`: both fields, the prompt's null where it has none to carry)."""
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if self.return_token_ids and token_ids is not None:
+            choice.update(prompt_token_ids=prompt_ids, token_ids=token_ids)
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.state.model_id,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+                "choices": [choice]}
+
+    def streamed_chunk(self, text: str, finish_reason: str | None, token_ids: list[int]) -> dict:
+        """A stream's chunk: `token_ids` are its own; `prompt_token_ids` are the prompt's ids no chunk carried
+        yet (null when none): the whole prompt in the first chunk, as vLLM; with streaming input, each later
+        input's ids in the first chunk after them, so the chunks' prompt ids add up to the engine's prompt."""
+        prompt = self.prompt_token_ids[self._prompt_streamed:]
+        self._prompt_streamed = len(self.prompt_token_ids)
+        return self.chunk(text, finish_reason, list(prompt) or None, list(token_ids))
 
     def completion(self) -> dict:
-        body = self.chunk(self.text, self.finish_reason or "stop")
+        body = self.chunk(self.text, self.finish_reason or "stop", list(self.prompt_token_ids), self.token_ids)
         return {**body, "usage": self.usage()}
 
     def result(self) -> dict:
@@ -284,7 +320,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         params = sampling_params(body)
         check_context_length(prompt, params, state)
         stream, include_usage = parse_stream(body)
-        text_input = TextInput(state, params, sse.EventLog() if stream else None, include_usage=include_usage)
+        text_input = TextInput(state, params, sse.EventLog() if stream else None, include_usage=include_usage,
+                               return_token_ids=parse_flag(body, "return_token_ids"))
         handle = streaming_input.DrainHandle(text_input)
         streaming_input.admit(state, handle)
     except RequestError as exc:
@@ -320,8 +357,9 @@ async def _streaming_input(request: web.Request, state) -> web.StreamResponse:
         raise RequestError(422, "invalid_request", "With streaming input the prompt comes as chunks", "prompt")
     check_tokenizer(state)
     policy = streaming_input.parse_start_policy(params, "text")
-    _, include_usage = parse_stream(params)
-    text_input = TextInput(state, sampling_params(params), sse.EventLog(), include_usage=include_usage)
+    _, include_usage = parse_stream(params, implied=True)
+    text_input = TextInput(state, sampling_params(params), sse.EventLog(), include_usage=include_usage,
+                           return_token_ids=parse_flag(params, "return_token_ids"))
     return await streaming_input.serve_mode_a(request, state, text_input, policy, objects, first_chunk)
 
 

@@ -43,7 +43,7 @@ import uuid
 from aiohttp import web
 
 from jaxstream.serving import sse, streaming_input
-from jaxstream.serving.http_completions import TextInput, check_tokenizer, sampling_params
+from jaxstream.serving.http_completions import TextInput, check_tokenizer, parse_flag, sampling_params
 from jaxstream.serving.http_errors import (
     RETRYABLE_ENGINE_CODES, RequestError, check_kind, check_model, check_ready, engine_request_error, read_json,
 )
@@ -147,13 +147,14 @@ class StreamingInputSessions:
         self.server.forget(session.handle)
         self.server.key_limits.close_stream(session.key)
 
-    async def close(self, session: InputSession, reason: str) -> None:
-        """Closes `session` for good: its engine work is aborted and later calls answer 410."""
+    async def close(self, session: InputSession, reason: str, code: str = "session_closed") -> None:
+        """Closes `session` for good: its engine work is aborted and later calls answer 410. `code` is the
+        error its event stream ends with: the cause's own where it has one, so that it is typed as it is."""
         if not session.closed:
             session.closed = True
             logger.info("streaming input session %s closed: %s", session.id, reason)
             if not session.stream.done:
-                session.stream.fail("session_closed", f"The session was closed: {reason}")
+                session.stream.fail(code, f"The session was closed: {reason}")
                 await session.stream.abort(reason)
         self.sessions.pop(session.id, None)
         self.gone[session.id] = reason
@@ -266,7 +267,7 @@ class StreamingInputSessions:
         except RequestError as exc:
             if exc.code not in RETRYABLE_ENGINE_CODES and (exc.status >= 500 or exc.code == "invalid_audio"):
                 # the engine refused it for good: the session is lost
-                await self.close(session, f"the engine refused the input: {exc}")
+                await self.close(session, f"the engine refused the input: {exc}", exc.code)
             raise
 
     async def finish(self, session: InputSession) -> dict:
@@ -322,7 +323,8 @@ def _new_session(body: dict, registry: StreamingInputSessions, key: str) -> tupl
     else:
         check_tokenizer(state)
         try:
-            engine_input = TextInput(state, sampling_params(params), log)
+            engine_input = TextInput(state, sampling_params(params), log,
+                                     return_token_ids=parse_flag(params, "return_token_ids"))
         except RequestError as exc:
             raise RequestError(422, exc.code, str(exc), f"params.{exc.param}" if exc.param else "params") from None
     chunk = streaming_input.parse_chunk(body["chunk"], modality) if body.get("chunk") is not None else None

@@ -9,7 +9,8 @@ Headers stop every layer between us and the client from buffering (`X-Accel-Buff
 compression). While nothing is produced a `: keepalive` comment goes out, so idle proxies keep the
 connection open and a client that went away is noticed. A stream that produced nothing within
 `first_event_timeout_s` ends with an `error` event (the source advises clients to give up after 10-15 s;
-the server does it for them and frees the engine).
+the server does it for them and frees the engine). An `error` event's OpenAI `type` follows from its code
+(`type_of`), so that every stream types the same failure alike.
 """
 import asyncio
 import collections
@@ -102,8 +103,26 @@ async def _end_with_error(response: web.StreamResponse, after: int, error: dict)
     await response.write(frame(after, DONE))
 
 
-def error_payload(message: str, code: str, error_type: str = "server_error") -> dict:
-    return {"type": "error", "error": {"message": message, "type": error_type, "code": code}}
+# The codes of the client's own mistakes, typed `invalid_request_error` as OpenAI types a 4xx: its request, chunk or
+# payload was bad, too large, too slow (idle) or broke off, or its session was closed for it (idle, over its cap,
+# not resumed; the engine's session_closed is a 409). Any other code is the server's, `server_error`: an internal
+# error, a shutdown or drain, a dead engine, an engine at capacity (OpenAI's "overloaded" 503 is a server_error),
+# no output in time, and a code not listed here (the server cannot tell the client it erred when it does not know).
+CLIENT_ERROR_CODES = frozenset({
+    "invalid_request", "invalid_json", "invalid_chunk", "invalid_audio", "invalid_text", "unsupported_modality",
+    "no_input", "payload_too_large", "request_too_large", "idle_timeout", "client_disconnected", "session_closed",
+    "context_length_exceeded", "replay_unavailable", "invalid_last_event_id",
+})
+
+
+def type_of(code: str) -> str:
+    """OpenAI's error `type` for an error event's `code` (see CLIENT_ERROR_CODES)."""
+    return "invalid_request_error" if code in CLIENT_ERROR_CODES else "server_error"
+
+
+def error_payload(message: str, code: str) -> dict:
+    """An `error` event, typed by its code: every stream (audio and text, Mode A and B) types a code alike."""
+    return {"type": "error", "error": {"message": message, "type": type_of(code), "code": code}}
 
 
 def last_event_id(request: web.Request) -> int:
@@ -145,8 +164,7 @@ async def _write_events(request, response, log, after, keepalive_s, first_event_
             try:
                 pending = log.after(after)
             except ReplayGone as exc:
-                await _end_with_error(response, min(after, log.last_id),
-                                      error_payload(str(exc), exc.code, "invalid_request_error"))
+                await _end_with_error(response, min(after, log.last_id), error_payload(str(exc), exc.code))
                 return False
             for event_id, data in pending:
                 await response.write(frame(event_id, data))

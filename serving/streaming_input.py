@@ -13,7 +13,9 @@ An engine input is one of `http_transcriptions.AudioInput` (a transcription sess
     started, done            an engine session exists / it ended (its output is complete)
     succeeded, failure       it ended with a result / the EngineError it ended with
     async start(), append(piece), finish(), abort(reason), close(), wait(timeout), result() -> dict
-    fail(code, message)      ends it with an `error` event (a bad chunk in the middle of a Mode A body)
+    fail(code, message)      ends it with an `error` event typed by its code (a bad chunk in the middle of a
+                             Mode A body is the client's invalid_request_error, a shutdown the server's
+                             server_error: sse.type_of)
 
 Start policies (the RFC's `streaming_input.start_policy`): `on_first_chunk` starts the engine with the
 first chunk; `on_min_length` buffers until `min_bytes` of payload (decoded: PCM16 or UTF-8 bytes) or
@@ -149,6 +151,9 @@ class EngineInput(abc.ABC):
         return self._done.is_set()
 
     def fail(self, code: str, message: str) -> None:
+        """Ends the output with an `error` event and aborts the engine session. The event's type is its code's
+        (sse.type_of), whatever the modality: a bad chunk or payload is the client's `invalid_request_error`,
+        a shutdown or an internal failure the server's `server_error`."""
         if self.log is not None and not self.log.closed:
             # The stream's last event: output the engine session still holds queued does not follow it.
             self.log.append(sse.error_payload(message, code))
@@ -258,7 +263,7 @@ class DrainHandle:
     def __init__(self, stream, feed: InputFeed | None = None, on_stop=None):
         self.stream = stream
         self.feed = feed
-        self.on_stop = on_stop  # called with the Breach instead of failing the stream (Mode B closes its session)
+        self.on_stop = on_stop  # also called with the Breach (Mode B closes its session)
         self.protocol = self  # drain asks `conn.protocol.busy()`: one object plays both parts
 
     def busy(self) -> bool:
@@ -272,10 +277,12 @@ class DrainHandle:
                 logger.info("drain could not end an HTTP stream's input: %s", exc)
 
     def stop(self, breach: Breach) -> None:
+        # The stream ends with the breach's own code before `on_stop` runs: the session closing that follows
+        # adds no event, and a client sees the server shutting down, not a session closed as for its own fault.
+        if not self.stream.done:
+            self.stream.fail(breach.error_code or "server_shutdown", breach.message or breach.outcome)
         if self.on_stop is not None:
             self.on_stop(breach)
-        elif not self.stream.done:
-            self.stream.fail(breach.error_code or "server_shutdown", breach.message or breach.outcome)
 
 
 def admit(state, handle: DrainHandle) -> None:

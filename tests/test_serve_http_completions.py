@@ -30,33 +30,49 @@ CHUNKS = ["w5 w17 w40", " w9", " w33 w4 w71", " w12"]
 MAX_TOKENS = 3
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def text_engine(directory) -> AsyncEngine:
+    """An engine over the tiny Llama in `directory` (with the tokenizer found there, if any)."""
+    return AsyncEngine.from_pretrained(directory, config=EngineConfig(
+        max_sessions=4, page_size=16, batch_buckets=(4,), prefill_buckets=((4, 8),), max_num_batched_tokens=64))
+
+
+def text_engine_with_tokenizer(tmp_path_factory) -> AsyncEngine:
     directory = tmp_path_factory.mktemp("llama") / "llama"
     shutil.copytree(LLAMA, directory)
     word_level_tokenizer(directory / "tokenizer.json", 256)
-    engine = AsyncEngine.from_pretrained(directory, config=EngineConfig(
-        max_sessions=4, page_size=16, batch_buckets=(4,), prefill_buckets=((4, 8),), max_num_batched_tokens=64))
+    return text_engine(directory)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    engine = text_engine_with_tokenizer(tmp_path_factory)
     yield engine
     engine.close()
 
 
-def greedy(max_tokens=MAX_TOKENS) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+def greedy(max_tokens=MAX_TOKENS, **fields) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **fields)
 
 
-async def engine_tokens(engine, prompt, params=None, *, chunks: bool = False) -> tuple[list[int], str]:
-    """The engine API's own tokens and text for `prompt`, or for the list of chunks `prompt` streamed in as
-    StreamingInputs when `chunks`."""
+async def engine_run(engine, prompt, params=None, *, chunks: bool = False) -> tuple[list[int], list[int], str]:
+    """The engine API's own (prompt_token_ids, tokens, text) for `prompt`, or for the list of chunks `prompt`
+    streamed in as StreamingInputs when `chunks`."""
     if chunks:
         async def inputs(pieces):
             for piece in pieces:
                 yield StreamingInput(piece, params or greedy())
         prompt = inputs(prompt)
-    tokens, text = [], ""
+    prompt_ids, tokens, text = [], [], ""
     async for out in engine.generate(prompt, params or greedy()):
+        prompt_ids = out.prompt_token_ids
         tokens += out.outputs[0].token_ids
         text += out.outputs[0].text
+    return prompt_ids, tokens, text
+
+
+async def engine_tokens(engine, prompt, params=None, *, chunks: bool = False) -> tuple[list[int], str]:
+    """The engine API's own tokens and text (see engine_run)."""
+    _, tokens, text = await engine_run(engine, prompt, params, chunks=chunks)
     return tokens, text
 
 
@@ -127,11 +143,97 @@ def test_sdk_context_length_exceeded(engine, server, model):
 
 def test_sdk_null_stream_flags_are_false(engine, server, model):
     """OpenAI documents `stream` and `stream_options.include_usage` as boolean or null, and the SDK sends
-    null for None: a plain completion (they were refused with 400)."""
+    null for None: a plain completion, a stream without usage (they were refused with 400)."""
     client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
+    text = asyncio.run(engine_tokens(engine, "w5 w17", greedy(4)))[1]
     result = client.completions.create(model=model, prompt="w5 w17", max_tokens=4, temperature=0, stream=None,
-                                       stream_options={"include_usage": None})
-    assert result.choices[0].text == asyncio.run(engine_tokens(engine, "w5 w17", greedy(4)))[1]
+                                       stream_options=None)
+    assert result.choices[0].text == text
+    chunks = list(client.completions.create(model=model, prompt="w5 w17", max_tokens=4, temperature=0, stream=True,
+                                            stream_options={"include_usage": None}))
+    assert "".join(c.choices[0].text for c in chunks) == text and all(c.choices for c in chunks)
+
+
+def test_sdk_stream_options_need_a_stream(engine, server, model):
+    """vLLM's CompletionRequest refuses `stream_options` unless `stream` is true (its `validate_stream_options`:
+    options that are not null or empty, with a stream that is not true): 400, with its message. They were
+    accepted and ignored."""
+    client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
+    for stream in (None, False):
+        for options in ({"include_usage": True}, {"include_usage": False}, {"include_usage": None}):
+            with pytest.raises(openai.BadRequestError) as raised:
+                client.completions.create(model=model, prompt="w5", max_tokens=2, stream=stream,
+                                          stream_options=options)
+            body = raised.value.body
+            assert body["message"] == "Stream options can only be defined when `stream=True`.", body
+            assert body["param"] == "stream_options" and body["type"] == "invalid_request_error"
+        result = client.completions.create(model=model, prompt="w5", max_tokens=2, temperature=0, stream=stream,
+                                           extra_body={"stream_options": {}})  # empty: none defined
+        assert result.object == "text_completion" and result.usage.completion_tokens > 0
+
+
+def test_sdk_return_token_ids_are_the_engines(engine, server, model):
+    """vLLM's `return_token_ids`: the choice carries the engine's `prompt_token_ids` (BOS included) and
+    `token_ids`; streamed, the prompt's ids come in the first chunk (null in the others) and each chunk has its
+    own ids, which add up to the plain answer's. Without it the choice keeps OpenAI's shape."""
+    client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
+    prompt_ids, tokens, text = asyncio.run(engine_run(engine, "w5 w17", greedy(6, ignore_eos=True)))
+    assert prompt_ids[1:] == [5, 17] and len(tokens) == 6
+    request = {"model": model, "prompt": "w5 w17", "max_tokens": 6, "temperature": 0}
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    choice = client.completions.create(**request, extra_body=extra).choices[0]
+    assert (choice.prompt_token_ids, choice.token_ids, choice.text) == (prompt_ids, tokens, text)
+    chunks = list(client.completions.create(**request, stream=True, extra_body=extra))
+    assert chunks[0].choices[0].prompt_token_ids == prompt_ids
+    assert all(c.choices[0].prompt_token_ids is None for c in chunks[1:])
+    assert [t for c in chunks for t in c.choices[0].token_ids] == tokens
+    assert "".join(c.choices[0].text for c in chunks) == text
+    for answer in (client.completions.create(**request, extra_body={"ignore_eos": True}),
+                   *client.completions.create(**request, stream=True, extra_body={"return_token_ids": None})):
+        assert not {"prompt_token_ids", "token_ids"} & set(answer.choices[0].model_extra)
+
+
+async def test_mode_a_return_token_ids_add_up_to_the_engines(engine, server, model):
+    """With streaming input the engine's prompt grows by each input: a chunk carries the prompt ids no chunk
+    carried before it, so that they add up to the engine's prompt_token_ids, as its token_ids to its tokens."""
+    prompt_ids, tokens, _ = await engine_run(engine, CHUNKS, chunks=True)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(server.url("/v1/completions", "http"), headers={"X-Streaming-Input": "true"},
+                             data=b"".join(ndjson_lines(model, CHUNKS, return_token_ids=True))) as response:
+            events, _ = await read_sse(response)
+    choices = [e["choices"][0] for _, e in events[:-1]]
+    assert events[-1][1] == "[DONE]" and choices[0]["prompt_token_ids"]
+    assert [t for c in choices for t in c["prompt_token_ids"] or []] == prompt_ids
+    assert [t for c in choices for t in c["token_ids"]] == tokens
+
+
+@pytest.fixture(scope="module")
+def tokenizerless_engine():
+    engine = text_engine(LLAMA)  # the fixture checkpoint has no tokenizer
+    assert engine.tokenizer is None
+    yield engine
+    engine.close()
+
+
+def test_a_model_without_a_tokenizer_returns_its_ids(tokenizerless_engine):
+    """Its text is empty: `return_token_ids` is how a client gets its output (it got empty text and no ids;
+    streamed, one empty chunk)."""
+    server = ServerThread(tokenizerless_engine)
+    try:
+        client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
+        prompt_ids, tokens, text = asyncio.run(engine_run(tokenizerless_engine, [5, 17],
+                                                          greedy(5, ignore_eos=True)))
+        assert prompt_ids == [5, 17] and len(tokens) == 5 and text == ""
+        request = {"model": server.state.model_id, "prompt": [5, 17], "max_tokens": 5, "temperature": 0,
+                   "extra_body": {"return_token_ids": True, "ignore_eos": True}}
+        choice = client.completions.create(**request).choices[0]
+        assert (choice.prompt_token_ids, choice.token_ids, choice.text) == (prompt_ids, tokens, "")
+        chunks = list(client.completions.create(**request, stream=True))
+        assert [t for c in chunks for t in c.choices[0].token_ids] == tokens
+        assert [c.choices[0].prompt_token_ids for c in chunks] == [prompt_ids] + [None] * (len(chunks) - 1)
+        asyncio.run(wait_engine_baseline(tokenizerless_engine))
+    finally:
+        server.close()
 
 
 async def test_deeply_nested_json_is_invalid_json(engine, server, model, caplog):
@@ -184,6 +286,26 @@ async def test_text_session_gives_the_engine_streaming_input_tokens(server, mode
     assert status == 200 and result["token_ids"] == streamed[0] and result["text"] == streamed[1]
     assert events[-1][1] == "[DONE]" and "".join(e["choices"][0]["text"] for _, e in events[:-1]) == streamed[1]
     assert [i for i, _ in events] == list(range(1, len(events) + 1))
+
+
+async def test_text_session_return_token_ids_add_up_to_the_engines(engine, server, model):
+    """A Mode B text session takes `return_token_ids` among its params, as Mode A takes it in its first line
+    (it was ignored): the events' ids add up to the engine's own for the same streamed chunks."""
+    prompt_ids, tokens, _ = await engine_run(engine, CHUNKS, chunks=True)
+    chunks = [{"sequence_id": n, "modality": "text", "payload": b64(c), "end_of_input": n == len(CHUNKS) - 1}
+              for n, c in enumerate(CHUNKS)]
+    async with aiohttp.ClientSession() as http:
+        _, created = await call(http, server, "POST", SESSIONS, json={
+            "model": model, "modality": "text", "stream": True,
+            "params": {"max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}})
+        base = f"{SESSIONS}/{created['session_id']}"
+        async with http.get(server.url(base + "/events", "http")) as response:
+            for chunk in chunks:
+                assert (await call(http, server, "POST", base + "/chunks", json=chunk))[0] in (200, 202)
+            events, _ = await read_sse(response)
+    choices = [e["choices"][0] for _, e in events[:-1]]
+    assert [t for c in choices for t in c["prompt_token_ids"] or []] == prompt_ids
+    assert [t for c in choices for t in c["token_ids"]] == tokens
 
 
 @pytest.mark.parametrize("policy, first, started", [
@@ -305,11 +427,13 @@ async def test_mode_a_errors_end_the_stream(engine, server, model):
             async with http.post(server.url("/v1/completions", "http"), headers={"X-Streaming-Input": "true"},
                                  data=lines[0] + lines[1] + b'{"payload": "%%"}\n') as response:
                 events, _ = await read_sse(response)
-            assert events[-2][1]["error"]["code"] == "invalid_chunk" and events[-1][1] == "[DONE]"
+            assert events[-2][1]["error"] == {**events[-2][1]["error"], "code": "invalid_chunk",
+                                              "type": "invalid_request_error"} and events[-1][1] == "[DONE]"
             async with http.post(idle_server.url("/v1/completions", "http"), data=_slow_body(lines[:2]),
                                  headers={"X-Streaming-Input": "true"}) as response:
                 events, _ = await read_sse(response)
-            assert events[-2][1]["error"]["code"] == "idle_timeout" and events[-1][1] == "[DONE]"
+            assert events[-2][1]["error"] == {**events[-2][1]["error"], "code": "idle_timeout",
+                                              "type": "invalid_request_error"} and events[-1][1] == "[DONE]"
             async with http.post(server.url("/v1/completions", "http"), headers={"X-Streaming-Input": "true"},
                                  data=b'{"model": "other"}\n') as response:
                 assert response.status == 404 and (await response.json())["error"]["code"] == "model_not_found"
