@@ -8,7 +8,8 @@ outside an utterance at most `max_pending_seconds`; audio inside one is handed t
 pushes back on the client); events to the client are sent one at a time and awaited, so a client that
 stops reading stalls its own connection, never the server's memory, until `send_timeout_s` closes it.
 Time on the event loop is bounded the same way for a client that sends nothing but bad events: past
-`max_errors_per_minute` errors its connection closes.
+`max_errors_per_minute` errors its connection closes. An HTTP body read before its request is admitted
+must keep arriving at a minimum rate (`read_at_min_rate`).
 """
 import asyncio
 import collections
@@ -59,6 +60,11 @@ class Limits:
     # Per key, over every route (KeyLimits); None: no limit.
     max_streams_per_key: int | None = None  # open WebSockets + streaming HTTP requests + Mode B sessions
     max_requests_per_minute_per_key: int | None = None  # HTTP requests and WebSocket handshakes
+    # A request body the server reads before it admits the request (an upload's form, a Mode A request's first
+    # line) must keep arriving: after body_grace_s, at body_min_rate bytes/s on average, else 408 and the
+    # connection closes (`read_at_min_rate`; Apache's mod_reqtimeout `body=20,MinRate=500`). None: no rule.
+    body_grace_s: float = 20.0
+    body_min_rate: int | None = 500
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -153,6 +159,46 @@ class RollingWindowLimiter:
         if len(self._accepted) < self.limit:
             return 0.0
         return max(0.0, self._accepted[0] + self.window_s - time.monotonic())
+
+
+_RECANCEL_S = 0.1  # read_at_min_rate cancels a read that goes on again after this long
+
+
+class SlowBody(Exception):
+    """A request body that fell behind the minimum rate of `read_at_min_rate`."""
+
+
+async def read_at_min_rate(read, limits: Limits, received):
+    """Awaits `read`, a coroutine that reads a request body, under mod_reqtimeout's body rule: the body must be
+    complete `limits.body_grace_s` after the call plus one second for every `body_min_rate` bytes received
+    (`received()`, the body's bytes so far, is read again whenever the deadline comes). Raises SlowBody, the
+    read cancelled, once the body falls behind.
+
+    The idle timeout alone is per read: a client that sent a byte every 149 s held its connection forever, and
+    before admission nothing counts such a request against the server's limits. The defaults cut no real link:
+    500 B/s is 4 kbit/s, and an OpenAI-sized upload (25 MB) over 1 Mbit/s arrives at 125,000 B/s; a client
+    sending at the minimum rate holds its connection for as long as its body takes (a 26 MB form: ~14 h)."""
+    rate = limits.body_min_rate
+    if rate is None:
+        return await read
+    started = time.monotonic()
+    task = asyncio.ensure_future(read)
+    try:
+        while not task.done():
+            due = started + limits.body_grace_s + received() / rate
+            if time.monotonic() >= due:
+                raise SlowBody(f"The request body arrived slower than {rate} bytes/s after its first "
+                               f"{limits.body_grace_s:g} s")
+            await asyncio.wait([task], timeout=due - time.monotonic())
+        return task.result()
+    finally:
+        # The body fell behind, or the caller was cancelled: the read ends. Python 3.11's wait_for (body_read's)
+        # swallows a cancel that comes as its inner read completes, and the read goes on: cancel it again.
+        while not task.done():
+            task.cancel()
+            await asyncio.wait([task], timeout=_RECANCEL_S)
+        if not task.cancelled():
+            task.exception()  # retrieved (asyncio logs an exception nobody retrieved); the caller has its answer
 
 
 # -- per-key limits, shared by the WebSocket and HTTP routes ---------------------------------------------------

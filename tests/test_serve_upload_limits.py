@@ -1,0 +1,237 @@
+"""The minimum rate of request bodies read before admission (serving/limits.py `read_at_min_rate`), after
+Apache's mod_reqtimeout `body=20,MinRate=500`: the body must be in by the grace period plus one second per
+MinRate bytes received, else 408 and the connection closes. Trickling clients are raw asyncio sockets; the
+server runs with a grace of a fraction of a second so that no test waits for the real 20 s."""
+import asyncio
+import base64
+import io
+import json
+
+import aiohttp
+import numpy as np
+import pytest
+import soundfile
+
+from jaxstream.serving.config import ServerConfig
+from jaxstream.serving.limits import Limits, SlowBody, read_at_min_rate
+from jaxstream.serving.testing import ServerThread
+from serve_fixtures import audio, engine, engine_returns_to_baseline  # noqa: F401 - pytest fixtures
+
+pytestmark = pytest.mark.slow
+
+GRACE_S = 0.3
+MIN_RATE = 20_000  # bytes/s
+# A trickling client gives up after this long without an answer: the idle timeout (150 s) never fires first,
+# so without the rule no answer comes.
+GIVE_UP_S = 20.0
+TRICKLE_EVERY_S = 0.1  # one byte each time: 10 B/s, far under MIN_RATE
+FORM = "multipart/form-data; boundary=XyZ"
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    server = ServerThread(engine, ServerConfig(limits=Limits(body_grace_s=GRACE_S, body_min_rate=MIN_RATE)))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def pcm16(audio):
+    """The sample as the server receives it (PCM16)."""
+    return np.round(np.clip(audio, -1, 1 - 2**-15) * 32768).astype(np.int16)
+
+
+@pytest.fixture(scope="module")
+def reference(engine, pcm16):
+    return asyncio.run(engine.transcribe(pcm16.astype(np.float32) / 32768))
+
+
+def _wav(pcm16: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    soundfile.write(buffer, pcm16, 16000, format="WAV", subtype="PCM_16")
+    return buffer.getvalue()
+
+
+def _upload(model: str, wav: bytes) -> bytes:
+    return (b'--XyZ\r\nContent-Disposition: form-data; name="model"\r\n\r\n' + model.encode() + b"\r\n"
+            b'--XyZ\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+            b"Content-Type: audio/wav\r\n\r\n" + wav + b"\r\n--XyZ--\r\n")
+
+
+async def _answer(reader: asyncio.StreamReader) -> tuple[str, dict, dict]:
+    """The status line, headers (lower-case names) and JSON body of one response with a Content-Length."""
+    head = (await reader.readuntil(b"\r\n\r\n")).decode().split("\r\n")
+    headers = {name.strip().lower(): value.strip() for name, value in (line.split(":", 1) for line in head[1:] if line)}
+    return head[0], headers, json.loads(await reader.readexactly(int(headers["content-length"])))
+
+
+async def _trickle(server, headers: str, first: bytes, chunked: bool):
+    """Sends a POST's head and `first` body bytes, then one more byte every TRICKLE_EVERY_S until an answer
+    comes (or GIVE_UP_S passes: an AssertionError). Then ends the body and checks the server closes the
+    connection. Returns the answer."""
+    host, port = server.url("", "http").removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    announced = len(first) + 1000  # with Content-Length: more than the trickle ever sends
+
+    def framed(data: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(data), data) if chunked else data
+
+    framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {announced}"
+    writer.write(f"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\n{headers}{framing}\r\n\r\n".encode()
+                 + framed(first))
+    sent = len(first)
+
+    async def trickle():
+        nonlocal sent
+        while True:
+            await asyncio.sleep(TRICKLE_EVERY_S)
+            writer.write(framed(b"a"))
+            sent += 1
+            await writer.drain()
+
+    trickler = asyncio.create_task(trickle())
+    try:
+        try:
+            answer = await asyncio.wait_for(_answer(reader), GIVE_UP_S)
+        except TimeoutError:
+            raise AssertionError(f"no answer to a body trickled for {GIVE_UP_S:g} s") from None
+        finally:
+            trickler.cancel()
+            await asyncio.gather(trickler, return_exceptions=True)
+        # The body's end: aiohttp stops reading what is left of it (its lingering close) and closes at once.
+        writer.write(b"0\r\n\r\n" if chunked else b"a" * (announced - sent))
+        assert await asyncio.wait_for(reader.read(), 30) == b"", "the connection stayed open"
+        return answer
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+@pytest.mark.parametrize("kind", ["upload", "streaming input"])
+async def test_a_trickled_body_is_a_408_that_closes_the_connection(server, pcm16, kind, chunked):
+    """A body that arrives a byte at a time held its connection forever: the idle timeout (150 s) is per read,
+    and each byte is a read. Before admission nothing counts such a request against any limit, so a few
+    thousand of them exhaust the server's sockets. Now a multipart upload, and a streamed (Mode A) request's
+    first line, read before admission, fall behind the minimum rate after the grace period: 408 with
+    `Connection: close` (RFC 9110 15.5.9), and the connection closes."""
+    model = server.state.model_id
+    if kind == "upload":
+        headers, first = f"Content-Type: {FORM}\r\n", _upload(model, _wav(pcm16))[:300]
+    else:
+        headers, first = "Content-Type: application/json\r\nX-Streaming-Input: true\r\n", b'{"model": "'
+    status, response_headers, answer = await _trickle(server, headers, first, chunked)
+    assert status == "HTTP/1.1 408 Request Timeout", (status, answer)
+    assert response_headers["connection"].lower() == "close"
+    assert answer["error"]["code"] == "body_too_slow" and answer["error"]["type"] == "invalid_request_error"
+    assert f"{MIN_RATE} bytes/s" in answer["error"]["message"]
+
+
+async def test_an_upload_above_the_minimum_rate_is_transcribed(server, pcm16, reference):
+    """Pieces of the form 50 ms apart, 8 times the minimum rate and well past the grace period (a slow link):
+    the upload is answered as any other."""
+    body, piece = _upload(server.state.model_id, _wav(pcm16)), MIN_RATE // 20 * 8
+
+    async def paced():
+        for start in range(0, len(body), piece):
+            yield body[start:start + piece]
+            await asyncio.sleep(0.05)
+
+    assert len(body) / (piece * 20) > 2 * GRACE_S  # the upload outlasts the grace period
+    async with aiohttp.ClientSession() as http:
+        async with http.post(server.url("/v1/audio/transcriptions", "http"), data=paced(),
+                             headers={"Content-Type": FORM}) as response:
+            answer = await response.json()
+    assert response.status == 200 and answer["text"] == reference.text, answer
+
+
+async def test_a_streamed_request_is_paced_by_its_client_once_admitted(server, pcm16, reference):
+    """Mode A's lines after the first are live audio, paced by the client (one that sends only while someone
+    speaks pauses for as long as nobody does): no minimum rate applies to them. Here the audio starts a
+    second after the parameters line, when the rule would have cut the body at GRACE_S."""
+    lines = [{"model": server.state.model_id}]
+    lines += [{"payload": base64.b64encode(pcm16[i:i + 8000].tobytes()).decode()} for i in range(0, pcm16.size, 8000)]
+    lines.append({"end_of_input": True})
+
+    async def body():
+        yield json.dumps(lines[0]).encode() + b"\n"
+        await asyncio.sleep(1.0)
+        for line in lines[1:]:
+            yield json.dumps(line).encode() + b"\n"
+
+    async with aiohttp.ClientSession() as http:
+        async with http.post(server.url("/v1/audio/transcriptions", "http"), data=body(),
+                             headers={"X-Streaming-Input": "true"}) as response:
+            assert response.status == 200
+            text = (await response.read()).decode()
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert events[-1]["type"] == "transcript.text.done" and events[-1]["text"] == reference.text, events[-1]
+
+
+# -- the rule itself --------------------------------------------------------------------------------------------
+class _Body:
+    """A request body fed by the test: `read()` returns it all at its end; `received` counts what came."""
+
+    def __init__(self):
+        self.received, self.cancelled = 0, False
+        self._stream = asyncio.StreamReader()
+
+    def feed(self, data: bytes, end: bool = False) -> None:
+        self.received += len(data)
+        self._stream.feed_data(data)
+        if end:
+            self._stream.feed_eof()
+
+    async def read(self) -> bytes:
+        try:
+            return await self._stream.read()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+
+
+async def test_bytes_received_extend_the_deadline():
+    """mod_reqtimeout's rule: each MinRate bytes received add one second to the grace period. 3,000 bytes at
+    1,000 B/s earn 3 s, so a body that then pauses for a second (past its 0.2 s of grace) is not cut."""
+    limits, body = Limits(body_grace_s=0.2, body_min_rate=1000), _Body()
+
+    async def client():
+        body.feed(b"x" * 3000)
+        await asyncio.sleep(1.0)
+        body.feed(b"y", end=True)
+
+    feeder = asyncio.create_task(client())
+    assert await read_at_min_rate(body.read(), limits, lambda: body.received) == b"x" * 3000 + b"y"
+    await feeder
+
+
+async def test_a_body_behind_the_rate_is_cut_and_its_read_cancelled():
+    """100 bytes at 1,000 B/s earn 0.1 s: a body that sends nothing more is cut at about 0.3 s; the pending
+    read is cancelled, not left running."""
+    limits, body = Limits(body_grace_s=0.2, body_min_rate=1000), _Body()
+    body.feed(b"x" * 100)
+    with pytest.raises(SlowBody, match="1000 bytes/s"):
+        await asyncio.wait_for(read_at_min_rate(body.read(), limits, lambda: body.received), GIVE_UP_S)
+    assert body.cancelled
+
+
+async def test_a_read_that_swallows_its_cancel_is_cancelled_again():
+    """Python 3.11's wait_for (each body_read) swallows a cancel that comes as its inner read completes, and the
+    read goes on: a Mode A request trickling its first line sometimes got no answer for the idle timeout, its
+    read cancelled once and still waiting for the line's end. Here the read swallows its first cancel as
+    wait_for does; it is cancelled again and the body is cut all the same."""
+    limits, attempts = Limits(body_grace_s=0.1, body_min_rate=1000), []
+
+    async def read():
+        try:
+            await asyncio.sleep(GIVE_UP_S)
+        except asyncio.CancelledError:
+            attempts.append("swallowed")
+        try:
+            await asyncio.sleep(GIVE_UP_S)
+        except asyncio.CancelledError:
+            attempts.append("cancelled")
+            raise
+
+    with pytest.raises(SlowBody):
+        await asyncio.wait_for(read_at_min_rate(read(), limits, lambda: 0), GIVE_UP_S / 2)
+    assert attempts == ["swallowed", "cancelled"]
