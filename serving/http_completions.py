@@ -344,9 +344,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _streaming_input(request: web.Request, state) -> web.StreamResponse:
-    """Mode A: the NDJSON body's text chunks feed one completion session, answered as SSE meanwhile."""
+    """Mode A: the NDJSON body's text chunks feed one completion session, answered as SSE meanwhile. Its first
+    line comes at the body's minimum rate (streaming_input.first_object), as the audio route's."""
     objects = streaming_input.ndjson_objects(request, state.config.limits)
-    params, first_chunk = await streaming_input.first_object(objects)
+    params, first_chunk = await streaming_input.first_object(request, objects)
     if "model" in params:
         check_model(state, params["model"], "text")
     else:

@@ -1,7 +1,9 @@
 """What every HTTP route of the server shares: the refusal (`RequestError`) and its OpenAI-shaped answer
 `{"error": {"message", "type", "param", "code"}}`, the engine-error-to-status map, the readiness and model
 checks, and reading request bodies (JSON larger than the app's small default limit, uploads) to the
-idle timeout, answering a body that breaks off."""
+idle timeout, answering a body that breaks off. A body read before its request is admitted (an upload's form,
+a Mode A request's first line, every JSON body) must also keep arriving at a minimum average rate
+(`read_before_admission`). A 408 closes the connection, whichever route answers it."""
 import asyncio
 import json
 
@@ -9,6 +11,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from jaxstream.errors import EngineError
+from jaxstream.serving.limits import SlowBody, read_at_min_rate
 
 # Engine error code -> HTTP status. Capacity and draining are worth retrying elsewhere or later.
 _ENGINE_STATUS = {"capacity": 503, "draining": 503, "engine_dead": 503, "backlog": 503,
@@ -35,8 +38,13 @@ def error_response(status: int, code: str, message: str, param: str | None = Non
                    retry_after: int | None = None) -> web.Response:
     error_type = "rate_limit_error" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
     headers = {"Retry-After": str(retry_after or 1)} if status in (429, 503) else None
-    return web.json_response({"error": {"message": message, "type": error_type, "param": param, "code": code}},
-                             status=status, headers=headers)
+    response = web.json_response({"error": {"message": message, "type": error_type, "param": param, "code": code}},
+                                 status=status, headers=headers)
+    if status == 408:
+        # RFC 9110 15.5.9: the server closes the connection rather than go on waiting for the body (aiohttp
+        # discards what more of it comes for at most its 10 s lingering time, then closes).
+        response.force_close()
+    return response
 
 
 def engine_request_error(exc: EngineError) -> RequestError:
@@ -74,7 +82,12 @@ def check_kind(state, kind: str) -> None:
 
 async def read_json(request: web.Request) -> dict:
     """The JSON object of a request body, read up to the protocol's frame limit (the app's own body limit
-    is sized for small requests, not audio chunks). An empty body is an empty object."""
+    is sized for small requests, not audio chunks) and at the body's minimum rate (`read_before_admission`).
+    An empty body is an empty object."""
+    return await read_before_admission(request, _read_json(request))
+
+
+async def _read_json(request: web.Request) -> dict:
     limits = server_state(request).config.limits
     limit = limits.max_message_bytes
     body = bytearray()
@@ -87,15 +100,35 @@ async def read_json(request: web.Request) -> dict:
     return parse_json_object(bytes(body))
 
 
+async def read_before_admission(request: web.Request, read):
+    """Awaits `read`, a coroutine reading the body of a request that no limit counts yet, at the body's minimum
+    rate (limits.read_at_min_rate): RequestError 408 when the body falls behind. Such a request is one not yet
+    admitted as a stream (an upload's form, a Mode A request's first line, a Mode B session's creation) or one
+    that never is (a Mode B chunk or a completion's JSON body: up to `max_message_bytes`, 4 MB)."""
+    limits = server_state(request).config.limits
+    try:
+        # The body's bytes as they arrive (aiohttp's count of what it fed the request's stream), so that the
+        # parts' headers and a line still incomplete count too.
+        return await read_at_min_rate(read, limits, lambda: request.content.total_bytes)
+    except SlowBody as exc:
+        raise RequestError(408, "body_too_slow", str(exc)) from None
+
+
 async def body_read(read, limits):
     """Awaits one read of a request body (`read`, a coroutine). A body silent for `limits.idle_timeout_s` is
     refused with 408, as an idle WebSocket is closed: a client that announced more than it sends would
     otherwise hold its connection forever. A body that breaks off (the connection lost, or a multipart body
     that ends inside a part) or that aiohttp cannot parse is a 400: an answer the client may never read, but
     one that aiohttp sends or drops quietly, where an exception escaping the handler is logged as the
-    server's own failure."""
+    server's own failure.
+
+    The read is awaited in the caller's task under `asyncio.timeout`, not `asyncio.wait_for`: Python 3.11's
+    wait_for runs it in a task of its own and, when a cancel comes as that read completes, returns the data and
+    drops the cancel, so that a caller cancelled then (Mode A's reader, cancelled by `end_request`) went on to
+    its next read and held the request until the idle timeout."""
     try:
-        return await asyncio.wait_for(read, limits.idle_timeout_s)
+        async with asyncio.timeout(limits.idle_timeout_s):
+            return await read
     except TimeoutError:
         raise RequestError(408, "idle_timeout", f"No input for {limits.idle_timeout_s:g} s") from None
     except ConnectionError as exc:

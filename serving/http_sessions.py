@@ -26,10 +26,12 @@ client's input (a finish with no payload: 422) leaves the session open; one the 
 (draining, dead, invalid audio) closes it.
 
 A session with unfinished input and no chunk for `session_timeout_s` is closed (410 afterwards), as is one
-whose event stream dropped and was not resumed within `resume_grace_s`; a finished session stays readable
-for `session_timeout_s`. Output events are kept in the session's bounded `EventLog`, so a client resumes a
-dropped `…/events` stream with `Last-Event-ID` and gets every event once. A session counts as one open
-stream of its key (limits.KeyLimits) and of the server (drain waits for it) until its engine work ends.
+whose event stream dropped and was not resumed within `resume_grace_s`, and one whose engine work has not ended
+`max_session_seconds` after its creation (the server's limits, as a WebSocket connection's age: its event stream
+ends with `max_duration_exceeded`); a finished session stays readable for `session_timeout_s`. Output events
+are kept in the session's bounded `EventLog`, so a client resumes a dropped `…/events` stream with
+`Last-Event-ID` and gets every event once. A session counts as one open stream of its key (limits.KeyLimits)
+and of the server (drain waits for it) until its engine work ends.
 """
 import asyncio
 import collections
@@ -48,6 +50,7 @@ from jaxstream.serving.http_errors import (
     RETRYABLE_ENGINE_CODES, RequestError, check_kind, check_model, check_ready, engine_request_error, read_json,
 )
 from jaxstream.serving.http_transcriptions import AudioInput, parse_delay_ms, parse_include
+from jaxstream.serving.limits import duration_breach
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +79,7 @@ class InputSession:
         self.recent: collections.OrderedDict[int, bytes] = collections.OrderedDict()  # applied id -> digest
         self.end_seq: int | None = None
         self.closed = False
-        self.last_activity = time.monotonic()
+        self.created = self.last_activity = time.monotonic()
         self.done_at: float | None = None
         self.listeners = 0
         self.detached_at: float | None = None
@@ -112,7 +115,8 @@ class StreamingInputSessions:
 
     def __init__(self, state):
         self.server = state
-        self.max_payload_bytes = state.config.limits.max_payload_per_session
+        self.limits = state.config.limits
+        self.max_payload_bytes = self.limits.max_payload_per_session
         self.sessions: dict[str, InputSession] = {}
         self.gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # closed id -> why
 
@@ -181,6 +185,11 @@ class StreamingInputSessions:
         # `done_at` is set once `_release_when_done` has run, which may be a loop turn after the stream ended.
         if session.done_at is not None and now - session.done_at > self.session_timeout_s:
             await self.close(session, f"expired after its result was kept {self.session_timeout_s:g} s")
+        elif not session.stream.done and now - session.created >= self.limits.max_session_seconds:
+            # A client sending a chunk every few minutes, under session_timeout_s, held an engine session and a
+            # connection slot for good; its event stream ends with the code a WebSocket gets at that age.
+            breach = duration_breach(self.limits, "session")
+            await self.close(session, breach.message, breach.error_code)
         elif not session.input_ended and now - session.last_activity > self.session_timeout_s:
             await self.close(session, f"no chunk for {self.session_timeout_s:g} s")
         elif (session.detached_at is not None and not session.listeners and not session.stream.done

@@ -33,9 +33,9 @@ from jaxstream.serving.audio_codecs import AudioDecodeError, decode_pcm16_base64
 from jaxstream.serving.engine_sessions import start_session, token_logprobs
 from jaxstream.serving.http_errors import (
     RequestError, body_read, check_kind, check_model, check_ready, engine_request_error, error_response,
-    server_state,
+    read_before_admission, server_state,
 )
-from jaxstream.serving.limits import SlowBody, holds_stream, read_at_min_rate
+from jaxstream.serving.limits import holds_stream
 
 logger = logging.getLogger(__name__)
 
@@ -219,25 +219,13 @@ async def _next_part(reader, limits):
         raise RequestError(400, "invalid_request", f"The request body is malformed: {exc}") from None
 
 
-async def _before_admission(request: web.Request, read):
-    """Awaits `read`, a coroutine reading the body of a request not yet admitted, at the body's minimum rate
-    (limits.read_at_min_rate): RequestError 408 when the body falls behind."""
-    limits = server_state(request).config.limits
-    try:
-        # The body's bytes as they arrive (aiohttp's count of what it fed the request's stream), so that the
-        # parts' headers and a line still incomplete count too.
-        return await read_at_min_rate(read, limits, lambda: request.content.total_bytes)
-    except SlowBody as exc:
-        raise RequestError(408, "body_too_slow", str(exc)) from None
-
-
 async def _parse_form(request: web.Request) -> tuple[bytes, dict, dict[str, list[str]]]:
     """(file bytes, the fields the route reads, the list fields `timestamp_granularities` and `include`).
     The multipart reader is used directly: the app's body limit is sized for small JSON, not uploads. The
     form is read before the request is admitted, so at the body's minimum rate."""
     if not request.content_type.startswith("multipart/form-data"):
         raise RequestError(400, "invalid_request", "Send the audio as multipart/form-data with a `file` field")
-    return await _before_admission(request, _read_form(request))
+    return await read_before_admission(request, _read_form(request))
 
 
 async def _read_form(request: web.Request) -> tuple[bytes, dict, dict[str, list[str]]]:
@@ -383,10 +371,7 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
             raise
     except RequestError as exc:
         state.metrics.errors.labels(code=exc.code).inc()
-        response = exc.response()
-        if exc.status == 408:  # RFC 9110 15.5.9: the server closes the connection rather than go on waiting
-            response.force_close()
-        return response
+        return exc.response()  # a 408 closes the connection (error_response)
     feeder = asyncio.create_task(_feed(audio_input, pcm))
     try:
         response = await audio_input.serve_output(request)
@@ -404,14 +389,10 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
 
 
 async def _streaming_input(request: web.Request, state) -> web.StreamResponse:
-    """Mode A: the NDJSON body's audio chunks feed one transcription, answered as SSE meanwhile.
-
-    The first line is read before the request is admitted, so at the body's minimum rate. The lines after it
-    are not: the client paces them by design (live audio, which a client may send only while someone speaks),
-    so an average rate would cut real streams; an admitted stream counts against the server's connection
-    limit and its key's streams, and the idle timeout bounds its silences."""
+    """Mode A: the NDJSON body's audio chunks feed one transcription, answered as SSE meanwhile. Its first line
+    comes at the body's minimum rate (streaming_input.first_object)."""
     objects = streaming_input.ndjson_objects(request, state.config.limits)
-    params, first_chunk = await _before_admission(request, streaming_input.first_object(objects))
+    params, first_chunk = await streaming_input.first_object(request, objects)
     if "model" in params:
         check_model(state, params["model"], "realtime")
     else:

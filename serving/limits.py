@@ -9,7 +9,8 @@ pushes back on the client); events to the client are sent one at a time and awai
 stops reading stalls its own connection, never the server's memory, until `send_timeout_s` closes it.
 Time on the event loop is bounded the same way for a client that sends nothing but bad events: past
 `max_errors_per_minute` errors its connection closes. An HTTP body read before its request is admitted
-must keep arriving at a minimum rate (`read_at_min_rate`).
+must keep arriving at a minimum rate (`read_at_min_rate`); an admitted HTTP stream (a Mode A request, a Mode B
+session) lasts at most `max_session_seconds`, as a WebSocket connection.
 """
 import asyncio
 import collections
@@ -40,7 +41,9 @@ class Limits:
     # the engine's own cap is the binding one while all are busy).
     max_connections: int | None = None
     idle_timeout_s: float = 150.0  # no message from the client for this long: close 4000 (an HTTP body: 408)
-    max_session_seconds: float = 5400.0  # connection age: close 4003 (90 min, as the /ws guide)
+    # Connection age: close 4003 (90 min, as the /ws guide); an HTTP stream (Mode A request, Mode B session) ends
+    # with an `error` event max_duration_exceeded at the same age.
+    max_session_seconds: float = 5400.0
     max_audio_seconds: float = 7200.0  # audio one connection may send in all
     max_pending_seconds: float = 30.0  # audio held while no utterance runs (before a commit)
     max_append_seconds: float = 60.0  # audio in one append event
@@ -61,8 +64,9 @@ class Limits:
     max_streams_per_key: int | None = None  # open WebSockets + streaming HTTP requests + Mode B sessions
     max_requests_per_minute_per_key: int | None = None  # HTTP requests and WebSocket handshakes
     # A request body the server reads before it admits the request (an upload's form, a Mode A request's first
-    # line) must keep arriving: after body_grace_s, at body_min_rate bytes/s on average, else 408 and the
-    # connection closes (`read_at_min_rate`; Apache's mod_reqtimeout `body=20,MinRate=500`). None: no rule.
+    # line, a JSON body: a completion, a Mode B session's creation or chunk) must keep arriving: after
+    # body_grace_s, at body_min_rate bytes/s on average, else 408 and the connection closes (`read_at_min_rate`;
+    # Apache's mod_reqtimeout `body=20,MinRate=500`). None: no rule.
     body_grace_s: float = 20.0
     body_min_rate: int | None = 500
 
@@ -100,9 +104,10 @@ def idle_breach(limits: Limits) -> Breach:
                   f"No message for {limits.idle_timeout_s:g} s: closing the idle connection")
 
 
-def duration_breach(limits: Limits) -> Breach:
+def duration_breach(limits: Limits, what: str = "connection") -> Breach:
+    """The end of a WebSocket connection, or of an HTTP stream (`what`), at `max_session_seconds` of age."""
     return Breach("max_duration", CLOSE_MAX_DURATION, "max_duration_exceeded",
-                  f"The connection reached the maximum duration of {limits.max_session_seconds:g} s")
+                  f"The {what} reached the maximum duration of {limits.max_session_seconds:g} s")
 
 
 class Clock:
@@ -192,8 +197,9 @@ async def read_at_min_rate(read, limits: Limits, received):
             await asyncio.wait([task], timeout=due - time.monotonic())
         return task.result()
     finally:
-        # The body fell behind, or the caller was cancelled: the read ends. Python 3.11's wait_for (body_read's)
-        # swallows a cancel that comes as its inner read completes, and the read goes on: cancel it again.
+        # The body fell behind, or the caller was cancelled: the read ends. A read may swallow a cancel (Python
+        # 3.11's wait_for, which body_read once used, drops one that comes as its inner read completes) and go on:
+        # cancel it again.
         while not task.done():
             task.cancel()
             await asyncio.wait([task], timeout=_RECANCEL_S)

@@ -105,13 +105,14 @@ async def _end_with_error(response: web.StreamResponse, after: int, error: dict)
 
 # The codes of the client's own mistakes, typed `invalid_request_error` as OpenAI types a 4xx: its request, chunk or
 # payload was bad, too large, too slow (idle) or broke off, or its session was closed for it (idle, over its cap,
-# not resumed; the engine's session_closed is a 409). Any other code is the server's, `server_error`: an internal
-# error, a shutdown or drain, a dead engine, an engine at capacity (OpenAI's "overloaded" 503 is a server_error),
-# no output in time, and a code not listed here (the server cannot tell the client it erred when it does not know).
+# not resumed, held past the maximum duration: OpenAI's Realtime API types its `session_expired` so; the engine's
+# session_closed is a 409). Any other code is the server's, `server_error`: an internal error, a shutdown or drain,
+# a dead engine, an engine at capacity (OpenAI's "overloaded" 503 is a server_error), no output in time, and a code
+# not listed here (the server cannot tell the client it erred when it does not know).
 CLIENT_ERROR_CODES = frozenset({
     "invalid_request", "invalid_json", "invalid_chunk", "invalid_audio", "invalid_text", "unsupported_modality",
     "no_input", "payload_too_large", "request_too_large", "idle_timeout", "client_disconnected", "session_closed",
-    "context_length_exceeded", "replay_unavailable", "invalid_last_event_id",
+    "context_length_exceeded", "replay_unavailable", "invalid_last_event_id", "max_duration_exceeded",
 })
 
 

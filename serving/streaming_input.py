@@ -35,8 +35,10 @@ from aiohttp import web
 
 from jaxstream.errors import EngineError
 from jaxstream.serving import sse
-from jaxstream.serving.http_errors import RequestError, body_read, engine_request_error, parse_json_object
-from jaxstream.serving.limits import Breach
+from jaxstream.serving.http_errors import (
+    RequestError, body_read, engine_request_error, parse_json_object, read_before_admission,
+)
+from jaxstream.serving.limits import Breach, duration_breach
 
 logger = logging.getLogger(__name__)
 
@@ -336,9 +338,19 @@ async def ndjson_objects(request: web.Request, limits):
             return
 
 
-async def first_object(objects) -> tuple[dict, dict | None]:
+async def first_object(request: web.Request, objects) -> tuple[dict, dict | None]:
     """(parameters, first chunk or None) of a Mode A body: the first line is the parameters object unless
-    it carries a payload, in which case the parameters are empty and it is the first chunk."""
+    it carries a payload, in which case the parameters are empty and it is the first chunk.
+
+    The first line is read before the request is admitted, so at the body's minimum rate
+    (`read_before_admission`). The lines after it are not: the client paces them by design (live input, which
+    a client may send only while someone speaks), so an average rate would cut real streams; an admitted stream
+    counts against the server's connection limit and its key's streams, the idle timeout bounds its silences
+    and `max_session_seconds` its age."""
+    return await read_before_admission(request, _first_object(objects))
+
+
+async def _first_object(objects) -> tuple[dict, dict | None]:
     try:
         first = await anext(objects)
     except StopAsyncIteration:
@@ -350,11 +362,14 @@ async def first_object(objects) -> tuple[dict, dict | None]:
 
 async def serve_mode_a(request: web.Request, state, stream, policy: StartPolicy, objects, first_chunk):
     """Streams a Mode A request: the rest of the NDJSON body feeds `stream` while its output goes back as
-    SSE. The client going away aborts the engine session."""
-    feed = InputFeed(stream, policy, state.config.limits.max_payload_per_session)
+    SSE. The client going away aborts the engine session; so does the stream's age reaching
+    `max_session_seconds` (`_expire`)."""
+    limits = state.config.limits
+    feed = InputFeed(stream, policy, limits.max_payload_per_session)
     handle = DrainHandle(stream, feed)
     admit(state, handle)
     reader = asyncio.create_task(_read_chunks(stream, feed, objects, first_chunk))
+    expiry = asyncio.create_task(_expire(handle, limits))
     try:
         # No first-event timeout: the client paces the input, so a quiet stream is not a stuck engine.
         response, complete = await sse.stream_log(request, stream.log, first_event_timeout_s=None)
@@ -362,7 +377,16 @@ async def serve_mode_a(request: web.Request, state, stream, policy: StartPolicy,
             await stream.abort("client_disconnected")
         return response
     finally:
-        await asyncio.shield(end_request(state, handle, reader))
+        await asyncio.shield(end_request(state, handle, reader, expiry))
+
+
+async def _expire(handle: DrainHandle, limits) -> None:
+    """Stops `handle`'s stream (an `error` event `max_duration_exceeded`, the engine session aborted) once it is
+    `limits.max_session_seconds` old, as a WebSocket connection is closed at that age: a Mode A client that sent
+    a little audio every few minutes, under the idle timeout, held an engine session and a connection slot for
+    good. The caller cancels it when the stream ends first."""
+    await asyncio.sleep(limits.max_session_seconds)
+    handle.stop(duration_breach(limits, "stream"))
 
 
 async def _read_chunks(stream, feed: InputFeed, objects, first_chunk) -> None:

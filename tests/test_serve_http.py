@@ -141,8 +141,8 @@ def test_api_key_is_required(engine, wav):
 
 
 def _raw_post(server, path: str, content_type: str, length: int, body: bytes, reset: bool = False):
-    """A POST over a plain socket announcing `length` bytes and sending `body`: the status line and the JSON
-    answer, or None when `reset` (the client then resets the connection)."""
+    """A POST over a plain socket announcing `length` bytes and sending `body`: the status line, the JSON answer
+    and the headers (lower-case names), or None when `reset` (the client then resets the connection)."""
     host, port = server.url("", "http").removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
@@ -155,28 +155,34 @@ def _raw_post(server, path: str, content_type: str, length: int, body: bytes, re
         while (b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}")) and (data := sock.recv(4096)):
             answer += data
         head, payload = answer.split(b"\r\n\r\n", 1)
-        return head.split(b"\r\n")[0].decode(), json.loads(payload)
+        status, *fields = head.decode().split("\r\n")
+        headers = {name.strip().lower(): value.strip() for name, value in (field.split(":", 1) for field in fields)}
+        return status, json.loads(payload), headers
 
 
 def test_bodies_that_break_off_or_stall_get_an_answer_and_no_server_error(engine, wav, caplog):
     """An upload whose multipart body ends inside a part is a 400 (it was aiohttp's plain-text 500); a body
-    that stops coming is a 408 after the idle timeout (it held its connection forever); a client that resets
-    mid-body is no server error in the log (it was a traceback from aiohttp's handler)."""
+    that stops coming is a 408 after the idle timeout (it held its connection forever), which closes the
+    connection on every route (RFC 9110 15.5.9; only the uploads' did); a client that resets mid-body is no
+    server error in the log (it was a traceback from aiohttp's handler)."""
     server = ServerThread(engine, ServerConfig(limits=Limits(idle_timeout_s=1.0)))
     form = "multipart/form-data; boundary=XyZ"
     upload = (b'--XyZ\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
               b"Content-Type: audio/wav\r\n\r\n" + wav + b"\r\n--XyZ--\r\n")
     try:
         with caplog.at_level("ERROR"):
-            status, answer = _raw_post(server, "/v1/audio/transcriptions", form, 300, upload[:300])
+            status, answer, _ = _raw_post(server, "/v1/audio/transcriptions", form, 300, upload[:300])
             assert status.endswith("400 Bad Request") and answer["error"]["code"] == "invalid_request", answer
             for path, kind, body in (("/v1/audio/transcriptions", form, upload[:300]),
                                      (SESSIONS, "application/json", b'{"model": '),
+                                     # Read before the model is checked: this speech model's server answers it.
+                                     ("/v1/completions", "application/json", b'{"model": '),
                                      # Mode A, its first line stalled or cut: before any SSE, a plain answer.
                                      ("/v1/audio/transcriptions", "application/x-multipart-streaming",
                                       b'{"model": ')):
-                status, answer = _raw_post(server, path, kind, len(body) + 100, body)
+                status, answer, headers = _raw_post(server, path, kind, len(body) + 100, body)
                 assert status.endswith("408 Request Timeout") and answer["error"]["code"] == "idle_timeout"
+                assert headers.get("connection", "").lower() == "close", (path, headers)
                 _raw_post(server, path, kind, len(body) + 100, body, reset=True)
             server.call(asyncio.sleep(0.5))
         assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
@@ -203,7 +209,7 @@ def test_malformed_multipart_is_a_400_in_openai_shape(server, content_type, body
     """aiohttp's multipart reader refuses these with exceptions the route let through: aiohttp's plain-text
     500 and a traceback in the log."""
     with caplog.at_level("ERROR"):
-        status, answer = _raw_post(server, "/v1/audio/transcriptions", content_type, len(body), body)
+        status, answer, _ = _raw_post(server, "/v1/audio/transcriptions", content_type, len(body), body)
     assert status.endswith("400 Bad Request"), (status, answer)
     assert answer["error"]["code"] == "invalid_request" and answer["error"]["type"] == "invalid_request_error"
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text

@@ -21,7 +21,7 @@ from jaxstream.serving.limits import Limits
 from jaxstream.serving.testing import ServerThread, wait_engine_baseline
 from serve_fixtures import audio, engine, engine_returns_to_baseline, model, server  # noqa: F401 - pytest fixtures
 from test_serve_http import (  # noqa: F401 - reference: a fixture
-    CHUNK, SESSIONS, call, chunks_of, expected_logprobs, parse_sse, reference)
+    CHUNK, SESSIONS, call, chunks_of, expected_logprobs, parse_sse, read_sse, reference)
 
 pytestmark = pytest.mark.slow
 
@@ -293,3 +293,73 @@ async def test_drain_ends_the_input_of_http_streams_and_waits_for_them(engine, a
         await wait_engine_baseline(engine)
     finally:
         server.close()
+
+
+# -- the maximum duration of HTTP streams -------------------------------------------------------------------
+MAX_AGE_S = 2.0
+GIVE_UP_S = 60.0  # far under the idle timeout (150 s) and Mode B's session timeout (300 s), which alone ended them
+
+
+@pytest.fixture(scope="module")
+def short_lived(engine):
+    server = ServerThread(engine, ServerConfig(limits=Limits(max_session_seconds=MAX_AGE_S)))
+    yield server
+    server.close()
+
+
+def _max_duration_error(events) -> dict:
+    """The error that ends a stream at its maximum duration: the code the WebSocket routes close with at that
+    age (limits.duration_breach; test_serve_protocol's transcript of /v1/realtime), typed as OpenAI's Realtime
+    API types its own `session_expired` (invalid_request_error: the client held the session too long)."""
+    assert events[-1][1] == "[DONE]", events[-3:]
+    error = events[-2][1]
+    assert error["type"] == "error" and error["error"]["code"] == "max_duration_exceeded", error
+    assert error["error"]["type"] == "invalid_request_error", error
+    assert f"maximum duration of {MAX_AGE_S:g} s" in error["error"]["message"], error
+    return error
+
+
+async def test_mode_a_ends_at_the_maximum_duration(short_lived, audio):
+    """A Mode A request sending a little audio every few minutes, under the idle timeout, held an engine session
+    and a connection slot for good: max_session_seconds closed WebSockets only. It now ends as a WebSocket
+    does at that age, with an `error` event and the engine session aborted (engine_returns_to_baseline)."""
+    lines = ndjson(short_lived.state.model_id, audio, end=False)
+    ended = asyncio.Event()
+
+    async def body():
+        yield b"".join(lines[:3])  # the parameters and 1 s of audio; then the input stays open
+        await asyncio.wait_for(ended.wait(), GIVE_UP_S * 2)
+
+    async with aiohttp.ClientSession() as http:
+        async with http.post(short_lived.url("/v1/audio/transcriptions", "http"), data=body(),
+                             headers={"X-Streaming-Input": "true"}) as response:
+            assert response.status == 200
+            try:
+                events, _ = await asyncio.wait_for(read_sse(response), GIVE_UP_S)
+            except TimeoutError:
+                raise AssertionError(f"the stream was still open {GIVE_UP_S:g} s in") from None
+            finally:
+                ended.set()
+    _max_duration_error(events)
+
+
+async def test_a_mode_b_session_is_closed_at_the_maximum_duration(short_lived, audio):
+    """A Mode B session sending a chunk every few minutes, under its session timeout, held an engine session and
+    a connection slot for good. At max_session_seconds it is now closed: its event stream ends with the
+    WebSockets' code, later calls are 410 and the engine session is aborted (engine_returns_to_baseline)."""
+    chunks = chunks_of(audio)
+    async with aiohttp.ClientSession() as http:
+        status, created = await call(http, short_lived, "POST", SESSIONS, json={"stream": True})
+        assert status == 201, created
+        base = f"{SESSIONS}/{created['session_id']}"
+        status, answer = await call(http, short_lived, "POST", base + "/chunks", json=chunks[0])
+        assert status == 202 and answer["started"], answer
+        async with http.get(short_lived.url(base + "/events", "http")) as response:
+            try:
+                events, _ = await asyncio.wait_for(read_sse(response), GIVE_UP_S)
+            except TimeoutError:
+                raise AssertionError(f"the session was still open {GIVE_UP_S:g} s in") from None
+        _max_duration_error(events)
+        status, answer = await call(http, short_lived, "POST", base + "/chunks", json=chunks[1])
+        assert status == 410 and answer["error"]["code"] == "session_expired", answer
+        assert f"maximum duration of {MAX_AGE_S:g} s" in answer["error"]["message"], answer

@@ -1,7 +1,10 @@
 """The minimum rate of request bodies read before admission (serving/limits.py `read_at_min_rate`), after
 Apache's mod_reqtimeout `body=20,MinRate=500`: the body must be in by the grace period plus one second per
-MinRate bytes received, else 408 and the connection closes. Trickling clients are raw asyncio sockets; the
-server runs with a grace of a fraction of a second so that no test waits for the real 20 s."""
+MinRate bytes received, else 408 and the connection closes. It applies to every body a route reads before it
+admits a stream or that no limit counts (an upload's form, a Mode A request's first line on either route, a JSON
+body: a completion, a Mode B session's creation or chunk). Trickling clients are raw asyncio sockets; the
+server runs with a grace of a fraction of a second so that no test waits for the real 20 s. Last, a body
+read (http_errors.body_read) honours a cancel that comes as its data does."""
 import asyncio
 import base64
 import io
@@ -13,6 +16,8 @@ import pytest
 import soundfile
 
 from jaxstream.serving.config import ServerConfig
+from jaxstream.serving.http_errors import body_read
+from jaxstream.serving.http_sessions import PREFIX as SESSIONS
 from jaxstream.serving.limits import Limits, SlowBody, read_at_min_rate
 from jaxstream.serving.testing import ServerThread
 from serve_fixtures import audio, engine, engine_returns_to_baseline  # noqa: F401 - pytest fixtures
@@ -65,10 +70,10 @@ async def _answer(reader: asyncio.StreamReader) -> tuple[str, dict, dict]:
     return head[0], headers, json.loads(await reader.readexactly(int(headers["content-length"])))
 
 
-async def _trickle(server, headers: str, first: bytes, chunked: bool):
-    """Sends a POST's head and `first` body bytes, then one more byte every TRICKLE_EVERY_S until an answer
-    comes (or GIVE_UP_S passes: an AssertionError). Then ends the body and checks the server closes the
-    connection. Returns the answer."""
+async def _trickle(server, path: str, headers: str, first: bytes, chunked: bool):
+    """Sends the head of a POST to `path` and `first` body bytes, then one more byte every TRICKLE_EVERY_S until
+    an answer comes (or GIVE_UP_S passes: an AssertionError). Then ends the body and checks the server closes
+    the connection. Returns the answer."""
     host, port = server.url("", "http").removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     announced = len(first) + 1000  # with Content-Length: more than the trickle ever sends
@@ -77,7 +82,7 @@ async def _trickle(server, headers: str, first: bytes, chunked: bool):
         return b"%x\r\n%s\r\n" % (len(data), data) if chunked else data
 
     framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {announced}"
-    writer.write(f"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\n{headers}{framing}\r\n\r\n".encode()
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\n{headers}{framing}\r\n\r\n".encode()
                  + framed(first))
     sent = len(first)
 
@@ -106,20 +111,46 @@ async def _trickle(server, headers: str, first: bytes, chunked: bool):
         writer.close()
 
 
+JSON = "Content-Type: application/json\r\n"
+MODE_A = "Content-Type: application/json\r\nX-Streaming-Input: true\r\n"
+# What each route reads before it admits a stream, or in a request that no limit counts: (path, headers, the
+# body's first bytes). The completion routes read their body before they look at the model: this server's
+# speech model answers them as a text model's server would.
+BODIES = {
+    "upload": ("/v1/audio/transcriptions", f"Content-Type: {FORM}\r\n", None),
+    "streaming input": ("/v1/audio/transcriptions", MODE_A, b'{"model": "'),
+    "completion": ("/v1/completions", JSON, b'{"model": "m", "prompt": "'),
+    "completion streaming input": ("/v1/completions", MODE_A, b'{"model": "'),
+    "session": (SESSIONS, JSON, b'{"modality": "'),
+    "session chunk": (None, JSON, b'{"sequence_id": 0, "payload": "'),
+}
+
+
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
-@pytest.mark.parametrize("kind", ["upload", "streaming input"])
+@pytest.mark.parametrize("kind", list(BODIES))
 async def test_a_trickled_body_is_a_408_that_closes_the_connection(server, pcm16, kind, chunked):
     """A body that arrives a byte at a time held its connection forever: the idle timeout (150 s) is per read,
     and each byte is a read. Before admission nothing counts such a request against any limit, so a few
-    thousand of them exhaust the server's sockets. Now a multipart upload, and a streamed (Mode A) request's
-    first line, read before admission, fall behind the minimum rate after the grace period: 408 with
+    thousand of them exhaust the server's sockets; a Mode B chunk or a completion's JSON (up to 4 MB) is never
+    counted at all. Now each of them falls behind the minimum rate after the grace period: 408 with
     `Connection: close` (RFC 9110 15.5.9), and the connection closes."""
     model = server.state.model_id
-    if kind == "upload":
-        headers, first = f"Content-Type: {FORM}\r\n", _upload(model, _wav(pcm16))[:300]
-    else:
-        headers, first = "Content-Type: application/json\r\nX-Streaming-Input: true\r\n", b'{"model": "'
-    status, response_headers, answer = await _trickle(server, headers, first, chunked)
+    path, headers, first = BODIES[kind]
+    first = first or _upload(model, _wav(pcm16))[:300]
+    async with aiohttp.ClientSession() as http:
+        if path is None:  # a chunk of an open session
+            async with http.post(server.url(SESSIONS, "http"), json={}) as response:
+                assert response.status == 201
+                session = (await response.json())["session_id"]
+            path = f"{SESSIONS}/{session}/chunks"
+        try:
+            status, response_headers, answer = await _trickle(server, path, headers, first, chunked)
+        finally:
+            if kind == "session chunk":  # the session's input, so that it ends
+                chunk = {"sequence_id": 0, "payload": base64.b64encode(pcm16[:8000].tobytes()).decode(),
+                         "end_of_input": True}
+                async with http.post(server.url(path, "http"), json=chunk) as response:
+                    assert response.status == 202, await response.text()
     assert status == "HTTP/1.1 408 Request Timeout", (status, answer)
     assert response_headers["connection"].lower() == "close"
     assert answer["error"]["code"] == "body_too_slow" and answer["error"]["type"] == "invalid_request_error"
@@ -215,10 +246,10 @@ async def test_a_body_behind_the_rate_is_cut_and_its_read_cancelled():
 
 
 async def test_a_read_that_swallows_its_cancel_is_cancelled_again():
-    """Python 3.11's wait_for (each body_read) swallows a cancel that comes as its inner read completes, and the
-    read goes on: a Mode A request trickling its first line sometimes got no answer for the idle timeout, its
-    read cancelled once and still waiting for the line's end. Here the read swallows its first cancel as
-    wait_for does; it is cancelled again and the body is cut all the same."""
+    """A read may swallow a cancel (Python 3.11's wait_for, each body_read's until it used asyncio.timeout, drops
+    one that comes as its inner read completes) and go on: a Mode A request trickling its first line sometimes
+    got no answer for the idle timeout, its read cancelled once and still waiting for the line's end. Here the
+    read swallows its first cancel as wait_for did; it is cancelled again and the body is cut all the same."""
     limits, attempts = Limits(body_grace_s=0.1, body_min_rate=1000), []
 
     async def read():
@@ -235,3 +266,31 @@ async def test_a_read_that_swallows_its_cancel_is_cancelled_again():
     with pytest.raises(SlowBody):
         await asyncio.wait_for(read_at_min_rate(read(), limits, lambda: 0), GIVE_UP_S / 2)
     assert attempts == ["swallowed", "cancelled"]
+
+
+# -- a body read and its cancel ---------------------------------------------------------------------------
+async def test_a_cancel_that_comes_with_the_data_ends_the_reader():
+    """asyncio's contract: a task whose cancel() returned True gets CancelledError at its await. Python 3.11's
+    wait_for (body_read's) broke it when the cancel came in the loop iteration that completed its inner read:
+    it returned the data and dropped the cancel, so a reader looping over a body (Mode A's, which end_request
+    cancels when the stream ends) went on to its next read, and the request waited for the idle timeout
+    (150 s) to end. Here the data and the cancel come together, as they do when a line arrives just as the
+    stream ends; the reader must end at once. (Python 3.12's wait_for is built on asyncio.timeout: there the
+    old code passes too.)"""
+    body, reads = asyncio.StreamReader(), []
+
+    async def reader():
+        while data := await body_read(body.read(100), Limits()):
+            reads.append(data)
+
+    task = asyncio.create_task(reader())
+    for _ in range(3):
+        await asyncio.sleep(0)  # the reader, and wait_for's inner read if any, wait for data
+    body.feed_data(b"x")  # the data arrives ...
+    assert task.cancel()  # ... in the same loop iteration as the cancel
+    try:
+        await asyncio.wait([task], timeout=GIVE_UP_S)
+        assert task.cancelled(), f"the reader went on to read again after {reads}"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
