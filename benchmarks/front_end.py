@@ -45,7 +45,7 @@ def run(streams: int, passes: int, seed: int = 0) -> np.ndarray:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # the first paragraph
     parser.add_argument("--streams", default="1,8,256", help="streams per pass, one run each (default: 1,8,256)")
     parser.add_argument("--passes", type=int, default=100, help="measured passes per run (default: 100)")
     args = parser.parse_args()

@@ -74,9 +74,9 @@ def run(streams: int, ticks: int, seed: int = 0, admission: str = "demand") -> d
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--streams", default="64,256")
-    parser.add_argument("--ticks", type=int, default=60)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # the first paragraph
+    parser.add_argument("--streams", default="64,256", help="concurrent streams, one run each (default: 64,256)")
+    parser.add_argument("--ticks", type=int, default=60, help="ticks per run (default: 60)")
     parser.add_argument("--admission", default="demand", help="EngineConfig.realtime_admission values, one run "
                         "each (default: demand)")
     args = parser.parse_args()
@@ -91,7 +91,8 @@ def _report(result: dict, start: float) -> None:
     print(f"streams={result['streams']} ({result['admission']} admission): {result['ticks']} ticks, median "
           f"{result['rows_p50']:g} rows; host CPU per tick p50/p99 {result['cpu_ms_p50']:.2f} / "
           f"{result['cpu_ms_p99']:.2f} ms (in XLA's calls p50 {result['xla_calls_ms_p50']:.2f}, the scheduler p50 "
-          f"{result['scheduler_ms_p50']:.2f}); host wall (tick minus device wait) p50/p99 {result['host_ms_p50']:.2f} / "
+          f"{result['scheduler_ms_p50']:.2f}); host wall (tick minus device wait) p50/p99 "
+          f"{result['host_ms_p50']:.2f} / "
           f"{result['host_ms_p99']:.2f} ms; CPU with the append commands p50 {result['with_commands_ms_p50']:.2f} ms "
           f"({time.perf_counter() - start:.0f} s)", flush=True)
 

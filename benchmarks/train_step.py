@@ -1,7 +1,7 @@
 """Where a training step's time goes, against a dense matmul measured in the same run.
 
     python benchmarks/train_step.py                      # the tiny recipe, batch 16 x 112 slots
-    python benchmarks/train_step.py --config configs/tiny.toml --batch 16 --slots 112 --json out.json
+    python benchmarks/train_step.py --config tiny --batch 16 --slots 112 --json out.json
     python benchmarks/train_step.py --profile 40         # also: where the step's thread time goes
 
 Times (median of --reps after a warm-up) the jitted forward+backward of: the whole step's loss
@@ -28,6 +28,8 @@ import numpy as np
 from flax import nnx
 
 from jaxstream import allocator
+from jaxstream.commands.train import resolve_config_path
+from jaxstream.errors import UserError
 from jaxstream.models.layers import init_kv_cache
 from jaxstream.models.tokenizers import NUM_CONTROL_IDS
 from jaxstream.models.voxtral import VoxtralRealtime
@@ -87,22 +89,47 @@ def random_batch(rng, model_cfg, batch, slots, n_delay):
         frames_valid=np.full((batch,), model_cfg.downsample_factor * rest, np.int32))
 
 
-def main(argv=None):
+def parse(argv=None):
+    """(arguments, the recipe they ask for); bad arguments exit as argparse's errors do."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default="configs/tiny.toml")
-    parser.add_argument("--vocab-size", type=int, default=4387, help="decoder rows (the shipped tiny model's)")
+    parser.add_argument("--config", default="tiny",
+                        help="recipe TOML: a path or a preset name in jaxstream.configs, as `jaxstream train "
+                        "--config` takes (default: tiny)")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="decoder rows, control ids included (default: the recipe's, 1000 control ids + its "
+                        "[tokenizer] vocab_size; a trained tokenizer may hold fewer pieces)")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--slots", type=int, default=112, help="stream slots per row (80 ms each)")
+    parser.add_argument("--slots", type=int, default=112,
+                        help=f"stream slots per row (80 ms each), more than the {SHARED_PREFIX_SLOTS} of the "
+                        "shared left-pad prefix")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also list the N costliest operations of the step by thread time")
     args = parser.parse_args(argv)
+    # The stream after the shared prefix must hold a slot, and tokens are drawn above the control ids.
+    if args.slots <= SHARED_PREFIX_SLOTS:
+        parser.error(f"--slots must be more than {SHARED_PREFIX_SLOTS} (the shared left-pad prefix), "
+                     f"got {args.slots}")
+    if args.vocab_size is not None and args.vocab_size <= NUM_CONTROL_IDS:
+        parser.error(f"--vocab-size must be more than {NUM_CONTROL_IDS} (the control ids), got {args.vocab_size}")
+    for name in ("batch", "reps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    try:
+        cfg = load_train_config(resolve_config_path(args.config))
+    except (UserError, TypeError, ValueError) as exc:
+        parser.error(f"--config {args.config}: {exc}")
+    if args.vocab_size is not None:
+        cfg = with_vocab_size(cfg, args.vocab_size)
+    return args, cfg
+
+
+def main(argv=None):
+    args, cfg = parse(argv)
     if argv is None:  # a process of its own: on the allocator the jaxstream commands use
         allocator.reexecute_with_tcmalloc()
 
-    cfg = load_train_config(args.config)
-    cfg = with_vocab_size(cfg, args.vocab_size)
     model = VoxtralRealtime(cfg.model, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
     weights = {"model": params, "ctc_head": init_ctc_head(cfg.model)}
@@ -131,7 +158,7 @@ def main(argv=None):
         return jnp.mean(out**2)
 
     hidden = jnp.ones((args.batch, args.slots - SHARED_PREFIX_SLOTS, cfg.model.text.hidden_size))
-    embedding = jnp.ones((args.vocab_size, cfg.model.text.hidden_size))
+    embedding = jnp.ones((cfg.model.text.vocab_size, cfg.model.text.hidden_size))
 
     def head(hidden, embedding):
         return jnp.mean(jax.nn.logsumexp(jnp.einsum("btd,vd->btv", hidden, embedding), axis=-1))
@@ -150,7 +177,8 @@ def main(argv=None):
         "one tied head fwd+bwd": timed_jit(jax.grad(head, argnums=(0, 1)), hidden, embedding, reps=args.reps),
     }
     step_gflops = step_flops / seconds["step fwd+bwd"] / 1e9
-    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), batch {args.batch} x {args.slots} slots")
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), batch {args.batch} x {args.slots} slots, "
+          f"vocabulary {cfg.model.text.vocab_size}")
     for name, value in seconds.items():
         print(f"{name:32s} {1000 * value:9.1f} ms  ({100 * value / seconds['step fwd+bwd']:5.1f} % of the step)")
     print(f"step: {step_flops / 1e9:.1f} GFLOP at {step_gflops:.1f} GFLOP/s = "
@@ -163,6 +191,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": jax.devices()[0].device_kind, "batch": args.batch, "slots": args.slots,
+                       "vocab_size": cfg.model.text.vocab_size,
                        "seconds": seconds, "step_gflop": step_flops / 1e9, "step_gflops": step_gflops,
                        "matmul_gflops": matmul_gflops}, f, indent=1)
 

@@ -7,7 +7,8 @@ Speaks vLLM's realtime protocol (works against `jaxstream serve` and `vllm serve
 sends every 80 ms of audio as it is captured, prints the text as it streams back, and on Ctrl-C sends the
 final commit and prints the final transcript (a second Ctrl-C stops waiting for it). Needs `websockets`,
 `numpy` and `sounddevice` (`pip install sounddevice`; on Linux also the PortAudio library, e.g.
-`apt install libportaudio2`)."""
+`apt install libportaudio2`): without them, or without an input device, it says so in one line before it
+connects."""
 import argparse
 import asyncio
 import base64
@@ -18,16 +19,23 @@ import sys
 
 import numpy as np
 
-from realtime_client import SAMPLE_RATE, Failed, open_session, read_transcript, run_client, served_model
+from realtime_client import (SAMPLE_RATE, Failed, checked_url, open_session, read_transcript, run_client,
+                             served_model)
 
 CHUNK = 1280  # 80 ms: one model step
 
 
 def open_microphone(loop: asyncio.AbstractEventLoop, chunks: asyncio.Queue):
+    """An input stream (opened, not started: `with` starts it) whose 80 ms blocks go to `chunks` as PCM16.
+
+    Called before the client connects: a missing sounddevice, PortAudio or input device is a Failed line
+    then, not an exit from inside the session with the server's reader running (a traceback, and a 1011
+    close on the server)."""
     try:
         import sounddevice
     except (ImportError, OSError) as exc:  # OSError: the module is there, PortAudio is not
-        sys.exit(f"microphone_client.py needs sounddevice and PortAudio: pip install sounddevice ({exc})")
+        raise Failed(f"microphone_client.py needs sounddevice and PortAudio: pip install sounddevice "
+                     f"(and e.g. apt install libportaudio2): {exc}") from None
 
     def captured(data, frames, time_info, status):
         if status:
@@ -35,17 +43,22 @@ def open_microphone(loop: asyncio.AbstractEventLoop, chunks: asyncio.Queue):
         pcm16 = (np.clip(data[:, 0], -1.0, 1.0) * 32767).astype("<i2").tobytes()
         loop.call_soon_threadsafe(chunks.put_nowait, pcm16)  # the callback runs on PortAudio's thread
 
-    return sounddevice.InputStream(samplerate=SAMPLE_RATE, channels=1, dtype="float32", blocksize=CHUNK,
-                                   callback=captured)
+    try:
+        return sounddevice.InputStream(samplerate=SAMPLE_RATE, channels=1, dtype="float32", blocksize=CHUNK,
+                                       callback=captured)
+    except sounddevice.PortAudioError as exc:  # e.g. no input device
+        raise Failed(f"cannot open the microphone: {exc}") from None
 
 
 async def run(args) -> int:
     import websockets
 
-    model = args.model or served_model(args.url, args.api_key)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    checked_url(args.url)
     loop = asyncio.get_running_loop()
     chunks: asyncio.Queue = asyncio.Queue()
+    microphone = open_microphone(loop, chunks)
+    model = args.model or served_model(args.url, args.api_key)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with websockets.connect(args.url, additional_headers=headers) as ws:
         await open_session(ws, model, args.delay_ms)
         appends = 0
@@ -69,7 +82,7 @@ async def run(args) -> int:
 
         loop.add_signal_handler(signal.SIGINT, interrupted)
         receiver = asyncio.create_task(read_transcript(ws, final_sent))
-        with open_microphone(loop, chunks):
+        with microphone:
             print("listening; Ctrl-C to stop", file=sys.stderr)
             sender = asyncio.create_task(send_audio())
             stopped = asyncio.create_task(stop.wait())

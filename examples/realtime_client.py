@@ -9,8 +9,9 @@ events (printed as they arrive) and one transcription.done. Needs only `websocke
 `soundfile`. Files not at 16 kHz are resampled by linear interpolation (convert them with sox or ffmpeg
 for the best quality).
 
-Any failure (an error event, a refused or closed connection) ends the run with one line on stderr and exit
-code 1. microphone_client.py imports the protocol helpers below.
+Any failure (an unreadable file, a URL that is not ws:// or wss://, an error event, a refused or closed
+connection) ends the run with one line on stderr and exit code 1. microphone_client.py imports the protocol
+helpers below.
 """
 import argparse
 import asyncio
@@ -33,11 +34,29 @@ class Failed(Exception):
     """Ends the run: its message is printed as one line on stderr and the exit code is 1."""
 
 
+def checked_url(url: str) -> str:
+    """`url` if it is a WebSocket URL; otherwise Failed, naming the ws:// (wss://) form of an http:// (https://)
+    one: the realtime API is a WebSocket, and websockets refuses any other scheme with a traceback."""
+    scheme, separator, rest = url.partition("://")
+    if separator and scheme.lower() in ("ws", "wss"):
+        return url
+    if separator and scheme.lower() in ("http", "https"):
+        raise Failed(f"--url {url}: the realtime API is a WebSocket: use --url "
+                     f"{scheme.lower().replace('http', 'ws')}://{rest}")
+    raise Failed(f"--url {url}: expected a ws:// or wss:// URL, e.g. ws://localhost:8000/v1/realtime")
+
+
 def load_pcm16(path: str) -> np.ndarray:
-    """The file as mono int16 samples at 16 kHz."""
+    """The file as mono int16 samples at 16 kHz; Failed when it cannot be opened or is not audio."""
     import soundfile
 
-    samples, rate = soundfile.read(path, dtype="float32", always_2d=True)
+    try:
+        with open(path, "rb") as file:  # Python's error names a missing file; libsndfile's says "System error"
+            samples, rate = soundfile.read(file, dtype="float32", always_2d=True)
+    except OSError as exc:
+        raise Failed(f"cannot read {path}: {exc.strerror or exc}") from None
+    except soundfile.SoundFileError as exc:  # not a format libsndfile reads (text, or mp3 before libsndfile 1.1)
+        raise Failed(f"cannot read {path} as audio: {getattr(exc, 'error_string', exc)}") from None
     mono = samples.mean(axis=1)
     if rate != SAMPLE_RATE:
         positions = np.arange(0, len(mono) * SAMPLE_RATE / rate) * rate / SAMPLE_RATE
@@ -51,7 +70,10 @@ def served_model(url: str, api_key: str | None) -> str:
     request = urllib.request.Request(http + "/v1/models",
                                      headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     with urllib.request.urlopen(request, timeout=10) as response:
-        return json.load(response)["data"][0]["id"]
+        try:
+            return json.load(response)["data"][0]["id"]
+        except (ValueError, LookupError, TypeError):  # not JSON, or no model listed: not a realtime server
+            raise Failed(f"GET {http}/v1/models listed no model; name one with --model") from None
 
 
 async def open_session(ws, model: str, delay_ms: int | None) -> None:
@@ -112,6 +134,8 @@ def run_client(coroutine, url: str) -> int:
               "the connection to the server was lost", file=sys.stderr)
     except websockets.InvalidStatus as exc:  # e.g. 401: a missing or wrong API key
         print(f"the server refused the connection: HTTP {exc.response.status_code}", file=sys.stderr)
+    except websockets.InvalidURI as exc:  # a ws:// URL websockets cannot parse (checked_url passed the scheme)
+        print(f"--url {url}: {exc}", file=sys.stderr)
     except urllib.error.HTTPError as exc:  # from GET /v1/models
         print(f"the server refused GET /v1/models: HTTP {exc.code} {exc.reason}", file=sys.stderr)
     except OSError as exc:
@@ -122,6 +146,7 @@ def run_client(coroutine, url: str) -> int:
 async def transcribe(args) -> int:
     import websockets
 
+    checked_url(args.url)
     pcm = load_pcm16(args.file)
     if pcm.size == 0:
         raise Failed(f"{args.file} holds no audio")

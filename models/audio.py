@@ -500,7 +500,9 @@ def load_audio(source: str | os.PathLike | bytes, max_seconds: float | None = No
     except AudioError:
         raise
     except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
-        raise AudioError(f"cannot decode audio {name}: {exc}") from exc
+        # libsndfile's own message names its handle ("Error opening <_io.BytesIO object at 0x...>"): `name`
+        # says which audio, its error_string why.
+        raise AudioError(f"cannot decode audio {name}: {getattr(exc, 'error_string', None) or exc}") from exc
     return samples.take()
 
 

@@ -95,6 +95,65 @@ def test_delay_errors_come_from_the_one_delay_check(command, capsys):
     assert f"--delay-ms 100: the delay must be {ALLOWED_DELAYS_TEXT}" in err and len(err.strip().splitlines()) == 1
 
 
+def test_an_attention_kernel_this_backend_cannot_run_is_one_line(capsys):
+    """`--attention pallas_tpu` on a CPU (or a GPU) was a ValueError traceback from the first compile at
+    warm-up; EngineConfig now asks the kernel's own availability check (tpu_kernels' choose_implementation)
+    first, so every command that takes an implementation says why in one line."""
+    assert cli.main(["bench", "--attention", "pallas_tpu", "--streams", "1", "--seconds", "1", "--fast"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxstream bench: error: EngineConfig.attention_impl 'pallas_tpu' cannot run here: ")
+    assert "TPU" in err and "interpret=True" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_train_steps_too_short_for_the_schedule_names_the_flag_and_its_minimum(tmp_path, capsys):
+    """`--steps 2` with the tiny recipe blamed the recipe ("cooldown_steps must be between ..."). The minimum
+    the message gives is the one the recipe's own check (OptimizerConfig) accepts, and one step less fails it."""
+    from jaxstream.commands.train import resolve_config_path
+    from jaxstream.synth.corpus import MANIFEST_NAME
+    from jaxstream.training import load_train_config
+    from jaxstream.training.config import with_total_steps
+
+    recipe = load_train_config(resolve_config_path("tiny"))
+    shortest = recipe.optimizer.warmup_steps + recipe.optimizer.cooldown_steps
+    with_total_steps(recipe, shortest)
+    with pytest.raises(ValueError):
+        with_total_steps(recipe, shortest - 1)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / MANIFEST_NAME).write_text("")
+    assert cli.main(["train", "--corpus", str(corpus), "--out", str(tmp_path / "run"), "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxstream train: error: --steps 2 is shorter than the recipe's warmup and cooldown")
+    assert f"--steps must be at least {shortest};" in err and "--until-step 2" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_synth_help_names_the_shipped_models_corpus_and_every_engine():
+    """The shipped tiny model's recipe (configs/tiny.toml's header) lists the synth commands of its corpus: the
+    --text choice they use is the one the help calls the shipped model's; the help names every engine."""
+    recipe = (ROOT / "configs" / "tiny.toml").read_text()
+    [used] = set(re.findall(r"jaxstream synth .*--text (\w+)", recipe))
+    parser = _subparser("synth")
+    [text_help] = [action.help for action in parser._actions if action.dest == "text"]  # noqa: SLF001
+    labels = {choice: text_help.index(choice) for choice in ("words", "sentences")}
+    shipped = text_help.index("the shipped tiny model's corpus")
+    assert max((start, choice) for choice, start in labels.items() if start < shipped)[1] == used, text_help
+    (engines,) = [action for action in parser._actions if action.dest == "engines"]  # noqa: SLF001
+    for name in ("espeak-ng", "Festival", "flite"):
+        assert name in parser.description, name
+        assert name.lower() in engines.help.lower(), name
+
+
+@pytest.mark.parametrize("source, kind", [("tiny", "an Orbax"), ("llama_tiny", "a Hugging Face")])
+def test_convert_names_the_kind_of_checkpoint_it_read(source, kind, tmp_path, capsys):
+    """It printed "from a orbax checkpoint"."""
+    if source != "tiny":
+        source = str(ROOT / "tests" / "fixtures" / source)
+    assert cli.main(["convert", source, str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"wrote {tmp_path / 'out'} (") and out.rstrip().endswith(f"from {kind} checkpoint)"), out
+
+
 def _subparser(name: str) -> argparse.ArgumentParser:
     (action,) = [a for a in cli.build_parser()._actions if a.dest == "command"]  # noqa: SLF001
     return action.choices[name]

@@ -106,3 +106,64 @@ def test_notebook_transcribes_the_sample_on_cpu_with_the_embedded_model(tmp_path
     assert all(0 <= start < end <= duration for _, start, end in result["words"])
     plot_cell = next(c for c in notebook.cells if "plot_words(audio" in c.source)
     assert any("image/png" in output.get("data", {}) for output in plot_cell.outputs)
+
+
+def code_cell(marker: str) -> str:
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    [source] = [cell.source for cell in notebook.cells if cell.cell_type == "code" and marker in cell.source]
+    return source
+
+
+def test_opened_from_github_in_colab_the_install_cell_says_what_to_set(tmp_path):
+    """Colab opens a notebook from GitHub without its repository: JAXSTREAM_SOURCE is empty and /content is no
+    checkout. The parameters and install cells run as there (no jaxstream importable: python -S; online), and
+    the error holds an assignment to paste into the parameters cell, naming a URL the cell installs from."""
+    import re
+    import subprocess
+    import sys
+
+    program = code_cell('JAXSTREAM_SOURCE = ""  # @param') + "\n" + code_cell("def pip_install_jaxstream")
+    env = {key: value for key, value in os.environ.items() if key not in ("CI", "HF_HUB_OFFLINE")}
+    done = subprocess.run([sys.executable, "-S", "-c", program], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1 and "is already installed" not in done.stdout, (done.stdout, done.stderr)
+    message = done.stderr.strip().splitlines()[-1]
+    assert message.startswith("RuntimeError: jaxstream is not installed") and str(tmp_path) in message, message
+    [assignment] = re.findall(r'JAXSTREAM_SOURCE = "[^"]*"', message)
+    parameters = {}
+    exec(assignment, parameters)  # noqa: S102 - the line the user is told to write
+    assert parameters["JAXSTREAM_SOURCE"].startswith("https://github.com/")
+
+
+@pytest.mark.parametrize("ram_gib, falls_back", [(23.5, True), (24.5, False)])
+def test_the_cpu_ram_check_reports_the_threshold_it_applies(ram_gib, falls_back):
+    """It said "needs about 20 GB of RAM (this machine has 24 GB)" on a 23.5 GiB machine: the message now
+    gives the threshold the comparison uses and the RAM to one decimal."""
+    import ast
+    import types
+
+    source = code_cell("def choose_model")
+    tree = ast.parse(source)
+    names = {"choose_model", "EMBEDDED", "CPU_RAM_NEEDED_GIB"}  # the function and the constants it reads
+    wanted = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names
+              or isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) in names]
+    page = 4096
+    fake_os = types.SimpleNamespace(sysconf=lambda name: page if name == "SC_PAGE_SIZE" else ram_gib * 2**30 / page)
+
+    class Unfetchable(Exception):
+        pass
+
+    def resolve_model_dir(model):
+        raise Unfetchable(model)  # the check passed: the notebook would download the model now
+
+    namespace = {"os": fake_os, "Path": Path, "USE_EMBEDDED_MODEL": False, "OFFLINE": False, "BACKEND": "cpu",
+                 "MODEL_ID": "mistralai/Voxtral-Mini-4B-Realtime-2602", "resolve_model_dir": resolve_model_dir,
+                 "UserError": Unfetchable}
+    exec(compile(ast.Module(wanted, type_ignores=[]), "notebook", "exec"), namespace)  # noqa: S102
+    model, reason = namespace["choose_model"]()
+    threshold = namespace["CPU_RAM_NEEDED_GIB"]
+    assert (ram_gib < threshold) == falls_back
+    if falls_back:
+        assert model == "tiny" and f"{threshold} GiB" in reason and f"this machine has {ram_gib:.1f} GiB" in reason
+    else:
+        assert reason.startswith("it could not be fetched")

@@ -4,6 +4,7 @@ probe path, the port, the metric the autoscaler reads, a grace period that cover
 entry point and its SageMaker label. The multi-host overlay's LeaderWorkerSet is a CRD the validator does not
 know: its leader and worker pod templates validate as PodTemplates."""
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -24,12 +25,34 @@ KUSTOMIZATIONS = ["k8s/base", "k8s/overlays/gpu", "k8s/overlays/tpu"]
 KUBERNETES_VERSION = "1.31.0"
 
 
-def _build(kustomization: str) -> list[dict]:
+def _kustomize(kustomization: str) -> subprocess.CompletedProcess:
     kubectl = shutil.which("kubectl")
     assert kubectl, "kubectl is required to build the kustomizations (apt-get install kubernetes-client)"
-    rendered = subprocess.run([kubectl, "kustomize", str(DEPLOY / kustomization)], check=True,
-                              capture_output=True, text=True).stdout
-    return [resource for resource in yaml.safe_load_all(rendered) if resource]
+    return subprocess.run([kubectl, "kustomize", str(DEPLOY / kustomization)], check=True, capture_output=True,
+                          text=True)
+
+
+def _build(kustomization: str) -> list[dict]:
+    return [resource for resource in yaml.safe_load_all(_kustomize(kustomization).stdout) if resource]
+
+
+@pytest.mark.parametrize("kustomization", [*KUSTOMIZATIONS, "k8s/overlays/tpu-multihost"])
+def test_kustomizations_use_no_deprecated_fields(kustomization):
+    """kubectl kustomize warns on stderr about fields it will drop (commonLabels, patchesStrategicMerge)."""
+    assert "deprecated" not in _kustomize(kustomization).stderr
+
+
+# Repository paths as the deploy files' comments name them ("deploy/k8s/...", "benchmarks/serve_load.py"); not
+# container paths such as /models/hf.
+_REPOSITORY_PATH = re.compile(r"(?<![\w/.-])(?:deploy|benchmarks|jaxstream|serving|tests|tpu_kernels|examples)"
+                              r"/[\w./*-]*[\w*]")
+
+
+def test_the_deploy_files_name_paths_that_exist():
+    for path in sorted(DEPLOY.rglob("*")):
+        if path.is_file():
+            for named in _REPOSITORY_PATH.findall(path.read_text()):
+                assert any(DEPLOY.parent.glob(named)), f"{path.relative_to(DEPLOY.parent)} names {named}"
 
 
 @pytest.fixture(scope="module", params=KUSTOMIZATIONS)
@@ -83,6 +106,24 @@ def test_probes_port_and_grace_period_match_the_server(resources):
     assert any(s["metadata"]["name"] == pod["subdomain"] and s["spec"]["clusterIP"] == "None" for s in services)
 
 
+def _dockerfile_instructions() -> list[str]:
+    """The Dockerfile's instructions, continuation lines joined, comments left out."""
+    lines = [line for line in (DEPLOY / "Dockerfile").read_text().splitlines() if not line.lstrip().startswith("#")]
+    return [part.strip() for part in re.sub(r"\\\n", " ", "\n".join(lines)).splitlines() if part.strip()]
+
+
+def test_the_image_has_the_compiler_the_cpu_kernel_builds_with():
+    """The C++ ring attention kernel is compiled on first use for the CPU it runs on (-march=native, so not at
+    build time) with $CXX, c++ or g++ (tpu_kernels/ring_attention/cpu.py); without one every CPU engine in
+    the container took the slower XLA path."""
+    installed = set()
+    for instruction in _dockerfile_instructions():
+        if instruction.startswith("RUN ") and "apt-get install" in instruction:
+            command = instruction.split("apt-get install", 1)[1].split("&&", 1)[0]
+            installed |= {word for word in command.split() if not word.startswith("-")}
+    assert installed & {"g++", "build-essential"}, installed
+
+
 def test_dockerfile_label_and_sources():
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     assert "LABEL com.amazonaws.sagemaker.capabilities.bidirectional-streaming=true" in dockerfile
@@ -101,18 +142,47 @@ def fake_jaxstream(tmp_path):
     return tmp_path
 
 
-@pytest.mark.parametrize("environ, argv, expected", [
-    ({}, ["serve"], "serve --host 0.0.0.0 --port 8000"),
-    ({"PORT": "9000"}, ["serve", "some/model"], "serve --host 0.0.0.0 --port 9000 some/model"),
-    ({"SAGEMAKER_BIND_TO_PORT": "8080"}, ["serve"], "serve --host 0.0.0.0 --port 8080"),
-    ({"SM_MODEL_DIR": "/opt/ml/model"}, ["serve"], "serve --host 0.0.0.0 --port 8080"),
-    ({}, ["transcribe", "a.wav"], "transcribe a.wav"),
+SAGEMAKER_MODEL_DIR = "/opt/ml/model"  # where SageMaker hosting unpacks a model's artifacts
+
+
+@pytest.fixture
+def entrypoint(tmp_path):
+    """entrypoint.sh with SageMaker's model directory moved to {model}, a folder of the test's (absent until
+    a test makes it): the host running the tests has no /opt/ml."""
+    assert not Path(SAGEMAKER_MODEL_DIR).exists(), "this host looks like a SageMaker container"
+    script = tmp_path / "entrypoint.sh"
+    text = (DEPLOY / "entrypoint.sh").read_text()
+    assert SAGEMAKER_MODEL_DIR in text
+    script.write_text(text.replace(SAGEMAKER_MODEL_DIR, str(tmp_path / "model")))
+    return script
+
+
+# AWS's contract for bring-your-own inference containers: SageMaker runs `docker run IMAGE serve` (no other
+# arguments), sends requests to port 8080 and puts the model's artifacts in /opt/ml/model.
+@pytest.mark.parametrize("environ, model_files, argv, expected", [
+    ({}, None, ["serve"], "serve --host 0.0.0.0 --port 8000"),
+    ({"PORT": "9000"}, None, ["serve", "some/model"], "serve --host 0.0.0.0 --port 9000 some/model"),
+    ({}, None, ["transcribe", "a.wav"], "transcribe a.wav"),
+    # SageMaker hosting: the model directory exists, with a checkpoint or (no ModelDataUrl) empty.
+    ({}, ["config.json"], ["serve"], "serve --host 0.0.0.0 --port 8080 {model}"),
+    ({}, [], ["serve"], "serve --host 0.0.0.0 --port 8080"),
+    ({}, ["config.json"], ["serve", "other/model"], "serve --host 0.0.0.0 --port 8080 other/model"),
+    ({"PORT": "9000"}, ["config.json"], ["serve"], "serve --host 0.0.0.0 --port 8080 {model}"),
+    ({"SAGEMAKER_BIND_TO_PORT": "9090"}, ["config.json"], ["serve"], "serve --host 0.0.0.0 --port 9090 {model}"),
+    ({"SAGEMAKER_BIND_TO_PORT": "8080"}, None, ["serve"], "serve --host 0.0.0.0 --port 8080"),
+    ({"SM_MODEL_DIR": "/opt/ml/model"}, None, ["serve"], "serve --host 0.0.0.0 --port 8080"),
+    ({"SM_MODEL_DIR": "{model}"}, ["config.json"], ["serve"], "serve --host 0.0.0.0 --port 8080 {model}"),
 ])
-def test_entrypoint(fake_jaxstream, environ, argv, expected):
-    env = {"PATH": f"{fake_jaxstream}{os.pathsep}{os.environ['PATH']}", **environ}
-    result = subprocess.run(["sh", str(DEPLOY / "entrypoint.sh"), *argv], env=env, capture_output=True, text=True,
-                            check=True)
-    assert result.stdout.strip() == expected
+def test_entrypoint(fake_jaxstream, entrypoint, tmp_path, environ, model_files, argv, expected):
+    model = tmp_path / "model"
+    if model_files is not None:
+        model.mkdir()
+        for name in model_files:
+            (model / name).write_text("{}")
+    env = {"PATH": f"{fake_jaxstream}{os.pathsep}{os.environ['PATH']}",
+           **{key: value.format(model=model) for key, value in environ.items()}}
+    result = subprocess.run(["sh", str(entrypoint), *argv], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == expected.format(model=model)
 
 
 # -- one engine over a multi-host TPU slice: a LeaderWorkerSet (a CRD kubernetes-validate does not know) ------

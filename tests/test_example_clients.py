@@ -42,6 +42,10 @@ import time
 import soundfile
 
 
+class PortAudioError(Exception):
+    pass
+
+
 class InputStream:
     def __init__(self, samplerate, channels, dtype, blocksize, callback):
         self.blocksize, self.callback = blocksize, callback
@@ -156,6 +160,7 @@ class FakeServer:
         from websockets.sync.server import serve
 
         self.received: list[dict] = []
+        self.connections = 0
         self.close_after = close_after
         self.server = serve(self._handle, "127.0.0.1", 0)
         self.url = f"ws://127.0.0.1:{self.server.socket.getsockname()[1]}/v1/realtime"
@@ -164,6 +169,7 @@ class FakeServer:
     def _handle(self, ws):
         from websockets import ConnectionClosed
 
+        self.connections += 1
         ws.send(json.dumps({"type": "session.created", "id": "sess-0"}))
         with contextlib.suppress(ConnectionClosed):  # the client may go without a close handshake
             for message in ws:
@@ -208,10 +214,68 @@ def test_realtime_client_a_server_close_is_one_line(wavs):
     assert_one_line_failure(result, "the server closed the connection: 4000 closed by the test")
 
 
+@pytest.mark.parametrize("name, content, expected", [
+    ("missing.wav", None, "cannot read {path}: No such file or directory"),
+    ("notes.wav", b"not audio\n", "cannot read {path} as audio: Format not recognised"),
+], ids=["missing", "not-audio"])
+def test_realtime_client_an_unreadable_file_is_one_line(tmp_path, name, content, expected):
+    """Both were soundfile tracebacks; the file is read before anything connects."""
+    path = tmp_path / name
+    if content is not None:
+        path.write_bytes(content)
+    result = Client("realtime_client.py", str(path), "--url", "ws://127.0.0.1:9/v1/realtime", "--model", "m").result()
+    assert_one_line_failure(result, expected.format(path=path))
+
+
+def test_realtime_client_an_http_url_is_one_line_naming_the_websocket_url(wavs):
+    """websockets takes only ws:// and wss:// (an http:// URL was an InvalidURI traceback)."""
+    fake = FakeServer()
+    try:
+        http_url = fake.url.replace("ws://", "http://")
+        result = Client("realtime_client.py", str(wavs / "speech.wav"), "--url", http_url, "--model", "m").result()
+    finally:
+        fake.close()
+    assert_one_line_failure(result, f"use --url {fake.url}")
+    assert fake.connections == 0
+
+
+def test_realtime_client_a_server_that_lists_no_model_is_one_line(wavs, tmp_path):
+    """An HTTP server that is not a realtime server (here, a static one whose /v1/models is a web page): the
+    client asked it for a model id and failed with a JSONDecodeError traceback."""
+    import functools
+    import http.server
+
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "models").write_text("<html>not a model list</html>")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"ws://127.0.0.1:{httpd.server_address[1]}/v1/realtime"
+        result = Client("realtime_client.py", str(wavs / "speech.wav"), "--url", url).result()
+    finally:
+        httpd.shutdown()
+    assert_one_line_failure(result, "/v1/models listed no model; name one with --model")
+
+
 # -- microphone_client.py ---------------------------------------------------------------------------------
 def microphone(fake_sounddevice, *args: str, wav: Path | None = None) -> Client:
     env = {"PYTHONPATH": str(fake_sounddevice), "FAKE_MICROPHONE": str(wav) if wav else ""}
     return Client("microphone_client.py", *args, env=env)
+
+
+def test_microphone_client_without_portaudio_fails_before_connecting(tmp_path):
+    """sounddevice raises OSError on import when the PortAudio library is missing. The client used to find
+    out inside the session (sys.exit with its reader running: an asyncio traceback, and a 1011 close on the
+    server); it now says so in one line and never connects."""
+    (tmp_path / "sounddevice.py").write_text('raise OSError("PortAudio library not found")\n')
+    fake = FakeServer()
+    try:
+        result = microphone(tmp_path, "--url", fake.url, "--model", "m").result()
+    finally:
+        fake.close()
+    assert_one_line_failure(result, "pip install sounddevice", "PortAudio library not found")
+    assert fake.connections == 0
 
 
 def test_microphone_client_transcribes_until_ctrl_c(server, wavs, fake_sounddevice):

@@ -114,6 +114,59 @@ async def test_serve_reports_ready_after_compiling_and_drains_on_sigterm(tmp_pat
             process.wait()
 
 
+TEXT_ENGINE = """
+[engine]
+max_sessions = 4
+page_size = 16
+batch_buckets = [4]
+prefill_buckets = [[4, 8]]
+max_num_batched_tokens = 64
+"""
+
+
+@pytest.mark.slow
+def test_serve_with_a_text_lm_suggests_a_completion_that_works_as_printed(tmp_path):
+    """The "try:" line used to be the realtime client, which a text LM cannot serve; it is now a completion
+    (curl), run here exactly as printed. The oracle is OpenAI's completion object (`text_completion`)."""
+    import json
+    import shlex
+    import shutil
+
+    from test_engine_text_model import LLAMA, word_level_tokenizer
+
+    if shutil.which("curl") is None:
+        pytest.skip("the suggestion is a curl command")
+    directory = tmp_path / "llama"
+    shutil.copytree(LLAMA, directory)
+    word_level_tokenizer(directory / "tokenizer.json", 256)
+    config = tmp_path / "server.toml"
+    config.write_text(TEXT_ENGINE)
+    env = {key: value for key, value in os.environ.items() if key != "JAXSTREAM_API_KEY"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "jaxstream", "serve", str(directory), "--host", "127.0.0.1", "--port", "0",
+         "--config", str(config), "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**env, "PYTHONUNBUFFERED": "1"})
+    try:
+        lines = Lines(process.stdout)
+        assert "/v1/completions" in lines.wait_for("ready: ", 180)
+        suggestion = lines.wait_for("try: ", 5).split("try: ", 1)[1]
+        argv = shlex.split(suggestion)
+        assert argv[0] == "curl" and "realtime" not in suggestion, suggestion
+        done = subprocess.run([*argv, "--silent", "--show-error", "--fail"], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        completion = json.loads(done.stdout)
+        assert completion["object"] == "text_completion" and completion["usage"]["completion_tokens"] >= 1
+        assert isinstance(completion["choices"][0]["text"], str)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["serve", "--delay-ms", "100"], "--delay-ms 100"),
     (["serve", "--config", "no-such-config"], "neither a file nor a preset"),
@@ -142,6 +195,9 @@ def test_a_fractional_count_in_a_server_toml_is_a_one_line_mistake(tmp_path, cap
     ("[server]\nhost = 5\n", "host must be a string, got 5"),
     ("[server]\nserved_model_name = 7\n", "served_model_name must be a string, got 7"),  # no request matched
     ('[engine]\ndefault_delay_ms = "480"\n', "default_delay_ms must be a whole number of milliseconds, got '480'"),
+    # Was "cannot load ..." after a server had started listening and loaded the model.
+    ('[server]\nhost = "127.0.0.1"\nport = 0\n[engine]\nattention_impl = "pallas_tpu"\n',
+     "bad server configuration: EngineConfig.attention_impl 'pallas_tpu' cannot run here"),
 ])
 def test_wrong_types_in_a_server_toml_are_one_line_mistakes(tmp_path, capsys, toml, message):
     path = tmp_path / "s.toml"

@@ -59,6 +59,22 @@ def test_transcribe_bad_audio_is_one_line_error(tmp_path, capsys):
     assert "--delay-ms 100" in capsys.readouterr().err
 
 
+def test_undecodable_audio_bytes_are_named_as_bytes_with_libsndfiles_reason(tmp_path):
+    """An HTTP upload reaches load_audio as bytes: its error read "Error opening <_io.BytesIO object at
+    0x...>". The reason must be the one the same bytes give as a file (libsndfile's), the name "<audio bytes>"."""
+    from jaxstream.models.audio import AudioError, load_audio
+
+    content = b"this is not a wav file"
+    path = tmp_path / "notes.wav"
+    path.write_bytes(content)
+    with pytest.raises(AudioError) as from_file:
+        load_audio(path)
+    with pytest.raises(AudioError) as from_bytes:
+        load_audio(content)
+    assert str(from_bytes.value) == str(from_file.value).replace(str(path), "<audio bytes>")
+    assert "BytesIO" not in str(from_bytes.value) and "Format not recognised" in str(from_bytes.value)
+
+
 SAMPLE_DIR = Path(__file__).resolve().parents[1] / "models" / "assets" / "samples"
 TINY_CONFIG = Path(__file__).resolve().parents[1] / "models" / "assets" / "tiny" / "jaxstream.json"
 TIME_TOLERANCE_S = 0.3

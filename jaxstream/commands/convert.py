@@ -5,6 +5,8 @@ import argparse
 from jaxstream.errors import UserError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# `inspect_checkpoint`'s kinds as the summary line names them.
+_SOURCE_KINDS = {"native": "a Mistral-native", "hf": "a Hugging Face", "orbax": "an Orbax"}
 
 
 def register(subparsers) -> None:
@@ -40,5 +42,6 @@ def run(args: argparse.Namespace) -> int:
     loaded = loading.load_model(source, dtype=dtype)
     written = orbax_writer.save_checkpoint(loaded, destination, overwrite=args.overwrite,
                                            declared_ids=loading.declared_token_ids(source))
-    print(f"wrote {written} ({num_parameters(loaded.model):,} {dtype.name} parameters from a {info.kind} checkpoint)")
+    source_kind = _SOURCE_KINDS.get(info.kind, f"a {info.kind}")
+    print(f"wrote {written} ({num_parameters(loaded.model):,} {dtype.name} parameters from {source_kind} checkpoint)")
     return 0

@@ -38,8 +38,8 @@ def register(subparsers) -> None:
     parser.add_argument("--max-connections", type=int, default=None, metavar="N",
                         help="open WebSocket connections and HTTP streams (default: twice --max-sessions)")
     parser.add_argument("--delay-ms", type=int, default=None, metavar="MS",
-                        help="transcription delay of sessions that do not choose one, a multiple of 80 in 80..1200 or 2400 (default: the "
-                             "model's); clients may choose per session")
+                        help="transcription delay of sessions that do not choose one, a multiple of 80 in "
+                             "80..1200 or 2400 (default: the model's); clients may choose per session")
     parser.add_argument("--max-session-seconds", type=float, default=None, metavar="S",
                         help="close a connection this old (default 5400)")
     parser.add_argument("--idle-timeout", type=float, default=None, metavar="S",
@@ -198,10 +198,8 @@ async def _serve(model: str, config, engine_config) -> int:
             if config.host not in ("127.0.0.1", "localhost", "::1") and not config.api_keys:
                 _say("warning: no API key and listening beyond loopback: anyone who can reach this port "
                      "may use it (--api-key or $JAXSTREAM_API_KEY)")
-            _say(f"ready: ws://{shown}:{port}/v1/realtime serving {state.model_id!r} "
-                 f"(also /ws, /invocations-bidirectional-stream, /v1/models, /health, /metrics)")
-            _say(f"try: python examples/realtime_client.py models/assets/samples/sample.wav "
-                 f"--url ws://{shown}:{port}/v1/realtime")
+            for line in _ready_lines(state.engine.kind, state.model_id, shown, port, keyed=bool(config.api_keys)):
+                _say(line)
             await signal_wait
         _say(f"draining: running utterances get up to {config.drain_timeout_s:g} s (signal again to stop now)")
         draining = asyncio.ensure_future(drain(app))
@@ -218,6 +216,26 @@ async def _serve(model: str, config, engine_config) -> int:
             loop.remove_signal_handler(signum)
     _say("stopped")
     return 0
+
+
+def _ready_lines(kind: str, model_id: str, host: str, port: int, *, keyed: bool) -> list[str]:
+    """Where the model is served, and a command to try it with: the realtime client for a speech model, a
+    completion (`curl`) for a text LM, which the realtime routes do not serve."""
+    import json
+    import shlex
+
+    if kind == "text":
+        body = json.dumps({"model": model_id, "prompt": "Once upon a time", "max_tokens": 16})
+        auth = ' -H "Authorization: Bearer $JAXSTREAM_API_KEY"' if keyed else ""
+        return [f"ready: http://{host}:{port}/v1/completions serving {model_id!r} "
+                f"(also /v1/streaming_input/sessions, /v1/models, /health, /metrics)",
+                f"try: curl http://{host}:{port}/v1/completions -H 'Content-Type: application/json'{auth} "
+                f"-d {shlex.quote(body)}"]
+    # The client reads the key from $JAXSTREAM_API_KEY, as the server does.
+    return [f"ready: ws://{host}:{port}/v1/realtime serving {model_id!r} "
+            f"(also /ws, /invocations-bidirectional-stream, /v1/models, /health, /metrics)",
+            f"try: python examples/realtime_client.py models/assets/samples/sample.wav "
+            f"--url ws://{host}:{port}/v1/realtime"]
 
 
 def _say(message: str) -> None:

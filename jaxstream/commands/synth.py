@@ -10,20 +10,22 @@ from jaxstream.errors import UserError
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "synth", help="generate a synthetic speech corpus with espeak-ng",
-        description="Writes OUT/<speaker>/<chapter>/*.flac + *.trans.txt (LibriSpeech layout) and "
-                    "OUT/manifest.jsonl with exact word start/end times. Each utterance's text, voice and augmentation "
-                    "are deterministic in (--seed, index); espeak-ng's samples also depend on --workers.")
+        "synth", help="generate a synthetic speech corpus with espeak-ng, Festival or flite",
+        description="Speaks text with espeak-ng, Festival or flite (--engines) and writes "
+                    "OUT/<speaker>/<chapter>/*.flac + *.trans.txt (LibriSpeech layout) and OUT/manifest.jsonl with "
+                    "exact word start/end times. Each utterance's text, voice and augmentation are deterministic in "
+                    "(--seed, index); espeak-ng's samples also depend on --workers.")
     parser.add_argument("out", metavar="OUT", help="output directory (created; must be empty or absent)")
     parser.add_argument("--num", type=int, default=100, help="number of utterances (default 100)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--held-out", action="store_true",
                         help="draw from the held-out pools: sentences and voice variants training never uses")
     parser.add_argument("--text", choices=("words", "sentences"), default="words",
-                        help="words: random sequences from the packaged word list, each word spoken alone (the "
-                             "shipped tiny model's corpus; the default); sentences: natural sentences from "
-                             "WordNet and fortune files, spoken whole (apt-get install wordnet-base fortunes "
-                             "fortunes-min), held out by source with --held-out")
+                        help="words (the default): random sequences from the packaged word list, each word "
+                             "spoken alone, as the first tiny model was trained on. sentences: natural sentences "
+                             "from WordNet and fortune files, spoken whole, held out by source with --held-out: "
+                             "the shipped tiny model's corpus (apt-get install wordnet-base "
+                             "fortunes fortunes-min)")
     parser.add_argument("--engines", default="espeak", metavar="NAME[:SHARE],...",
                         help="--text sentences: synthesizers and their shares, e.g. espeak:0.75,festival:0.25 "
                              "(default espeak). espeak = espeak-ng's English accents and voice variants; "

@@ -42,7 +42,6 @@ def resolve_config_path(name: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from jaxstream.synth.corpus import MANIFEST_NAME
     from jaxstream.training import load_train_config, train
-    from jaxstream.training.config import with_total_steps
 
     for corpus in filter(None, (*args.corpus, args.eval_corpus)):
         if not os.path.isfile(os.path.join(corpus, MANIFEST_NAME)):
@@ -53,10 +52,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--until-step must be at least 1, got {args.until_step}")
     try:
         cfg = load_train_config(resolve_config_path(args.config))
-        if args.steps is not None:  # checked here, with the recipe's other optimizer settings
-            cfg = with_total_steps(cfg, args.steps)
     except (TypeError, ValueError) as exc:
         raise UserError(f"bad training config {args.config}: {exc}") from None
+    if args.steps is not None:  # checked here, against the recipe's warmup and cooldown
+        cfg = _with_steps(cfg, args.steps)
     metrics = train(cfg, args.corpus, args.out, eval_corpus_dir=args.eval_corpus, init_from=args.init_from,
                     until_step=args.until_step, progress=not args.no_progress)
     if "loss" not in metrics:
@@ -65,3 +64,18 @@ def run(args: argparse.Namespace) -> int:
     print(" ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
                    for key, value in metrics.items()))
     return 0
+
+
+def _with_steps(cfg, steps: int):
+    """The recipe run for `steps` in all; a run too short for its warmup and cooldown is a mistake of the
+    flag (the recipe is fine), so the message names the flag, its minimum, and --until-step for a short run."""
+    from jaxstream.training.config import with_total_steps
+
+    try:
+        return with_total_steps(cfg, steps)
+    except ValueError:  # OptimizerConfig's check: the cooldown must fit after the warmup
+        opt = cfg.optimizer
+        raise UserError(f"--steps {steps} is shorter than the recipe's warmup and cooldown ({opt.warmup_steps} + "
+                        f"{opt.cooldown_steps} steps): --steps must be at least "
+                        f"{opt.warmup_steps + opt.cooldown_steps}; for a short run on the recipe's schedule, "
+                        f"stop early with --until-step {steps} instead") from None

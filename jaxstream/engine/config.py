@@ -87,7 +87,8 @@ class EngineConfig:
     default_delay_ms: int | None = None  # None: the model's default transcription delay
     seed: int = 0  # base of the sampling seeds of requests that do not set one
     dtype: str | None = None  # compute/KV dtype; None: float32 on CPU, bfloat16 elsewhere
-    attention_impl: str | None = None  # ring_attention implementation; None picks per backend
+    # ring_attention implementation; None picks per backend. A named one must run on this backend and dtype.
+    attention_impl: str | None = None
     mesh: Any = None  # jax.sharding.Mesh for tensor parallelism (params and KV heads on `tp_axis`)
     tp_axis: str = "tp"
     # "vllm": a stream closed while parked just ends; "strict": it ends with an empty finished output.
@@ -199,7 +200,37 @@ def _check_choices(cfg: EngineConfig) -> None:
 
         if cfg.attention_impl not in IMPLEMENTATIONS:
             _fail("attention_impl", cfg.attention_impl, f"one of {', '.join(IMPLEMENTATIONS)} or None")
+        _check_attention_runs_here(cfg)
     if not isinstance(cfg.tp_axis, str):
         _fail("tp_axis", cfg.tp_axis, "a mesh axis name")
     if cfg.mesh is not None and cfg.tp_axis not in getattr(cfg.mesh, "axis_names", ()):
         _fail("mesh", cfg.mesh, f"a jax.sharding.Mesh with a {cfg.tp_axis!r} axis (tp_axis)")
+
+
+# Pages every kernel accepts (Triton's power-of-two tiles, the portable TPU kernel's VMEM budget): the probe
+# asks whether an implementation runs on this backend at these dtypes at all.
+_PROBE_PAGES = (2, 1, 64, 64)  # [num_pages, kv_heads, page_size, head_dim]
+
+
+def _check_attention_runs_here(cfg: EngineConfig) -> None:
+    """An `attention_impl` that cannot run on this backend (Pallas on a CPU, the C++ kernel on a GPU, with
+    bfloat16 pages or without a C++ compiler) is a configuration error here, in one line, rather than a
+    traceback from the first compile at warm-up. Limits that depend on the model's shapes (Triton's head_dim)
+    are still checked by the kernel when it is traced."""
+    import jax
+
+    from jaxstream.engine.builders import engine_dtype  # imports this module: imported only when called
+    from jaxstream.tpu_kernels.ring_attention.api import choose_implementation
+
+    pages = jax.ShapeDtypeStruct(_PROBE_PAGES, engine_dtype(cfg))
+    try:
+        choose_implementation(pages, implementation=cfg.attention_impl)
+    except ValueError as exc:
+        raise InvalidRequestError(f"EngineConfig.attention_impl {cfg.attention_impl!r} cannot run here: "
+                                  f"{_reason(exc)}") from None
+
+
+def _reason(exc: ValueError) -> str:
+    """The kernel's reason, without the dispatcher's prefix (which repeats the name) or its advice to run
+    Pallas in the interpreter (an option of `ring_attention`'s callers in tests, not of an engine)."""
+    return str(exc).split(" is unavailable: ", 1)[-1].split("; pass interpret=True", 1)[0]

@@ -85,6 +85,9 @@ def with_vocab_size(cfg: TrainConfig, vocab_size: int) -> TrainConfig:
 
 
 def with_total_steps(cfg: TrainConfig, total_steps: int) -> TrainConfig:
-    """The recipe run for `total_steps` instead (its schedule stretched or shrunk to fit); ValueError if its
-    other optimizer settings do not fit that length."""
+    """The recipe run for `total_steps` instead. Warmup and cooldown keep their lengths in steps: the phase
+    between them absorbs the change (the peak lr held for longer or shorter, or without a cooldown the cosine
+    decay after warmup stretched or shrunk), so a run moved while it still holds the peak lr has followed the
+    new schedule all along. ValueError when a cooldown no longer fits after the warmup (`total_steps` <
+    warmup_steps + cooldown_steps)."""
     return dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, total_steps=total_steps))
