@@ -308,11 +308,13 @@ async def _realtime(request: web.Request) -> web.StreamResponse:
     if dialect is not None:
         return await run_websocket(request, state, "/v1/realtime", lambda conn: openai_realtime.OpenAiRealtime(
             conn, state, beta=dialect == "beta"), subprotocols=realtime_dialects.SUBPROTOCOLS)
+    vllm = (realtime_dialects.VLLM_SUBPROTOCOL,)
     if state.config.vllm_compat:  # exactly vLLM: no switch on an OpenAI-shaped first event
         return await run_websocket(request, state, "/v1/realtime",
-                                   lambda conn: VllmRealtime(conn, state, binary_frames=BINARY_CLOSE))
+                                   lambda conn: VllmRealtime(conn, state, binary_frames=BINARY_CLOSE),
+                                   subprotocols=vllm)
     return await run_websocket(request, state, "/v1/realtime", lambda conn: realtime_dialects.DialectSwitch(
-        conn, state, lambda tap: VllmRealtime(tap, state, binary_frames=BINARY_ERROR)))
+        conn, state, lambda tap: VllmRealtime(tap, state, binary_frames=BINARY_ERROR)), subprotocols=vllm)
 
 
 async def _sagemaker(request: web.Request) -> web.StreamResponse:

@@ -61,7 +61,8 @@ def presented_key(request: web.Request) -> str | None:
            or request.headers.get("kyutai-api-key") or request.query.get("auth_id"))
     if key:
         return key
-    # Never selected, so never echoed: the server's handshake answer names only `realtime`.
+    # Never selected, so never echoed: the handshake's answer names `realtime`, `openai-beta.realtime-v1` or
+    # `vllm-realtime` (realtime_dialects.py).
     return next((name.removeprefix(KEY_SUBPROTOCOL_PREFIX) for name in offered_subprotocols(request)
                  if name.startswith(KEY_SUBPROTOCOL_PREFIX) and len(name) > len(KEY_SUBPROTOCOL_PREFIX)), None)
 

@@ -1,9 +1,13 @@
 """The browser demo of `jaxstream serve`: `GET /` and its assets under `/static/` (serving/static/).
 
-A plain HTML + JavaScript page, no build step: it captures the microphone with an AudioWorklet (or streams
-a dropped file at real time), sends 16 kHz PCM16 over `/v1/realtime` and shows the transcript as it
+A plain HTML + JavaScript page, no build step: it captures the microphone with an AudioWorklet, which
+resamples from whatever rate the browser's audio runs at with a windowed-sinc low-pass (or streams a dropped
+file at real time), sends 16 kHz PCM16 over `/v1/realtime` and shows the transcript as it
 streams, with a delay selector, a level meter and latency figures. When the server has an API key the page
-asks for it and sends it as `?api_key=` (browsers cannot set WebSocket headers).
+asks for it and sends it as a Bearer header to `/v1/models`, and to `/v1/realtime` as the WebSocket subprotocol
+`openai-insecure-api-key.<key>` next to `vllm-realtime` (browsers cannot set other WebSocket headers; a URL's
+`?api_key=` would land in access logs and proxies). The audio leaves at real time; what the network cannot take
+waits in the socket (`bufferedAmount`) up to about 2 s: a file then waits, the microphone stops and says why.
 
 The page and its assets hold no secret, so they are served without a key: `PUBLIC_PATHS` lists them for the
 auth middleware. The delays the selector offers come from `jaxstream.models.audio`, their one owner.

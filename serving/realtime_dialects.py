@@ -5,8 +5,8 @@ OpenAI's when the handshake has `?intent=transcription`, a `model=` query or the
 `realtime` (GA shape), or an `OpenAI-Beta: realtime=v1` header or the subprotocol `openai-beta.realtime-v1`
 (beta shape; browsers send the header's value as a subprotocol); else vLLM's, unless the first client event
 has the OpenAI shape (`DialectSwitch`; its GA or beta shape picks the dialect's). The server selects the first
-of SUBPROTOCOLS the client offers, as a browser's WebSocket requires when it offered any; the API key a
-browser offers as `openai-insecure-api-key.<key>` is serving.auth's.
+of SUBPROTOCOLS the client offers (VLLM_SUBPROTOCOL for vLLM's), as a browser's WebSocket requires when it
+offered any; the API key a browser offers as `openai-insecure-api-key.<key>` is serving.auth's.
 """
 import json
 
@@ -15,6 +15,9 @@ from jaxstream.serving.openai_realtime import OpenAiRealtime
 
 REALTIME, BETA_SUBPROTOCOL = "realtime", "openai-beta.realtime-v1"
 SUBPROTOCOLS = (REALTIME, BETA_SUBPROTOCOL)  # the ones the server may select in the handshake
+# vLLM's protocol names no subprotocol; a browser that offers its API key as `openai-insecure-api-key.<key>` (the
+# demo page) fails a handshake that selects none, so it offers this one too, and the server selects it.
+VLLM_SUBPROTOCOL = "vllm-realtime"
 
 
 def handshake_dialect(request) -> str | None:

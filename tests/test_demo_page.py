@@ -189,6 +189,76 @@ def test_microphone_transcript_appears_live_behind_the_api_key(browser, server, 
     save_screenshot(browser, tmp_path, "demo_page.png")
 
 
+@pytest.fixture
+def checked_requests(monkeypatch) -> list:
+    """(path and query, offered subprotocols) of every request the server's API-key check reads a key from."""
+    from jaxstream.serving import auth
+
+    seen, presented_key = [], auth.presented_key
+
+    def recording(request):
+        seen.append((request.path_qs, tuple(auth.offered_subprotocols(request))))
+        return presented_key(request)
+
+    monkeypatch.setattr(auth, "presented_key", recording)
+    return seen
+
+
+def test_the_api_key_travels_in_the_handshake_not_in_the_url(browser, server, checked_requests):
+    """Access logs and proxies keep URLs: the page offers the key as the subprotocol `openai-insecure-api-key.<key>`
+    (OpenAI's browser clients' way; serving/auth.py) next to `vllm-realtime`, which the server selects (a browser
+    fails a handshake that offered subprotocols and selected none) without echoing the key."""
+    open_page(browser, server.url("/", scheme="http"), key=API_KEY)
+    spy_on_sockets(browser)
+    browser.find_element("id", "start").click()
+    wait_for(browser, lambda: "Listening" in text_of(browser, "status"))  # session.created: the key was taken
+    url, selected = browser.execute_script("const ws = window.__sockets[0]; return [ws.url, ws.protocol];")
+    browser.find_element("id", "stop").click()
+    wait_for(browser, lambda: idle(browser))
+    assert url == server.url("/v1/realtime")
+    assert selected == "vllm-realtime"  # vLLM's protocol: `realtime` would have made it OpenAI's dialect
+    # (The key is read more than once per request: the auth check, then the per-key limits.)
+    handshakes = {request for request in checked_requests if request[0].startswith("/v1/realtime")}
+    assert handshakes == {("/v1/realtime", ("vllm-realtime", f"openai-insecure-api-key.{API_KEY}"))}
+    assert not any(API_KEY in path for path, _ in checked_requests)  # /v1/models has it as a Bearer header
+
+
+def test_a_refused_key_brings_back_the_key_panel(browser, server):
+    browser.get(server.url("/", scheme="http"))
+    browser.execute_script("sessionStorage.clear()")
+    browser.get(server.url("/", scheme="http"))
+    panel = browser.find_element("id", "key-panel")
+    wait_for(browser, panel.is_displayed)
+    browser.find_element("id", "api-key").send_keys("wrong-key")
+    browser.find_element("css selector", "#key-panel button").click()
+    wait_for(browser, lambda: "refused this API key" in text_of(browser, "key-message"))
+    browser.find_element("id", "api-key").clear()
+    browser.find_element("id", "api-key").send_keys(API_KEY)
+    browser.find_element("css selector", "#key-panel button").click()
+    wait_for(browser, browser.find_element("id", "start").is_enabled)
+    # The key stops working under a loaded page (the server restarted with another): a browser does not say
+    # why a handshake failed, so the page asks /v1/models, and asks for a key again.
+    browser.execute_script("apiKey = 'wrong-key'")
+    browser.find_element("id", "start").click()
+    wait_for(browser, panel.is_displayed)
+    assert "refused this API key" in text_of(browser, "key-message")
+    assert not browser.find_element("id", "start").is_enabled()
+
+
+def test_a_key_no_handshake_can_carry_is_explained(browser, engine):
+    """A subprotocol is an HTTP token: a base64 key's `/` and `=` cannot travel in one."""
+    keyed = ServerThread(engine, ServerConfig(api_keys=("base64/key==",)))
+    try:
+        browser.get(keyed.url("/", scheme="http"))
+        wait_for(browser, browser.find_element("id", "key-panel").is_displayed)
+        browser.find_element("id", "api-key").send_keys("base64/key==")
+        browser.find_element("css selector", "#key-panel button").click()
+        wait_for(browser, lambda: "cannot send in a WebSocket handshake" in text_of(browser, "key-message"))
+        assert not browser.find_element("id", "start").is_enabled()
+    finally:
+        keyed.close()
+
+
 def test_a_dropped_file_streams_at_real_time(browser, server, speech_wav):
     open_page(browser, server.url("/", scheme="http"), key=API_KEY)
     browser.find_element("id", "file").send_keys(str(speech_wav))
@@ -232,12 +302,22 @@ def test_a_busy_server_is_explained(browser, engine):
 
 # The page's WebSocket, wrapped: every socket opened (window.__sockets) and every event type sent
 # (window.__sent); while window.__hold is true, the server's messages wait for window.__release().
+# window.__backlog: bytes a slow network holds back, added to the socket's bufferedAmount (on loopback the
+# kernel takes some 3 MB, over a minute of audio, before a browser's bufferedAmount grows); the appends sent
+# while it is set are counted in window.__appendsInBacklog.
 SOCKET_SPY = """
 window.__sockets = []; window.__sent = []; window.__hold = false; window.__held = [];
+window.__backlog = 0; window.__appendsInBacklog = 0;
 window.__release = () => { window.__hold = false; window.__held.splice(0).forEach((deliver) => deliver()); };
 window.WebSocket = class extends window.WebSocket {
   constructor(...args) { super(...args); window.__sockets.push(this); }
-  send(data) { window.__sent.push(JSON.parse(data).type); super.send(data); }
+  get bufferedAmount() { return super.bufferedAmount + window.__backlog; }
+  send(data) {
+    const type = JSON.parse(data).type;
+    window.__sent.push(type);
+    if (window.__backlog && type === "input_audio_buffer.append") window.__appendsInBacklog++;
+    super.send(data);
+  }
   set onmessage(handler) {
     super.onmessage = (m) => (window.__hold ? window.__held.push(() => handler(m)) : handler(m));
   }
@@ -302,6 +382,46 @@ def test_stop_while_connecting_starts_no_session(browser, server):
     assert "input_audio_buffer.append" not in browser.execute_script("return window.__sent")
 
 
+def appends_sent(driver) -> int:
+    return driver.execute_script("return window.__sent.filter((type) => type === 'input_audio_buffer.append').length")
+
+
+def test_a_file_waits_while_the_network_holds_its_audio_back(browser, server, speech_wav):
+    open_page(browser, server.url("/", scheme="http"), key=API_KEY)
+    spy_on_sockets(browser)
+    browser.find_element("id", "file").send_keys(str(speech_wav))
+    wait_for(browser, lambda: appends_sent(browser) >= 3)
+    browser.execute_script("window.__backlog = 1e9")
+    wait_for(browser, lambda: "Waiting for the network" in text_of(browser, "status"))
+    browser.execute_script("window.__backlog = 0")
+    wait_for(browser, lambda: "Done" in text_of(browser, "status"))
+    assert browser.execute_script("return window.__appendsInBacklog") == 0
+    # Nothing was lost: every sample went, and the transcript is the file's.
+    assert text_of(browser, "stat-audio") == f"{soundfile.info(speech_wav).duration:.1f} s"
+    paragraph = browser.find_elements("css selector", "#transcript p.final")[-1]
+    assert reference_words_in(paragraph.text) >= FINAL_WORDS, paragraph.text
+
+
+def test_the_microphone_stops_when_the_network_cannot_keep_up(browser, server):
+    """Live audio cannot wait: the page stops listening, says so, and finishes the transcript of what was sent
+    instead of buffering without bound."""
+    open_page(browser, server.url("/", scheme="http"), key=API_KEY)
+    spy_on_sockets(browser)
+    browser.find_element("id", "start").click()
+    wait_for(browser, lambda: reference_words_in(text_of(browser, "transcript")) >= 3)
+    browser.execute_script("window.__backlog = 1e9")
+    wait_for(browser, lambda: "could not keep up" in text_of(browser, "status"))
+    browser.execute_script("window.__backlog = 0")  # the commit goes; no audio follows it
+    wait_for(browser, lambda: idle(browser))
+    assert "could not keep up" in text_of(browser, "status")
+    assert "warning" in browser.find_element("id", "status").get_attribute("class")
+    assert browser.execute_script("return window.__appendsInBacklog") == 0
+    sent = browser.execute_script("return window.__sent")
+    assert sent[-1] == "input_audio_buffer.commit" and "input_audio_buffer.append" in sent
+    assert browser.find_elements("css selector", "#transcript p.final")  # the audio sent was transcribed
+    wait_for(browser, lambda: all_sockets_closed(browser))
+
+
 def test_without_audio_worklet_files_stream_and_start_explains(browser, server, speech_wav):
     """As on a page that is neither https nor localhost, where browsers give no AudioWorklet."""
     open_page(browser, server.url("/", scheme="http"), key=API_KEY)
@@ -328,6 +448,64 @@ def test_a_failed_worklet_load_is_tried_again(browser, server):
     wait_for(browser, lambda: "Listening" in text_of(browser, "status"))
     browser.find_element("id", "stop").click()
     wait_for(browser, lambda: idle(browser))
+
+
+# The capture worklet (pcm16-worklet.js) in an OfflineAudioContext at `rate`: a tone of `frequency` Hz at
+# amplitude 0.5 for `seconds`; returns the 16 kHz PCM16 it posted, once `wanted` samples came or 10 s passed
+# (its messages may still be on their way when rendering ends).
+WORKLET_TONE = """
+const [rate, frequency, seconds, wanted, done] = arguments;
+(async () => {
+  const context = new OfflineAudioContext(1, Math.round(rate * seconds), rate);
+  await context.audioWorklet.addModule("/static/pcm16-worklet.js");
+  const capture = new AudioWorkletNode(context, "pcm16-capture", {channelCount: 1, channelCountMode: "explicit"});
+  const pcm = [];
+  capture.port.onmessage = (message) => pcm.push(...new Int16Array(message.data.pcm));
+  const tone = new OscillatorNode(context, {frequency});
+  tone.connect(new GainNode(context, {gain: 0.5})).connect(capture).connect(context.destination);
+  tone.start();
+  await context.startRendering();
+  for (let waited = 0; pcm.length < wanted && waited < 10000; waited += 20) {
+    await new Promise((resolve) => setTimeout(resolve, 20));
+  }
+  done(pcm);
+})().catch((err) => done(String(err)));
+"""
+
+
+def tone_amplitude(pcm: np.ndarray, frequency: float, rate: int = 16000) -> float:
+    """The amplitude of the `frequency` component of `pcm` by a one-bin DFT in float64; exact (no leakage)
+    when `pcm` holds whole periods of every tone in it, as one second does of whole-hertz tones."""
+    phase = np.exp(-2j * np.pi * frequency * np.arange(pcm.size) / rate)
+    return 2 * abs(np.dot(pcm.astype(np.float64), phase)) / pcm.size
+
+
+@pytest.mark.parametrize("rate, frequency, heard_at, level_db", [
+    (48000, 1000, 1000, 0.0),  # speech band: passes unchanged
+    (44100, 1000, 1000, 0.0),
+    (16000, 1000, 1000, 0.0),  # the browser resampled already
+    (8000, 1000, 1000, 0.0),  # upsampled: still 1 kHz, not 2 kHz (an 8 kHz context read as 16 kHz)
+    (48000, 10000, 6000, None),  # above 8 kHz: would fold onto 16 - 10 = 6 kHz; must be filtered out
+    (44100, 10000, 6000, None),
+    (44100, 9000, 7000, None),
+    (8000, 1000, 7000, None),  # upsampling's image of 1 kHz at 8 - 1 = 7 kHz
+])
+def test_the_worklet_resamples_to_16_khz(browser, server, rate, frequency, heard_at, level_db):
+    """The capture worklet's output, measured by a DFT: a tone in the band comes out at its frequency and
+    amplitude (within 0.1 dB), and what lies above 8 kHz, or is an image of the input, 60 dB down at least."""
+    browser.get(server.url("/", scheme="http"))  # the page's origin: its CSP lets the worklet load
+    browser.set_script_timeout(60)
+    seconds, chunk = 1.5, 1280
+    wanted = int(seconds * 16000) // chunk * chunk  # every whole 80 ms chunk of 16 kHz audio in 1.5 s
+    pcm = browser.execute_async_script(WORKLET_TONE, rate, frequency, seconds, wanted)
+    assert isinstance(pcm, list), pcm
+    assert len(pcm) == wanted, f"{seconds} s at {rate} Hz came out as {len(pcm) / 16000} s at 16 kHz"
+    second = np.asarray(pcm[chunk:chunk + 16000]) / 32767  # one second, after the filter's first samples
+    amplitude_db = 20 * np.log10(max(tone_amplitude(second, heard_at), 1e-9) / 0.5)
+    if level_db is not None:
+        assert abs(amplitude_db - level_db) < 0.1, amplitude_db
+    else:
+        assert amplitude_db < -60, amplitude_db
 
 
 def test_no_session_is_left_behind(server, engine):

@@ -535,6 +535,18 @@ async def test_browser_subprotocols_carry_the_key_and_select_realtime(keyed_serv
     assert created["session"]["object"] == "realtime.transcription_session"
 
 
+async def test_browser_subprotocols_select_vllm_realtime_for_vllms_protocol(keyed_server):
+    """vLLM's protocol names no subprotocol, and a browser fails a handshake that selects none of those it
+    offered: the demo page offers `vllm-realtime` next to its key, the server selects it (never the key) and
+    speaks vLLM's protocol."""
+    offered = ["vllm-realtime", "openai-insecure-api-key.k-2"]
+    async with websockets.connect(keyed_server.url(), subprotocols=offered) as ws:
+        assert ws.subprotocol == "vllm-realtime"
+        assert ws.response.headers["Sec-WebSocket-Protocol"] == "vllm-realtime"
+        created = json.loads(await ws.recv())
+    assert created["type"] == "session.created" and "session" not in created  # vLLM's shape, not OpenAI's
+
+
 @pytest.mark.parametrize("offered", [["realtime", "openai-insecure-api-key.nope"], ["realtime"],
                                      ["realtime", "openai-insecure-api-key."]])
 async def test_a_wrong_subprotocol_key_is_refused_at_the_handshake(keyed_server, offered):

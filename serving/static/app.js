@@ -7,6 +7,16 @@
 const SAMPLE_RATE = 16000;
 const CHUNK = 1280; // 80 ms: what the worklet posts, and the file streamer's step
 const KEY_STORAGE = "jaxstream-api-key"; // sessionStorage: the key lives as long as the tab
+// A browser's WebSocket can set no header but Sec-WebSocket-Protocol, so the key travels there, as OpenAI's
+// browser clients send theirs: never in the URL, which access logs and proxies keep. The server selects the
+// other subprotocol offered (a browser fails a handshake that offered subprotocols and got none back) and
+// never echoes the key. A subprotocol is an HTTP token: keys with other characters cannot travel this way.
+const VLLM_SUBPROTOCOL = "vllm-realtime";
+const KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key.";
+const TOKEN = /^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$/;
+// Send backpressure: the bytes the socket may hold unsent (bufferedAmount), about 2 s of audio as base64. A
+// file waits below it; the microphone, which cannot wait, stops above it (`NETWORK_TEXT`).
+const MAX_BUFFERED_BYTES = 2 * SAMPLE_RATE * 2 * (4 / 3);
 
 const $ = (id) => document.getElementById(id);
 const ui = {
@@ -26,6 +36,10 @@ const ERROR_TEXT = {
   engine_dead: "The server's engine has stopped; it needs a restart.",
   idle_timeout: "The connection was idle for too long and was closed.",
 };
+const KEY_NEEDED = "This server needs an API key: enter it to start.";
+const KEY_REFUSED = "The server refused this API key.";
+const NETWORK_TEXT = "The network could not keep up with the microphone, so listening stopped: the transcript " +
+  "covers the audio sent until then.";
 const CLOSE_TEXT = {
   1001: ERROR_TEXT.server_draining, 1013: ERROR_TEXT.not_ready, 4000: ERROR_TEXT.idle_timeout,
   4002: ERROR_TEXT.capacity, 4003: "The connection reached the server's maximum duration.",
@@ -53,16 +67,18 @@ function setRunning(running) {
 }
 
 // -- server: the model id (session.update needs it) and the API key ------------------------------------
+const fetchModels = () => fetch("/v1/models", { headers: apiKey ? { Authorization: `Bearer ${apiKey}` } : {} });
+
 async function connectServer() {
   let response;
   try {
-    response = await fetch("/v1/models", { headers: apiKey ? { Authorization: `Bearer ${apiKey}` } : {} });
+    response = await fetchModels();
   } catch (err) {
     setStatus("The server cannot be reached.", "error");
     return;
   }
   if (response.status === 401) {
-    askForKey(apiKey ? "The server refused this API key." : "This server needs an API key: enter it to start.");
+    askForKey(apiKey ? KEY_REFUSED : KEY_NEEDED);
     return;
   }
   if (response.status === 503) {
@@ -74,11 +90,28 @@ async function connectServer() {
     setStatus(`The server answered ${response.status} to /v1/models.`, "error");
     return;
   }
+  if (apiKey && !TOKEN.test(apiKey)) {
+    askForKey("This API key has characters a browser cannot send in a WebSocket handshake (only letters, digits " +
+      "and !#$%&'*+-.^_`|~ can go): give the server such a key, for example from `openssl rand -hex 32`.");
+    return;
+  }
   modelId = (await response.json()).data[0].id;
   ui.model.textContent = `model ${modelId}`;
   ui.keyPanel.hidden = true;
   setRunning(false);
   setStatus("Ready: press Start and speak, or drop an audio file.");
+}
+
+// A browser hides why a handshake failed (a refused key is a 401 before the upgrade); /v1/models tells.
+// True when the key was the reason: the key panel then asks for another.
+async function keyRefused() {
+  try {
+    if ((await fetchModels()).status !== 401) return false;
+  } catch (err) {
+    return false;
+  }
+  askForKey(apiKey ? KEY_REFUSED : KEY_NEEDED);
+  return true;
 }
 
 function askForKey(message) {
@@ -111,6 +144,7 @@ class Utterance {
     this.textArrivals = []; // [words in the text so far, time] per delta
     this.finalSent = false;
     this.finalAt = null;
+    this.warning = null; // shown instead of "Done" when the transcript ends, e.g. NETWORK_TEXT
     this.ended = false;
     this.onEnded = () => {};
     this.stats = { first: null, word: null, final: null };
@@ -120,9 +154,10 @@ class Utterance {
   // Resolves once the session is set up and audio may be sent; rejects with a user-readable Error.
   open(delayMs) {
     const scheme = location.protocol === "https:" ? "wss" : "ws";
-    // Browsers cannot set headers on a WebSocket: the key goes in the query, which the server accepts.
-    const query = apiKey ? `?api_key=${encodeURIComponent(apiKey)}` : "";
-    this.ws = new WebSocket(`${scheme}://${location.host}/v1/realtime${query}`);
+    const protocols = apiKey ? [VLLM_SUBPROTOCOL, KEY_SUBPROTOCOL_PREFIX + apiKey] : [];
+    this.ws = new WebSocket(`${scheme}://${location.host}/v1/realtime`, protocols);
+    let opened = false;
+    this.ws.onopen = () => { opened = true; };
     ui.statDelay.textContent = delayMs ? `${delayMs} ms` : "server default";
     return new Promise((resolve, reject) => {
       this.ws.onmessage = (message) => {
@@ -140,7 +175,9 @@ class Utterance {
       };
       this.ws.onclose = (close) => {
         // Before session.created a close is a refusal: at capacity, loading, or the handshake failed.
-        reject(new Error(CLOSE_TEXT[close.code] || "The server refused the connection."));
+        const refusal = new Error(CLOSE_TEXT[close.code] || "The server refused the connection.");
+        refusal.handshakeFailed = !opened;
+        reject(refusal);
         this.closed(close);
       };
     });
@@ -171,6 +208,11 @@ class Utterance {
     if (!this.ended) {
       this.end(CLOSE_TEXT[close.code] || `The connection closed before the transcript was complete (${close.code}).`);
     }
+  }
+
+  // The network has not taken the audio sent so far: more than MAX_BUFFERED_BYTES wait in the socket.
+  backlogged() {
+    return this.ws.bufferedAmount > MAX_BUFFERED_BYTES;
   }
 
   send(pcm16) {
@@ -256,6 +298,8 @@ function base64(pcm16) {
   return btoa(binary);
 }
 
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
 function showLevel(peak) {
   const db = 20 * Math.log10(Math.max(peak, 1e-4)); // -80 dB .. 0 dB
   ui.level.style.width = `${Math.max(0, Math.min(100, ((db + 60) / 60) * 100))}%`;
@@ -336,9 +380,11 @@ async function run(current, label, prepare) {
     const error = await ended;
     current.stop();
     if (error) setStatus(error, error === ERROR_TEXT.capacity ? "busy" : "error");
+    else if (utterance.warning) setStatus(utterance.warning, "warning");
     else setStatus("Done. Press Start for another utterance, or drop a file.");
   } catch (err) {
     if (!utterance.ended) utterance.end(null);
+    if (err.handshakeFailed && (await keyRefused())) return;
     setStatus(err.message, err.message === ERROR_TEXT.capacity ? "busy" : "error");
   }
 }
@@ -368,18 +414,29 @@ ui.start.addEventListener("click", () => startSession(async (current) => {
       const mute = context.createGain();
       mute.gain.value = 0; // the destination pulls the graph; nothing is played back
       source.connect(worklet).connect(mute).connect(context.destination);
-      worklet.port.onmessage = (message) => {
-        utterance.send(new Int16Array(message.data.pcm));
-        showLevel(message.data.peak);
-      };
-      stream.getAudioTracks()[0].onended = () => utterance.finish(); // microphone unplugged
-      setStatus("Listening… press Stop when you are done.", "live");
-      return () => {
+      const stopCapture = () => {
         worklet.port.onmessage = null;
         source.disconnect();
         worklet.disconnect();
         stream.getTracks().forEach((track) => track.stop());
       };
+      worklet.port.onmessage = (message) => {
+        if (utterance.backlogged()) {
+          // Live audio cannot wait for the network: the transcript would fall further behind for as long as
+          // the user speaks, and the socket's buffer grow without bound. Finish with what was sent instead.
+          stopCapture();
+          showLevel(0);
+          utterance.warning = NETWORK_TEXT;
+          utterance.finish();
+          setStatus(`${NETWORK_TEXT} Finishing…`, "warning");
+          return;
+        }
+        utterance.send(new Int16Array(message.data.pcm));
+        showLevel(message.data.peak);
+      };
+      stream.getAudioTracks()[0].onended = () => utterance.finish(); // microphone unplugged
+      setStatus("Listening… press Stop when you are done.", "live");
+      return stopCapture;
     });
   } catch (err) {
     setStatus(microphoneError(err), "error");
@@ -426,7 +483,8 @@ const streamFile = (file) => startSession(async (current) => {
     player.buffer = decoded;
     player.connect(context.destination);
     let stopped = false;
-    setStatus(`Streaming ${file.name} (${decoded.duration.toFixed(1)} s) at real time…`, "live");
+    const streaming = `Streaming ${file.name} (${decoded.duration.toFixed(1)} s) at real time…`;
+    setStatus(streaming, "live");
     const started = performance.now();
     player.start();
     (async () => {
@@ -434,7 +492,14 @@ const streamFile = (file) => startSession(async (current) => {
         const end = Math.min(begin + CHUNK, pcm.length);
         // Each chunk leaves once its last sample has been "spoken", as from a microphone.
         const wait = started + (end / SAMPLE_RATE) * 1000 - performance.now();
-        if (wait > 0) await new Promise((resolve) => setTimeout(resolve, wait));
+        if (wait > 0) await sleep(wait);
+        if (utterance.backlogged()) {
+          // A file can wait for a slow network (polled: a WebSocket has no drain event); the chunks behind
+          // then leave as fast as it takes them.
+          setStatus(`Waiting for the network to take the audio sent so far (${file.name})…`, "warning");
+          while (utterance.backlogged() && !stopped && !utterance.ended) await sleep(50);
+          if (!stopped && !utterance.ended) setStatus(streaming, "live");
+        }
         if (stopped) break;
         const chunk = new Int16Array(end - begin);
         let peak = 0;
