@@ -48,6 +48,7 @@ import numpy as np
 from jaxstream.engine.transcription_session import TranscriptionDelta, TranscriptionDone
 from jaxstream.errors import EngineError
 from jaxstream.models.audio import SLOT_SECONDS
+from jaxstream.serving import sse
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_g711_base64, decode_pcm16_base64
 from jaxstream.serving.engine_sessions import start_session, token_logprobs
 from jaxstream.serving.vad import (TurnDetectionError, TurnSegmenter, parse_turn_detection, start_turn_segmenter,
@@ -169,10 +170,14 @@ class OpenAiRealtime:
         self.open = None
 
     def error_event(self, code: str, message: str, *, param: str | None = None, event_id: str | None = None,
-                    server_side: bool = True) -> dict:
+                    server_side: bool | None = None) -> dict:
+        """An `error` event; typed by its code (sse.type_of, as the HTTP streams type theirs) unless the
+        caller knows whose fault it is: the connection's own end (idle, too old, too many errors) is the
+        client's, as OpenAI types its `session_expired`."""
+        error_type = (sse.type_of(code) if server_side is None
+                      else "server_error" if server_side else "invalid_request_error")
         return {"type": "error", "event_id": _event_id(), "error": {
-            "type": "server_error" if server_side else "invalid_request_error", "code": code,
-            "message": message, "param": param, "event_id": event_id}}
+            "type": error_type, "code": code, "message": message, "param": param, "event_id": event_id}}
 
     # -- client events --------------------------------------------------------------------------------
     async def _handle(self, data) -> None:
@@ -478,8 +483,8 @@ class OpenAiRealtime:
             metrics.utterances.labels(outcome="error").inc()
             self.conn.count_error(code)
             await self._send("conversation.item.input_audio_transcription.failed", item_id=item.id, content_index=0,
-                             error={"type": "server_error", "code": code, "message": str(exc) or type(exc).__name__,
-                                    "param": None})
+                             error={"type": sse.type_of(code), "code": code,
+                                    "message": str(exc) or type(exc).__name__, "param": None})
         else:
             if item.committed_at is not None:
                 metrics.finalize.observe(time.monotonic() - item.committed_at)
@@ -543,11 +548,11 @@ class OpenAiRealtime:
         """The error event of a refusal: the client's mistake (ClientError) or the engine's (EngineError)."""
         if isinstance(exc, ClientError):
             await self._error(exc.code, exc.message, exc.param, event_id, server_side=False)
-        else:
-            await self._error(exc.code, str(exc), None, event_id, server_side=True)
+        else:  # by its code: the engine refusing bad audio is the client's error, one at capacity the server's
+            await self._error(exc.code, str(exc), None, event_id)
 
     async def _error(self, code: str, message: str, param: str | None, event_id: str | None, *,
-                     server_side: bool = True) -> None:
+                     server_side: bool | None = None) -> None:
         self.conn.count_error(code)
         await self.conn.send(self.error_event(code, message, param=param, event_id=event_id,
                                               server_side=server_side))

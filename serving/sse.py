@@ -113,6 +113,7 @@ CLIENT_ERROR_CODES = frozenset({
     "invalid_request", "invalid_json", "invalid_chunk", "invalid_audio", "invalid_text", "unsupported_modality",
     "no_input", "payload_too_large", "request_too_large", "idle_timeout", "client_disconnected", "session_closed",
     "context_length_exceeded", "replay_unavailable", "invalid_last_event_id", "max_duration_exceeded",
+    "too_many_errors", "invalid_api_key",  # a WebSocket's end for its client's own conduct
 })
 
 

@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from websockets.sync.client import connect as sync_connect
 
 from jaxstream.serving.audio_codecs import G711_TABLES, encode_pcm16_base64
+from jaxstream.serving.config import ServerConfig
+from jaxstream.serving.limits import Limits
 from jaxstream.serving.openai_realtime import LOGPROBS
 from jaxstream.serving.testing import ServerThread, sample_audio, wait_engine_baseline
 from serve_fixtures import INTERNAL_ERRORS, fuzz_text
@@ -593,3 +595,19 @@ async def test_vllm_clients_still_get_the_vllm_dialect(server):
     async with websockets.connect(server.url()) as ws:
         created = json.loads(await ws.recv())
         assert created["type"] == "session.created" and created["id"].startswith("sess-")
+
+
+async def test_the_connections_end_for_its_own_conduct_is_the_clients_error(engine):
+    """The error event before an idle connection is closed is typed as OpenAI types the end of a session that
+    outlived its limit (`invalid_request_error`), as the HTTP streams type it; it said `server_error`."""
+    server = ServerThread(engine, ServerConfig(limits=Limits(idle_timeout_s=0.5)))
+    try:
+        client = await Client.connect(server)
+        assert (await client.event())["type"] == "session.created"
+        while (event := await client.event(10))["type"] != "error":
+            assert event["type"] == "rate_limits.updated", event
+        error = event["error"]
+        assert (error["code"], error["type"]) == ("idle_timeout", "invalid_request_error")
+        await client.ws.close()
+    finally:
+        server.close()
