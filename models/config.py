@@ -103,9 +103,15 @@ class VoxtralConfig:
     streaming_word_id: int = 33
 
     def __post_init__(self):
+        pad = self.n_left_pad_tokens
+        if isinstance(pad, int) and not isinstance(pad, bool) and pad < 1:
+            # With no silent slot before the audio, the offline log-mel's centred STFT reflects the first real
+            # samples where the streaming front end sees zeros, and the silent-prefix cache would span -1 slots.
+            raise ValueError(f"VoxtralConfig.n_left_pad_tokens must be at least 1 (Voxtral Realtime pads each "
+                             f"stream with 32 silent slots), got {pad!r}")
         # eos_id -1: no end-of-text id (`jaxstream bench` runs random weights' streams to their end).
-        _check_fields(self, may_be_zero={"n_left_pad_tokens", "default_delay_ms", "bos_id", "streaming_pad_id",
-                                         "streaming_word_id"}, any_sign={"eos_id"})
+        _check_fields(self, may_be_zero={"default_delay_ms", "bos_id", "streaming_pad_id", "streaming_word_id"},
+                      any_sign={"eos_id"})
 
 
 VOXTRAL_MINI_4B = VoxtralConfig(

@@ -135,15 +135,37 @@ def build(case, dtype, seed, garbage=None):
     return args, history
 
 
+def with_history(case, args, history, k_history, v_history):
+    """`args`/`history` of `build` redone for other histories of the same sessions: pools written from them
+    (over the pools as built) and the chunk rows taken from them."""
+    lengths = history["lengths"]
+    history = dict(history, k_history=k_history, v_history=v_history)
+    args = dict(args)
+    dtype = args["q"].dtype
+    for name, hist in (("k", k_history), ("v", v_history)):
+        history[f"{name}_pool"] = reference.write_positions(history[f"{name}_pool"], history["page_table"], hist,
+                                                            np.zeros_like(lengths), lengths)
+        args[f"{name}_pages"] = jnp.asarray(history[f"{name}_pool"], dtype)
+        args[f"{name}_new"] = jnp.asarray(np.stack([hist[s, lengths[s]: lengths[s] + case.chunk]
+                                                    for s in range(len(lengths))]), dtype)
+    return args, history
+
+
 class RingAttentionTestBase:
     """Subclasses set `implementation` and `interpret`, and may narrow the sweep with `dtypes` and drop the
-    reach cases (`reach_cases`: the XLA path's buckets; a Pallas kernel runs them once, in one interpreter)."""
+    reach cases (`reach_cases`: the XLA path's buckets; a Pallas kernel runs them once, in one interpreter).
+    `hides_visible_non_finite`: the Pallas kernels zero every non-finite value, even one a query can see (the
+    op's one documented difference from the float64 oracle, api.ring_attention). `marks_whole_heads`: a
+    query head that sees one is non-finite in its whole output, not only where the oracle is (the XLA path's
+    chunks)."""
 
     implementation = None
     interpret = False
     dtypes = ("float32", "bfloat16")
     reach_cases = True
     tolerance = TOLERANCE
+    hides_visible_non_finite = False
+    marks_whole_heads = False
 
     def run(self, args, window, **kwargs):
         return api.ring_attention(**args, window=window, implementation=self.implementation,
@@ -200,3 +222,50 @@ class RingAttentionTestBase:
         np.testing.assert_allclose(out[valid], expected[valid], atol=self.tolerance[dtype], rtol=self.tolerance[dtype])
         empty = (history["lengths"] == 0) & (history["num_new"] == 0)
         assert np.all(out[empty] == 0), "an empty session outputs zeros"
+
+    @pytest.mark.parametrize("page_size", [80, 96])
+    def test_pages_longer_than_a_key_block(self, page_size):
+        """Pages longer than the portable kernel's 64-key steps but not a whole number of them (its last step
+        over a page is a partial one), against the oracle; where a kernel cannot take such pages (Triton:
+        powers of two), the dispatcher's reason skips it."""
+        case = Case(lengths=(0, 150, 70, 300), num_new=(3, 1, 2, 1), chunk=3, window=130, page_size=page_size,
+                    group=3, head_dim=64)
+        args, _ = build(case, self.dtypes[0], seed=page_size)
+        try:
+            api.choose_implementation(args["k_pages"], implementation=self.implementation, interpret=self.interpret)
+        except ValueError as reason:
+            pytest.skip(str(reason))
+        self.check_against_oracle(case, self.dtypes[0], seed=page_size)
+
+    @pytest.mark.parametrize("group", [1, 4])
+    def test_a_value_a_query_cannot_see_never_reaches_it(self, group):
+        """Non-finite keys and values at positions some queries of a chunk see and others do not: an old
+        position that slid out of the later queries' windows, chunk rows after the earlier queries. A query
+        that cannot see one matches the float64 oracle (a zero probability must not turn it into 0 x NaN,
+        whatever other queries of its block see); one that can is non-finite where the oracle is, except in
+        the kernels that zero every non-finite value (`hides_visible_non_finite`)."""
+        dtype = self.dtypes[0]
+        case = Case(lengths=(40, 9), num_new=(4, 3), chunk=4, window=16, page_size=8, group=group, head_dim=16,
+                    shuffled=False)
+        args, history = build(case, dtype, seed=zlib.crc32(f"unseen/{group}".encode()))
+        k_history, v_history = history["k_history"].copy(), history["v_history"].copy()
+        # Session 0's queries (positions 40..43) see positions 25 + i .. 40 + i.
+        v_history[0, 25, 0, 3] = np.nan  # query 0 alone sees it
+        k_history[0, 26, 0] = np.nan  # queries 0 and 1: every output element of KV head 0's query heads
+        v_history[0, 43, 0, 5] = np.nan  # the chunk's last row: query 3 alone
+        v_history[1, 10, 1, 0] = np.inf  # session 1's chunk row 1: its queries 1 and 2, not query 0
+        args, history = with_history(case, args, history, k_history, v_history)
+        out, _, _ = self.run(args, case.window)
+        expected = reference.dense_attention(history["q"], k_history, v_history, history["lengths"],
+                                             history["num_new"], window=case.window)
+        out = np.asarray(out.astype(jnp.float32))
+        valid = np.arange(case.chunk)[None, :] < history["num_new"][:, None]
+        out, expected = out[valid], expected[valid]
+        clean = np.isfinite(expected)
+        assert not clean.all() and clean.any()  # the case has both
+        if self.marks_whole_heads:
+            np.testing.assert_array_equal(np.isfinite(out).all(-1), clean.all(-1))
+            clean = np.broadcast_to(clean.all(-1, keepdims=True), clean.shape)
+        elif not self.hides_visible_non_finite:
+            np.testing.assert_array_equal(np.isfinite(out), clean)
+        np.testing.assert_allclose(out[clean], expected[clean], atol=self.tolerance[dtype], rtol=self.tolerance[dtype])

@@ -12,7 +12,7 @@ import pytest
 from jaxstream.engine import audio_front_end
 from jaxstream.engine.audio_front_end import FrontEndWorker
 from jaxstream.engine.transcription_session import TranscriptAssembler, TranscriptionSession
-from jaxstream.errors import EngineDeadError, InvalidAudioError, SessionClosedError
+from jaxstream.errors import EngineDeadError, EngineError, InvalidAudioError, SessionClosedError
 from jaxstream.models import audio
 from jaxstream.models.tokenizers import load_tokenizer
 
@@ -152,6 +152,24 @@ async def test_resampled_streams_match_their_resampled_audio(worker):
         np.testing.assert_allclose(np.concatenate(out).reshape(-1, 128), expected, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("amplitude", [1.0, audio.MAX_SAMPLE_MAGNITUDE])
+async def test_a_resampled_stream_ending_loud_finishes_as_the_offline_path(worker, amplitude):
+    """An 8 kHz square wave at full scale, or at the largest magnitude appends accept: soxr's ringing
+    overshoots it (to 1.36 x), in the appends and in the tail the end flushes alike. Both are clipped to the
+    range the input was checked against, so the stream ends (the tail was once refused, and the stream could
+    never end) with the features of the whole recording resampled offline, clipped the same way."""
+    rate = 8000
+    pcm = (amplitude * np.sign(np.sin(2 * np.pi * 700 * np.arange(rate) / rate))).astype(np.float32)
+    stream = worker.stream(audio.StreamingLogMel(6), rate)
+    out = [await stream.push(pcm[begin:begin + 640]) for begin in range(0, pcm.size, 640)]
+    out.append(await stream.finish())
+    assert stream.log_mel.done
+    limit = audio.MAX_SAMPLE_MAGNITUDE
+    offline = np.clip(audio.resample_to_16k(pcm, rate), -limit, limit)
+    np.testing.assert_allclose(np.concatenate(out).reshape(-1, 128), audio.offline_features(offline, 6),
+                               rtol=0, atol=1e-6)
+
+
 async def test_close_answers_what_was_queued_and_refuses_the_rest():
     worker = FrontEndWorker()
     stream = worker.stream(audio.StreamingLogMel(6))
@@ -180,9 +198,11 @@ class _RecordingLink:
 TEKKEN = load_tokenizer(Path(__file__).parent / "fixtures" / "voxtral_tiny" / "tekken.json")
 
 
-def session_on(worker, link, session_id="s", max_queued_slots=1000, max_audio_seconds=None):
+def session_on(worker, link, session_id="s", max_queued_slots=1000, max_audio_seconds=None, log_mel=None,
+               sample_rate=audio.SAMPLING_RATE):
     transcript = TranscriptAssembler(TEKKEN, delay_ms=480, prompt_len=audio.prompt_length(6))
-    return TranscriptionSession(link, session_id, 480, worker.stream(audio.StreamingLogMel(6)), transcript,
+    front_end = worker.stream(log_mel or audio.StreamingLogMel(6), sample_rate)
+    return TranscriptionSession(link, session_id, 480, front_end, transcript, sample_rate=sample_rate,
                                 max_queued_slots=max_queued_slots, max_audio_seconds=max_audio_seconds)
 
 
@@ -298,3 +318,43 @@ async def test_a_finish_cancelled_while_an_append_waits_for_room_still_ends_the_
     assert link.audio[-1][2] == slots.shape[0] // 8 and [t for _, _, t in link.audio[:-1]] == [None, None]
     with pytest.raises(SessionClosedError):
         await session.append(pcm[12000:])
+
+
+async def test_a_loud_resampled_session_ends_with_all_its_slots(worker):
+    """Through a session: the end of an 8 kHz stream at the largest accepted magnitude reaches the engine
+    with the stream's total slot count (it once failed in the front end, and the engine waited forever)."""
+    link = _RecordingLink()
+    session = session_on(worker, link, sample_rate=8000)
+    pcm = (audio.MAX_SAMPLE_MAGNITUDE * np.sign(np.sin(2 * np.pi * 700 * np.arange(8000) / 8000))).astype(np.float32)
+    for begin in range(0, pcm.size, 640):
+        await session.append(pcm[begin:begin + 640])
+    await asyncio.wait_for(session.finish(), timeout=30)
+    slots = sum(len(mel) for mel, _, _ in link.audio)
+    assert link.audio[-1][2] == slots and not link.aborted and session.outcome is None
+
+
+class _BrokenEnd(audio.StreamingLogMel):
+    """A front end whose end of stream fails (an unforeseen bug, as the unclipped resampler tail was)."""
+
+    def __init__(self):
+        super().__init__(n_delay=6)
+
+    def finish(self):
+        raise RuntimeError("the end of the stream broke")
+
+
+async def test_a_front_end_failing_on_the_end_ends_the_session_with_an_error(worker):
+    """The engine waits for a stream's end to finish it: when the front end fails there, the session must not
+    stay live. It ends at once: its engine session is aborted (freed), its iterator raises an EngineError
+    naming the failure, finish() returns, and it takes no more audio."""
+    link = _RecordingLink()
+    session = session_on(worker, link, log_mel=_BrokenEnd())
+    await session.append(recordings(1, seed=6)[0])
+    await asyncio.wait_for(session.finish(), timeout=30)
+    with pytest.raises(EngineError, match="the end of its audio could not be processed .*the end of the stream broke"):
+        async for _ in session:
+            pass
+    assert link.aborted == ["front_end_failed"] and all(total is None for _, _, total in link.audio)
+    assert isinstance(session.outcome, EngineError)
+    with pytest.raises(SessionClosedError):
+        await session.append(np.zeros(160, np.float32))

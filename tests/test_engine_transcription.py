@@ -12,7 +12,9 @@ from jaxstream.engine.async_engine import AsyncEngine
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.transcription_session import TranscriptionDelta, TranscriptionDone, word_timings
 from jaxstream.errors import EngineError, SessionClosedError
-from jaxstream.models.audio import ALLOWED_DELAYS_MS, n_delay_from_ms, prompt_length
+from jaxstream.models.audio import (
+    ALLOWED_DELAYS_MS, MAX_SAMPLE_MAGNITUDE, n_delay_from_ms, prompt_length, resample_to_16k,
+)
 from jaxstream.models.tokenizers import load_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -203,6 +205,44 @@ async def test_a_failing_session_does_not_affect_another(engine, reference):
     check_events(results[0], expected_tokens(reference, 480), engine.tokenizer, len(audio) / 16000, 480)
     await engine.wait_until_idle()
     assert engine.core.at_baseline()
+
+
+async def test_a_resampled_session_ending_loud_finishes_as_the_offline_path(engine):
+    """8 kHz audio at the largest magnitude appends accept, whose resampled tail overshoots it: the session
+    ends (it once never did: its end failed in the front end), with the tokens of the same recording resampled
+    offline and clipped to the checked range, transcribed at 16 kHz."""
+    rate = 8000
+    pcm = (MAX_SAMPLE_MAGNITUDE * np.sign(np.sin(2 * np.pi * 700 * np.arange(2 * rate) / rate))).astype(np.float32)
+    session = await engine.start_transcription(sample_rate=rate)
+    for begin in range(0, pcm.size, 640):
+        await session.append(pcm[begin:begin + 640])
+    await session.finish()
+    events = await asyncio.wait_for(_collect(session), timeout=120)
+    offline = np.clip(resample_to_16k(pcm, rate), -MAX_SAMPLE_MAGNITUDE, MAX_SAMPLE_MAGNITUDE)
+    assert events[-1].token_ids == (await engine.transcribe(offline)).token_ids
+    assert session.outcome == "done"
+
+
+async def test_a_front_end_failing_on_the_end_ends_the_session_and_frees_it(engine, reference, monkeypatch):
+    """Should the front end fail on a stream's end, the engine would wait for that end forever: the session
+    ends with an EngineError from its iterator, and the engine frees what it held (the module's fixture
+    checks the engine is back at its baseline)."""
+    session = await engine.start_transcription()
+    await session.append(reference["audio"][:20000])
+
+    def broken_end():
+        raise RuntimeError("the end of the stream broke")
+
+    monkeypatch.setattr(session._front.log_mel, "finish", broken_end)  # noqa: SLF001 - the session's own front end
+    await asyncio.wait_for(session.finish(), timeout=60)
+    with pytest.raises(EngineError, match="the end of its audio could not be processed"):
+        await asyncio.wait_for(_collect(session), timeout=60)
+    with pytest.raises(SessionClosedError):
+        await session.append(reference["audio"][:10])
+
+
+async def _collect(session):
+    return [event async for event in session]
 
 
 def test_word_timings_follow_markers_minus_the_delay():

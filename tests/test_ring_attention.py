@@ -5,6 +5,9 @@ Pallas kernels run in the CPU interpreters: the generic one (interpret=True, Tri
 TPU one (pltpu.InterpretParams: SMEM/VMEM, DMA, race detection on two simulated cores).
 """
 import functools
+import subprocess
+import sys
+import time
 import zlib
 
 import jax
@@ -25,6 +28,7 @@ BACKEND = jax.default_backend()
 
 class TestXla(RingAttentionTestBase):
     implementation = "xla"
+    marks_whole_heads = True
 
 
 class TestCpu(RingAttentionTestBase):
@@ -36,6 +40,7 @@ class TestCpu(RingAttentionTestBase):
 class TestPallasInterpret(RingAttentionTestBase):
     implementation = "pallas"
     interpret = True
+    hides_visible_non_finite = True
 
 
 class TestPallasTpuInterpreter(RingAttentionTestBase):
@@ -43,12 +48,14 @@ class TestPallasTpuInterpreter(RingAttentionTestBase):
     interpret = pltpu.InterpretParams()
     dtypes = ("float32",)
     reach_cases = False
+    hides_visible_non_finite = True
 
 
 class TestPallasTpuKernelInterpret(RingAttentionTestBase):
     implementation = "pallas_tpu"
     interpret = True
     dtypes = ("bfloat16",)
+    hides_visible_non_finite = True
 
 
 class TestPallasTpuKernelTpuInterpreter(RingAttentionTestBase):
@@ -56,6 +63,7 @@ class TestPallasTpuKernelTpuInterpreter(RingAttentionTestBase):
     interpret = pltpu.InterpretParams()
     dtypes = ("float32",)
     reach_cases = False
+    hides_visible_non_finite = True
 
 
 @pytest.mark.gpu
@@ -66,6 +74,7 @@ class TestCompiledOnAccelerator(RingAttentionTestBase):
 
     implementation = {"tpu": "pallas_tpu", "gpu": "pallas"}.get(BACKEND)
     tolerance = ACCELERATOR_TOLERANCE
+    hides_visible_non_finite = True
 
 
 @pytest.mark.parametrize("implementation", ["pallas", "pallas_tpu"])
@@ -138,6 +147,85 @@ def test_nan_queries_leave_the_writes_intact(implementation, interpret):
         expected = reference.write_positions(history[f"{name}_pool"], history["page_table"],
                                              history[f"{name}_history"], history["lengths"], stop)
         np.testing.assert_array_equal(np.asarray(written), expected)
+
+
+# Every implementation that runs on a CPU host: XLA, the C++ kernel, both Pallas kernels in both interpreters.
+ON_CPU = [("xla", False), ("cpu", False), ("pallas", True), ("pallas", pltpu.InterpretParams()), ("pallas_tpu", True),
+          ("pallas_tpu", pltpu.InterpretParams())]
+
+
+@pytest.mark.parametrize("implementation,interpret", ON_CPU)
+def test_num_new_past_the_chunk_counts_as_the_chunk(implementation, interpret):
+    """num_new > C is out of contract but traced (not validated): every implementation takes it as C, in its
+    output and in its write. The write once applied its last-R-rows rule to the unclipped count, dropping
+    every row from C + R on, rows the kernels had attended to (R = 8 here)."""
+    case = Case(lengths=(0, 30, 5), num_new=(4, 4, 4), chunk=4, window=8, page_size=4, group=2, head_dim=16)
+    args, history = build(case, "float32", seed=7)
+    args["num_new"] = jnp.asarray([5, 12, 40], jnp.int32)
+    out, k_pages, v_pages = ring_attention(**args, window=case.window, implementation=implementation,
+                                           interpret=interpret)
+    expected = reference.dense_attention(history["q"], history["k_history"], history["v_history"],
+                                         history["lengths"], history["num_new"], window=case.window)
+    np.testing.assert_allclose(np.asarray(out), expected, atol=2e-5, rtol=2e-5)
+    stop = history["lengths"] + case.chunk
+    for name, written in (("k", k_pages), ("v", v_pages)):
+        np.testing.assert_array_equal(np.asarray(written), reference.write_positions(
+            history[f"{name}_pool"], history["page_table"], history[f"{name}_history"], history["lengths"], stop))
+
+
+# Runs one ring_attention call from an .npz of its arguments in a process of its own (a kernel that reads
+# outside the pool may crash it) and saves the output.
+_CALL_IN_A_PROCESS = """
+import sys
+import jax.numpy as jnp
+import numpy as np
+from jaxstream.tpu_kernels.ring_attention import api
+arguments = dict(np.load(sys.argv[1]))
+window = int(arguments.pop("window"))
+out, _, _ = api.ring_attention(**{name: jnp.asarray(x) for name, x in arguments.items()}, window=window,
+                               implementation=sys.argv[3])
+np.save(sys.argv[2], np.asarray(out))
+"""
+
+
+@pytest.mark.parametrize("implementation,interpret", ON_CPU)
+def test_out_of_range_page_entries_read_as_xla_reads_them(implementation, interpret, tmp_path):
+    """Page-table entries are promised valid but traced, so not checked: one outside the pool must not read
+    memory past it (the C++ kernel read garbage, or crashed the process). Every implementation reads such an
+    entry as XLA's gather does: counted from the end of the pool when negative, then clamped into the pool.
+    Oracle: the float64 dense attention over the history those pages hold. The C++ kernel runs in a process of
+    its own, so that a crash is a failure here, not a dead test run."""
+    # Every session's queries see its logical page 0 (positions 0-15 of session 0, 16-31 of 1 and 2, 32-47 of 3).
+    case = Case(lengths=(2, 30, 31, 64), num_new=(4, 4, 3, 4), chunk=4, window=24, page_size=16, group=4,
+                head_dim=64)
+    args, history = build(case, "float32", seed=9)
+    num_pages = args["k_pages"].shape[0]
+    table = history["page_table"].copy()
+    table[:, 0] = [num_pages, 2**31 - 1, -1, -num_pages - 5]  # Past the end, far past it, from the end, before.
+    read = np.clip(np.where(table < 0, table + num_pages, table), 0, num_pages - 1)
+    assert read[:, 0].tolist() == [num_pages - 1, num_pages - 1, num_pages - 1, 0]
+    args["page_table"] = jnp.asarray(table)
+    if implementation == "cpu":
+        api.choose_implementation(args["k_pages"], implementation="cpu")  # built here; the process finds it
+        np.savez(tmp_path / "arguments.npz", window=case.window, **{k: np.asarray(v) for k, v in args.items()})
+        done = subprocess.run([sys.executable, "-c", _CALL_IN_A_PROCESS, str(tmp_path / "arguments.npz"),
+                               str(tmp_path / "out.npy"), implementation], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"the call exited with {done.returncode}: {done.stderr[-2000:]}"
+        out = np.load(tmp_path / "out.npy")
+    else:
+        out, _, _ = ring_attention(**args, window=case.window, implementation=implementation, interpret=interpret)
+    # The history the pages hold as they are read: each old position of the window from the page it is read from.
+    k_history, v_history = history["k_history"].copy(), history["v_history"].copy()
+    ring = table.shape[1] * case.page_size
+    for s, length in enumerate(history["lengths"]):
+        for p in range(max(0, length - ring), length):
+            page = read[s, (p // case.page_size) % table.shape[1]]
+            k_history[s, p], v_history[s, p] = history["k_pool"][page, :, p % case.page_size], \
+                history["v_pool"][page, :, p % case.page_size]
+    expected = reference.dense_attention(history["q"], k_history, v_history, history["lengths"], history["num_new"],
+                                         window=case.window)
+    valid = np.arange(case.chunk)[None, :] < history["num_new"][:, None]
+    np.testing.assert_allclose(np.asarray(out)[valid], expected[valid], atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("case_name,reach", [
@@ -331,8 +419,8 @@ def test_cpu_kernel_build_failure_is_a_reason_not_a_crash(monkeypatch, tmp_path)
 
 
 def test_cpu_kernel_is_built_once_per_source_and_cpu(monkeypatch, tmp_path):
-    """The library lands in the cache under a key of its source, flags, jaxlib and CPU; the next build finds
-    it there instead of compiling again."""
+    """The library lands in the cache under a key of its source, flags, compiler, jaxlib and CPU; the next
+    build finds it there instead of compiling again (nor asking the compiler its version again)."""
     monkeypatch.setenv("JAXSTREAM_CACHE_DIR", str(tmp_path))
     library = cpu._build()
     assert library.parent == tmp_path / "kernels" and library.suffix == ".so"
@@ -340,8 +428,62 @@ def test_cpu_kernel_is_built_once_per_source_and_cpu(monkeypatch, tmp_path):
     def compile_again(*args, **kwargs):
         raise AssertionError(f"compiled again: {args}")
 
-    monkeypatch.setattr(cpu.subprocess, "run", compile_again)
+    monkeypatch.setattr(cpu, "_run", compile_again)
+    monkeypatch.setattr(cpu.subprocess, "Popen", compile_again)
     assert cpu._build() == library
+
+
+def _script(path, body):
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return path
+
+
+def test_cpu_kernel_builds_with_a_compiler_command_taking_arguments(monkeypatch, tmp_path):
+    """$CXX is a command line, as make and CMake read it ("ccache g++", "g++ -w"): here a wrapper that logs
+    its arguments and runs the rest as a command, as ccache does. The kernel is built by that command, and a
+    library another command built is not taken for its own."""
+    import shutil
+
+    real = shutil.which("c++") or shutil.which("g++")
+    if real is None:
+        pytest.skip("no C++ compiler")
+    log = tmp_path / "calls"
+    wrapper = _script(tmp_path / "cxx wrapper", f'echo "$@" >> "{log}"\nexec "$@"\n')
+    monkeypatch.setenv("JAXSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", f"'{wrapper}' {real} -w")
+    library = cpu._build()
+    assert library.exists()
+    calls = log.read_text().splitlines()
+    assert calls[0] == f"{real} -w --version"  # the version that keys the cache
+    assert calls[-1].startswith(f"{real} -w -O3 -march=native") and calls[-1].endswith(".so")
+    include = jax.ffi.include_dir()
+    assert cpu._library_path([real], include) != library != cpu._library_path([real, "-w", "-O0"], include)
+    assert cpu._library_path([str(wrapper), real, "-w"], include) == library
+
+
+def test_a_hanging_compiler_is_a_reason_not_a_hang(monkeypatch, tmp_path):
+    """A compiler that never answers (a stuck ccache, a license server) times out, and so does whatever it
+    started: the build becomes a reason the dispatcher falls back on, not a first call that never returns."""
+    pid_file = tmp_path / "pid"
+    monkeypatch.setenv("JAXSTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(_script(tmp_path / "stuck", f'sleep 20 &\necho $! > "{pid_file}"\nwait\n')))
+    monkeypatch.setattr(cpu, "VERSION_TIMEOUT", 1)
+    monkeypatch.setattr(cpu, "COMPILE_TIMEOUT", 1)
+    with pytest.raises(RuntimeError, match="^stuck did not finish within 1 s$"):
+        cpu._build()
+    assert not list(tmp_path.rglob("*.so"))
+    child = int(pid_file.read_text())
+    for _ in range(100):  # killed with the compiler's process group: gone, or a zombie until reaped
+        try:
+            with open(f"/proc/{child}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the compiler's child outlived the timeout")
 
 
 def test_cpu_kernel_source_ships_in_the_package():

@@ -20,7 +20,8 @@ from jaxstream.models import (
     VOXTRAL_MINI_4B, CheckpointMismatchError, VoxtralRealtime, config_from_hf, hf_name_map, init_conv_state,
     init_kv_cache, load_hf_weights, num_parameters,
 )
-from jaxstream.models.loading import abstract_model
+from jaxstream.models.audio import StreamingLogMel, offline_features
+from jaxstream.models.loading import abstract_model, config_from_dict, config_to_dict
 from jaxstream.models.voxtral import time_condition
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -228,6 +229,30 @@ def test_voxtral_mini_4b_parameter_count():
     assert {entry.path for entry in names.values()} == set(params)
     for entry in names.values():
         assert entry.transform(np.broadcast_to(np.float32(0), entry.shape)).shape == params[entry.path].shape
+
+
+@pytest.mark.parametrize("pad", [0, -3])
+def test_a_config_without_left_padding_is_refused(vox, pad):
+    """Voxtral Realtime pads every stream with 32 silent slots. Without any, the streaming features of the
+    first slot differ from the offline ones (the centred STFT reflects real samples where the stream has
+    zeros) and the silent-prefix cache spans -1 slots, so the engine could not start: refused where every
+    config is built, a jaxstream.json checkpoint's included, in one clear line."""
+    with pytest.raises(ValueError, match=r"n_left_pad_tokens must be at least 1 .*got " + str(pad)):
+        dataclasses.replace(vox.cfg, n_left_pad_tokens=pad)
+    with pytest.raises(ValueError, match=r"n_left_pad_tokens must be at least 1"):
+        config_from_dict({**config_to_dict(vox.cfg), "n_left_pad_tokens": pad})
+
+
+def test_one_slot_of_left_padding_streams_as_offline():
+    """The smallest left padding the config accepts gives the streaming front end the offline features
+    (`offline_features`, the oracle) from the first slot on."""
+    pcm = (np.random.default_rng(0).standard_normal(16000) * 0.3).astype(np.float32)
+    stream = StreamingLogMel(6, n_left_pad_tokens=1)
+    for begin in range(0, pcm.size, 1000):
+        stream.push(pcm[begin:begin + 1000])
+    stream.finish()
+    np.testing.assert_allclose(stream.take().reshape(-1, 128), offline_features(pcm, 6, n_left_pad_tokens=1),
+                               rtol=0, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

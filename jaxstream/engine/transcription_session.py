@@ -397,7 +397,8 @@ class TranscriptionSession:
 
     async def finish(self) -> None:
         """End of the audio: right padding is added and the remaining text flushed. Idempotent: a second call
-        waits for the same end. Cancelling it does not take the end back."""
+        waits for the same end. Cancelling it does not take the end back. Should the front end fail on the
+        end, the session ends with an `EngineError` that its iterator raises (finish itself returns)."""
         if self._finishing is None:
             if self._closed:  # aborted
                 return
@@ -413,11 +414,29 @@ class TranscriptionSession:
                 return
             computed = self._front.finish()
             computed.add_done_callback(self._hand_on_end)
-            await computed
+            # Its error, if any, ends the session through `_hand_on_end`: the iterator raises it, not finish().
+            await asyncio.wait([computed])
 
     def _hand_on_end(self, computed: asyncio.Future) -> None:
-        if not computed.cancelled() and computed.exception() is None:
+        if computed.cancelled():
+            return
+        if computed.exception() is None:
             self._hand_on(computed.result(), 0, total_slots=self._front.total_slots)
+        else:
+            self._end_with_error(computed.exception())
+
+    def _end_with_error(self, exc: BaseException) -> None:
+        """The front end failed on the end of the stream: the engine would wait for its last slots forever,
+        so the session ends now, freeing what it holds, and its iterator raises the error."""
+        if self.outcome is not None:
+            return
+        logger.error("transcription session %s: the front end failed on the end of its audio; ending it",
+                     self.session_id, exc_info=exc)
+        error = EngineError(f"transcription session {self.session_id}: the end of its audio could not be "
+                            f"processed ({type(exc).__name__}: {exc}); the session is ended")
+        error.__cause__ = exc
+        self._link.abort("front_end_failed")
+        self._put(error)
 
     async def abort(self, reason: str = "aborted") -> None:
         """Stops the session now and frees what it holds in the engine; the iterator ends without a

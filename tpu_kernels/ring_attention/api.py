@@ -23,10 +23,21 @@ def ring_attention(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_n
 
     Shapes: q [S, C, Hq, D]; k_new/v_new [S, C, Hkv, D]; k_pages/v_pages [num_pages, Hkv, page_size, D];
     page_table [S, pages_per_window] int32 (valid page indices; point unallocated entries at a null page);
-    lengths, num_new [S] int32. Query i of session s (position lengths[s] + i) attends to keys at
-    positions in (pos - window, pos], read before the chunk is written. Rows i >= num_new[s] are padding:
-    not written, and their outputs are to be ignored (a session with num_new = 0 gets zeros).
+    lengths, num_new [S] int32, 0 <= num_new <= C. Query i of session s (position lengths[s] + i) attends to
+    keys at positions in (pos - window, pos], read before the chunk is written. Rows i >= num_new[s] are
+    padding: not written, and their outputs are to be ignored (a session with num_new = 0 gets zeros).
     Returns (out [S, C, Hq, D], k_pages, v_pages); donate the pages to update them in place.
+
+    Traced inputs out of contract are not checked, but every implementation treats them alike: num_new
+    is clipped to [0, C]; a page-table entry outside the pool reads the page XLA's gather reads (a negative
+    one counts from the end of the pool, then the index is clamped into it), never memory past the pool.
+
+    Non-finite keys and values: one at a position a query cannot see (outside its window, after it, never
+    written, a padding row) never affects that query. One it can see makes its output non-finite where the
+    float64 oracle's is ("cpu"; "xla" too, though a chunk of several positions there makes the whole output
+    of that query head NaN). The one allowed difference: the Pallas kernels replace every non-finite value
+    by 0 before its product with the probabilities, one select per block for all its queries, so a NaN or
+    inf value a query can see leaves its output finite there (a non-finite key it can see still makes it NaN).
 
     implementation: "xla", "cpu" (a C++ kernel for XLA:CPU, float32), "pallas" (portable: TPU, GPU Triton),
     "pallas_tpu" (TPU-tuned), or None for the best available on the default backend ("pallas_tpu" on TPU,

@@ -10,11 +10,13 @@ sessions 0.36 / 9.4 / 18.8 ms against the XLA path's 0.79 / 23.8 / 48.0; an enco
 sessions 1.6 / 3.5 / 6.2 against 2.1 / 5.4 / 7.3. That model's whole engine runs 19-21 % faster with it
 (`benchmarks/vs_transformers.py`'s engine side, 8 and 32 streams).
 
-The kernel is built on first use with the system C++ compiler (`$CXX`, else c++ or g++) against jaxlib's
-FFI headers, for this CPU (`-march=native`), into a cache directory (`$JAXSTREAM_CACHE_DIR`, else
-~/.cache/jaxstream) keyed by the source, the flags, jaxlib's version and the CPU; a second process finds it
-there. Where there is no compiler or the build fails, `check_supported` gives the reason and the dispatcher
-falls back to the XLA path. float32 only (the CPU engine's dtype); other dtypes take the XLA path.
+The kernel is built on first use with the system C++ compiler (`$CXX`, a command that may carry arguments
+such as "ccache g++", else c++ or g++) against jaxlib's FFI headers, for this CPU (`-march=native`), into a
+cache directory (`$JAXSTREAM_CACHE_DIR`, else ~/.cache/jaxstream) keyed by the source, the flags, the
+compiler command and the first line of its `--version`, jaxlib's version and the CPU; a second process finds
+it there. Where there is no compiler or the build fails (or outlasts COMPILE_TIMEOUT), `check_supported`
+gives the reason and the dispatcher falls back to the XLA path. float32 only (the CPU engine's dtype);
+other dtypes take the XLA path.
 
 Forward only in C++: gradients come from the XLA path (its backward, after recomputing its forward), so the
 op stays differentiable; training itself takes the XLA path (`jaxstream/training/step.py`).
@@ -24,7 +26,9 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -46,6 +50,10 @@ SYMBOL = "JaxstreamRingAttention"
 # 256-bit vectors on AVX-512 machines unless told: 512 made an encoder call 8.1-8.7 ms instead of 9.3.
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fno-trapping-math",
          "-fno-signed-zeros", "-fassociative-math", "-freciprocal-math", "-std=c++17", "-shared", "-fPIC")
+# A build takes 10-20 s on a loaded 2-core machine; a compiler that hangs (a stuck ccache, a license server)
+# must not hold the first ring_attention call (an engine's start) forever: the XLA path runs instead.
+COMPILE_TIMEOUT = 300
+VERSION_TIMEOUT = 30
 _lock = threading.Lock()
 _registration = {}  # "reason": None once registered, else why the kernel cannot run here
 
@@ -118,30 +126,76 @@ def _load_and_register():
 
 
 def _build():
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not compiler:
-        raise RuntimeError("no C++ compiler: set CXX or install g++")
+    compiler = _compiler_command()
     include = jax.ffi.include_dir()
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), jaxlib.__version__.encode(),
-                 include.encode(), _cpu_signature().encode()):
-        key.update(part)
-    cache = Path(os.environ.get("JAXSTREAM_CACHE_DIR") or Path.home() / ".cache" / "jaxstream") / "kernels"
-    library = cache / f"ring_attention_cpu-{key.hexdigest()[:16]}.so"
+    library = _library_path(compiler, include)
     if library.exists():
         return library
+    cache = library.parent
     cache.mkdir(parents=True, exist_ok=True)
     # Built under a temporary name and renamed: a concurrent process (pytest's workers) sees a whole library
     # or none.
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         partial = Path(tmp) / library.name
-        result = subprocess.run([compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", str(partial)],
-                                capture_output=True, text=True)
-        if result.returncode:
-            last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"{Path(compiler).name} failed: {last}")
+        name = Path(compiler[0]).name
+        returncode, _, stderr = _run([*compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", str(partial)],
+                                     COMPILE_TIMEOUT, name)
+        if returncode:
+            last = (stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"{name} failed: {last}")
         os.replace(partial, library)
     return library
+
+
+def _library_path(compiler, include):
+    """Where the library built by `compiler` (a command line) lives in the cache, under a key of everything
+    that shapes it. The whole command and the version it reports: CXX="g++ -O0" or an upgraded g++ must not
+    find a library another compiler built."""
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), shlex.join(compiler).encode(),
+                 _compiler_version(tuple(compiler)).encode(), jaxlib.__version__.encode(), include.encode(),
+                 _cpu_signature().encode()):
+        key.update(part)
+    cache = Path(os.environ.get("JAXSTREAM_CACHE_DIR") or Path.home() / ".cache" / "jaxstream") / "kernels"
+    return cache / f"ring_attention_cpu-{key.hexdigest()[:16]}.so"
+
+
+def _compiler_command():
+    """The compiler as a command line: $CXX split as a shell would ("ccache g++", "g++ -w"), else c++ or g++."""
+    command = shlex.split(os.environ.get("CXX") or "")
+    if not command:
+        found = shutil.which("c++") or shutil.which("g++")
+        if not found:
+            raise RuntimeError("no C++ compiler: set CXX or install g++")
+        command = [found]
+    return command
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_version(compiler):
+    """First line of `compiler --version` ("" when it gives none); asked once per process and command."""
+    try:
+        returncode, stdout, _ = _run([*compiler, "--version"], VERSION_TIMEOUT, Path(compiler[0]).name)
+    except (OSError, RuntimeError):
+        return ""  # The build itself then reports why the compiler cannot run.
+    return next(iter(stdout.strip().splitlines()), "") if returncode == 0 else ""
+
+
+def _run(command, timeout, name):
+    """(returncode, stdout, stderr) of `command`; RuntimeError once it runs past `timeout` seconds, after
+    killing its whole process group (a wrapper's compiler too, not only the wrapper)."""
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # the group ended meanwhile
+            process.communicate()
+            raise RuntimeError(f"{name} did not finish within {timeout} s") from None
+    return process.returncode, stdout, stderr
 
 
 def _cpu_signature():

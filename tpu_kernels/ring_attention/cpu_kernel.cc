@@ -10,7 +10,9 @@
 // The layout and position rules are design.md's (positions.py): position p of session s lives in page
 // page_table[s, (p mod R) / page_size] at offset (p mod R) mod page_size, R = pages_per_window x page_size;
 // the chunk's own keys are k_new[s, i] at position lengths[s] + i; row i sees (pos - window, pos].
-// Rows i >= num_new[s] are padding: they output zeros (so does a session with num_new = 0).
+// Rows i >= num_new[s] are padding: they output zeros (so does a session with num_new = 0). A page-table
+// entry outside the pool reads the page XLA's gather would (PageOf): a bad table never reads out of bounds.
+// A key or value at a position a row cannot see never reaches that row, not even as 0 x NaN.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -67,9 +69,17 @@ struct Problem {
   const float *q, *k_new, *v_new, *k_pages, *v_pages;
   const int32_t *page_table, *lengths, *num_new;
   float* out;
-  int64_t sessions, chunk, q_heads, kv_heads, group, head_dim, page_size, pages_per_window, window;
+  int64_t sessions, chunk, q_heads, kv_heads, group, head_dim, page_size, pages_per_window, window, num_pages;
   float scale;
 };
+
+// The physical page a page-table entry reads, as XLA's gather (jnp indexing) reads it: a negative entry
+// counts from the end of the pool, and the result is clamped into the pool. Entries are promised valid, but
+// the table is traced data: one out of range must read some page of the pool, not memory past it.
+inline int64_t PageOf(int64_t entry, int64_t num_pages) {
+  if (entry < 0) entry += num_pages;
+  return std::clamp<int64_t>(entry, 0, num_pages - 1);
+}
 
 // Per-thread buffers, reused across tasks and calls.
 struct Scratch {
@@ -110,7 +120,8 @@ class Task {
       // last row.
       for (int64_t p = std::max<int64_t>(0, length_ + first - pr_.window + 1); p < length_;) {
         const int64_t ring_index = p % ring;
-        const int64_t page = pr_.page_table[s_ * pr_.pages_per_window + ring_index / pr_.page_size];
+        const int64_t page = PageOf(pr_.page_table[s_ * pr_.pages_per_window + ring_index / pr_.page_size],
+                                    pr_.num_pages);
         const int64_t offset = ring_index % pr_.page_size;
         const int64_t count = std::min({pr_.page_size - offset, length_ - p, kKeys});
         const int64_t base = ((page * pr_.kv_heads + h_) * pr_.page_size + offset) * d_;
@@ -270,26 +281,31 @@ class Task {
     }
   }
 
-  // Keys first..end-1 hold every visible key of rows r..r+count-1 (probabilities are 0 elsewhere): a narrow
-  // window (the tiny model's 12 encoder frames) then reads a few of a block's 64 values, not all of them.
-  void VisibleSpan(int64_t r, int64_t count, int64_t& first, int64_t& end) const {
-    first = kKeys;
-    end = 0;
+  // Keys lo..hi-1: those every row of r..r+count-1 sees, the intersection of their ranges (lo = hi = 0 when
+  // it is empty).
+  void CommonSpan(int64_t r, int64_t count, int64_t& lo, int64_t& hi) const {
+    lo = 0;
+    hi = kKeys;
     for (int64_t i = r; i < r + count; ++i) {
-      if (w_.end_key[i] > w_.first_key[i]) {
-        first = std::min(first, w_.first_key[i]);
-        end = std::max(end, w_.end_key[i]);
-      }
+      lo = std::max(lo, w_.first_key[i]);
+      hi = std::min(hi, w_.end_key[i]);
     }
+    if (hi <= lo) lo = hi = 0;
   }
 
+  // Each row adds the values of its own visible keys only: a key outside a row's window has probability 0
+  // there, but 0 x NaN is NaN, and a non-finite value that some rows of a block see (an old position that
+  // slid out of a later row's window, a chunk key after an earlier row) must not reach the rest. Keys that
+  // four rows all see share each load of a value; the few at the edges of their windows (a row or two per
+  // block and side) are added row by row. A narrow window (the tiny model's 12 encoder frames) reads a few of
+  // a block's 64 values, not all of them.
   void AccumulateValues(const float* values, int64_t stride) {
     const int64_t D = HeadDim();
     const float* probs = w_.scores.data();
     float* acc = w_.acc.data();
     int64_t r = 0, lo, hi;
-    for (; r + 4 <= rows_; r += 4) {  // Four rows share each load of the values.
-      VisibleSpan(r, 4, lo, hi);
+    for (; r + 4 <= rows_; r += 4) {
+      CommonSpan(r, 4, lo, hi);
       float* __restrict__ c0 = acc + r * D;
       float* __restrict__ c1 = c0 + D;
       float* __restrict__ c2 = c1 + D;
@@ -305,16 +321,25 @@ class Task {
           c3[e] += b3 * value[e];
         }
       }
-    }
-    for (; r < rows_; ++r) {
-      VisibleSpan(r, 1, lo, hi);
-      float* __restrict__ c0 = acc + r * D;
-      const float* p0 = probs + r * kKeys;
-      for (int64_t k = lo; k < hi; ++k) {
-        const float* __restrict__ value = values + k * stride;
-        const float b0 = p0[k];
-        for (int64_t e = 0; e < D; ++e) c0[e] += b0 * value[e];
+      for (int64_t i = r; i < r + 4; ++i) {  // Each row's keys outside [lo, hi): its range contains it.
+        const int64_t a = w_.first_key[i], b = w_.end_key[i];
+        if (b <= a) continue;
+        AccumulateRow(values, stride, i, a, std::min(b, lo));
+        AccumulateRow(values, stride, i, std::max(a, hi), b);
       }
+    }
+    for (; r < rows_; ++r) AccumulateRow(values, stride, r, w_.first_key[r], w_.end_key[r]);
+  }
+
+  // Row r adds the values of keys a..b-1.
+  void AccumulateRow(const float* values, int64_t stride, int64_t r, int64_t a, int64_t b) {
+    const int64_t D = HeadDim();
+    float* __restrict__ c0 = w_.acc.data() + r * D;
+    const float* p0 = w_.scores.data() + r * kKeys;
+    for (int64_t k = a; k < b; ++k) {
+      const float* __restrict__ value = values + k * stride;
+      const float b0 = p0[k];
+      for (int64_t e = 0; e < D; ++e) c0[e] += b0 * value[e];
     }
   }
 
@@ -364,7 +389,7 @@ ffi::Error RingAttention(ffi::ThreadPool pool, F32R4 q, F32R4 k_new, F32R4 v_new
   batch->pr = Problem{q.typed_data(), k_new.typed_data(), v_new.typed_data(), k_pages.typed_data(),
                       v_pages.typed_data(), page_table.typed_data(), lengths.typed_data(), num_new.typed_data(),
                       out->typed_data(), qd[0], qd[1], qd[2], pd[1], qd[2] / pd[1], qd[3], pd[2],
-                      page_table.dimensions()[1], window, scale};
+                      page_table.dimensions()[1], window, pd[0], scale};
   const Problem& pr = batch->pr;
   batch->tasks = pr.sessions * pr.kv_heads;
   double work = 0;

@@ -55,7 +55,7 @@ def _kernel(lengths_ref, num_new_ref, table_ref, q_ref, k_chunk_ref, v_chunk_ref
     session = pl.program_id(0)
     length = lengths_ref[session]
     num_new = num_new_ref[session]
-    page_size = k_pool_ref.shape[1]
+    num_pages, page_size = k_pool_ref.shape[:2]
     ring = pages_per_window * page_size
     q = q_ref[...]
     rows, head_dim = q.shape
@@ -74,9 +74,11 @@ def _kernel(lengths_ref, num_new_ref, table_ref, q_ref, k_chunk_ref, v_chunk_ref
 
     def page_body(t, carry):
         logical = lax.rem(first + t, pages_per_window)
-        page = table_ref[session * pages_per_window + logical]
+        page = positions.page_read(table_ref[session * pages_per_window + logical], num_pages)
+        # Static steps over the page; the last one takes what is left of a page that is not a whole number of
+        # blocks (pages of 80 or 96 in the interpreter; Triton's pages are powers of two, whole blocks).
         for start in range(0, page_size, page_block):
-            entries = pl.ds(start, page_block)
+            entries = pl.ds(start, min(page_block, page_size - start))
             carry = common.page_step(q, k_pool_ref[page, entries, :], v_pool_ref[page, entries, :],
                                      logical * page_size + start, length, group, window, ring, scale, carry, first_row)
         return carry
@@ -103,7 +105,7 @@ def ring_attention_pallas(q, k_new, v_new, k_pages, v_pages, page_table, lengths
     if target != "tpu":  # Triton-style whole blocks need power-of-two sizes.
         scalars = [common.pad_axis(x, 0, common.next_power_of_two(x.shape[0])) for x in scalars]
 
-    # Powers of two, so the blocks tile the padded rows and the pages exactly.
+    # Powers of two, so the blocks tile the padded rows (and on Triton the pages) exactly.
     if target == "tpu":
         row_block, chunk_block, page_block = rows, common.CHUNK_BLOCK, page_size
     else:

@@ -82,7 +82,7 @@ def ring_attention_pallas_tpu(q, k_new, v_new, k_pages, v_pages, page_table, len
     (`jax.export`); `interpret` runs it in the generic (True) or TPU (`pltpu.InterpretParams`) interpreter."""
     check_supported(k_pages, interpret=interpret, platform=platform)
     sessions, _, _, head_dim = q.shape
-    _, num_kv_heads, page_size, _ = k_pages.shape
+    num_pages, num_kv_heads, page_size, _ = k_pages.shape
     pages_per_window = page_table.shape[1]
     q_rows, k_chunk, v_chunk, num_new, group, scale = common.kernel_operands(q, k_new, v_new, num_kv_heads,
                                                                              num_new, scale)
@@ -91,7 +91,7 @@ def ring_attention_pallas_tpu(q, k_new, v_new, k_pages, v_pages, page_table, len
     def page_map(s, h, b, lengths_ref, num_new_ref, table_ref):
         first, count = positions.visible_pages(lengths_ref[s], num_new_ref[s], window, page_size, pages_per_window)
         logical = lax.rem(first + jnp.minimum(b, jnp.maximum(count - 1, 0)), pages_per_window)
-        return table_ref[s * pages_per_window + logical], h, 0, 0
+        return positions.page_read(table_ref[s * pages_per_window + logical], num_pages), h, 0, 0
 
     def per_session(s, h, b, *_):
         return s, h, 0, 0

@@ -20,6 +20,15 @@ def position_at(newest, ring, ring_index):
     return newest - back
 
 
+def page_read(entry, num_pages):
+    """The physical page a page-table entry (any int32 array, or a scalar inside kernels) reads, as XLA's
+    gather reads it (jnp indexing): a negative entry counts from the end of the pool, and the result is
+    clamped into the pool. Entries are promised valid, but the table is traced data: every implementation
+    reads an out-of-range one the same way (cpu_kernel.cc's PageOf too), and none reads past the pool."""
+    entry = jnp.where(entry < 0, entry + num_pages, entry)
+    return jnp.clip(entry, 0, num_pages - 1)
+
+
 def attention_mask(query_pos, key_pos, key_valid, window):
     """[S, C] query positions, [S, K] key positions/validity -> [S, C, K] sliding-window causal mask."""
     q = query_pos[:, :, None]
@@ -50,8 +59,11 @@ def write_targets(page_table, lengths, num_new, chunk, page_size, num_pages):
     index `num_pages` (out of range, dropped by a `mode="drop"` scatter).
 
     Padding rows (i >= num_new) are not written, and when a chunk is longer than the ring only its last
-    R valid rows are written (XLA leaves the winner of duplicate scatter indices undefined).
+    R valid rows are written (XLA leaves the winner of duplicate scatter indices undefined). num_new is
+    clipped to [0, chunk] first, as every kernel reads it: a count past the chunk (out of contract) would
+    otherwise count rows that do not exist towards the last R, and drop rows the kernels attended to.
     """
+    num_new = jnp.clip(num_new, 0, chunk)
     pages_per_window = page_table.shape[1]
     ring = pages_per_window * page_size
     i = jnp.arange(chunk, dtype=jnp.int32)[None, :]

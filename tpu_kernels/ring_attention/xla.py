@@ -94,14 +94,14 @@ def _attend(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, *, 
     """Attention output [S, C, Hq, D] of the chunk over the last `reach` old positions and the chunk itself;
     exact when every session with new rows has min(length, W - 1) <= reach."""
     num_sessions, chunk, num_q_heads, head_dim = q.shape
-    _, num_kv_heads, page_size, _ = k_pages.shape
+    num_pages, num_kv_heads, page_size, _ = k_pages.shape
     ring = page_table.shape[1] * page_size
     group = num_q_heads // num_kv_heads
 
     # The `reach` positions before the chunk (negative ones were never written), read from their pages.
     old_pos = lengths[:, None] + jnp.arange(-reach, 0, dtype=jnp.int32)[None, :]  # [S, reach]
     ring_index = jnp.remainder(old_pos, ring)
-    page = jnp.take_along_axis(page_table, ring_index // page_size, axis=1)
+    page = positions.page_read(jnp.take_along_axis(page_table, ring_index // page_size, axis=1), num_pages)
     offset = ring_index % page_size
 
     def in_position_order(pages, new):  # -> [S, Hkv, reach + C, D]
@@ -111,9 +111,22 @@ def _attend(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, *, 
     query_pos = lengths[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [S, C]
     key_pos = jnp.concatenate([old_pos, query_pos], axis=1)
     key_valid = jnp.concatenate([old_pos >= 0, jnp.arange(chunk)[None, :] < num_new[:, None]], axis=1)
-    # Unwritten ring entries hold whatever an earlier session left in the page: a zero probability times
-    # a stale NaN is still NaN, so invalid values are replaced, not multiplied away.
-    values = jnp.where(key_valid[:, None, :, None], values, jnp.zeros((), values.dtype))
+    # A zero probability times NaN is still NaN, so a value no query may see is replaced, not multiplied
+    # away: unwritten ring entries hold whatever an earlier session left in the page. With one position per
+    # session (decode) every written key gathered is inside its window, and a non-finite value reaches its
+    # queries as in the float64 oracle. A longer chunk's queries share the values of their block, and a
+    # written value outside one query's window (it slid out, or it is a chunk row after the query) would
+    # reach it as 0 x NaN: every non-finite value is replaced too, and `_with_seen_non_finite` gives NaN
+    # back to the queries that can see one. (Decode keeps its single select: an extra pass over the
+    # gathered values made an XLA:CPU decode step 1.5x slower. A chunk's forward pays 5-50 % more on the
+    # 2-core CPU, benchmarks/ring_attention.py --baseline; a training chunk's forward and backward 1-3 %.)
+    valid = key_valid[:, None, :, None]
+    unusable = None
+    if chunk > 1:
+        finite = jnp.isfinite(values)
+        unusable = key_valid[:, None, :] & ~jnp.all(finite, axis=-1)  # [S, Hkv, K]: written, not all finite
+        valid = valid & finite
+    values = jnp.where(valid, values, jnp.zeros((), values.dtype))
     qg = q.reshape(num_sessions, chunk, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
 
     # Queries first..last-1 see the keys of positions (length + first - W, length + last - 1]: key index
@@ -123,10 +136,24 @@ def _attend(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, *, 
     masks = tuple(positions.attention_mask(query_pos[:, first:last], key_pos[:, lo:hi], key_valid[:, lo:hi], window)
                   for first, last, lo, hi in spans)
     out = _blocked_attention(qg, keys, values, masks, spans, scale)
+    if unusable is not None:
+        out = _with_seen_non_finite(out, unusable, masks, spans)
     out = out.transpose(0, 3, 1, 2, 4).reshape(num_sessions, chunk, num_q_heads, head_dim).astype(q.dtype)
     # A session without new rows outputs zeros (as in the Pallas kernels), which is also what lets the bucket
     # choice ignore its history. Zeroing the output is cheaper than masking its keys.
     return jnp.where(num_new[:, None, None, None] > 0, out, jnp.zeros((), out.dtype))
+
+
+def _with_seen_non_finite(out, unusable, masks, spans):
+    """`out` [S, Hkv, G, C, D] with NaN in the whole output of each query (of each query head) that can see a
+    key whose value is not finite (`unusable` [S, Hkv, K]), where the float64 oracle's is NaN or inf at
+    least in that value's elements. Whole rows: marking only those elements would take a second [C, K] x
+    [K, D] product (or a branch, which on XLA:CPU doubled a call's time); this product is [C, K] x [K],
+    1 / (G D) of the scores'."""
+    seen = [jnp.einsum("sck,shk->shc", mask.astype(jnp.float32), unusable[:, :, lo:hi].astype(jnp.float32))
+            for (_, _, lo, hi), mask in zip(spans, masks)]
+    seen = jnp.concatenate(seen, axis=2) if len(seen) > 1 else seen[0]
+    return jnp.where(seen[:, :, None, :, None] > 0, jnp.nan, out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
