@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile
+import soxr
 
 from jaxstream.models import audio
 
@@ -290,6 +291,24 @@ def test_resample_to_16k_against_analytic_sine(rate):
     expected = sine(440, 16000, 0.5)[: resampled.size]
     middle = slice(400, resampled.size - 400)  # away from the filter's edge transients
     np.testing.assert_allclose(resampled[middle], expected[middle], atol=2e-3)
+
+
+def test_loud_audio_resampled_offline_stays_within_what_its_input_was_checked_against():
+    """A square wave at the largest magnitude the checks take rings to 1.36 x that through soxr: resample_to_16k
+    and load_audio (of a float file) clip it as the streaming front end does, so the offline path takes the audio
+    a stream takes (its 16 kHz features refused it). Inside the limit, clipping touches nothing but the ringing:
+    the samples equal soxr's wherever soxr's are within it."""
+    limit = audio.MAX_SAMPLE_MAGNITUDE
+    loud = (limit * np.sign(np.sin(2 * np.pi * 700 * np.arange(8000) / 8000))).astype(np.float32)
+    exact = soxr.resample(loud, 8000, 16000, quality="HQ")
+    assert np.abs(exact).max() > 1.3 * limit  # the ringing this is about
+    buffer = io.BytesIO()
+    soundfile.write(buffer, loud, 8000, format="WAV", subtype="FLOAT")
+    for resampled in (audio.resample_to_16k(loud, 8000), audio.load_audio(buffer.getvalue())):
+        audio.check_pcm(resampled)
+        inside = np.abs(exact) <= limit
+        np.testing.assert_allclose(resampled[inside], exact[inside], atol=2**-20)
+        assert np.array_equal(resampled[~inside], np.sign(exact[~inside]) * limit)
 
 
 def test_resample_to_16k_validation():

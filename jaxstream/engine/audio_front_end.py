@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxstream.errors import EngineDeadError
 from jaxstream.models.audio import (
-    MAX_SAMPLE_MAGNITUDE, MEL_FRAMES_PER_SLOT, NUM_MEL_BINS, SAMPLING_RATE, AudioError, StreamingLogMel, check_pcm,
+    MEL_FRAMES_PER_SLOT, NUM_MEL_BINS, SAMPLING_RATE, AudioError, StreamingLogMel, check_pcm, clip_resampled,
     take_ready,
 )
 from jaxstream.models.audio_checks import BandProbe, narrowband_warning
@@ -227,20 +227,15 @@ def _apply(stream: StreamFrontEnd, pcm: np.ndarray | None) -> tuple[int, bool]:
             # The flushed tail rings like any other output (an 8 kHz square wave of magnitude 2, the most an
             # append takes, comes out at up to 2.7): clipped as the appends are, or the push refuses it and
             # the stream can never end.
-            log_mel.push(_clipped(stream.resampler.resample_chunk(np.zeros(0, np.float32), last=True)))
+            log_mel.push(clip_resampled(stream.resampler.resample_chunk(np.zeros(0, np.float32), last=True)))
         return log_mel.finish(), False
     if stream.resampler is not None:
         # Checked before the resampler sees it: a refused append must not reach the filter's state, or its
         # NaN or out-of-range samples would come out of every later append. The filter's ringing can
         # overshoot valid input a little; clipping keeps it within what the input was checked against.
-        pcm = _clipped(stream.resampler.resample_chunk(check_pcm(pcm).astype(np.float32)))
+        pcm = clip_resampled(stream.resampler.resample_chunk(check_pcm(pcm).astype(np.float32)))
     slots = log_mel.push(pcm)  # validates: the probe sees only audio the stream accepted
     return slots, stream.band.feed(pcm)
-
-
-def _clipped(resampled: np.ndarray) -> np.ndarray:
-    """The resampler's output within the magnitude every input was checked against."""
-    return np.clip(resampled, -MAX_SAMPLE_MAGNITUDE, MAX_SAMPLE_MAGNITUDE)
 
 
 def _resolve_all(results) -> None:
