@@ -285,44 +285,6 @@ def test_train_command_checks_steps_against_the_cooldown(corpus, tmp_path, capsy
     assert not (tmp_path / "run").exists()
 
 
-def test_train_resumes_and_exports_a_loadable_model(corpus, tmp_path):
-    from jaxstream.models.loading import load_model
-    from jaxstream.training import load_train_config, train
-    from jaxstream.training.config import with_vocab_size
-    from jaxstream.training.spelling import init_word_embeddings
-
-    corpus_dir, _ = corpus
-    (tmp_path / "tiny.toml").write_text(TINY_TOML)
-    cfg = load_train_config(tmp_path / "tiny.toml")
-    out = tmp_path / "run"
-    train(cfg, corpus_dir, os.fspath(out), until_step=1, progress=False)
-    # The recipe's word tokenizer sizes the decoder; spelling_init set the word rows before step 1.
-    word_tokenizer = SentencePieceTokenizer(out / "tokenizer.model")
-    cfg = with_vocab_size(cfg, word_tokenizer.vocab_size)
-    fresh = VoxtralRealtime(cfg.model, rngs=nnx.Rngs(cfg.seed)).language_model.embed_tokens.embedding[...]
-    expected = init_word_embeddings(np.asarray(fresh), word_tokenizer, cfg.seed)
-    exported = load_model(out / "model", dtype=jnp.float32).model
-    after_one_step = np.asarray(exported.language_model.embed_tokens.embedding[...])
-    np.testing.assert_allclose(after_one_step, expected, atol=5 * cfg.optimizer.learning_rate)  # Adam moves <= ~lr
-    train(cfg, corpus_dir, os.fspath(out), until_step=2, progress=False)
-    train(cfg, corpus_dir, os.fspath(out), progress=False)
-    logged = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-    assert [entry["step"] for entry in logged] == [1, 2, 3]  # each later run resumed where the one before stopped
-    # ... on the recipe's schedule: stopping early (until_step) did not shorten it.
-    schedule = learning_rate_schedule(cfg.optimizer)
-    assert [entry["learning_rate"] for entry in logged] == [float(schedule(step)) for step in range(3)]
-    import orbax.checkpoint as ocp
-
-    with ocp.CheckpointManager(out / "checkpoints") as manager:
-        assert manager.latest_step() == 3
-        saved = manager.restore(3)["weights"]["model"]
-    loaded = load_model(out / "model", dtype=jnp.float32)
-    assert loaded.config == cfg.model and loaded.tokenizer_path.name == "tokenizer.model"
-    exported = nnx.to_pure_dict(nnx.state(loaded.model, nnx.Param))
-    for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(saved)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
 def test_init_from_starts_from_the_models_weights_and_tokenizer(corpus, tmp_path, monkeypatch):
     from jaxstream.errors import UserError
     from jaxstream.models.loading import load_model
@@ -554,7 +516,8 @@ def test_a_failing_batch_loader_stops_training_instead_of_hanging(corpus, tokeni
 
 @pytest.fixture(scope="module")
 def three_step_runs(corpus, tmp_path_factory):
-    """The tests' recipe trained 3 steps in one call ("whole") and in two, resumed after step 1 ("resumed")."""
+    """The tests' recipe trained 3 steps in one call ("whole") and in three, resumed after steps 1 and 2
+    ("resumed"; the model it exported after step 1 kept as "model_after_step_1")."""
     from jaxstream.training import load_train_config, train
 
     corpus_dir, _ = corpus
@@ -563,6 +526,8 @@ def three_step_runs(corpus, tmp_path_factory):
     cfg = load_train_config(root / "tiny.toml")
     train(cfg, corpus_dir, os.fspath(root / "whole"), progress=False)
     train(cfg, corpus_dir, os.fspath(root / "resumed"), until_step=1, progress=False)
+    shutil.copytree(root / "resumed" / "model", root / "model_after_step_1")
+    train(cfg, corpus_dir, os.fspath(root / "resumed"), until_step=2, progress=False)
     train(cfg, corpus_dir, os.fspath(root / "resumed"), progress=False)
     return root, cfg
 
@@ -570,6 +535,38 @@ def three_step_runs(corpus, tmp_path_factory):
 def _logged_losses(run):
     return [(entry["step"], entry["loss"], entry["accuracy"])
             for entry in map(json.loads, (run / "log.jsonl").read_text().splitlines())]
+
+
+def test_train_resumes_and_exports_a_loadable_model(three_step_runs):
+    from jaxstream.models.loading import load_model
+    from jaxstream.training.config import with_vocab_size
+    from jaxstream.training.spelling import init_word_embeddings
+
+    root, cfg = three_step_runs
+    out = root / "resumed"
+    # The recipe's word tokenizer sizes the decoder; spelling_init set the word rows before step 1.
+    word_tokenizer = SentencePieceTokenizer(out / "tokenizer.model")
+    cfg = with_vocab_size(cfg, word_tokenizer.vocab_size)
+    fresh = VoxtralRealtime(cfg.model, rngs=nnx.Rngs(cfg.seed)).language_model.embed_tokens.embedding[...]
+    expected = init_word_embeddings(np.asarray(fresh), word_tokenizer, cfg.seed)
+    exported = load_model(root / "model_after_step_1", dtype=jnp.float32).model
+    after_one_step = np.asarray(exported.language_model.embed_tokens.embedding[...])
+    np.testing.assert_allclose(after_one_step, expected, atol=5 * cfg.optimizer.learning_rate)  # Adam moves <= ~lr
+    logged = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [entry["step"] for entry in logged] == [1, 2, 3]  # each later run resumed where the one before stopped
+    # ... on the recipe's schedule: stopping early (until_step) did not shorten it.
+    schedule = learning_rate_schedule(cfg.optimizer)
+    assert [entry["learning_rate"] for entry in logged] == [float(schedule(step)) for step in range(3)]
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(out / "checkpoints") as manager:
+        assert manager.latest_step() == 3
+        saved = manager.restore(3)["weights"]["model"]
+    loaded = load_model(out / "model", dtype=jnp.float32)
+    assert loaded.config == cfg.model and loaded.tokenizer_path.name == "tokenizer.model"
+    exported = nnx.to_pure_dict(nnx.state(loaded.model, nnx.Param))
+    for a, b in zip(jax.tree.leaves(exported), jax.tree.leaves(saved)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_a_resumed_run_trains_on_the_batches_of_an_uninterrupted_one(three_step_runs):
