@@ -21,6 +21,7 @@ import os
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import numpy as np
@@ -35,15 +36,25 @@ class Failed(Exception):
 
 
 def checked_url(url: str) -> str:
-    """`url` if it is a WebSocket URL; otherwise Failed, naming the ws:// (wss://) form of an http:// (https://)
-    one: the realtime API is a WebSocket, and websockets refuses any other scheme with a traceback."""
+    """`url` if it is a WebSocket URL with a host and a valid port; otherwise Failed, naming the ws:// (wss://)
+    form of an http:// (https://) one: the realtime API is a WebSocket, and websockets refuses any other scheme
+    with a traceback. The host and port are checked here, before anything parses them: urllib (GET /v1/models)
+    and websockets raise ValueError or http.client.InvalidURL tracebacks for a port that is not a number or a
+    bracket left open, and a URL without a host failed only once the client tried to connect."""
     scheme, separator, rest = url.partition("://")
-    if separator and scheme.lower() in ("ws", "wss"):
-        return url
     if separator and scheme.lower() in ("http", "https"):
         raise Failed(f"--url {url}: the realtime API is a WebSocket: use --url "
                      f"{scheme.lower().replace('http', 'ws')}://{rest}")
-    raise Failed(f"--url {url}: expected a ws:// or wss:// URL, e.g. ws://localhost:8000/v1/realtime")
+    if not separator or scheme.lower() not in ("ws", "wss"):
+        raise Failed(f"--url {url}: expected a ws:// or wss:// URL, e.g. ws://localhost:8000/v1/realtime")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host, _ = parts.hostname, parts.port  # .port raises for a port that is not a number in 0..65535
+    except ValueError as exc:
+        raise Failed(f"--url {url}: {exc}") from None
+    if not host:
+        raise Failed(f"--url {url}: no host, e.g. ws://localhost:8000/v1/realtime")
+    return url
 
 
 def load_pcm16(path: str) -> np.ndarray:

@@ -100,16 +100,18 @@ async def _read_json(request: web.Request) -> dict:
     return parse_json_object(bytes(body))
 
 
-async def read_before_admission(request: web.Request, read):
+async def read_before_admission(request: web.Request, read, *, from_first_byte: bool = False):
     """Awaits `read`, a coroutine reading the body of a request that no limit counts yet, at the body's minimum
     rate (limits.read_at_min_rate): RequestError 408 when the body falls behind. Such a request is one not yet
     admitted as a stream (an upload's form, a Mode A request's first line, a Mode B session's creation) or one
-    that never is (a Mode B chunk or a completion's JSON body: up to `max_message_bytes`, 4 MB)."""
+    that never is (a Mode B chunk or a completion's JSON body: up to `max_message_bytes`, 4 MB). With
+    `from_first_byte`, the rate's clock starts at the body's first byte (a Mode A first line)."""
     limits = server_state(request).config.limits
     try:
         # The body's bytes as they arrive (aiohttp's count of what it fed the request's stream), so that the
         # parts' headers and a line still incomplete count too.
-        return await read_at_min_rate(read, limits, lambda: request.content.total_bytes)
+        return await read_at_min_rate(read, limits, lambda: request.content.total_bytes,
+                                      from_first_byte=from_first_byte)
     except SlowBody as exc:
         raise RequestError(408, "body_too_slow", str(exc)) from None
 

@@ -66,11 +66,14 @@ class Limits:
     # A request body the server reads before it admits the request (an upload's form, a Mode A request's first
     # line, a JSON body: a completion, a Mode B session's creation or chunk) must keep arriving: after
     # body_grace_s, at body_min_rate bytes/s on average, else 408 and the connection closes (`read_at_min_rate`;
-    # Apache's mod_reqtimeout `body=20,MinRate=500`). None: no rule.
+    # Apache's mod_reqtimeout `body=20,MinRate=500`). A Mode A first line is timed from its first byte: a
+    # client may open its request long before it has audio to send. None or 0 (TOML has no null): no rule.
     body_grace_s: float = 20.0
     body_min_rate: int | None = 500
 
     def __post_init__(self):
+        if self.body_min_rate == 0 and not isinstance(self.body_min_rate, bool):
+            object.__setattr__(self, "body_min_rate", None)  # one spelling of "no rule" (frozen dataclass)
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if value is not None and (isinstance(value, bool) or not value > 0):
@@ -167,17 +170,23 @@ class RollingWindowLimiter:
 
 
 _RECANCEL_S = 0.1  # read_at_min_rate cancels a read that goes on again after this long
+_FIRST_BYTE_POLL_S = 1.0  # read_at_min_rate(from_first_byte=True) looks for the body's first byte this often
 
 
 class SlowBody(Exception):
     """A request body that fell behind the minimum rate of `read_at_min_rate`."""
 
 
-async def read_at_min_rate(read, limits: Limits, received):
+async def read_at_min_rate(read, limits: Limits, received, *, from_first_byte: bool = False):
     """Awaits `read`, a coroutine that reads a request body, under mod_reqtimeout's body rule: the body must be
     complete `limits.body_grace_s` after the call plus one second for every `body_min_rate` bytes received
     (`received()`, the body's bytes so far, is read again whenever the deadline comes). Raises SlowBody, the
     read cancelled, once the body falls behind.
+
+    With `from_first_byte` the clock starts once `received()` is above 0 (seen within `_FIRST_BYTE_POLL_S`,
+    slack in the client's favour), not at the call: a Mode A request whose parameters line is left out opens
+    with its first audio, which a push-to-talk or VAD-gated client sends only once someone speaks. Its silence
+    before that is the idle timeout's to bound (the read's own, `http_errors.body_read`), as before the rule.
 
     The idle timeout alone is per read: a client that sent a byte every 149 s held its connection forever, and
     before admission nothing counts such a request against the server's limits. The defaults cut no real link:
@@ -189,6 +198,12 @@ async def read_at_min_rate(read, limits: Limits, received):
     started = time.monotonic()
     task = asyncio.ensure_future(read)
     try:
+        if from_first_byte:
+            # Polled: the body's reader is the caller's coroutine, with no hook for its first byte.
+            poll = min(_FIRST_BYTE_POLL_S, limits.body_grace_s)
+            while not task.done() and received() == 0:
+                await asyncio.wait([task], timeout=poll)
+            started = time.monotonic()
         while not task.done():
             due = started + limits.body_grace_s + received() / rate
             if time.monotonic() >= due:

@@ -46,7 +46,7 @@ import time
 import numpy as np
 
 from jaxstream.engine.transcription_session import TranscriptionDelta, TranscriptionDone
-from jaxstream.errors import EngineError
+from jaxstream.errors import DrainingError, EngineError
 from jaxstream.models.audio import SLOT_SECONDS
 from jaxstream.serving import sse
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_g711_base64, decode_pcm16_base64
@@ -401,7 +401,9 @@ class OpenAiRealtime:
     # -- items ----------------------------------------------------------------------------------------
     async def _open_item(self, item_id: str | None = None) -> _Item:
         if self.server.draining:
-            raise ClientError("draining", "The server is shutting down and starts no new transcription")
+            # The engine's error for this refusal, so that it is typed by its code as the HTTP routes type it (a
+            # 503, `server_error`): the client did nothing wrong, and a ClientError is the client's mistake.
+            raise DrainingError("The server is shutting down and starts no new transcription")
         delay = self.transcription["delay"]
         session = await start_session(self.server.engine, DELAY_MS[delay] if delay else None, self.rate,
                                       max_audio_seconds=self.limits.max_audio_seconds)

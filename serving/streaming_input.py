@@ -157,6 +157,9 @@ class EngineInput(abc.ABC):
         (sse.type_of), whatever the modality: a bad chunk or payload is the client's `invalid_request_error`,
         a shutdown or an internal failure the server's `server_error`."""
         if self.log is not None and not self.log.closed:
+            # Counted as every error event sent (the pumps' own, a WebSocket's at its breach): a stream's end at
+            # max_session_seconds, a drain's or a bad chunk's went out uncounted.
+            self.state.metrics.errors.labels(code=code).inc()
             # The stream's last event: output the engine session still holds queued does not follow it.
             self.log.append(sse.error_payload(message, code))
             self.log.close()
@@ -343,11 +346,14 @@ async def first_object(request: web.Request, objects) -> tuple[dict, dict | None
     it carries a payload, in which case the parameters are empty and it is the first chunk.
 
     The first line is read before the request is admitted, so at the body's minimum rate
-    (`read_before_admission`). The lines after it are not: the client paces them by design (live input, which
-    a client may send only while someone speaks), so an average rate would cut real streams; an admitted stream
-    counts against the server's connection limit and its key's streams, the idle timeout bounds its silences
-    and `max_session_seconds` its age."""
-    return await read_before_admission(request, _first_object(objects))
+    (`read_before_admission`), timed from the body's first byte: without a parameters line (spec §7.1) that byte
+    is the first audio, which a push-to-talk or VAD-gated client sends only once someone speaks, and a clock
+    started with the request cut such a client after `body_grace_s` of silence. The silence before the first
+    byte is bounded by the idle timeout (`ndjson_objects`), a trickled first line still by the rate. The lines
+    after it are not read at a rate: the client paces them by design (live input), so an average rate would
+    cut real streams; an admitted stream counts against the server's connection limit and its key's streams,
+    the idle timeout bounds its silences and `max_session_seconds` its age."""
+    return await read_before_admission(request, _first_object(objects), from_first_byte=True)
 
 
 async def _first_object(objects) -> tuple[dict, dict | None]:

@@ -10,6 +10,7 @@ import contextlib
 import os
 import shutil
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -245,18 +246,32 @@ def test_a_refused_key_brings_back_the_key_panel(browser, server):
     assert not browser.find_element("id", "start").is_enabled()
 
 
-def test_a_key_no_handshake_can_carry_is_explained(browser, engine):
-    """A subprotocol is an HTTP token: a base64 key's `/` and `=` cannot travel in one."""
-    keyed = ServerThread(engine, ServerConfig(api_keys=("base64/key==",)))
+# What `openssl rand -base64 32` prints: a subprotocol is an HTTP token (RFC 9110 5.6.2), which `/` and `=` are not.
+BASE64_KEY = "hGLOaKzxRzYt7DD6eI6jUh1YELRGcA+MBk+tWXKcMXA="
+
+
+def test_a_key_no_handshake_can_carry_travels_in_the_query(browser, engine, checked_requests):
+    """A base64 key cannot be a subprotocol (the browser refuses to offer it). The page refused such keys, which
+    worked before (in `?api_key=`, which the server still accepts: serving/auth.py): it now sends them there, and
+    a token key still in the handshake (test_the_api_key_travels_in_the_handshake_not_in_the_url)."""
+    keyed = ServerThread(engine, ServerConfig(api_keys=(BASE64_KEY,)))
     try:
         browser.get(keyed.url("/", scheme="http"))
-        wait_for(browser, browser.find_element("id", "key-panel").is_displayed)
-        browser.find_element("id", "api-key").send_keys("base64/key==")
-        browser.find_element("css selector", "#key-panel button").click()
-        wait_for(browser, lambda: "cannot send in a WebSocket handshake" in text_of(browser, "key-message"))
-        assert not browser.find_element("id", "start").is_enabled()
+        browser.execute_script("sessionStorage.clear()")
+        open_page(browser, keyed.url("/", scheme="http"), key=BASE64_KEY)
+        spy_on_sockets(browser)
+        browser.find_element("id", "start").click()
+        wait_for(browser, lambda: "Listening" in text_of(browser, "status"))  # session.created: the key was taken
+        url, selected = browser.execute_script("const ws = window.__sockets[0]; return [ws.url, ws.protocol];")
+        browser.find_element("id", "stop").click()
+        wait_for(browser, lambda: idle(browser))
     finally:
         keyed.close()
+    assert urllib.parse.parse_qs(urllib.parse.urlsplit(url).query) == {"api_key": [BASE64_KEY]}
+    assert selected == ""  # no subprotocol offered: the server's default dialect, vLLM's, as with one
+    handshakes = {request for request in checked_requests if request[0].startswith("/v1/realtime")}
+    assert [urllib.parse.parse_qs(urllib.parse.urlsplit(path).query) for path, _ in handshakes] == [
+        {"api_key": [BASE64_KEY]}] and all(offered == () for _, offered in handshakes), handshakes
 
 
 def test_a_dropped_file_streams_at_real_time(browser, server, speech_wav):

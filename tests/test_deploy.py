@@ -172,17 +172,30 @@ def entrypoint(tmp_path):
     ({"SAGEMAKER_BIND_TO_PORT": "8080"}, None, ["serve"], "serve --host 0.0.0.0 --port 8080"),
     ({"SM_MODEL_DIR": "/opt/ml/model"}, None, ["serve"], "serve --host 0.0.0.0 --port 8080"),
     ({"SM_MODEL_DIR": "{model}"}, ["config.json"], ["serve"], "serve --host 0.0.0.0 --port 8080 {model}"),
+    # A checkpoint is what models/loading.py's inspect_checkpoint recognises: params.json (Mistral native),
+    # config.json (Hugging Face), jaxstream.json (jaxstream Orbax). Anything else is not one (`jaxstream serve DIR`
+    # fails on it): a model tarball holding only code (SageMaker's framework toolkits' code/inference.py) was
+    # passed as the model all the same.
+    ({}, ["params.json", "consolidated.safetensors"], ["serve"], "serve --host 0.0.0.0 --port 8080 {model}"),
+    ({}, ["jaxstream.json"], ["serve"], "serve --host 0.0.0.0 --port 8080 {model}"),
+    ({}, ["code/inference.py"], ["serve"], "serve --host 0.0.0.0 --port 8080"),
+    ({}, ["model.tar.gz", "README.md"], ["serve"], "serve --host 0.0.0.0 --port 8080"),
+    ({"SM_MODEL_DIR": "{model}"}, ["code/inference.py"], ["serve"], "serve --host 0.0.0.0 --port 8080"),
 ])
 def test_entrypoint(fake_jaxstream, entrypoint, tmp_path, environ, model_files, argv, expected):
     model = tmp_path / "model"
     if model_files is not None:
         model.mkdir()
         for name in model_files:
+            (model / name).parent.mkdir(parents=True, exist_ok=True)
             (model / name).write_text("{}")
     env = {"PATH": f"{fake_jaxstream}{os.pathsep}{os.environ['PATH']}",
            **{key: value.format(model=model) for key, value in environ.items()}}
     result = subprocess.run(["sh", str(entrypoint), *argv], env=env, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == expected.format(model=model)
+    # A model directory that holds files but no checkpoint is worth a line in the endpoint's log.
+    skipped = bool(model_files) and argv == ["serve"] and "{model}" not in expected
+    assert ("holds no checkpoint" in result.stderr) == skipped, result.stderr
 
 
 # -- one engine over a multi-host TPU slice: a LeaderWorkerSet (a CRD kubernetes-validate does not know) ------

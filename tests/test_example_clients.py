@@ -239,6 +239,21 @@ def test_realtime_client_an_http_url_is_one_line_naming_the_websocket_url(wavs):
     assert fake.connections == 0
 
 
+@pytest.mark.parametrize("url, expected", [
+    ("ws://127.0.0.1:18434:x/v1/realtime", "Port could not be cast to integer value as '18434:x'"),
+    ("ws://[::1/v1/realtime", "Invalid IPv6 URL"),
+    ("ws://127.0.0.1:99999/v1/realtime", "Port out of range 0-65535"),
+    ("ws:///v1/realtime", "no host"),
+], ids=["port-not-a-number", "open-bracket", "port-out-of-range", "no-host"])
+@pytest.mark.parametrize("model", [[], ["--model", "m"]], ids=["model-from-server", "model-given"])
+def test_realtime_client_a_malformed_websocket_url_is_one_line(wavs, url, expected, model):
+    """A ws:// URL that urllib.parse cannot take apart (the messages are its own: urlsplit's .port and .hostname)
+    was a traceback: http.client's InvalidURL or urllib's ValueError from GET /v1/models, or websockets'
+    ValueError, which is not the InvalidURI the client caught. Nothing is asked of any server."""
+    result = Client("realtime_client.py", str(wavs / "speech.wav"), "--url", url, *model).result()
+    assert_one_line_failure(result, f"--url {url}: ", expected)
+
+
 def test_realtime_client_a_server_that_lists_no_model_is_one_line(wavs, tmp_path):
     """An HTTP server that is not a realtime server (here, a static one whose /v1/models is a web page): the
     client asked it for a model id and failed with a JSONDecodeError traceback."""

@@ -222,6 +222,17 @@ def test_server_toml(tmp_path):
             load_server_file(str(path))
 
 
+def test_a_body_min_rate_of_0_in_a_server_toml_turns_the_rule_off(tmp_path, capsys):
+    """TOML has no null: `body_min_rate = 0` is how a server file says "no minimum rate" (configs/server.toml),
+    where `jaxstream serve` refused it with "limit body_min_rate must be positive, got 0"."""
+    path = tmp_path / "s.toml"
+    path.write_text("[limits]\nbody_min_rate = 0\n")
+    assert Limits(**load_server_file(str(path)).limits).body_min_rate is None  # read_at_min_rate's "no rule"
+    path.write_text("[limits]\nbody_min_rate = -500\n")  # a negative rate is still a mistake
+    assert main(["serve", "--config", str(path)]) == 2
+    assert "limit body_min_rate must be positive, got -500" in capsys.readouterr().err
+
+
 def test_api_keys(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("one\n\n  two  \n")

@@ -5,11 +5,13 @@ is `engine.transcribe` of the same PCM16 audio (what `jaxstream transcribe` prin
 import asyncio
 import json
 import subprocess
+import types
 
 import aiohttp
 import numpy as np
 import pytest
 import websockets
+from prometheus_client.parser import text_string_to_metric_families
 
 from jaxstream.errors import CapacityError
 from jaxstream.serving import sse, streaming_input
@@ -18,6 +20,7 @@ from jaxstream.serving.audio_codecs import encode_pcm16_base64
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.http_sessions import STREAMING_INPUT
 from jaxstream.serving.limits import Limits
+from jaxstream.serving.metrics import ServerMetrics
 from jaxstream.serving.testing import ServerThread, wait_engine_baseline
 from serve_fixtures import audio, engine, engine_returns_to_baseline, model, server  # noqa: F401 - pytest fixtures
 from test_serve_http import (  # noqa: F401 - reference: a fixture
@@ -236,7 +239,7 @@ async def test_an_error_is_the_last_event_of_a_failed_stream():
             self.aborted = reason
 
     log = sse.EventLog()
-    stream = Input(state=None, log=log)
+    stream = Input(state=types.SimpleNamespace(metrics=ServerMetrics()), log=log)
     log.append({"type": "transcript.text.delta", "delta": "he"})
     stream.fail("session_closed", "The session was closed")
     assert log.append({"type": "transcript.text.done", "text": "he who"}) is None  # the pump, a turn later
@@ -244,6 +247,11 @@ async def test_an_error_is_the_last_event_of_a_failed_stream():
     assert [data["type"] if isinstance(data, dict) else data for _, data in log.after(0)] == [
         "transcript.text.delta", "error", sse.DONE]
     assert stream.aborted == "session_closed"
+    # Counted, as every error event sent is (jaxstream_errors); once: the log is closed after it.
+    stream.fail("server_shutdown", "The server shut down")
+    registry = stream.state.metrics.registry
+    assert registry.get_sample_value("jaxstream_errors_total", {"code": "session_closed"}) == 1
+    assert registry.get_sample_value("jaxstream_errors_total", {"code": "server_shutdown"}) is None
 
 
 async def test_wrong_keys_share_their_address_budget(engine):
@@ -319,10 +327,22 @@ def _max_duration_error(events) -> dict:
     return error
 
 
+async def _errors_counted(http, server, code: str) -> float:
+    """`jaxstream_errors_total{code=...}` of the server's /metrics, read with prometheus_client's own parser."""
+    async with http.get(server.url("/metrics", "http")) as response:
+        assert response.status == 200
+        text = await response.text()
+    return sum(sample.value for family in text_string_to_metric_families(text) if family.name == "jaxstream_errors"
+               for sample in family.samples
+               if sample.name == "jaxstream_errors_total" and sample.labels.get("code") == code)
+
+
 async def test_mode_a_ends_at_the_maximum_duration(short_lived, audio):
     """A Mode A request sending a little audio every few minutes, under the idle timeout, held an engine session
     and a connection slot for good: max_session_seconds closed WebSockets only. It now ends as a WebSocket
-    does at that age, with an `error` event and the engine session aborted (engine_returns_to_baseline)."""
+    does at that age, with an `error` event and the engine session aborted (engine_returns_to_baseline), and
+    the error is counted in `jaxstream_errors` as a WebSocket's at that age is (websocket.py counts every breach
+    it sends); it was not."""
     lines = ndjson(short_lived.state.model_id, audio, end=False)
     ended = asyncio.Event()
 
@@ -331,6 +351,7 @@ async def test_mode_a_ends_at_the_maximum_duration(short_lived, audio):
         await asyncio.wait_for(ended.wait(), GIVE_UP_S * 2)
 
     async with aiohttp.ClientSession() as http:
+        counted = await _errors_counted(http, short_lived, "max_duration_exceeded")
         async with http.post(short_lived.url("/v1/audio/transcriptions", "http"), data=body(),
                              headers={"X-Streaming-Input": "true"}) as response:
             assert response.status == 200
@@ -340,15 +361,18 @@ async def test_mode_a_ends_at_the_maximum_duration(short_lived, audio):
                 raise AssertionError(f"the stream was still open {GIVE_UP_S:g} s in") from None
             finally:
                 ended.set()
+        assert await _errors_counted(http, short_lived, "max_duration_exceeded") == counted + 1
     _max_duration_error(events)
 
 
 async def test_a_mode_b_session_is_closed_at_the_maximum_duration(short_lived, audio):
     """A Mode B session sending a chunk every few minutes, under its session timeout, held an engine session and
     a connection slot for good. At max_session_seconds it is now closed: its event stream ends with the
-    WebSockets' code, later calls are 410 and the engine session is aborted (engine_returns_to_baseline)."""
+    WebSockets' code, later calls are 410 and the engine session is aborted (engine_returns_to_baseline); the
+    error is counted in `jaxstream_errors`, as a WebSocket's is."""
     chunks = chunks_of(audio)
     async with aiohttp.ClientSession() as http:
+        counted = await _errors_counted(http, short_lived, "max_duration_exceeded")
         status, created = await call(http, short_lived, "POST", SESSIONS, json={"stream": True})
         assert status == 201, created
         base = f"{SESSIONS}/{created['session_id']}"
@@ -360,6 +384,7 @@ async def test_a_mode_b_session_is_closed_at_the_maximum_duration(short_lived, a
             except TimeoutError:
                 raise AssertionError(f"the session was still open {GIVE_UP_S:g} s in") from None
         _max_duration_error(events)
+        assert await _errors_counted(http, short_lived, "max_duration_exceeded") == counted + 1
         status, answer = await call(http, short_lived, "POST", base + "/chunks", json=chunks[1])
         assert status == 410 and answer["error"]["code"] == "session_expired", answer
         assert f"maximum duration of {MAX_AGE_S:g} s" in answer["error"]["message"], answer

@@ -489,6 +489,44 @@ async def test_drain_commits_the_open_item_and_closes(engine, model, speech, ref
         server.close()
 
 
+async def test_a_refusal_while_draining_is_the_servers_error(engine, model, speech):
+    """A busy connection of a draining server commits its item and appends audio for the next turn: the server
+    starts no new transcription and says so with an error `draining`, typed as the HTTP routes type the same
+    refusal (a 503 `server_error`, asked here of the same server; sse.type_of) and as OpenAI types a server
+    that cannot serve (its 503 "overloaded" is a server_error). It was the client's `invalid_request_error`."""
+    import aiohttp
+
+    from jaxstream.serving.app import drain
+
+    server = ServerThread(engine)
+    try:
+        client = await Client.connect(server)
+        await client.until("session.created")
+        await client.send(ga_update(model))  # manual turns: the item stays open until the commit
+        await client.until("session.updated")
+        one_second = at_24k(speech[:16000])
+        await client.send({"type": "input_audio_buffer.append", "audio": encode_pcm16_base64(one_second)})
+        await client.until("conversation.item.added")  # an item with audio: drain waits for the connection
+        draining = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(drain(server.app, 30.0), server.loop))
+        async with aiohttp.ClientSession() as http, asyncio.timeout(30):
+            while True:  # until the server drains: the HTTP routes then refuse as they do
+                async with http.post(server.url("/v1/audio/transcriptions", "http"), data=b"") as response:
+                    http_error = (response.status, (await response.json())["error"])
+                if response.status == 503:
+                    break
+                await asyncio.sleep(0.05)
+        assert http_error[1]["code"] == "draining", http_error
+        await client.send({"type": "input_audio_buffer.commit", "event_id": "c1"})
+        await client.send({"type": "input_audio_buffer.append", "audio": encode_pcm16_base64(one_second),
+                           "event_id": "a2"})
+        error = (await client.until("error"))[-1]["error"]
+        assert (error["code"], error["event_id"]) == ("draining", "a2"), error
+        assert error["type"] == http_error[1]["type"] == "server_error", (error, http_error)
+        assert await draining is True  # the committed item still finished
+    finally:
+        server.close()
+
+
 # -- errors ---------------------------------------------------------------------------------------------
 async def test_errors_echo_the_event_id_and_keep_the_socket(server, model, speech):
     client = await Client.connect(server)

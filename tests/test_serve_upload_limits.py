@@ -2,13 +2,16 @@
 Apache's mod_reqtimeout `body=20,MinRate=500`: the body must be in by the grace period plus one second per
 MinRate bytes received, else 408 and the connection closes. It applies to every body a route reads before it
 admits a stream or that no limit counts (an upload's form, a Mode A request's first line on either route, a JSON
-body: a completion, a Mode B session's creation or chunk). Trickling clients are raw asyncio sockets; the
-server runs with a grace of a fraction of a second so that no test waits for the real 20 s. Last, a body
-read (http_errors.body_read) honours a cancel that comes as its data does."""
+body: a completion, a Mode B session's creation or chunk); a Mode A first line is timed from its first byte, a
+client's silence before it being the idle timeout's to bound. `body_min_rate = 0` turns the rule off. Trickling
+clients are raw asyncio sockets; the server runs with a grace of a fraction of a second so that no test waits
+for the real 20 s. Last, a body read (http_errors.body_read) honours a cancel that comes as its data does."""
 import asyncio
 import base64
+import http.client
 import io
 import json
+import time
 
 import aiohttp
 import numpy as np
@@ -70,10 +73,10 @@ async def _answer(reader: asyncio.StreamReader) -> tuple[str, dict, dict]:
     return head[0], headers, json.loads(await reader.readexactly(int(headers["content-length"])))
 
 
-async def _trickle(server, path: str, headers: str, first: bytes, chunked: bool):
-    """Sends the head of a POST to `path` and `first` body bytes, then one more byte every TRICKLE_EVERY_S until
-    an answer comes (or GIVE_UP_S passes: an AssertionError). Then ends the body and checks the server closes
-    the connection. Returns the answer."""
+async def _trickle(server, path: str, headers: str, first: bytes, chunked: bool, late_s: float = 0.0):
+    """Sends the head of a POST to `path` and, `late_s` later, `first` body bytes, then one more byte every
+    TRICKLE_EVERY_S until an answer comes (or GIVE_UP_S passes: an AssertionError). Then ends the body and checks
+    the server closes the connection. Returns the answer."""
     host, port = server.url("", "http").removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     announced = len(first) + 1000  # with Content-Length: more than the trickle ever sends
@@ -82,8 +85,11 @@ async def _trickle(server, path: str, headers: str, first: bytes, chunked: bool)
         return b"%x\r\n%s\r\n" % (len(data), data) if chunked else data
 
     framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {announced}"
-    writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\n{headers}{framing}\r\n\r\n".encode()
-                 + framed(first))
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\n{headers}{framing}\r\n\r\n".encode())
+    if late_s:
+        await writer.drain()
+        await asyncio.sleep(late_s)
+    writer.write(framed(first))
     sent = len(first)
 
     async def trickle():
@@ -155,6 +161,59 @@ async def test_a_trickled_body_is_a_408_that_closes_the_connection(server, pcm16
     assert response_headers["connection"].lower() == "close"
     assert answer["error"]["code"] == "body_too_slow" and answer["error"]["type"] == "invalid_request_error"
     assert f"{MIN_RATE} bytes/s" in answer["error"]["message"]
+
+
+# -- Mode A's first line: timed from its first byte ---------------------------------------------------------
+LATE_S = 4 * GRACE_S  # a client silent this long after opening its request: past the grace, under the idle timeout
+MODE_A_ROUTES = {"audio": "/v1/audio/transcriptions", "text": "/v1/completions"}
+
+
+def _post_late(server, path: str, body: bytes, late_s: float) -> tuple[int, bytes]:
+    """POSTs a chunked Mode A request whose body (one chunk) starts `late_s` after its head, with http.client
+    (the standard library's HTTP client: it sends the head at endheaders and decodes the chunked answer)."""
+    host, port = server.url("", "http").removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=GIVE_UP_S)
+    try:
+        connection.putrequest("POST", path)
+        for name, value in (("X-Streaming-Input", "true"), ("Content-Type", "application/x-ndjson"),
+                            ("Transfer-Encoding", "chunked")):
+            connection.putheader(name, value)
+        connection.endheaders()  # the head goes out now: the server's handler starts reading the body
+        time.sleep(late_s)  # nobody speaks yet
+        connection.send(b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("route", list(MODE_A_ROUTES))
+async def test_a_mode_a_first_line_that_comes_late_but_fast_is_read(server, pcm16, reference, route):
+    """The parameters line is optional (spec §7.1): a push-to-talk or VAD-gated client opens its request and sends
+    its first line, its first audio, once someone speaks. The minimum rate's clock started with the request, so
+    such a client was cut with a 408 `body_too_slow` once it had been silent for the grace period (20 s by
+    default), a line sent at full speed included; its silence is the idle timeout's to bound, as it was before the
+    rule. The audio route transcribes the line as `engine.transcribe` does; the text route, reading the same body,
+    answers as it does to any Mode A line of this speech model's server (400 unsupported_model)."""
+    line = json.dumps({"payload": base64.b64encode(pcm16.tobytes()).decode(), "end_of_input": True}).encode()
+    status, body = await asyncio.to_thread(_post_late, server, MODE_A_ROUTES[route], line + b"\n", LATE_S)
+    if route == "text":
+        answer = json.loads(body)
+        assert (status, answer["error"]["code"]) == (400, "unsupported_model"), answer
+        return
+    assert status == 200, body
+    events = [json.loads(line[6:]) for line in body.decode().splitlines() if line.startswith("data: {")]
+    assert events[-1]["type"] == "transcript.text.done" and events[-1]["text"] == reference.text, events[-1]
+
+
+@pytest.mark.parametrize("kind", ["streaming input", "completion streaming input"])
+async def test_a_mode_a_first_line_that_starts_late_and_trickles_is_a_408(server, kind):
+    """The first line's clock starts at its first byte, not never: a line that starts late and then trickles
+    falls behind the minimum rate as one that starts at once (test_a_trickled_body_is_a_408...)."""
+    path, headers, first = BODIES[kind]
+    status, response_headers, answer = await _trickle(server, path, headers, first, chunked=True, late_s=LATE_S)
+    assert status == "HTTP/1.1 408 Request Timeout", (status, answer)
+    assert answer["error"]["code"] == "body_too_slow" and response_headers["connection"].lower() == "close"
 
 
 async def test_an_upload_above_the_minimum_rate_is_transcribed(server, pcm16, reference):
@@ -243,6 +302,61 @@ async def test_a_body_behind_the_rate_is_cut_and_its_read_cancelled():
     with pytest.raises(SlowBody, match="1000 bytes/s"):
         await asyncio.wait_for(read_at_min_rate(body.read(), limits, lambda: body.received), GIVE_UP_S)
     assert body.cancelled
+
+
+async def test_from_the_first_byte_the_clock_waits_for_one():
+    """With from_first_byte (a Mode A first line) the grace period starts at the body's first byte: a body silent
+    for 5 times its grace, then complete at once, is read; the same body without the option is cut."""
+    limits = Limits(body_grace_s=0.2, body_min_rate=1000)
+
+    async def late(body: _Body) -> None:
+        await asyncio.sleep(1.0)
+        body.feed(b"x" * 100, end=True)
+
+    body = _Body()
+    feeder = asyncio.create_task(late(body))
+    assert await read_at_min_rate(body.read(), limits, lambda: body.received, from_first_byte=True) == b"x" * 100
+    await feeder
+    body = _Body()
+    feeder = asyncio.create_task(late(body))
+    with pytest.raises(SlowBody):
+        await read_at_min_rate(body.read(), limits, lambda: body.received)
+    feeder.cancel()
+
+
+async def test_from_the_first_byte_a_body_behind_the_rate_is_still_cut():
+    """After its first byte the rule is mod_reqtimeout's as ever: 100 bytes that come late and are not followed
+    by the rest are cut, the read cancelled."""
+    limits, body = Limits(body_grace_s=0.2, body_min_rate=1000), _Body()
+
+    async def late() -> None:
+        await asyncio.sleep(0.5)
+        body.feed(b"x" * 100)
+
+    feeder = asyncio.create_task(late())
+    with pytest.raises(SlowBody, match="1000 bytes/s"):
+        await asyncio.wait_for(read_at_min_rate(body.read(), limits, lambda: body.received, from_first_byte=True),
+                               GIVE_UP_S)
+    assert body.cancelled
+    await feeder
+
+
+async def test_a_minimum_rate_of_0_is_no_rule():
+    """TOML has no null, so `body_min_rate = 0` is how a server file turns the rule off (mod_reqtimeout's
+    `MinRate` is likewise off unless set); it was refused as not positive. A body that sends nothing for 5 times
+    its grace period is then read."""
+    assert Limits(body_min_rate=0) == Limits(body_min_rate=None)
+    with pytest.raises(ValueError, match="positive"):
+        Limits(body_min_rate=-1)
+    limits, body = Limits(body_grace_s=0.1, body_min_rate=0), _Body()
+
+    async def late() -> None:
+        await asyncio.sleep(0.5)
+        body.feed(b"x", end=True)
+
+    feeder = asyncio.create_task(late())
+    assert await read_at_min_rate(body.read(), limits, lambda: body.received) == b"x"
+    await feeder
 
 
 async def test_a_read_that_swallows_its_cancel_is_cancelled_again():

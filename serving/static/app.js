@@ -8,9 +8,12 @@ const SAMPLE_RATE = 16000;
 const CHUNK = 1280; // 80 ms: what the worklet posts, and the file streamer's step
 const KEY_STORAGE = "jaxstream-api-key"; // sessionStorage: the key lives as long as the tab
 // A browser's WebSocket can set no header but Sec-WebSocket-Protocol, so the key travels there, as OpenAI's
-// browser clients send theirs: never in the URL, which access logs and proxies keep. The server selects the
+// browser clients send theirs: not in the URL, which access logs and proxies keep. The server selects the
 // other subprotocol offered (a browser fails a handshake that offered subprotocols and got none back) and
-// never echoes the key. A subprotocol is an HTTP token: keys with other characters cannot travel this way.
+// never echoes the key. A subprotocol is an HTTP token (`TOKEN`): a key with other characters, such as the
+// `/` and `=` of `openssl rand -base64 32`, cannot travel this way (the browser throws a SyntaxError), so such
+// a key goes in `?api_key=`, as the page sent every key before and the server still accepts (`keyQuery`): a
+// key that works, if in the URL, rather than a page that refuses keys servers already use.
 const VLLM_SUBPROTOCOL = "vllm-realtime";
 const KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key.";
 const TOKEN = /^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$/;
@@ -90,11 +93,6 @@ async function connectServer() {
     setStatus(`The server answered ${response.status} to /v1/models.`, "error");
     return;
   }
-  if (apiKey && !TOKEN.test(apiKey)) {
-    askForKey("This API key has characters a browser cannot send in a WebSocket handshake (only letters, digits " +
-      "and !#$%&'*+-.^_`|~ can go): give the server such a key, for example from `openssl rand -hex 32`.");
-    return;
-  }
   modelId = (await response.json()).data[0].id;
   ui.model.textContent = `model ${modelId}`;
   ui.keyPanel.hidden = true;
@@ -154,8 +152,10 @@ class Utterance {
   // Resolves once the session is set up and audio may be sent; rejects with a user-readable Error.
   open(delayMs) {
     const scheme = location.protocol === "https:" ? "wss" : "ws";
-    const protocols = apiKey ? [VLLM_SUBPROTOCOL, KEY_SUBPROTOCOL_PREFIX + apiKey] : [];
-    this.ws = new WebSocket(`${scheme}://${location.host}/v1/realtime`, protocols);
+    const inHandshake = apiKey && TOKEN.test(apiKey);
+    const protocols = inHandshake ? [VLLM_SUBPROTOCOL, KEY_SUBPROTOCOL_PREFIX + apiKey] : [];
+    const keyQuery = apiKey && !inHandshake ? `?api_key=${encodeURIComponent(apiKey)}` : "";
+    this.ws = new WebSocket(`${scheme}://${location.host}/v1/realtime${keyQuery}`, protocols);
     let opened = false;
     this.ws.onopen = () => { opened = true; };
     ui.statDelay.textContent = delayMs ? `${delayMs} ms` : "server default";
