@@ -205,17 +205,24 @@ def checked_requests(monkeypatch) -> list:
     return seen
 
 
+def listen_once(browser) -> tuple[str, str]:
+    """Start, then Stop once listening (session.created: the key was taken): (the socket's URL, the subprotocol
+    the server selected)."""
+    spy_on_sockets(browser)
+    browser.find_element("id", "start").click()
+    wait_for(browser, lambda: "Listening" in text_of(browser, "status"))
+    url, selected = browser.execute_script("const ws = window.__sockets[0]; return [ws.url, ws.protocol];")
+    browser.find_element("id", "stop").click()
+    wait_for(browser, lambda: idle(browser))
+    return url, selected
+
+
 def test_the_api_key_travels_in_the_handshake_not_in_the_url(browser, server, checked_requests):
     """Access logs and proxies keep URLs: the page offers the key as the subprotocol `openai-insecure-api-key.<key>`
     (OpenAI's browser clients' way; serving/auth.py) next to `vllm-realtime`, which the server selects (a browser
     fails a handshake that offered subprotocols and selected none) without echoing the key."""
     open_page(browser, server.url("/", scheme="http"), key=API_KEY)
-    spy_on_sockets(browser)
-    browser.find_element("id", "start").click()
-    wait_for(browser, lambda: "Listening" in text_of(browser, "status"))  # session.created: the key was taken
-    url, selected = browser.execute_script("const ws = window.__sockets[0]; return [ws.url, ws.protocol];")
-    browser.find_element("id", "stop").click()
-    wait_for(browser, lambda: idle(browser))
+    url, selected = listen_once(browser)
     assert url == server.url("/v1/realtime")
     assert selected == "vllm-realtime"  # vLLM's protocol: `realtime` would have made it OpenAI's dialect
     # (The key is read more than once per request: the auth check, then the per-key limits.)
@@ -259,12 +266,7 @@ def test_a_key_no_handshake_can_carry_travels_in_the_query(browser, engine, chec
         browser.get(keyed.url("/", scheme="http"))
         browser.execute_script("sessionStorage.clear()")
         open_page(browser, keyed.url("/", scheme="http"), key=BASE64_KEY)
-        spy_on_sockets(browser)
-        browser.find_element("id", "start").click()
-        wait_for(browser, lambda: "Listening" in text_of(browser, "status"))  # session.created: the key was taken
-        url, selected = browser.execute_script("const ws = window.__sockets[0]; return [ws.url, ws.protocol];")
-        browser.find_element("id", "stop").click()
-        wait_for(browser, lambda: idle(browser))
+        url, selected = listen_once(browser)
     finally:
         keyed.close()
     assert urllib.parse.parse_qs(urllib.parse.urlsplit(url).query) == {"api_key": [BASE64_KEY]}
