@@ -147,7 +147,8 @@ def test_aligned_targets_sit_one_slot_after_each_word_ends(corpus, tokenizer, n_
         example = data.load_example(corpus_dir, record, tokenizer, n_delay, cut_tail=False)
         aligned, valid = aligned_targets(jnp.asarray(example.tokens[None]), jnp.full((1,), float(n_delay)))
         aligned, valid = np.asarray(aligned[0]), np.asarray(valid[0])
-        assert valid.sum() == example.tokens.size - data.SHARED_PREFIX_SLOTS - n_delay and valid[: int(valid.sum())].all()
+        assert valid.sum() == example.tokens.size - data.SHARED_PREFIX_SLOTS - n_delay
+        assert valid[: int(valid.sum())].all()
         # Oracle: the word timings. Word w's marker is due on the audio slot after the one holding its last
         # sample, its pieces on the next slots, unless the previous word's pieces still occupy them.
         expected = np.full(aligned.size, 32)

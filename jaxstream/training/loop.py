@@ -109,8 +109,10 @@ def export_model(params, cfg: TrainConfig, graphdef, tokenizer_path: Path, desti
     save_checkpoint(LoadedModel(model, cfg.model, tokenizer_path), destination, overwrite=True)
 
 
-def evaluate(graphdef, params, tokenizer, corpus_dir: str, records: list[dict], delay_ms: int) -> tuple[float, list[str]]:
-    hypotheses = transcribe_corpus(graphdef, params, tokenizer, corpus_dir, records, front_end.n_delay_from_ms(delay_ms))
+def evaluate(graphdef, params, tokenizer, corpus_dir: str, records: list[dict],
+             delay_ms: int) -> tuple[float, list[str]]:
+    hypotheses = transcribe_corpus(graphdef, params, tokenizer, corpus_dir, records,
+                                   front_end.n_delay_from_ms(delay_ms))
     return word_error_rate([r["text"] for r in records], hypotheses), hypotheses
 
 
@@ -236,7 +238,8 @@ def train(cfg: TrainConfig, corpus_dir: str | list[str], out_dir: str, *, eval_c
                 manager.wait_until_finished()
                 export_model(params, cfg, graphdef, paths.tokenizer, paths.out / "model")
             if eval_records and (step % cfg.eval_every == 0 or step == total_steps):
-                wer, hypotheses = evaluate(graphdef, params, tokenizer, eval_corpus_dir, eval_records, cfg.eval_delay_ms)
+                wer, hypotheses = evaluate(graphdef, params, tokenizer, eval_corpus_dir, eval_records,
+                                           cfg.eval_delay_ms)
                 _log(paths, {"step": step, "eval_wer": wer, "delay_ms": cfg.eval_delay_ms,
                              "examples": [[r["text"], h] for r, h in zip(eval_records[:3], hypotheses[:3])]})
                 bar.write(f"step {step}: held-out WER {100 * wer:.2f}% at {cfg.eval_delay_ms} ms")
