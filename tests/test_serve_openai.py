@@ -385,6 +385,18 @@ async def test_null_vad_settings_take_their_defaults(server, model, speech):
         "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped", "input_audio_buffer.committed"]
 
 
+async def vad_turn_with_items_refused(server, model, speech, monkeypatch, refuse):
+    """(a client in server-VAD mode whose items' engine sessions `refuse` opens, one turn of speech at 24 kHz)."""
+    import jaxstream.serving.openai_realtime as openai_realtime
+
+    client = await Client.connect(server)
+    await client.until("session.created")
+    await client.send(ga_update(model, turn_detection={"type": "server_vad"}))
+    await client.until("session.updated")
+    monkeypatch.setattr(openai_realtime, "start_session", refuse)
+    return client, at_24k(np.concatenate([np.zeros(8000, np.float32), speech, np.zeros(16000, np.float32)]))
+
+
 async def test_a_turn_whose_item_cannot_open_still_stops(server, model, speech, monkeypatch):
     """The engine refuses the item of a VAD turn (at capacity): the client gets the error, then the turn's
     speech_stopped all the same (one append held the whole turn: its stop used to be skipped with the rest of
@@ -398,12 +410,7 @@ async def test_a_turn_whose_item_cannot_open_still_stops(server, model, speech, 
         monkeypatch.setattr(openai_realtime, "start_session", start_session)
         raise CapacityError("the engine holds 64 sessions, its limit; try again later")
 
-    client = await Client.connect(server)
-    await client.until("session.created")
-    await client.send(ga_update(model, turn_detection={"type": "server_vad"}))
-    await client.until("session.updated")
-    monkeypatch.setattr(openai_realtime, "start_session", refused_once)
-    stream = at_24k(np.concatenate([np.zeros(8000, np.float32), speech, np.zeros(16000, np.float32)]))
+    client, stream = await vad_turn_with_items_refused(server, model, speech, monkeypatch, refused_once)
     await client.send({"type": "input_audio_buffer.append", "audio": encode_pcm16_base64(stream)})
     events = [e for e in await client.until("input_audio_buffer.speech_stopped")
               if e["type"] != "rate_limits.updated"]
@@ -420,18 +427,12 @@ async def test_a_turn_at_capacity_is_one_error_however_many_appends_it_spans(ser
     """The engine is at capacity for a whole VAD turn streamed in 320 ms appends: one error for the turn, not
     one per append (each speech push used to try to open an item again: a 12 s turn at 50 appends a second
     is the 600 errors a minute that close the connection), then its speech_stopped."""
-    import jaxstream.serving.openai_realtime as openai_realtime
     from jaxstream.errors import CapacityError
 
     async def refused(*args, **kwargs):
         raise CapacityError("the engine holds 64 sessions, its limit; try again later")
 
-    client = await Client.connect(server)
-    await client.until("session.created")
-    await client.send(ga_update(model, turn_detection={"type": "server_vad"}))
-    await client.until("session.updated")
-    monkeypatch.setattr(openai_realtime, "start_session", refused)
-    stream = at_24k(np.concatenate([np.zeros(8000, np.float32), speech, np.zeros(16000, np.float32)]))
+    client, stream = await vad_turn_with_items_refused(server, model, speech, monkeypatch, refused)
     for chunk in pcm_base64(stream, 24000):
         await client.send({"type": "input_audio_buffer.append", "audio": chunk})
     events = [e for e in await client.until("input_audio_buffer.speech_stopped")
