@@ -320,11 +320,10 @@ def _new_session(body: dict, registry: StreamingInputSessions, key: str) -> tupl
     params = body.get("params") or {}
     if not isinstance(params, dict):
         raise RequestError(422, "invalid_request", "params must be an object", "params")
-    stream = body.get("stream")
-    if stream is None:  # null is false, as in OpenAI's APIs
-        stream = False
-    if not isinstance(stream, bool):
-        raise RequestError(422, "invalid_request", "stream must be true, false or null", "stream")
+    try:  # null is false, as in OpenAI's APIs; a refused session's body is a 422 here
+        stream = parse_flag(body, "stream")
+    except RequestError as exc:
+        raise RequestError(422, exc.code, str(exc), exc.param) from None
     log = sse.EventLog() if stream else None
     if modality == "audio":
         engine_input = AudioInput(state, parse_delay_ms(params, state, "params.delay_ms"), log,
