@@ -269,3 +269,32 @@ class RingAttentionTestBase:
         elif not self.hides_visible_non_finite:
             np.testing.assert_array_equal(np.isfinite(out), clean)
         np.testing.assert_allclose(out[clean], expected[clean], atol=self.tolerance[dtype], rtol=self.tolerance[dtype])
+
+    def test_writes_through_an_entry_outside_the_pool_are_dropped(self):
+        """A page-table entry outside [0, num_pages) is out of contract; the shared scatter once wrote through a
+        negative one into the page counted from the end of the pool (jnp indexing), which may be another
+        session's. Now such rows are dropped: every page of the pool after the call equals the one before,
+        except for the rows written through valid entries (oracle: the layout rule, row by row, in numpy)."""
+        dtype = self.dtypes[0]
+        # W = 24, pages of 16 (P = 2, R = 32). Session 0 writes 2..5 into logical page 0; 1 writes 30, 31 into
+        # logical page 1 and 32, 33 into 0; 2 writes 31 into 1 and 32, 33 into 0; 3 writes 64..67 into 0.
+        case = Case(lengths=(2, 30, 31, 64), num_new=(4, 4, 3, 4), chunk=4, window=24, page_size=16, group=4,
+                    head_dim=64)
+        args, history = build(case, dtype, seed=zlib.crc32(b"bad write entries"))
+        num_pages = args["k_pages"].shape[0]
+        table = history["page_table"].copy()
+        # From the end (the last page), the most negative in range (page 0), past the end, before the start;
+        # session 1 keeps a valid logical page 1, session 2 loses only that one.
+        table[0, 0], table[1, 0], table[2, 1], table[3, 0] = -1, -num_pages, num_pages, -num_pages - 3
+        args["page_table"] = jnp.asarray(table)
+        _, k_pages, v_pages = self.run(args, case.window)
+        for name, written in (("k", k_pages), ("v", v_pages)):
+            expected = history[f"{name}_pool"].copy()
+            for s, length in enumerate(history["lengths"]):
+                for p in range(length, length + history["num_new"][s]):
+                    page = table[s, (p // case.page_size) % table.shape[1]]
+                    if 0 <= page < num_pages:
+                        expected[page, :, p % case.page_size] = history[f"{name}_history"][s, p]
+            assert (expected != history[f"{name}_pool"]).any(), "the case writes some rows"
+            np.testing.assert_array_equal(np.asarray(written.astype(jnp.float32)), expected,
+                                          err_msg=f"{name}_pages after a call with entries outside the pool")

@@ -290,6 +290,34 @@ def test_unavailable_implementation_is_a_clear_error(implementation, interpret, 
                                   platform=platform)
 
 
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
+@pytest.mark.parametrize("pages", [(4, 2, 16, 64, "float32"), (4, 2, 16, 64, "bfloat16"), (4, 2, 24, 64, "float32"),
+                                   (4096, 8, 256, 128, "bfloat16")])
+def test_unsupported_reason_is_the_dispatchers_check(platform, pages):
+    """`unsupported_reason` (what an engine asks before it compiles) is the check the dispatcher runs: None
+    exactly where an explicit name is accepted, else the reason its ValueError gives after the name (and
+    before the advice to use the interpreter, which an engine does not have). Before it, EngineConfig cut the
+    reason out of the dispatcher's message."""
+    from jaxstream.tpu_kernels import unsupported_reason
+
+    *shape, dtype = pages
+    pool = jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+    for implementation in api.IMPLEMENTATIONS:
+        reason = unsupported_reason(implementation, pool, platform=platform)
+        try:
+            chosen = api.choose_implementation(pool, implementation=implementation, platform=platform)
+        except ValueError as error:
+            prefix = f"ring_attention implementation {implementation!r} is unavailable: {reason}"
+            assert reason and str(error) in (prefix, prefix + "; pass interpret=True to run them in the Pallas "
+                                             "interpreter"), (reason, error)
+            assert "interpret" not in reason
+        else:
+            assert reason is None and chosen == implementation
+    assert unsupported_reason(None, pool, platform=platform) is None  # the best available always runs
+    with pytest.raises(ValueError, match="unknown ring_attention implementation 'flash'"):
+        unsupported_reason("flash", pool)
+
+
 def test_portable_kernel_refuses_pools_beyond_tpu_vmem():
     pool = jax.ShapeDtypeStruct((4096, 8, 256, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match="VMEM budget"):
@@ -407,7 +435,7 @@ def test_cpu_kernel_build_failure_is_a_reason_not_a_crash(monkeypatch, tmp_path)
     monkeypatch.setenv("JAXSTREAM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "false")
     with pytest.raises(RuntimeError, match="^false failed: no output$"):
-        cpu._build()
+        cpu._kernel()
     assert not list(tmp_path.rglob("*.so"))
     reason = cpu._load_and_register()
     assert reason == "the C++ kernel is unavailable (false failed: no output)"
@@ -420,17 +448,22 @@ def test_cpu_kernel_build_failure_is_a_reason_not_a_crash(monkeypatch, tmp_path)
 
 def test_cpu_kernel_is_built_once_per_source_and_cpu(monkeypatch, tmp_path):
     """The library lands in the cache under a key of its source, flags, compiler, jaxlib and CPU; the next
-    build finds it there instead of compiling again (nor asking the compiler its version again)."""
+    load finds it there instead of compiling again (nor asking the compiler its version again): the only
+    process it starts is the check that the library loads."""
     monkeypatch.setenv("JAXSTREAM_CACHE_DIR", str(tmp_path))
-    library = cpu._build()
-    assert library.parent == tmp_path / "kernels" and library.suffix == ".so"
+    cpu._kernel()
+    library = cpu._library_path(cpu._compiler_command(), jax.ffi.include_dir())
+    assert library.exists() and library.parent == tmp_path / "kernels" and library.suffix == ".so"
+    assert [path.name for path in library.parent.iterdir()] == [library.name]
 
     def compile_again(*args, **kwargs):
         raise AssertionError(f"compiled again: {args}")
 
-    monkeypatch.setattr(cpu, "_run", compile_again)
-    monkeypatch.setattr(cpu.subprocess, "Popen", compile_again)
-    assert cpu._build() == library
+    run, started = cpu._run, []
+    monkeypatch.setattr(cpu, "_build", compile_again)
+    monkeypatch.setattr(cpu, "_run", lambda command, *args: started.append(command) or run(command, *args))
+    cpu._kernel()
+    assert [command[:2] for command in started] == [[sys.executable, "-I"]], started
 
 
 def _script(path, body):
@@ -452,14 +485,14 @@ def test_cpu_kernel_builds_with_a_compiler_command_taking_arguments(monkeypatch,
     wrapper = _script(tmp_path / "cxx wrapper", f'echo "$@" >> "{log}"\nexec "$@"\n')
     monkeypatch.setenv("JAXSTREAM_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("CXX", f"'{wrapper}' {real} -w")
-    library = cpu._build()
+    cpu._kernel()
+    include = jax.ffi.include_dir()
+    library = cpu._library_path([str(wrapper), real, "-w"], include)
     assert library.exists()
     calls = log.read_text().splitlines()
     assert calls[0] == f"{real} -w --version"  # the version that keys the cache
     assert calls[-1].startswith(f"{real} -w -O3 -march=native") and calls[-1].endswith(".so")
-    include = jax.ffi.include_dir()
     assert cpu._library_path([real], include) != library != cpu._library_path([real, "-w", "-O0"], include)
-    assert cpu._library_path([str(wrapper), real, "-w"], include) == library
 
 
 def test_a_hanging_compiler_is_a_reason_not_a_hang(monkeypatch, tmp_path):
@@ -471,7 +504,7 @@ def test_a_hanging_compiler_is_a_reason_not_a_hang(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu, "VERSION_TIMEOUT", 1)
     monkeypatch.setattr(cpu, "COMPILE_TIMEOUT", 1)
     with pytest.raises(RuntimeError, match="^stuck did not finish within 1 s$"):
-        cpu._build()
+        cpu._kernel()
     assert not list(tmp_path.rglob("*.so"))
     child = int(pid_file.read_text())
     for _ in range(100):  # killed with the compiler's process group: gone, or a zombie until reaped

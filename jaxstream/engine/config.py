@@ -196,7 +196,7 @@ def _check_choices(cfg: EngineConfig) -> None:
         if not floating:
             _fail("dtype", cfg.dtype, "a floating-point dtype name (e.g. 'float32', 'bfloat16') or None")
     if cfg.attention_impl is not None:
-        from jaxstream.tpu_kernels.ring_attention.api import IMPLEMENTATIONS
+        from jaxstream.tpu_kernels.ring_attention import IMPLEMENTATIONS
 
         if cfg.attention_impl not in IMPLEMENTATIONS:
             _fail("attention_impl", cfg.attention_impl, f"one of {', '.join(IMPLEMENTATIONS)} or None")
@@ -215,22 +215,14 @@ _PROBE_PAGES = (2, 1, 64, 64)  # [num_pages, kv_heads, page_size, head_dim]
 def _check_attention_runs_here(cfg: EngineConfig) -> None:
     """An `attention_impl` that cannot run on this backend (Pallas on a CPU, the C++ kernel on a GPU, with
     bfloat16 pages or without a C++ compiler) is a configuration error here, in one line, rather than a
-    traceback from the first compile at warm-up. Limits that depend on the model's shapes (Triton's head_dim)
-    are still checked by the kernel when it is traced."""
+    traceback from the first compile at warm-up. The reason is the dispatcher's own check (tpu_kernels'
+    `unsupported_reason`). Limits that depend on the model's shapes (Triton's head_dim) are still checked by
+    the kernel when it is traced."""
     import jax
 
     from jaxstream.engine.builders import engine_dtype  # imports this module: imported only when called
-    from jaxstream.tpu_kernels.ring_attention.api import choose_implementation
+    from jaxstream.tpu_kernels import unsupported_reason
 
-    pages = jax.ShapeDtypeStruct(_PROBE_PAGES, engine_dtype(cfg))
-    try:
-        choose_implementation(pages, implementation=cfg.attention_impl)
-    except ValueError as exc:
-        raise InvalidRequestError(f"EngineConfig.attention_impl {cfg.attention_impl!r} cannot run here: "
-                                  f"{_reason(exc)}") from None
-
-
-def _reason(exc: ValueError) -> str:
-    """The kernel's reason, without the dispatcher's prefix (which repeats the name) or its advice to run
-    Pallas in the interpreter (an option of `ring_attention`'s callers in tests, not of an engine)."""
-    return str(exc).split(" is unavailable: ", 1)[-1].split("; pass interpret=True", 1)[0]
+    reason = unsupported_reason(cfg.attention_impl, jax.ShapeDtypeStruct(_PROBE_PAGES, engine_dtype(cfg)))
+    if reason:
+        raise InvalidRequestError(f"EngineConfig.attention_impl {cfg.attention_impl!r} cannot run here: {reason}")

@@ -4,14 +4,14 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from jaxstream.tpu_kernels.ring_attention import cpu, pallas, pallas_tpu
+from jaxstream.tpu_kernels.ring_attention import cpu, pallas, pallas_common, pallas_tpu
 from jaxstream.tpu_kernels.ring_attention.xla import ring_attention_xla
 
 IMPLEMENTATIONS = ("xla", "cpu", "pallas", "pallas_tpu")
 # Tried in order by implementation=None; the first whose check passes runs. XLA always works.
 DEFAULT_ORDER = {"tpu": ("pallas_tpu", "pallas", "xla"), "gpu": ("pallas", "xla"), "cpu": ("cpu", "xla")}
 
-# check_supported of every implementation but XLA (which always runs).
+# check_supported of every implementation but XLA (which always runs): `unsupported_reason` asks them.
 _CHECKS = {"cpu": cpu.check_supported, "pallas": pallas.check_supported, "pallas_tpu": pallas_tpu.check_supported}
 # The Pallas kernels, the only ones that can run in an interpreter.
 _PALLAS = {"pallas": pallas.ring_attention_pallas, "pallas_tpu": pallas_tpu.ring_attention_pallas_tpu}
@@ -30,7 +30,9 @@ def ring_attention(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_n
 
     Traced inputs out of contract are not checked, but every implementation treats them alike: num_new
     is clipped to [0, C]; a page-table entry outside the pool reads the page XLA's gather reads (a negative
-    one counts from the end of the pool, then the index is clamped into it), never memory past the pool.
+    one counts from the end of the pool, then the index is clamped into it), never memory past the pool,
+    and the new rows it would take are not written (dropped), so a bad entry never overwrites another
+    session's page.
 
     Non-finite keys and values: one at a position a query cannot see (outside its window, after it, never
     written, a padding row) never affects that query. One it can see makes its output non-finite where the
@@ -61,31 +63,55 @@ def choose_implementation(k_pages, *, implementation=None, interpret=False, plat
 
     Raises ValueError for an unknown name, or for an explicit name that cannot run here, with the reason.
     """
+    _check_arguments(implementation, interpret)
+    if implementation is not None:
+        reason = unsupported_reason(implementation, k_pages, interpret=interpret, platform=platform)
+        if reason:
+            raise ValueError(f"ring_attention implementation {implementation!r} is unavailable: {reason}"
+                             f"{_interpreter_advice(implementation, interpret, platform)}")
+        return implementation
+    for name in DEFAULT_ORDER.get(platform or jax.default_backend(), ("xla",)):
+        if not unsupported_reason(name, k_pages, platform=platform):
+            return name
+    return "xla"
+
+
+def unsupported_reason(implementation, k_pages, *, interpret=False, platform=None):
+    """Why `implementation` cannot run these pages on `platform` (default backend), or None when it can.
+
+    The dispatcher's own check, for callers that pick an implementation ahead of the first call (an engine's
+    configuration): the reason is a phrase to show as is, e.g. "the C++ kernel takes float32 pages, not
+    bfloat16" (the dispatcher's ValueError adds the implementation's name and, for Pallas off TPU and GPU, the
+    `interpret` option). k_pages: the page pool, or a `jax.ShapeDtypeStruct` of it (the C++ kernel takes
+    float32, Triton power-of-two pages, the portable kernel on TPU a pool that fits VMEM). "xla" always runs,
+    and so does None (the best available, falling back to "xla"). Asking about "cpu" on CPU builds the C++
+    kernel, or finds it in its cache. Raises ValueError for an unknown name, or `interpret` with a kernel
+    that has no interpreter.
+    """
+    _check_arguments(implementation, interpret)
+    if implementation in (None, "xla"):
+        return None
+    try:
+        _CHECKS[implementation](k_pages, interpret=interpret, platform=platform)
+    except NotImplementedError as reason:
+        return str(reason)
+    return None
+
+
+def _check_arguments(implementation, interpret):
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown ring_attention implementation {implementation!r}; choose one of "
                          f"{', '.join(IMPLEMENTATIONS)} or None")
     if interpret and implementation not in _PALLAS:
         raise ValueError(f"interpret={interpret!r} needs implementation='pallas' or 'pallas_tpu', "
                          f"got {implementation!r}")
-    if implementation == "xla":
-        return "xla"
-    if implementation is not None:
-        reason = _unsupported_reason(implementation, k_pages, interpret, platform)
-        if reason:
-            raise ValueError(f"ring_attention implementation {implementation!r} is unavailable: {reason}")
-        return implementation
-    for name in DEFAULT_ORDER.get(platform or jax.default_backend(), ("xla",)):
-        if name == "xla" or not _unsupported_reason(name, k_pages, False, platform):
-            return name
-    return "xla"
 
 
-def _unsupported_reason(name, k_pages, interpret, platform):
-    try:
-        _CHECKS[name](k_pages, interpret=interpret, platform=platform)
-    except NotImplementedError as reason:
-        return str(reason)
-    return None
+def _interpreter_advice(implementation, interpret, platform):
+    """What a caller of `ring_attention` (a test on CPU) can do instead when Pallas has no compiler here."""
+    if implementation in _PALLAS and not interpret and pallas_common.compiled_target(platform) is None:
+        return "; pass interpret=True to run them in the Pallas interpreter"
+    return ""
 
 
 def _validate(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, window, scale):

@@ -14,9 +14,10 @@ The kernel is built on first use with the system C++ compiler (`$CXX`, a command
 such as "ccache g++", else c++ or g++) against jaxlib's FFI headers, for this CPU (`-march=native`), into a
 cache directory (`$JAXSTREAM_CACHE_DIR`, else ~/.cache/jaxstream) keyed by the source, the flags, the
 compiler command and the first line of its `--version`, jaxlib's version and the CPU; a second process finds
-it there. Where there is no compiler or the build fails (or outlasts COMPILE_TIMEOUT), `check_supported`
-gives the reason and the dispatcher falls back to the XLA path. float32 only (the CPU engine's dtype);
-other dtypes take the XLA path.
+it there. A library there that does not load (truncated, built against another C++ runtime) is built again
+once, over it. Where there is no compiler or the build fails (or outlasts COMPILE_TIMEOUT) or does not load,
+`check_supported` gives the reason and the dispatcher falls back to the XLA path. float32 only (the CPU
+engine's dtype); other dtypes take the XLA path.
 
 Forward only in C++: gradients come from the XLA path (its backward, after recomputing its forward), so the
 op stays differentiable; training itself takes the XLA path (`jaxstream/training/step.py`).
@@ -30,6 +31,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -54,6 +56,10 @@ FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno",
 # must not hold the first ring_attention call (an engine's start) forever: the XLA path runs instead.
 COMPILE_TIMEOUT = 300
 VERSION_TIMEOUT = 30
+LOAD_TIMEOUT = 30
+# Run by a child interpreter on a library before this process loads it (`_open`).
+_LOAD_CHECK = "import ctypes, sys; getattr(ctypes.CDLL(sys.argv[1]), sys.argv[2])"
+_logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _registration = {}  # "reason": None once registered, else why the kernel cannot run here
 
@@ -112,29 +118,41 @@ def _register():
 
 
 def _load_and_register():
-    import ctypes  # Only where the kernel is asked for.
-
     try:
-        library = ctypes.cdll.LoadLibrary(str(_build()))
+        kernel = _kernel()
     except (OSError, RuntimeError) as error:
         reason = f"the C++ kernel is unavailable ({error})"
         # Once per process: CPU serving then runs the XLA path, correct but slower.
-        logging.getLogger(__name__).warning("ring_attention: %s; the XLA path runs instead", reason)
+        _logger.warning("ring_attention: %s; the XLA path runs instead", reason)
         return reason
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, SYMBOL)), platform="cpu")
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(kernel), platform="cpu")
     return None
 
 
-def _build():
+def _kernel():
+    """The kernel's entry point, from the library in the cache or from one built now.
+
+    A cached library that does not load (truncated by a full disk or a copied home, not a library at all,
+    built against another C++ runtime on a home that hosts share) is built again, once, over it: it used to
+    be taken as built, so every process on that cache ran the XLA path for good."""
     compiler = _compiler_command()
     include = jax.ffi.include_dir()
     library = _library_path(compiler, include)
     if library.exists():
-        return library
+        try:
+            return _open(library)
+        except OSError as error:
+            _logger.warning("ring_attention: the cached C++ kernel %s does not load (%s); building it again",
+                            library, error)
+    return _build(compiler, include, library)
+
+
+def _build(compiler, include, library):
+    """Compile the kernel into a fresh file beside `library`, open it, and only then rename it over `library`:
+    a concurrent process (pytest's workers, another engine rebuilding the same broken library) sees a whole
+    library that loads, its own or this one, and a build that does not load is never published."""
     cache = library.parent
     cache.mkdir(parents=True, exist_ok=True)
-    # Built under a temporary name and renamed: a concurrent process (pytest's workers) sees a whole library
-    # or none.
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         partial = Path(tmp) / library.name
         name = Path(compiler[0]).name
@@ -143,8 +161,39 @@ def _build():
         if returncode:
             last = (stderr.strip().splitlines() or ["no output"])[-1]
             raise RuntimeError(f"{name} failed: {last}")
+        kernel = _open(partial)  # Mapped now: renaming the file keeps it loaded.
         os.replace(partial, library)
-    return library
+    return kernel
+
+
+def _open(library):
+    """The kernel's entry point in `library`, or OSError saying why it does not load.
+
+    The library is loaded in a child process first (the same interpreter, environment and C++ runtime): a
+    truncated one can kill the loader (its segments map past the end of the file, SIGBUS at the first touch),
+    which must cost a rebuild, not this process."""
+    import ctypes  # Only where the kernel is asked for.
+
+    if sys.executable:  # An embedding application may have no interpreter to start: then load it directly.
+        _check_loads(library)
+    try:
+        return getattr(ctypes.CDLL(str(library)), SYMBOL)
+    except AttributeError:  # The check found the symbol: only a file replaced meanwhile could lack it.
+        raise OSError(f"{library.name} has no {SYMBOL}") from None
+
+
+def _check_loads(library):
+    """OSError unless a child interpreter loads `library` and finds the kernel's symbol in it."""
+    try:
+        returncode, _, stderr = _run([sys.executable, "-I", "-S", "-c", _LOAD_CHECK, str(library), SYMBOL],
+                                     LOAD_TIMEOUT, "the load check")
+    except RuntimeError as error:  # It hung: as unusable as a library that fails.
+        raise OSError(f"{library.name}: {error}") from None
+    if returncode < 0:
+        raise OSError(f"{library.name}: loading it killed a process "
+                      f"({signal.strsignal(-returncode) or f'signal {-returncode}'})")
+    if returncode:
+        raise OSError((stderr.strip().splitlines() or [f"{library.name}: the load check failed"])[-1])
 
 
 def _library_path(compiler, include):

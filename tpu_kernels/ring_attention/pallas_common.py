@@ -33,13 +33,23 @@ def target_of(interpret, platform):
         return "tpu"
     if interpret:
         return "interpret"
+    target = compiled_target(platform)
+    if target is None:
+        # The advice to run the interpreter instead is the dispatcher's (`api.choose_implementation`): an
+        # engine, which shares this reason, has no such option.
+        backend = platform or jax.default_backend()
+        raise NotImplementedError(f"Pallas kernels need a TPU or GPU (backend is {backend!r})")
+    return target
+
+
+def compiled_target(platform):
+    """The compiled lowering on `platform` (default backend): "tpu" (Mosaic), "gpu" (Triton), or None."""
     platform = platform or jax.default_backend()
     if platform == "tpu":
         return "tpu"
     if platform in ("gpu", "cuda", "rocm"):
         return "gpu"
-    raise NotImplementedError(f"Pallas kernels need a TPU or GPU (backend is {platform!r}); pass interpret=True "
-                              "to run them in the Pallas interpreter")
+    return None
 
 
 def triton_available():

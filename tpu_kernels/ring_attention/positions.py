@@ -24,7 +24,8 @@ def page_read(entry, num_pages):
     """The physical page a page-table entry (any int32 array, or a scalar inside kernels) reads, as XLA's
     gather reads it (jnp indexing): a negative entry counts from the end of the pool, and the result is
     clamped into the pool. Entries are promised valid, but the table is traced data: every implementation
-    reads an out-of-range one the same way (cpu_kernel.cc's PageOf too), and none reads past the pool."""
+    reads an out-of-range one the same way (cpu_kernel.cc's PageOf too), and none reads past the pool.
+    Writes through such an entry are dropped instead (`write_targets`)."""
     entry = jnp.where(entry < 0, entry + num_pages, entry)
     return jnp.clip(entry, 0, num_pages - 1)
 
@@ -62,6 +63,10 @@ def write_targets(page_table, lengths, num_new, chunk, page_size, num_pages):
     R valid rows are written (XLA leaves the winner of duplicate scatter indices undefined). num_new is
     clipped to [0, chunk] first, as every kernel reads it: a count past the chunk (out of contract) would
     otherwise count rows that do not exist towards the last R, and drop rows the kernels attended to.
+    A row whose page-table entry is outside [0, num_pages) is not written either, unlike `page_read`'s
+    clamped read: jnp's scatter counts a negative index from the end of the pool, so an entry in
+    [-num_pages, -1] would overwrite a page another session may own. Every implementation writes through
+    this function (`xla.write_new_entries`).
     """
     num_new = jnp.clip(num_new, 0, chunk)
     pages_per_window = page_table.shape[1]
@@ -70,5 +75,5 @@ def write_targets(page_table, lengths, num_new, chunk, page_size, num_pages):
     pos = lengths[:, None] + i
     logical_page = jnp.remainder(lax.div(pos, page_size), pages_per_window)
     physical = jnp.take_along_axis(page_table, logical_page, axis=1)
-    keep = (i < num_new[:, None]) & (i >= num_new[:, None] - ring)
+    keep = (i < num_new[:, None]) & (i >= num_new[:, None] - ring) & (physical >= 0) & (physical < num_pages)
     return jnp.where(keep, physical, num_pages), jnp.remainder(pos, page_size)
