@@ -4,7 +4,7 @@ Routes (specs/realtime_protocols.md §0):
 
     GET /v1/realtime                       WebSocket, vLLM realtime protocol (vllm_realtime.py), or OpenAI's
                                            transcription dialect when the client asks (realtime_dialects.py)
-    GET /invocations-bidirectional-stream  WebSocket, the same protocol for SageMaker (binary = UTF-8 JSON)
+    GET /invocations-bidirectional-stream  WebSocket, vLLM's protocol for SageMaker (binary = UTF-8 JSON)
     GET /ws                                WebSocket, the JSON-envelope protocol (envelope.py; checks its own key)
     GET /api/asr-streaming                 WebSocket, Kyutai's STT protocol: msgpack binary frames (kyutai.py)
     GET /v1/models                         OpenAI's model list: the id session.update accepts
@@ -21,6 +21,13 @@ draining drains it, cleanup shuts it down.
 
 Another protocol joins by adding a route whose handler calls `run_websocket` with its own protocol class;
 auth, limits, metrics and draining apply to it unchanged.
+
+A browser's WebSocket can carry the API key only as the subprotocol `openai-insecure-api-key.<key>` (serving/auth.py),
+and it fails a handshake that selects none of the subprotocols it offered; the key itself is never selected (that
+would echo it). So `/v1/realtime`, SageMaker's route and `/ws` select the first offered subprotocol that names what
+they speak: `realtime` or `openai-beta.realtime-v1` for OpenAI's dialect (`/v1/realtime` only), `vllm-realtime`
+(VLLM_SUBPROTOCOLS) for the server's own protocols, vLLM's (`/v1/realtime`, SageMaker's route) and the envelope
+(`/ws`). Kyutai's clients send their key as a header or in the query.
 """
 import asyncio
 import logging
@@ -52,6 +59,8 @@ _TICK_SAMPLE_S = 1.0  # how often engine tick durations are copied into the hist
 _FLUSH_RESERVE_S = 5.0  # of the drain deadline, kept to flush utterances the server finishes itself
 CLOSE_WAIT_S = 10.0  # after the drain deadline, for sockets to finish closing (deploy: grace period)
 HEALTH_PATHS = ("/health", "/healthz", "/ping")  # open to all; 503 unless ready
+# What the routes speaking the server's own (not OpenAI's) protocols select when a browser offers it with its key.
+VLLM_SUBPROTOCOLS = (realtime_dialects.VLLM_SUBPROTOCOL,)
 
 
 class ServerState:
@@ -308,26 +317,30 @@ async def _realtime(request: web.Request) -> web.StreamResponse:
     if dialect is not None:
         return await run_websocket(request, state, "/v1/realtime", lambda conn: openai_realtime.OpenAiRealtime(
             conn, state, beta=dialect == "beta"), subprotocols=realtime_dialects.SUBPROTOCOLS)
-    vllm = (realtime_dialects.VLLM_SUBPROTOCOL,)
     if state.config.vllm_compat:  # exactly vLLM: no switch on an OpenAI-shaped first event
         return await run_websocket(request, state, "/v1/realtime",
                                    lambda conn: VllmRealtime(conn, state, binary_frames=BINARY_CLOSE),
-                                   subprotocols=vllm)
+                                   subprotocols=VLLM_SUBPROTOCOLS)
     return await run_websocket(request, state, "/v1/realtime", lambda conn: realtime_dialects.DialectSwitch(
-        conn, state, lambda tap: VllmRealtime(tap, state, binary_frames=BINARY_ERROR)), subprotocols=vllm)
+        conn, state, lambda tap: VllmRealtime(tap, state, binary_frames=BINARY_ERROR)),
+        subprotocols=VLLM_SUBPROTOCOLS)
 
 
 async def _sagemaker(request: web.Request) -> web.StreamResponse:
+    """vLLM's protocol, whatever the handshake offers (no dialects: `realtime` is not selected)."""
     state = request.app[SERVER]
     return await run_websocket(request, state, "/invocations-bidirectional-stream",
-                               lambda conn: VllmRealtime(conn, state, binary_frames=BINARY_AS_TEXT))
+                               lambda conn: VllmRealtime(conn, state, binary_frames=BINARY_AS_TEXT),
+                               subprotocols=VLLM_SUBPROTOCOLS)
 
 
 async def _envelope(request: web.Request) -> web.StreamResponse:
+    """The envelope protocol; its key may come as a subprotocol too (is_authorized), so it selects
+    `vllm-realtime` as the other routes of the server's own protocols do."""
     state = request.app[SERVER]
     authorized = is_authorized(request, state.config.api_keys)
     return await run_websocket(request, state, envelope.ROUTE, lambda conn: envelope.EnvelopeProtocol(
-        conn, state, authorized=authorized))
+        conn, state, authorized=authorized), subprotocols=VLLM_SUBPROTOCOLS)
 
 
 async def _kyutai(request: web.Request) -> web.StreamResponse:

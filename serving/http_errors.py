@@ -1,5 +1,6 @@
 """What every HTTP route of the server shares: the refusal (`RequestError`) and its OpenAI-shaped answer
-`{"error": {"message", "type", "param", "code"}}`, the engine-error-to-status map, the readiness and model
+`{"error": {"message", "type", "param", "code"}}`, every error code's status and OpenAI type (`ERROR_STATUS`,
+`error_type`: the one source of a code's type on every route, HTTP, SSE and WebSocket), the readiness and model
 checks, and reading request bodies (JSON larger than the app's small default limit, uploads) to the
 idle timeout, answering a body that breaks off. A body read before its request is admitted (an upload's form,
 a Mode A request's first line, every JSON body) must also keep arriving at a minimum average rate
@@ -13,9 +14,43 @@ from aiohttp.http_exceptions import HttpProcessingError
 from jaxstream.errors import EngineError
 from jaxstream.serving.limits import SlowBody, read_at_min_rate
 
-# Engine error code -> HTTP status. Capacity and draining are worth retrying elsewhere or later.
-_ENGINE_STATUS = {"capacity": 503, "draining": 503, "engine_dead": 503, "backlog": 503,
-                  "invalid_audio": 400, "invalid_request": 400, "session_closed": 409}
+# Every error code the server sends, on any route, and its HTTP status: the status of a plain answer where the route
+# has no reason to pick another (the engine's codes: engine_request_error), and the one source of the code's OpenAI
+# `type` (error_type), so that an HTTP answer, a stream's `error` event and a WebSocket's type a failure alike. A route
+# may answer a code with another status of the same type (a malformed body: 400 or 422). The one exception is
+# `capacity` at the server's connection cap: a 429 over HTTP (streaming_input.admit), typed as the engine's capacity
+# is (OpenAI's "overloaded" 503 is a server_error) and as a WebSocket refused at the cap is. A code only a WebSocket
+# sends has the status an HTTP answer would carry. A code not listed is the server's (500): the server cannot tell the
+# client it erred when it does not know. tests/test_serve_error_types.py finds every code in the source and checks
+# that it is listed here.
+ERROR_STATUS = {
+    # The client's request, body or input: bad, too large, too slow, broken off.
+    "invalid_request": 400, "invalid_json": 422, "invalid_chunk": 422, "invalid_audio": 400, "invalid_text": 422,
+    "unsupported_modality": 422, "unsupported_model": 400, "unsupported_parameter": 400,
+    "unsupported_start_policy": 422, "model_not_found": 404, "context_length_exceeded": 400, "audio_too_long": 400,
+    "no_input": 422, "file_too_large": 413, "field_too_large": 413, "payload_too_large": 413,
+    "request_too_large": 413, "body_too_slow": 408, "idle_timeout": 408, "client_disconnected": 400,
+    "invalid_api_key": 401, "unauthorized": 401,
+    # A Mode B session and its event stream. A session closed for the client (idle, over its cap, not resumed) is
+    # the engine's session_closed, a 409.
+    "session_not_found": 404, "session_expired": 410, "session_closed": 409, "sequence_conflict": 409,
+    "sequence_id_out_of_window": 422, "input_finished": 409, "chunks_missing": 409, "input_not_finished": 409,
+    "not_streaming": 409, "replay_unavailable": 410, "invalid_last_event_id": 422,
+    # A WebSocket's events, and its end for the client's own conduct: idle, held past the maximum duration (OpenAI's
+    # Realtime API types its session_expired so), too many errors.
+    "invalid_event": 400, "invalid_type": 400, "invalid_value": 400, "unknown_event": 400, "unsupported_event": 400,
+    "invalid_frame": 400, "invalid_msgpack": 400, "invalid_message": 400, "unknown_message": 400,
+    "invalid_marker": 400, "unsupported_format": 400, "model_not_validated": 400, "generation_in_progress": 409,
+    "no_active_generation": 409, "input_audio_buffer_commit_empty": 400, "audio_limit_exceeded": 400,
+    "max_duration_exceeded": 408, "max_duration": 408, "too_many_errors": 400,
+    # A key's request rate or stream count (429 with Retry-After); /ws's message and cancel rates.
+    "rate_limit_exceeded": 429, "rate_limited": 429,
+    # The server's: busy, so worth retrying elsewhere or later (capacity, backlog: RETRYABLE_ENGINE_CODES), not
+    # serving now (loading, failed, draining, dead), shutting down, or failing.
+    "capacity": 503, "backlog": 503, "draining": 503, "engine_dead": 503, "not_ready": 503, "loading": 503,
+    "failed": 503, "server_shutdown": 503, "first_token_timeout": 500, "engine_error": 500, "processing_error": 500,
+    "server_error": 500, "aborted": 500,
+}
 # The engine is busy: it refused the call whole, and the same call may succeed on this server later. A draining
 # or dead engine will not serve it again.
 RETRYABLE_ENGINE_CODES = frozenset({"capacity", "backlog"})
@@ -34,12 +69,19 @@ class RequestError(Exception):
         return error_response(self.status, self.code, str(self), self.param, self.retry_after)
 
 
+def error_type(code: str, status: int = 500) -> str:
+    """OpenAI's error `type` of `code`, from its status in ERROR_STATUS, whatever status a route answers it with
+    (`status` only for a code not listed): 429 rate_limit_error, another 4xx invalid_request_error (the client's
+    mistake), else server_error."""
+    status = ERROR_STATUS.get(code, status)
+    return "rate_limit_error" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
+
+
 def error_response(status: int, code: str, message: str, param: str | None = None,
                    retry_after: int | None = None) -> web.Response:
-    error_type = "rate_limit_error" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
     headers = {"Retry-After": str(retry_after or 1)} if status in (429, 503) else None
-    response = web.json_response({"error": {"message": message, "type": error_type, "param": param, "code": code}},
-                                 status=status, headers=headers)
+    response = web.json_response({"error": {"message": message, "type": error_type(code, status), "param": param,
+                                            "code": code}}, status=status, headers=headers)
     if status == 408:
         # RFC 9110 15.5.9: the server closes the connection rather than go on waiting for the body (aiohttp
         # discards what more of it comes for at most its 10 s lingering time, then closes).
@@ -48,7 +90,7 @@ def error_response(status: int, code: str, message: str, param: str | None = Non
 
 
 def engine_request_error(exc: EngineError) -> RequestError:
-    return RequestError(_ENGINE_STATUS.get(exc.code, 500), exc.code, str(exc))
+    return RequestError(ERROR_STATUS.get(exc.code, 500), exc.code, str(exc))
 
 
 def server_state(request: web.Request):

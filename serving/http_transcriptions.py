@@ -86,9 +86,7 @@ async def pump_transcription(session, log: sse.EventLog | None, metrics, first_a
                 return event
     except EngineError as exc:
         metrics.utterances.labels(outcome="error").inc()
-        metrics.errors.labels(code=exc.code).inc()
-        if log is not None:
-            log.append(sse.error_payload(str(exc), exc.code))
+        sse.close_with_error(log, exc.code, str(exc), metrics)
         raise
     finally:
         if log is not None:

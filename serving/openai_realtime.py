@@ -48,9 +48,9 @@ import numpy as np
 from jaxstream.engine.transcription_session import TranscriptionDelta, TranscriptionDone
 from jaxstream.errors import DrainingError, EngineError
 from jaxstream.models.audio import SLOT_SECONDS
-from jaxstream.serving import sse
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_g711_base64, decode_pcm16_base64
 from jaxstream.serving.engine_sessions import start_session, token_logprobs
+from jaxstream.serving.http_errors import error_type
 from jaxstream.serving.vad import (TurnDetectionError, TurnSegmenter, parse_turn_detection, start_turn_segmenter,
                                    vad_config)
 from jaxstream.serving.websocket import ConnectionClosed
@@ -68,7 +68,8 @@ INCLUDABLE = (LOGPROBS,)  # what `session.include` may name
 
 
 class ClientError(Exception):
-    """A client mistake answered with an `error` event (invalid_request_error); the socket stays open."""
+    """A client mistake answered with an `error` event, the socket kept; its code is one of the client's
+    (http_errors.ERROR_STATUS: invalid_request_error)."""
 
     def __init__(self, code: str, message: str, param: str | None = None):
         super().__init__(message)
@@ -169,15 +170,13 @@ class OpenAiRealtime:
             self.server.metrics.utterances.labels(outcome="aborted").inc()
         self.open = None
 
-    def error_event(self, code: str, message: str, *, param: str | None = None, event_id: str | None = None,
-                    server_side: bool | None = None) -> dict:
-        """An `error` event; typed by its code (sse.type_of, as the HTTP streams type theirs) unless the
-        caller knows whose fault it is: the connection's own end (idle, too old, too many errors) is the
-        client's, as OpenAI types its `session_expired`."""
-        error_type = (sse.type_of(code) if server_side is None
-                      else "server_error" if server_side else "invalid_request_error")
+    def error_event(self, code: str, message: str, *, param: str | None = None, event_id: str | None = None) -> dict:
+        """An `error` event, typed by its code as the HTTP routes and streams type it (http_errors.error_type): a
+        client's mistake, or the connection's end for its own conduct (idle, too old, too many errors, as OpenAI
+        types its `session_expired`), is an `invalid_request_error`; the server's refusal or failure a
+        `server_error`."""
         return {"type": "error", "event_id": _event_id(), "error": {
-            "type": error_type, "code": code, "message": message, "param": param, "event_id": event_id}}
+            "type": error_type(code), "code": code, "message": message, "param": param, "event_id": event_id}}
 
     # -- client events --------------------------------------------------------------------------------
     async def _handle(self, data) -> None:
@@ -485,7 +484,7 @@ class OpenAiRealtime:
             metrics.utterances.labels(outcome="error").inc()
             self.conn.count_error(code)
             await self._send("conversation.item.input_audio_transcription.failed", item_id=item.id, content_index=0,
-                             error={"type": sse.type_of(code), "code": code,
+                             error={"type": error_type(code), "code": code,
                                     "message": str(exc) or type(exc).__name__, "param": None})
         else:
             if item.committed_at is not None:
@@ -547,17 +546,16 @@ class OpenAiRealtime:
         await self.conn.send({"type": kind, "event_id": _event_id(), **fields})
 
     async def _report(self, exc: ClientError | EngineError, event_id: str | None) -> None:
-        """The error event of a refusal: the client's mistake (ClientError) or the engine's (EngineError)."""
+        """The error event of a refusal: the client's mistake (ClientError) or the engine's (EngineError), typed
+        by its code: the engine refusing bad audio is the client's error, one at capacity the server's."""
         if isinstance(exc, ClientError):
-            await self._error(exc.code, exc.message, exc.param, event_id, server_side=False)
-        else:  # by its code: the engine refusing bad audio is the client's error, one at capacity the server's
+            await self._error(exc.code, exc.message, exc.param, event_id)
+        else:
             await self._error(exc.code, str(exc), None, event_id)
 
-    async def _error(self, code: str, message: str, param: str | None, event_id: str | None, *,
-                     server_side: bool | None = None) -> None:
+    async def _error(self, code: str, message: str, param: str | None, event_id: str | None) -> None:
         self.conn.count_error(code)
-        await self.conn.send(self.error_event(code, message, param=param, event_id=event_id,
-                                              server_side=server_side))
+        await self.conn.send(self.error_event(code, message, param=param, event_id=event_id))
 
 
 def _object(holder: dict, key: str, param: str) -> dict:

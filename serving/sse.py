@@ -10,7 +10,8 @@ compression). While nothing is produced a `: keepalive` comment goes out, so idl
 connection open and a client that went away is noticed. A stream that produced nothing within
 `first_event_timeout_s` ends with an `error` event (the source advises clients to give up after 10-15 s;
 the server does it for them and frees the engine). An `error` event's OpenAI `type` follows from its code
-(`type_of`), so that every stream types the same failure alike.
+(`http_errors.error_type`), so that every stream types a failure as an HTTP answer and a WebSocket do. A producer
+that fails ends its log with `close_with_error`: the `error` event, then `[DONE]`.
 """
 import asyncio
 import collections
@@ -20,6 +21,7 @@ import typing
 from aiohttp import web
 
 from jaxstream.serving import wire_json
+from jaxstream.serving.http_errors import error_type
 
 logger = logging.getLogger(__name__)
 
@@ -103,28 +105,19 @@ async def _end_with_error(response: web.StreamResponse, after: int, error: dict)
     await response.write(frame(after, DONE))
 
 
-# The codes of the client's own mistakes, typed `invalid_request_error` as OpenAI types a 4xx: its request, chunk or
-# payload was bad, too large, too slow (idle) or broke off, or its session was closed for it (idle, over its cap,
-# not resumed, held past the maximum duration: OpenAI's Realtime API types its `session_expired` so; the engine's
-# session_closed is a 409). Any other code is the server's, `server_error`: an internal error, a shutdown or drain,
-# a dead engine, an engine at capacity (OpenAI's "overloaded" 503 is a server_error), no output in time, and a code
-# not listed here (the server cannot tell the client it erred when it does not know).
-CLIENT_ERROR_CODES = frozenset({
-    "invalid_request", "invalid_json", "invalid_chunk", "invalid_audio", "invalid_text", "unsupported_modality",
-    "no_input", "payload_too_large", "request_too_large", "idle_timeout", "client_disconnected", "session_closed",
-    "context_length_exceeded", "replay_unavailable", "invalid_last_event_id", "max_duration_exceeded",
-    "too_many_errors", "invalid_api_key",  # a WebSocket's end for its client's own conduct
-})
-
-
-def type_of(code: str) -> str:
-    """OpenAI's error `type` for an error event's `code` (see CLIENT_ERROR_CODES)."""
-    return "invalid_request_error" if code in CLIENT_ERROR_CODES else "server_error"
-
-
 def error_payload(message: str, code: str) -> dict:
     """An `error` event, typed by its code: every stream (audio and text, Mode A and B) types a code alike."""
-    return {"type": "error", "error": {"message": message, "type": type_of(code), "code": code}}
+    return {"type": "error", "error": {"message": message, "type": error_type(code), "code": code}}
+
+
+def close_with_error(log: EventLog | None, code: str, message: str, metrics) -> None:
+    """The end of a stream that failed: counts the error (`metrics`: the server's ServerMetrics) and, when the
+    stream has a log, ends it with the `error` event and `[DONE]` (a log already closed drops both: its client
+    has had its end)."""
+    metrics.errors.labels(code=code).inc()
+    if log is not None:
+        log.append(error_payload(message, code))
+        log.close()
 
 
 def last_event_id(request: web.Request) -> int:

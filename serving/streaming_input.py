@@ -15,7 +15,7 @@ An engine input is one of `http_transcriptions.AudioInput` (a transcription sess
     async start(), append(piece), finish(), abort(reason), close(), wait(timeout), result() -> dict
     fail(code, message)      ends it with an `error` event typed by its code (a bad chunk in the middle of a
                              Mode A body is the client's invalid_request_error, a shutdown the server's
-                             server_error: sse.type_of)
+                             server_error: http_errors.error_type)
 
 Start policies (the RFC's `streaming_input.start_policy`): `on_first_chunk` starts the engine with the
 first chunk; `on_min_length` buffers until `min_bytes` of payload (decoded: PCM16 or UTF-8 bytes) or
@@ -154,15 +154,13 @@ class EngineInput(abc.ABC):
 
     def fail(self, code: str, message: str) -> None:
         """Ends the output with an `error` event and aborts the engine session. The event's type is its code's
-        (sse.type_of), whatever the modality: a bad chunk or payload is the client's `invalid_request_error`,
-        a shutdown or an internal failure the server's `server_error`."""
+        (http_errors.error_type), whatever the modality: a bad chunk or payload is the client's
+        `invalid_request_error`, a shutdown or an internal failure the server's `server_error`."""
         if self.log is not None and not self.log.closed:
             # Counted as every error event sent (the pumps' own, a WebSocket's at its breach): a stream's end at
-            # max_session_seconds, a drain's or a bad chunk's went out uncounted.
-            self.state.metrics.errors.labels(code=code).inc()
-            # The stream's last event: output the engine session still holds queued does not follow it.
-            self.log.append(sse.error_payload(message, code))
-            self.log.close()
+            # max_session_seconds, a drain's or a bad chunk's went out uncounted. The stream's last event: output
+            # the engine session still holds queued does not follow it.
+            sse.close_with_error(self.log, code, message, self.state.metrics)
         asyncio.ensure_future(self.abort(code))
 
     def progress(self) -> int:

@@ -493,8 +493,8 @@ async def test_drain_commits_the_open_item_and_closes(engine, model, speech, ref
 async def test_a_refusal_while_draining_is_the_servers_error(engine, model, speech):
     """A busy connection of a draining server commits its item and appends audio for the next turn: the server
     starts no new transcription and says so with an error `draining`, typed as the HTTP routes type the same
-    refusal (a 503 `server_error`, asked here of the same server; sse.type_of) and as OpenAI types a server
-    that cannot serve (its 503 "overloaded" is a server_error). It was the client's `invalid_request_error`."""
+    refusal (a 503 `server_error`, asked here of the same server; http_errors.error_type) and as OpenAI types a
+    server that cannot serve (its 503 "overloaded" is a server_error). It was the client's `invalid_request_error`."""
     import aiohttp
 
     from jaxstream.serving.app import drain

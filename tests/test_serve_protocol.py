@@ -1,6 +1,7 @@
 """`/v1/realtime` and the SageMaker route, driven over loopback by a real `websockets` client: the realtime
 conformance list (specs/realtime_protocols.md §2, 25-54) in both compat modes, a hypothesis fuzz of
-malformed frames, auth, connection limits, health, models and metrics."""
+malformed frames, auth (and the subprotocols every realtime route, `/ws` too, selects), connection limits, health,
+models and metrics."""
 import asyncio
 import base64
 import json
@@ -545,6 +546,36 @@ async def test_browser_subprotocols_select_vllm_realtime_for_vllms_protocol(keye
         assert ws.response.headers["Sec-WebSocket-Protocol"] == "vllm-realtime"
         created = json.loads(await ws.recv())
     assert created["type"] == "session.created" and "session" not in created  # vLLM's shape, not OpenAI's
+
+
+KEY_SUBPROTOCOL = "openai-insecure-api-key.k-2"
+
+
+@pytest.mark.parametrize("path, offered, selected, speaks", [
+    ("/v1/realtime", ["realtime", KEY_SUBPROTOCOL], "realtime", "openai"),
+    ("/v1/realtime", ["vllm-realtime", KEY_SUBPROTOCOL], "vllm-realtime", "vllm"),
+    ("/v1/realtime", [KEY_SUBPROTOCOL], None, "vllm"),
+    ("/invocations-bidirectional-stream", ["vllm-realtime", KEY_SUBPROTOCOL], "vllm-realtime", "vllm"),
+    ("/invocations-bidirectional-stream", ["realtime", KEY_SUBPROTOCOL], None, "vllm"),
+    ("/invocations-bidirectional-stream", [KEY_SUBPROTOCOL], None, "vllm"),
+    ("/ws", ["vllm-realtime", KEY_SUBPROTOCOL], "vllm-realtime", "envelope"),
+    ("/ws", ["realtime", KEY_SUBPROTOCOL], None, "envelope"),
+    ("/ws", [KEY_SUBPROTOCOL], None, "envelope"),
+])
+async def test_each_route_selects_the_subprotocol_naming_what_it_speaks(keyed_server, path, offered, selected,
+                                                                        speaks):
+    """A browser sends its key as a subprotocol and fails a handshake that selects none of those it offered (the
+    WHATWG WebSockets standard: offered protocols and no `Sec-WebSocket-Protocol` back fail the connection). Every
+    route takes the key so, and selects `vllm-realtime` for the server's own protocols: `/v1/realtime` did,
+    SageMaker's route and `/ws` selected nothing, so a browser could not use them with the key. `realtime` (OpenAI's
+    dialect) is selected only where OpenAI's dialect is spoken, and the key is never selected (echoed)."""
+    async with websockets.connect(keyed_server.url(path), subprotocols=offered) as ws:
+        assert ws.subprotocol == selected
+        assert ws.response.headers.get("Sec-WebSocket-Protocol") == selected
+        created = json.loads(await asyncio.wait_for(ws.recv(), 30))
+    assert created["type"] == "session.created", created  # the key was taken: the route admitted the client
+    shape = "envelope" if "payload" in created else "openai" if "session" in created else "vllm"
+    assert shape == speaks, created
 
 
 @pytest.mark.parametrize("offered", [["realtime", "openai-insecure-api-key.nope"], ["realtime"],
