@@ -1,10 +1,17 @@
 """OpenAI's `POST /v1/completions` over a served text LM (specs/realtime_protocols.md §7.1, §8).
 
 A JSON body as OpenAI's SDK sends it: `model`, `prompt` (a string, or token ids; a list of one of either),
-`max_tokens` (default 16, as OpenAI), `temperature`, `top_p`, `seed`, `stop` (the engine takes stop token
-ids only: `stop_token_ids`), `n` (1), `stream`, `stream_options.include_usage`, and vLLM's `top_k`,
-`min_tokens`, `ignore_eos`, `return_token_ids`. `stream: true` answers with SSE `text_completion` chunks and
-`data: [DONE]`; `stream_options` without it is refused, as vLLM refuses it.
+`max_tokens` (default 16, as OpenAI), `temperature`, `top_p`, `seed`, `stop` (a string or a list of them),
+`n` (1), `stream`, `stream_options.include_usage`, and vLLM's `top_k`, `min_tokens`, `ignore_eos`,
+`stop_token_ids`, `include_stop_str_in_output`, `return_token_ids`. `stream: true` answers with SSE
+`text_completion` chunks and `data: [DONE]`; `stream_options` without it is refused, as vLLM refuses it.
+
+A plain request is one engine request (`generate` over its prompt), so stop strings work as in vLLM: the text
+ends before the first one generated (or after it with `include_stop_str_in_output`), the choice says
+`finish_reason: "stop"` and `stop_reason` the string, and a stream holds back the characters a stop string
+could still cut. They need the model's tokenizer (400 without one). Every choice carries vLLM's `stop_reason`:
+the stop string or stop token id that ended the completion, else null. Streaming input refuses stop strings,
+as vLLM does.
 
 `return_token_ids` (vLLM's) adds the engine's ids to the choice: `prompt_token_ids` (the prompt as the engine
 took it, BOS included) and `token_ids` (the generated ids). Streamed, `prompt_token_ids` comes in the first
@@ -45,19 +52,21 @@ _NEUTRAL = {"echo": False, "suffix": None, "best_of": 1, "logprobs": None, "pres
             "frequency_penalty": 0, "logit_bias": None}
 
 
-def sampling_params(body: dict) -> SamplingParams:
-    """SamplingParams from OpenAI completion fields (and vLLM's extras); RequestError 400 when invalid."""
+def sampling_params(body: dict, *, streaming: bool = True) -> SamplingParams:
+    """SamplingParams from OpenAI completion fields (and vLLM's extras) for a streaming-input session, or a
+    one-shot request (`streaming=False`: stop strings allowed); RequestError 400 when invalid."""
     for name, neutral in _NEUTRAL.items():
         value = body.get(name)
         if value is not None and value != neutral and not (name == "logit_bias" and value == {}):
             raise RequestError(400, "unsupported_parameter", f"`{name}` is not supported by this server", name)
-    fields = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_tokens": 0, "ignore_eos": False}
+    fields = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_tokens": 0, "ignore_eos": False,
+              "include_stop_str_in_output": False}
     fields.update({name: body[name] for name in (*fields, "seed", "stop", "stop_token_ids")
                    if body.get(name) is not None})
     fields["max_tokens"] = body.get("max_tokens", DEFAULT_MAX_TOKENS)
     try:
         params = SamplingParams(**fields)
-        params.check_supported(streaming=True)
+        params.check_supported(streaming=streaming)
     except InvalidRequestError as exc:
         raise RequestError(400, "invalid_request", str(exc)) from None
     return params
@@ -136,15 +145,17 @@ def parse_stream(body: dict, *, implied: bool = False) -> tuple[bool, bool]:
 
 class TextInput(streaming_input.EngineInput):
     """The engine side of one text completion: a `generate` session fed `StreamingInput` chunks as they
-    are appended, its output kept and, when `log` is given, streamed as `text_completion` chunks (see
-    streaming_input.py for the interface)."""
+    are appended (`one_shot`: one `generate` over the one prompt appended), its output kept and, when `log`
+    is given, streamed as `text_completion` chunks (see streaming_input.py for the interface)."""
 
     modality = "text"
 
     def __init__(self, state, params: SamplingParams, log: sse.EventLog | None = None, *,
-                 include_usage: bool = False, return_token_ids: bool = False):
+                 include_usage: bool = False, return_token_ids: bool = False, one_shot: bool = False):
         super().__init__(state, log)
         self.params = params
+        # One prompt, one engine request (what stop strings need); else a session of StreamingInput chunks.
+        self.one_shot = one_shot
         self.include_usage = include_usage
         self.return_token_ids = return_token_ids
         self.id = f"cmpl-{uuid.uuid4().hex}"
@@ -154,6 +165,7 @@ class TextInput(streaming_input.EngineInput):
         self.prompt_token_ids: list[int] = []  # the engine's: the chunk prompts so far
         self._prompt_streamed = 0  # how many of them the stream carried
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # with finish_reason: the stop string or id that ended it
         self.error: EngineError | None = None
         self.aborted = False
         self._chunks: asyncio.Queue = asyncio.Queue()
@@ -222,12 +234,15 @@ class TextInput(streaming_input.EngineInput):
     async def _run(self) -> None:
         finished = False
         try:
-            async for out in self.state.engine.generate(self._inputs(), self.params, request_id=self.id):
+            # A one-shot request's prompt is its one append (its `finish` follows).
+            prompt = await self._chunks.get() if self.one_shot else self._inputs()
+            async for out in self.state.engine.generate(prompt, self.params, request_id=self.id):
                 completion = out.outputs[0]
                 self.text += completion.text
                 self.token_ids += completion.token_ids
                 self.prompt_token_ids = out.prompt_token_ids
-                self.finish_reason = completion.finish_reason or self.finish_reason
+                if completion.finish_reason is not None:
+                    self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
                 finished = out.finished
                 # Ids that decode to no text yet (or a model without a tokenizer) still make a chunk for a client
                 # that asked for them.
@@ -242,9 +257,7 @@ class TextInput(streaming_input.EngineInput):
                     self.log.append({**self.chunk("", None), "choices": [], "usage": self.usage()})
         except (EngineError, ValueError, TypeError) as exc:  # generate re-raises a chunk's own error
             self.error = exc if isinstance(exc, EngineError) else InvalidRequestError(str(exc))
-            self.state.metrics.errors.labels(code=self.error.code).inc()
-            if self.log is not None:
-                self.log.append(sse.error_payload(str(self.error), self.error.code))
+            sse.close_with_error(self.log, self.error.code, str(self.error), self.state.metrics)
         finally:
             if self.log is not None:
                 self.log.close()
@@ -280,8 +293,10 @@ class TextInput(streaming_input.EngineInput):
     def chunk(self, text: str, finish_reason: str | None, prompt_ids: list[int] | None = None,
               token_ids: list[int] | None = None) -> dict:
         """A `text_completion` body of one choice, with the ids when the client asked for them (vLLM's
-        `return_token_ids`: both fields, the prompt's null where it has none to carry)."""
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        `return_token_ids`: both fields, the prompt's null where it has none to carry). `stop_reason` is vLLM's:
+        null until the choice finishes."""
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                  "stop_reason": self.stop_reason if finish_reason is not None else None}
         if self.return_token_ids and token_ids is not None:
             choice.update(prompt_token_ids=prompt_ids, token_ids=token_ids)
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.state.model_id,
@@ -317,11 +332,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
         check_model(state, body.get("model"), "text")
         prompt = prompt_ids(parse_prompt(body, state), state)
-        params = sampling_params(body)
+        params = sampling_params(body, streaming=False)
+        if params.stop and state.engine.tokenizer is None:
+            raise RequestError(400, "invalid_request", f"{state.model_id!r} has no tokenizer to find stop strings "
+                               f"with: use stop_token_ids", "stop")
         check_context_length(prompt, params, state)
         stream, include_usage = parse_stream(body)
         text_input = TextInput(state, params, sse.EventLog() if stream else None, include_usage=include_usage,
-                               return_token_ids=parse_flag(body, "return_token_ids"))
+                               return_token_ids=parse_flag(body, "return_token_ids"), one_shot=True)
         handle = streaming_input.DrainHandle(text_input)
         streaming_input.admit(state, handle)
     except RequestError as exc:

@@ -113,7 +113,7 @@ def test_sdk_completion_plain_and_streamed(engine, server, model):
 
 @pytest.mark.parametrize("kwargs, error, code", [
     ({"model": "other"}, openai.NotFoundError, "model_not_found"),
-    ({"stop": ["w9"]}, openai.BadRequestError, "invalid_request"),
+    ({"stop": ["w9", ""]}, openai.BadRequestError, "invalid_request"),  # vLLM refuses an empty stop string
     ({"n": 2}, openai.BadRequestError, "invalid_request"),
     ({"prompt": [5, 999]}, openai.BadRequestError, "invalid_request"),
     ({"echo": True}, openai.BadRequestError, "unsupported_parameter"),

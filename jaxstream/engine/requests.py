@@ -28,8 +28,10 @@ class SamplingParams:
     """Per-chunk sampling and stopping parameters (vLLM's names and meanings).
 
     `max_tokens=None` means `max_model_len - len(chunk prompt)`; `temperature=0` is greedy; `top_k` 0 or
-    -1 and `top_p = 1` disable those filters; `seed` makes sampling reproducible per session. Invalid
-    values raise `InvalidRequestError` here (`bool` is not accepted where a number is expected).
+    -1 and `top_p = 1` disable those filters; `seed` makes sampling reproducible per session; `stop` (a
+    string or a list of them) ends a one-shot request as vLLM does (stop_strings.py), and is refused with
+    streaming input. Invalid values raise `InvalidRequestError` here (`bool` is not accepted where a number
+    is expected).
     """
 
     n: int = 1
@@ -42,6 +44,7 @@ class SamplingParams:
     stop: tuple[str, ...] | None = None
     stop_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # keep a matched stop string at the end of the text
     logprobs: int | None = None  # when set, outputs carry the sampled token's logprob
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
@@ -68,7 +71,7 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if fields["max_tokens"] is not None and fields["min_tokens"] > fields["max_tokens"]:
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
@@ -81,8 +84,8 @@ class SamplingParams:
         input)."""
         if self.n != 1:
             raise InvalidRequestError("n > 1 is not supported")
-        if self.stop:
-            raise InvalidRequestError("stop strings are not supported; use stop_token_ids")
+        if streaming and self.stop:
+            raise InvalidRequestError("stop strings are not supported with streaming input; use stop_token_ids")
         if streaming and self.output_kind is RequestOutputKind.FINAL_ONLY:
             raise InvalidRequestError("output_kind FINAL_ONLY is not supported with streaming input")
 
@@ -104,7 +107,7 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: list[float] | None
     finish_reason: str | None = None  # "stop", "length", "abort", or None while a chunk runs
-    stop_reason: int | None = None  # the stop token id that ended the chunk, if any
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended the chunk, if any
 
 
 @dataclasses.dataclass
@@ -139,6 +142,8 @@ def _stop_strings(stop) -> tuple[str, ...] | None:
     stop = (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or not all(isinstance(text, str) for text in stop):
         raise InvalidRequestError(f"stop must be a string or a list of strings, got {stop!r}")
+    if not all(stop):
+        raise InvalidRequestError("stop cannot contain an empty string")  # it would match before any text
     return tuple(stop)
 
 

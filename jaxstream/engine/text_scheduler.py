@@ -6,7 +6,8 @@ KV. A chunk applied to a session folds every output of the previous chunk except
 (never fed back, so it has no KV) into the prompt, then appends the chunk's tokens
 (`specs/streaming_semantics.md` §1.2). Chunks queue FIFO while a chunk runs and are never coalesced;
 stop, EOS and max_tokens end the chunk and park the session with its KV; only abort, errors, the end of
-input and (by jaxstream's rule) reaching `max_model_len` end the session.
+input and (by jaxstream's rule) reaching `max_model_len` end the session. A one-shot request's stop strings
+are looked for in its text as each token is detokenized, here on the host (stop_strings.py).
 
 A tick schedules running sessions first (decodes, then unfinished prefills), then admits waiting ones in
 FIFO order, under a token budget; decode rows (one token) go to a C = 1 program and prefill rows to one
@@ -23,6 +24,8 @@ import numpy as np
 from jaxstream.engine import first_runs, sampling, steps
 from jaxstream.engine.requests import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
 from jaxstream.engine.residency import END_OF_STREAM, Residency, SessionBase, Status, TickStats, deliver
+from jaxstream.engine.stop_strings import StopStringText
+from jaxstream.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 STACK = "text"
@@ -52,6 +55,7 @@ class TextSession(SessionBase):
         self.text = ""
         self.cumulative_logprob = 0.0
         self.detokenizer = detokenizer
+        self.stop_text: StopStringText | None = None  # the output text of a one-shot request with stop strings
 
     @property
     def num_tokens(self) -> int:
@@ -118,6 +122,10 @@ class TextScheduler(Residency):
             self.sessions[request_id] = session
         try:
             update = ChunkUpdate(self._validated(prompt_ids), params)
+            if params.stop and resumable:
+                raise InvalidRequestError("stop strings are not supported with streaming input; use stop_token_ids")
+            if params.stop and session.detokenizer is None:
+                raise InvalidRequestError("stop strings need a tokenizer and this model has none; use stop_token_ids")
             if len(self._min_tokens_bans(params)) > sampling.MAX_BANNED_IDS:
                 raise ValueError(f"min_tokens bans the EOS and stop ids until then: at most "
                                  f"{sampling.MAX_BANNED_IDS} of them are supported")
@@ -176,6 +184,7 @@ class TextScheduler(Residency):
         session.prompt_ids += update.prompt_ids
         session.chunk_prompts += update.prompt_ids
         session.params = update.params
+        session.stop_text = StopStringText(update.params) if update.params.stop else None
         session.max_tokens = update.params.max_tokens or max(1, self.max_model_len - len(update.prompt_ids))
         session.seed = self._seed(update.params)
         self.touch(session)
@@ -357,12 +366,22 @@ class TextScheduler(Residency):
             return  # a prefill chunk that does not reach the end of the known tokens samples nothing
         session.outputs.append(token)
         reason, stop_reason, session_over = self._check_stop(session)
+        # vLLM's detokenizer leaves out the text of the token that stopped the chunk (EOS or a stop id) unless
+        # the request keeps its stops in the text (`include_stop_str_in_output`); the id is still reported.
+        token_stopped = reason == "stop" and not session.params.include_stop_str_in_output
+        text = "" if session.detokenizer is None or token_stopped else session.detokenizer.push_many([token])
+        if session.stop_text is not None:
+            # vLLM looks for stop strings after its engine's checks, and a match overrides their reason.
+            matched = session.stop_text.add(text, produced=len(session.outputs), check=not token_stopped)
+            if matched is not None:
+                reason, stop_reason = "stop", matched
         if reason is None:
-            deliver(session, self._output(session, [token], [logprob], None, None, finished=False))
+            deliver(session, self._output(session, [token], [logprob], None, None, finished=False, text=text))
             return
         head = session.queue[0] if session.queue else False
         finished = session_over or not session.resumable or head is None
-        deliver(session, self._output(session, [token], [logprob], reason, stop_reason, finished=finished))
+        deliver(session, self._output(session, [token], [logprob], reason, stop_reason, finished=finished,
+                                      text=text))
         self.touch(session)
         if finished:
             self.release(session)
@@ -389,19 +408,21 @@ class TextScheduler(Residency):
             return "stop", last, False
         return None, None, False
 
-    def _output(self, session: TextSession, tokens, logprobs, reason, stop_reason, *, finished) -> RequestOutput:
-        text = ""
-        if session.detokenizer is not None and tokens:
-            text = session.detokenizer.push_many(tokens)
+    def _output(self, session: TextSession, tokens, logprobs, reason, stop_reason, *, finished,
+                text: str = "") -> RequestOutput:
+        """The output for `tokens` (already pushed to the detokenizer, which gave `text`)."""
         session.streamed += tokens
         session.streamed_logprobs += logprobs
         session.text += text
         session.cumulative_logprob += sum(logprobs)
         params = session.params
-        if params.output_kind is RequestOutputKind.DELTA:
+        delta = params.output_kind is RequestOutputKind.DELTA
+        if delta:
             ids, lps = list(tokens), list(logprobs)
         else:
             ids, lps, text = list(session.streamed), list(session.streamed_logprobs), session.text
+        if session.stop_text is not None:  # the text cut at a stop string, its tail held back until the end
+            text = session.stop_text.visible(finished=finished, delta=delta)
         completion = CompletionOutput(
             index=0, text=text, token_ids=ids,
             cumulative_logprob=session.cumulative_logprob if params.logprobs is not None else None,
