@@ -9,6 +9,7 @@ import base64
 import contextlib
 import os
 import shutil
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -90,8 +91,9 @@ def test_package_data_ships_the_page():
 
 # -- the page in Chromium -----------------------------------------------------------------------------
 @contextlib.contextmanager
-def chromium(profile, microphone: str):
-    """Headless Chromium with a fake microphone: `microphone` is a wav to play (looped), or "deny"."""
+def chromium(profile, microphone: str, *, autoplay: bool = True):
+    """Headless Chromium with a fake microphone: `microphone` is a wav to play (looped), or "deny". `autoplay`:
+    audio may play before the page has had a click (else browsers' default rule: only after one)."""
     chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
     if chromium is None or driver_path is None:
         pytest.skip("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
@@ -101,8 +103,10 @@ def chromium(profile, microphone: str):
     options.binary_location = chromium
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             "--disable-dev-shm-usage", "--window-size=1000,860", "--autoplay-policy=no-user-gesture-required",
-             "--use-fake-device-for-media-stream", f"--user-data-dir={profile}"]
+             "--disable-dev-shm-usage", "--window-size=1000,860", "--use-fake-device-for-media-stream",
+             f"--user-data-dir={profile}"]
+    if autoplay:
+        flags.append("--autoplay-policy=no-user-gesture-required")
     if microphone == "deny":
         flags.append("--use-fake-ui-for-media-stream=deny")  # as if the user refused the prompt
     else:
@@ -291,9 +295,23 @@ def test_a_dropped_file_streams_at_real_time(browser, server, speech_wav):
     assert text_of(browser, "stat-audio") == f"{seconds:.1f} s"
 
 
-def test_a_denied_microphone_is_explained(server, tmp_path):
-    with chromium(tmp_path / "profile", "deny") as browser:
-        open_page(browser, server.url("/", scheme="http"), key=API_KEY)
+def test_a_first_visit_streams_a_file_before_any_click_and_explains_a_denied_microphone(server, speech_wav,
+                                                                                           tmp_path):
+    """A first visit, as browsers treat one: no audio plays before a click on the page, and the microphone is
+    refused. A file given before any click (a drop is no click; nor is the driver setting the file input) streams
+    all the same: the page used to wait for ever for its playback to be allowed. Then Start, refused, explains."""
+    with chromium(tmp_path / "profile", "deny", autoplay=False) as browser:
+        browser.get(server.url("/", scheme="http"))
+        browser.execute_script("sessionStorage.setItem('jaxstream-api-key', arguments[0])", API_KEY)  # no click
+        open_page(browser, server.url("/", scheme="http"))
+        assert not browser.execute_script("return navigator.userActivation.hasBeenActive")
+        spy_on_sockets(browser)
+        browser.find_element("id", "file").send_keys(str(speech_wav))
+        wait_for(browser, lambda: appends_sent(browser) >= 3, timeout=30)
+        browser.find_element("id", "stop").click()
+        wait_for(browser, lambda: idle(browser))
+        assert "Done" in text_of(browser, "status")
+
         browser.find_element("id", "start").click()
         wait_for(browser, lambda: "denied" in text_of(browser, "status"), timeout=30)
         assert "Allow the microphone" in text_of(browser, "status")
@@ -317,17 +335,19 @@ def test_a_busy_server_is_explained(browser, engine):
         busy.close()
 
 
-# The page's WebSocket, wrapped: every socket opened (window.__sockets) and every event type sent
-# (window.__sent); while window.__hold is true, the server's messages wait for window.__release().
+# The page's WebSocket, wrapped: every socket opened (window.__sockets), every event type sent (window.__sent)
+# and the code of every close() the page called (window.__pageCloses); while window.__hold is true, the
+# server's messages wait for window.__release().
 # window.__backlog: bytes a slow network holds back, added to the socket's bufferedAmount (on loopback the
 # kernel takes some 3 MB, over a minute of audio, before a browser's bufferedAmount grows); the appends sent
 # while it is set are counted in window.__appendsInBacklog.
 SOCKET_SPY = """
 window.__sockets = []; window.__sent = []; window.__hold = false; window.__held = [];
-window.__backlog = 0; window.__appendsInBacklog = 0;
+window.__backlog = 0; window.__appendsInBacklog = 0; window.__pageCloses = [];
 window.__release = () => { window.__hold = false; window.__held.splice(0).forEach((deliver) => deliver()); };
 window.WebSocket = class extends window.WebSocket {
   constructor(...args) { super(...args); window.__sockets.push(this); }
+  close(...args) { window.__pageCloses.push(args[0]); super.close(...args); }
   get bufferedAmount() { return super.bufferedAmount + window.__backlog; }
   send(data) {
     const type = JSON.parse(data).type;
@@ -352,6 +372,10 @@ def sockets_opened(driver) -> int:
 
 def all_sockets_closed(driver) -> bool:
     return driver.execute_script("return window.__sockets.every((ws) => ws.readyState === WebSocket.CLOSED)")
+
+
+def appends_sent(driver) -> int:
+    return driver.execute_script("return window.__sent.filter((type) => type === 'input_audio_buffer.append').length")
 
 
 def idle(driver) -> bool:
@@ -399,20 +423,84 @@ def test_stop_while_connecting_starts_no_session(browser, server):
     assert "input_audio_buffer.append" not in browser.execute_script("return window.__sent")
 
 
-def appends_sent(driver) -> int:
-    return driver.execute_script("return window.__sent.filter((type) => type === 'input_audio_buffer.append').length")
+def listen_then_hold(driver):
+    """Start listening; once audio went, hold the server's messages: its transcription.done never comes."""
+    spy_on_sockets(driver)
+    driver.find_element("id", "start").click()
+    wait_for(driver, lambda: appends_sent(driver) >= 2)
+    driver.execute_script("window.__hold = true")
+
+
+def test_a_final_transcript_that_never_comes_is_given_up(browser, server):
+    """A stalled network, or a server that never sends transcription.done: after Stop the page waits a few
+    seconds (FINAL_WAIT_MS in app.js), then closes the socket (1000) and says the last words may be missing. It
+    used to say "Finishing…" until the server's idle timeout closed the socket (150 s)."""
+    open_page(browser, server.url("/", scheme="http"), key=API_KEY)
+    listen_then_hold(browser)
+    browser.find_element("id", "stop").click()
+    wait_for(browser, lambda: "Finishing the transcript" in text_of(browser, "status"))
+    wait_for(browser, lambda: idle(browser), timeout=30)  # 5 s here; the old page waited out the server (150 s)
+    status = text_of(browser, "status")
+    assert "did not come within" in status and "last words may be missing" in status, status
+    assert "warning" in browser.find_element("id", "status").get_attribute("class")
+    assert browser.execute_script("return window.__pageCloses") == [1000]
+    wait_for(browser, lambda: all_sockets_closed(browser))
+    browser.execute_script("window.__release()")  # a done that comes after all changes nothing
+    assert text_of(browser, "status") == status
+
+
+def test_stop_again_while_finishing_ends_at_once(browser, server):
+    """Stop while "Finishing…" (a second press) closes the socket at once: the user would rather end now."""
+    open_page(browser, server.url("/", scheme="http"), key=API_KEY)
+    listen_then_hold(browser)
+    browser.find_element("id", "stop").click()
+    wait_for(browser, lambda: "Finishing the transcript" in text_of(browser, "status"))
+    browser.find_element("id", "stop").click()
+    wait_for(browser, lambda: idle(browser))
+    # The second press's words, not the bounded wait's: the press ended it.
+    assert "Stopped before the server finished" in text_of(browser, "status")
+    assert browser.execute_script("return window.__pageCloses") == [1000]
+    wait_for(browser, lambda: all_sockets_closed(browser))
+
+
+# Per append, the seconds of the file the listener has heard (the playback's audio clock since the page started
+# the player) less the seconds sent (window.__heardAhead).
+HEARD_AHEAD = """
+window.__heardAhead = [];
+let player = null, sent = 0;
+const start = AudioBufferSourceNode.prototype.start;
+AudioBufferSourceNode.prototype.start = function (...args) {
+  player = [this.context, this.context.currentTime];
+  return start.apply(this, args);
+};
+const send = WebSocket.prototype.send;
+WebSocket.prototype.send = function (data) {
+  const event = JSON.parse(data);
+  if (event.type === "input_audio_buffer.append" && player) {
+    sent += atob(event.audio).length / 2 / 16000;
+    window.__heardAhead.push(player[0].currentTime - player[1] - sent);
+  }
+  return send.call(this, data);
+};
+"""
 
 
 def test_a_file_waits_while_the_network_holds_its_audio_back(browser, server, speech_wav):
+    """The sending waits, and so does the playback: what the user hears is what the server has got."""
     open_page(browser, server.url("/", scheme="http"), key=API_KEY)
     spy_on_sockets(browser)
+    browser.execute_script(HEARD_AHEAD)
     browser.find_element("id", "file").send_keys(str(speech_wav))
     wait_for(browser, lambda: appends_sent(browser) >= 3)
     browser.execute_script("window.__backlog = 1e9")
     wait_for(browser, lambda: "Waiting for the network" in text_of(browser, "status"))
+    time.sleep(1.5)  # a network wait a listener would notice: the playback used to run on through it
     browser.execute_script("window.__backlog = 0")
     wait_for(browser, lambda: "Done" in text_of(browser, "status"))
     assert browser.execute_script("return window.__appendsInBacklog") == 0
+    # Each chunk leaves once it has been heard: within a fraction of a second of it, before and after the wait.
+    ahead = browser.execute_script("return window.__heardAhead")
+    assert max(abs(seconds) for seconds in ahead) < 0.5, ahead
     # Nothing was lost: every sample went, and the transcript is the file's.
     assert text_of(browser, "stat-audio") == f"{soundfile.info(speech_wav).duration:.1f} s"
     paragraph = browser.find_elements("css selector", "#transcript p.final")[-1]
@@ -437,6 +525,33 @@ def test_the_microphone_stops_when_the_network_cannot_keep_up(browser, server):
     assert sent[-1] == "input_audio_buffer.commit" and "input_audio_buffer.append" in sent
     assert browser.find_elements("css selector", "#transcript p.final")  # the audio sent was transcribed
     wait_for(browser, lambda: all_sockets_closed(browser))
+
+
+def test_a_server_that_goes_away_mid_stream_is_explained(browser, engine):
+    """The server dies mid-utterance (its connections reset, as a killed process's are: no close frame, 1006): the
+    page keeps the text that came and says the connection was lost; Start then says the server cannot be
+    reached (it said the server refused the connection)."""
+    gone = ServerThread(engine, ServerConfig())
+    try:
+        open_page(browser, gone.url("/", scheme="http"))
+        browser.find_element("id", "start").click()
+        wait_for(browser, lambda: reference_words_in(text_of(browser, "transcript")) >= 2)
+
+        async def reset_connections():
+            for handler in gone.server.runner.server.connections:
+                if handler.transport is not None:
+                    handler.transport.abort()
+
+        gone.call(reset_connections())
+        wait_for(browser, lambda: idle(browser))
+        assert "connection to the server was lost" in text_of(browser, "status")
+        assert "error" in browser.find_element("id", "status").get_attribute("class")
+        assert reference_words_in(text_of(browser, "transcript")) >= 2
+    finally:
+        gone.close()
+    browser.find_element("id", "start").click()
+    wait_for(browser, lambda: "cannot be reached" in text_of(browser, "status"), timeout=30)
+    wait_for(browser, lambda: idle(browser))
 
 
 def test_without_audio_worklet_files_stream_and_start_explains(browser, server, speech_wav):

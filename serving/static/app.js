@@ -2,7 +2,7 @@
 // The demo page: microphone or a dropped file -> 16 kHz PCM16 -> /v1/realtime (vLLM's realtime protocol,
 // specs/realtime_protocols.md §1) -> live transcript. One WebSocket per utterance: session.created,
 // session.update{model, transcription_delay_ms}, commit{}, appends every 80 ms, commit{final: true}, then
-// deltas and one transcription.done; the socket is closed after it.
+// deltas and one transcription.done; the socket is closed after it, or FINAL_WAIT_MS after the final commit.
 
 const SAMPLE_RATE = 16000;
 const CHUNK = 1280; // 80 ms: what the worklet posts, and the file streamer's step
@@ -20,6 +20,13 @@ const TOKEN = /^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$/;
 // Send backpressure: the bytes the socket may hold unsent (bufferedAmount), about 2 s of audio as base64. A
 // file waits below it; the microphone, which cannot wait, stops above it (`NETWORK_TEXT`).
 const MAX_BUFFERED_BYTES = 2 * SAMPLE_RATE * 2 * (4 / 3);
+// After the final commit, how long the page waits for transcription.done before it closes the socket itself. The
+// server answers once it has the audio still in the socket (at most the ~2 s of MAX_BUFFERED_BYTES) and has run
+// the model over the delay's right padding, faster than real time (0.2-0.3 s at the default delay on the test
+// suite's CPU): 5 s covers both with room, and keeps Stop within the few seconds a user waits. Without a bound a
+// stalled network, or a server that never answers, left the page "Finishing…" until the server's idle timeout
+// (150 s by default).
+const FINAL_WAIT_MS = 5000;
 
 const $ = (id) => document.getElementById(id);
 const ui = {
@@ -43,9 +50,16 @@ const KEY_NEEDED = "This server needs an API key: enter it to start.";
 const KEY_REFUSED = "The server refused this API key.";
 const NETWORK_TEXT = "The network could not keep up with the microphone, so listening stopped: the transcript " +
   "covers the audio sent until then.";
+const UNREACHABLE_TEXT = "The server cannot be reached.";
+const FINISHING_TEXT = "Finishing the transcript… (press Stop to end without waiting for it)";
+const FINAL_LATE_TEXT = `The end of the transcript did not come within ${FINAL_WAIT_MS / 1000} s, so the page ` +
+  "stopped waiting: its last words may be missing.";
+const FINAL_STOPPED_TEXT = "Stopped before the server finished the transcript: its last words may be missing.";
 const CLOSE_TEXT = {
   1001: ERROR_TEXT.server_draining, 1013: ERROR_TEXT.not_ready, 4000: ERROR_TEXT.idle_timeout,
   4002: ERROR_TEXT.capacity, 4003: "The connection reached the server's maximum duration.",
+  // No close frame: the server died or the network dropped (the transcript keeps the text that came).
+  1006: "The connection to the server was lost before the transcript was complete.",
 };
 
 let apiKey = sessionStorage.getItem(KEY_STORAGE) || "";
@@ -77,7 +91,7 @@ async function connectServer() {
   try {
     response = await fetchModels();
   } catch (err) {
-    setStatus("The server cannot be reached.", "error");
+    setStatus(UNREACHABLE_TEXT, "error");
     return;
   }
   if (response.status === 401) {
@@ -100,16 +114,19 @@ async function connectServer() {
   setStatus("Ready: press Start and speak, or drop an audio file.");
 }
 
-// A browser hides why a handshake failed (a refused key is a 401 before the upgrade); /v1/models tells.
-// True when the key was the reason: the key panel then asks for another.
-async function keyRefused() {
+// A browser hides why a handshake failed (a refused key is a 401 before the upgrade, a server that is gone
+// refuses the TCP connection); /v1/models tells. Returns what to tell the user (`otherwise` when /v1/models
+// answers), or null when the key was the reason: the key panel then asks for another.
+async function handshakeFailure(otherwise) {
+  let response;
   try {
-    if ((await fetchModels()).status !== 401) return false;
+    response = await fetchModels();
   } catch (err) {
-    return false;
+    return UNREACHABLE_TEXT;
   }
+  if (response.status !== 401) return otherwise;
   askForKey(apiKey ? KEY_REFUSED : KEY_NEEDED);
-  return true;
+  return null;
 }
 
 function askForKey(message) {
@@ -142,6 +159,7 @@ class Utterance {
     this.textArrivals = []; // [words in the text so far, time] per delta
     this.finalSent = false;
     this.finalAt = null;
+    this.finalTimer = null; // gives up on transcription.done FINAL_WAIT_MS after the final commit
     this.warning = null; // shown instead of "Done" when the transcript ends, e.g. NETWORK_TEXT
     this.ended = false;
     this.onEnded = () => {};
@@ -174,8 +192,9 @@ class Utterance {
         this.handle(event);
       };
       this.ws.onclose = (close) => {
-        // Before session.created a close is a refusal: at capacity, loading, or the handshake failed.
-        const refusal = new Error(CLOSE_TEXT[close.code] || "The server refused the connection.");
+        // Before session.created a close is a refusal: at capacity, loading (its code says which), or the
+        // handshake failed (1006, whatever the reason: handshakeFailure finds it).
+        const refusal = new Error((opened && CLOSE_TEXT[close.code]) || "The server refused the connection.");
         refusal.handshakeFailed = !opened;
         reject(refusal);
         this.closed(close);
@@ -232,10 +251,19 @@ class Utterance {
     }
     this.finalAt = performance.now();
     this.ws.send(JSON.stringify({ type: "input_audio_buffer.commit", final: true }));
-    setStatus("Finishing the transcript…");
+    setStatus(FINISHING_TEXT);
+    this.finalTimer = setTimeout(() => this.giveUp(FINAL_LATE_TEXT), FINAL_WAIT_MS);
+  }
+
+  // Ends without transcription.done: the transcript keeps the text that came, and the status says why.
+  giveUp(reason) {
+    if (this.ended) return;
+    this.warning = this.warning ? `${this.warning} ${reason}` : reason;
+    this.end(null);
   }
 
   end(error) {
+    clearTimeout(this.finalTimer);
     this.ended = true;
     this.paragraph.classList.remove("partial");
     if (!this.text) this.paragraph.remove();
@@ -305,21 +333,28 @@ function showLevel(peak) {
   ui.level.style.width = `${Math.max(0, Math.min(100, ((db + 60) / 60) * 100))}%`;
 }
 
-// -- audio: one context for capture and playback, created on the first click (autoplay rules) ----------
+// -- audio: one context for capture and playback, created on first use ------------------------------------
 // `capture`: the microphone's worklet is loaded too. Files do without it, so they stream even where the
-// browser has no AudioWorklet (pages that are neither https nor localhost).
+// browser has no AudioWorklet (pages that are neither https nor localhost). A failure throws an Error in words
+// for the status line.
+// Autoplay rules let a context run only once the page has had a click or a key press. Start is a click, and the
+// microphone needs the context running (its worklet runs only then), so it waits for resume(). A file may come
+// before any (dropped on a fresh page): resume() would then wait for ever (its promise settles once the context
+// may start), so a file does not wait: it streams all the same, and its playback, there for the listener only,
+// stays silent.
 async function ensureAudio(capture) {
-  if (audioContext === null) audioContext = new AudioContext();
-  if (capture && !captureLoaded) {
-    await audioContext.audioWorklet.addModule("/static/pcm16-worklet.js");
-    captureLoaded = true; // only once loaded: a failed load is tried again on the next Start
+  try {
+    if (audioContext === null) audioContext = new AudioContext();
+    if (capture && !captureLoaded) {
+      await audioContext.audioWorklet.addModule("/static/pcm16-worklet.js");
+      captureLoaded = true; // only once loaded: a failed load is tried again on the next Start
+    }
+    const resumed = audioContext.resume();
+    if (capture) await resumed;
+  } catch (err) {
+    throw new Error(`The browser's audio could not be set up: ${err && err.message ? err.message : err}`);
   }
-  await audioContext.resume();
   return audioContext;
-}
-
-function audioError(err) {
-  return `The browser's audio could not be set up: ${err && err.message ? err.message : err}`;
 }
 
 function microphoneError(err) {
@@ -384,8 +419,8 @@ async function run(current, label, prepare) {
     else setStatus("Done. Press Start for another utterance, or drop a file.");
   } catch (err) {
     if (!utterance.ended) utterance.end(null);
-    if (err.handshakeFailed && (await keyRefused())) return;
-    setStatus(err.message, err.message === ERROR_TEXT.capacity ? "busy" : "error");
+    const message = err.handshakeFailed ? await handshakeFailure(err.message) : err.message;
+    if (message !== null) setStatus(message, message === ERROR_TEXT.capacity ? "busy" : "error");
   }
 }
 
@@ -395,13 +430,7 @@ ui.start.addEventListener("click", () => startSession(async (current) => {
       "over https, or through an SSH tunnel to localhost.", "error");
     return;
   }
-  let context;
-  try {
-    context = await ensureAudio(true);
-  } catch (err) {
-    setStatus(audioError(err), "error");
-    return;
-  }
+  const context = await ensureAudio(true); // a failure is startSession's to show
   let stream;
   try {
     stream = await navigator.mediaDevices.getUserMedia({
@@ -448,21 +477,20 @@ ui.start.addEventListener("click", () => startSession(async (current) => {
 ui.stop.addEventListener("click", () => {
   if (session === null) return;
   session.stopRequested = true; // honoured once the socket is open, when Stop comes before the audio
-  if (session.stop) {
+  const utterance = session.utterance;
+  if (utterance && utterance.finalSent) {
+    // Stop while the final transcript is pending (a second press, or after a file's end): the user would rather
+    // end now than wait for the last words.
+    utterance.giveUp(FINAL_STOPPED_TEXT);
+  } else if (session.stop) {
     session.stop();
-    session.utterance.finish();
+    utterance.finish();
   }
 });
 
 // -- a file, streamed at real time --------------------------------------------------------------------
 const streamFile = (file) => startSession(async (current) => {
-  let context;
-  try {
-    context = await ensureAudio(false);
-  } catch (err) {
-    setStatus(audioError(err), "error");
-    return;
-  }
+  const context = await ensureAudio(false); // a failure is startSession's to show
   let decoded;
   try {
     decoded = await context.decodeAudioData(await file.arrayBuffer());
@@ -485,7 +513,7 @@ const streamFile = (file) => startSession(async (current) => {
     let stopped = false;
     const streaming = `Streaming ${file.name} (${decoded.duration.toFixed(1)} s) at real time…`;
     setStatus(streaming, "live");
-    const started = performance.now();
+    let started = performance.now(); // the file's clock: when its first sample played, less the pauses
     player.start();
     (async () => {
       for (let begin = 0; begin < pcm.length && !stopped; begin += CHUNK) {
@@ -494,10 +522,16 @@ const streamFile = (file) => startSession(async (current) => {
         const wait = started + (end / SAMPLE_RATE) * 1000 - performance.now();
         if (wait > 0) await sleep(wait);
         if (utterance.backlogged()) {
-          // A file can wait for a slow network (polled: a WebSocket has no drain event); the chunks behind
-          // then leave as fast as it takes them.
+          // A file can wait for a slow network (polled: a WebSocket has no drain event). Its playback waits
+          // too, as a media player's does while it buffers, and the file's clock stops: what the user hears
+          // stays what the server has got, and the audio goes on at real time, as it played, afterwards.
+          // Suspending the context pauses the player in place (nothing else plays in a file's session).
+          const paused = performance.now();
+          context.suspend();
           setStatus(`Waiting for the network to take the audio sent so far (${file.name})…`, "warning");
           while (utterance.backlogged() && !stopped && !utterance.ended) await sleep(50);
+          context.resume(); // not awaited: see ensureAudio
+          started += performance.now() - paused;
           if (!stopped && !utterance.ended) setStatus(streaming, "live");
         }
         if (stopped) break;
