@@ -1,14 +1,28 @@
-"""Test configuration: CPU only, float32 matmuls, 4 fake CPU devices for sharding tests."""
+"""Test configuration: CPU only, float32 matmuls, 4 fake CPU devices for sharding tests, and one XLA
+compilation cache for the whole run."""
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    # Most test modules build their own tiny engine, and every new engine compiles the same programs again
+    # (JAX's in-memory cache is per jitted function object). On disk, a program compiled once is loaded by
+    # every later engine, in this process, in the other xdist worker (workers start after this module is
+    # imported in the controller and inherit the variable) and in the CLI subprocesses tests start. A fresh
+    # folder per run keeps runs independent; the process that made it removes it.
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxstream-tests-xla-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "float32")
+# JAX keeps only programs that took a second to compile; the tiny engines' take less, and there are many.
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 @pytest.fixture
