@@ -14,6 +14,7 @@ from pathlib import Path
 from aiohttp import web
 
 from jaxstream.errors import UserError
+from jaxstream.serving.http_errors import error_response
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +86,10 @@ def auth_middleware(keys: tuple[str, ...], open_paths=OPEN_PATHS):
         if keys and request.path not in open_paths and not is_authorized(request, keys):
             logger.info("refused %s %s from %s: missing or wrong API key", request.method, request.path,
                         request.remote)
-            return web.json_response(
-                {"error": {"message": "Missing or invalid API key", "type": "authentication_error", "param": None,
-                           "code": "invalid_api_key"}},
-                status=401, headers={"WWW-Authenticate": "Bearer"})
+            # OpenAI's own answer to a bad key: 401, code invalid_api_key, type invalid_request_error.
+            response = error_response(401, "invalid_api_key", "Missing or invalid API key")
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
         return await handler(request)
 
     return check_api_key

@@ -112,8 +112,11 @@ def error_payload(message: str, code: str) -> dict:
 
 def close_with_error(log: EventLog | None, code: str, message: str, metrics) -> None:
     """The end of a stream that failed: counts the error (`metrics`: the server's ServerMetrics) and, when the
-    stream has a log, ends it with the `error` event and `[DONE]` (a log already closed drops both: its client
-    has had its end)."""
+    stream has a log, ends it with the `error` event and `[DONE]`. A log already closed has had its end (an
+    error counted then, or its client gone): nothing more is sent or counted, so the engine's refusal of a
+    session that `EngineInput.fail` aborted is not a second error."""
+    if log is not None and log.closed:
+        return
     metrics.errors.labels(code=code).inc()
     if log is not None:
         log.append(error_payload(message, code))

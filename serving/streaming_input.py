@@ -156,7 +156,7 @@ class EngineInput(abc.ABC):
         """Ends the output with an `error` event and aborts the engine session. The event's type is its code's
         (http_errors.error_type), whatever the modality: a bad chunk or payload is the client's
         `invalid_request_error`, a shutdown or an internal failure the server's `server_error`."""
-        if self.log is not None and not self.log.closed:
+        if self.log is not None:
             # Counted as every error event sent (the pumps' own, a WebSocket's at its breach): a stream's end at
             # max_session_seconds, a drain's or a bad chunk's went out uncounted. The stream's last event: output
             # the engine session still holds queued does not follow it.

@@ -254,6 +254,19 @@ async def test_an_error_is_the_last_event_of_a_failed_stream():
     assert registry.get_sample_value("jaxstream_errors_total", {"code": "server_shutdown"}) is None
 
 
+def test_a_failure_after_the_stream_ended_is_not_counted_again():
+    """The pumps end a stream whose engine session failed with `sse.close_with_error`, as `EngineInput.fail` ends
+    one it closes. A stream `fail` already ended (and whose engine session it aborted) has had its error: the
+    pump's failure that follows is neither sent nor counted (it was counted, a second error for one stream)."""
+    metrics, log = ServerMetrics(), sse.EventLog()
+    sse.close_with_error(log, "session_closed", "The session was closed", metrics)
+    sse.close_with_error(log, "aborted", "The session was aborted", metrics)
+    assert [data["error"]["code"] if isinstance(data, dict) else data for _, data in log.after(0)] == [
+        "session_closed", sse.DONE]
+    assert metrics.registry.get_sample_value("jaxstream_errors_total", {"code": "session_closed"}) == 1
+    assert metrics.registry.get_sample_value("jaxstream_errors_total", {"code": "aborted"}) is None
+
+
 async def test_wrong_keys_share_their_address_budget(engine):
     """/ws checks the key after the upgrade, so its handshakes with wrong keys reach the per-key request
     limit: they count against the client's address, not a fresh identity per key (10 of 10 random keys

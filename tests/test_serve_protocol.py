@@ -589,7 +589,10 @@ async def test_a_wrong_subprotocol_key_is_refused_at_the_handshake(keyed_server,
 async def test_api_paths_need_the_key_and_health_does_not(keyed_server):
     async with aiohttp.ClientSession() as http:
         async with http.get(keyed_server.url("/v1/models", "http")) as response:
-            assert response.status == 401 and (await response.json())["error"]["code"] == "invalid_api_key"
+            # OpenAI's answer to a bad key (it typed it authentication_error, a type OpenAI's API does not send).
+            assert response.status == 401 and response.headers["WWW-Authenticate"] == "Bearer"
+            error = (await response.json())["error"]
+            assert (error["code"], error["type"]) == ("invalid_api_key", "invalid_request_error"), error
         async with http.get(keyed_server.url("/v1/models", "http"), headers={"Authorization": "Bearer k-1"}) as r:
             assert r.status == 200
         for path in ("/health", "/healthz", "/ping", "/metrics"):
