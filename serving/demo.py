@@ -7,7 +7,10 @@ streams, with a delay selector, a level meter and latency figures. When the serv
 asks for it and sends it as a Bearer header to `/v1/models`, and to `/v1/realtime` as the WebSocket subprotocol
 `openai-insecure-api-key.<key>` next to `vllm-realtime` (browsers cannot set other WebSocket headers; a URL's
 `?api_key=` would land in access logs and proxies). The audio leaves at real time; what the network cannot take
-waits in the socket (`bufferedAmount`) up to about 2 s: a file then waits, the microphone stops and says why.
+waits in the socket (`bufferedAmount`) up to about 2 s: a file then waits, its playback paused with it (the listener
+hears what the server has got), and the microphone stops and says why. After Stop the page waits at most 5 s for the
+final transcript (a second Stop ends at once), then keeps the text that came and says its last words may be missing.
+The page's sentences, one for every error code the server sends on `/v1/realtime`, are in `static/messages.js`.
 
 The page and its assets hold no secret, so they are served without a key: `PUBLIC_PATHS` lists them for the
 auth middleware. The delays the selector offers come from `jaxstream.models.audio`, their one owner.
@@ -19,7 +22,7 @@ from aiohttp import web
 from jaxstream.models.audio import ALLOWED_DELAYS_MS
 
 STATIC_DIR = Path(__file__).parent / "static"
-ASSETS = ("app.js", "pcm16-worklet.js", "style.css")
+ASSETS = ("app.js", "messages.js", "pcm16-worklet.js", "style.css")
 PUBLIC_PATHS = frozenset({"/"} | {f"/static/{name}" for name in ASSETS})
 
 # The page only talks to its own origin; a strict policy keeps an injected script from sending the API key

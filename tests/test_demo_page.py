@@ -299,15 +299,28 @@ def test_a_first_visit_streams_a_file_before_any_click_and_explains_a_denied_mic
                                                                                            tmp_path):
     """A first visit, as browsers treat one: no audio plays before a click on the page, and the microphone is
     refused. A file given before any click (a drop is no click; nor is the driver setting the file input) streams
-    all the same: the page used to wait for ever for its playback to be allowed. Then Start, refused, explains."""
+    all the same: the page used to wait for ever for its playback to be allowed. The page says that its playback is
+    silent until a click (it said nothing), and a click then starts the playback where the file has got to (it
+    started at the file's beginning, behind what was sent). Then Start, refused, explains."""
     with chromium(tmp_path / "profile", "deny", autoplay=False) as browser:
         browser.get(server.url("/", scheme="http"))
         browser.execute_script("sessionStorage.setItem('jaxstream-api-key', arguments[0])", API_KEY)  # no click
         open_page(browser, server.url("/", scheme="http"))
         assert not browser.execute_script("return navigator.userActivation.hasBeenActive")
         spy_on_sockets(browser)
+        browser.execute_script(HEARD_AHEAD)
         browser.find_element("id", "file").send_keys(str(speech_wav))
-        wait_for(browser, lambda: appends_sent(browser) >= 3, timeout=30)
+        wait_for(browser, lambda: "silent until the page has been clicked" in text_of(browser, "status"), timeout=30)
+        assert "Streaming speech.wav" in text_of(browser, "status")
+        wait_for(browser, lambda: appends_sent(browser) >= 15, timeout=30)  # 1.2 s of the file went unheard
+        browser.find_element("id", "transcript").click()  # a click on the page, on no control
+        wait_for(browser, lambda: "silent" not in text_of(browser, "status"), timeout=10)
+        assert "Streaming speech.wav" in text_of(browser, "status")
+        heard = len(browser.execute_script("return window.__heardAhead"))
+        wait_for(browser, lambda: len(browser.execute_script("return window.__heardAhead")) >= heard + 3, timeout=10)
+        # Each chunk sent after the click was heard within a fraction of a second of its sending.
+        ahead = browser.execute_script("return window.__heardAhead")
+        assert max(abs(seconds) for seconds in ahead) < 0.5, ahead
         browser.find_element("id", "stop").click()
         wait_for(browser, lambda: idle(browser))
         assert "Done" in text_of(browser, "status")
@@ -333,6 +346,72 @@ def test_a_busy_server_is_explained(browser, engine):
             busy.call(holder.close())
     finally:
         busy.close()
+
+
+def realtime_error_codes() -> set[str]:
+    """Every error code a /v1/realtime connection in vLLM's protocol can carry, found in the server's source as
+    tests/test_serve_error_types.py finds every route's: the protocol's errors (`ProtocolError(code, ...)` and
+    `self._error(code, ...)` in serving/vllm_realtime.py), the ends of a connection (`Breach(outcome, close_code,
+    error_code, ...)` in the modules every WebSocket runs through: app.py's refusals and drain, websocket.py,
+    limits.py) and the engine's errors (each EngineError class's `code`), which the protocol passes on."""
+    import ast
+
+    import jaxstream.serving
+    from jaxstream.errors import EngineError
+
+    def strings(node) -> set[str]:  # a literal, or either branch of `a if c else b`
+        if isinstance(node, ast.IfExp):
+            return strings(node.body) | strings(node.orelse)
+        return {node.value} if isinstance(node, ast.Constant) and isinstance(node.value, str) else set()
+
+    source = Path(jaxstream.serving.__file__).parent
+    code_argument = {"vllm_realtime.py": {"ProtocolError": 0, "_error": 0, "Breach": 2},
+                     "app.py": {"Breach": 2}, "websocket.py": {"Breach": 2}, "limits.py": {"Breach": 2}}
+    codes = set()
+    for module, positions in code_argument.items():
+        for node in ast.walk(ast.parse((source / module).read_text())):
+            if isinstance(node, ast.Call):
+                name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+                if name in positions and len(node.args) > positions[name]:
+                    codes |= strings(node.args[positions[name]])
+    classes = [EngineError]
+    while classes:
+        error = classes.pop()
+        codes.add(error.code)
+        classes += error.__subclasses__()
+    return codes
+
+
+def test_every_error_code_of_the_realtime_route_has_plain_words(browser, server):
+    """The page showed a code it had no words for raw: "Server error server_shutdown: The server shut down before
+    the transcription finished". Every code the server can send on /v1/realtime now has words (ERROR_TEXT)."""
+    codes = realtime_error_codes()
+    assert {"server_shutdown", "capacity", "idle_timeout", "generation_in_progress", "backlog"} <= codes, codes
+    browser.get(server.url("/", scheme="http"))
+    words = browser.execute_script("return ERROR_TEXT")
+    assert sorted(codes - words.keys()) == []
+    for code in codes:
+        assert words[code].endswith((".", ")")) and "_" not in words[code], (code, words[code])
+
+
+def test_a_server_shutdown_mid_utterance_is_explained(browser, engine):
+    """A graceful shutdown (SIGTERM: app.drain) whose deadline cuts an utterance off: the server sends the error
+    `server_shutdown`, then closes with 1001. The page showed the raw code; it now says it in words."""
+    from jaxstream.serving.app import drain
+
+    stopping = ServerThread(engine, ServerConfig())
+    try:
+        open_page(browser, stopping.url("/", scheme="http"))
+        browser.find_element("id", "start").click()
+        wait_for(browser, lambda: any(conn.protocol.busy() for conn in list(stopping.state.connections)))
+        assert not stopping.call(drain(stopping.app, timeout=0))  # False: an utterance was cut off
+        wait_for(browser, lambda: idle(browser))
+        status = text_of(browser, "status")
+        assert status == browser.execute_script("return ERROR_TEXT.server_shutdown"), status
+        assert "shut down" in status and "server_shutdown" not in status
+        assert "error" in browser.find_element("id", "status").get_attribute("class")
+    finally:
+        stopping.close()
 
 
 # The page's WebSocket, wrapped: every socket opened (window.__sockets), every event type sent (window.__sent)
@@ -423,6 +502,33 @@ def test_stop_while_connecting_starts_no_session(browser, server):
     assert "input_audio_buffer.append" not in browser.execute_script("return window.__sent")
 
 
+# A microphone whose first 80 ms have not come yet: the capture worklet's messages never reach the page.
+NO_CAPTURE_YET = """
+window.AudioWorkletNode = class extends window.AudioWorkletNode {
+  constructor(...args) {
+    super(...args);
+    Object.defineProperty(this.port, "onmessage", { get: () => null, set: () => {} });
+  }
+};
+"""
+
+
+def test_stop_before_any_audio_is_a_notice_not_an_error(browser, server):
+    """Start, then Stop within the first 80 ms: nothing to transcribe, and nothing went wrong. The page said so in
+    red, as an error; it is a plain notice now. No final commit goes, and the socket closes."""
+    open_page(browser, server.url("/", scheme="http"), key=API_KEY)
+    spy_on_sockets(browser)
+    browser.execute_script(NO_CAPTURE_YET)
+    browser.find_element("id", "start").click()
+    wait_for(browser, lambda: "Listening" in text_of(browser, "status"))
+    browser.find_element("id", "stop").click()
+    wait_for(browser, lambda: idle(browser))
+    assert "No audio was captured" in text_of(browser, "status")
+    assert browser.find_element("id", "status").get_attribute("class") == "status info"
+    assert browser.execute_script("return window.__sent") == ["session.update", "input_audio_buffer.commit"]
+    wait_for(browser, lambda: all_sockets_closed(browser))
+
+
 def listen_then_hold(driver):
     """Start listening; once audio went, hold the server's messages: its transcription.done never comes."""
     spy_on_sockets(driver)
@@ -464,21 +570,23 @@ def test_stop_again_while_finishing_ends_at_once(browser, server):
 
 
 # Per append, the seconds of the file the listener has heard (the playback's audio clock since the page started
-# the player) less the seconds sent (window.__heardAhead).
+# the player, plus the offset into the file it started at) less the seconds sent (window.__heardAhead); nothing
+# before the player starts.
 HEARD_AHEAD = """
 window.__heardAhead = [];
 let player = null, sent = 0;
 const start = AudioBufferSourceNode.prototype.start;
 AudioBufferSourceNode.prototype.start = function (...args) {
-  player = [this.context, this.context.currentTime];
+  // The player, not the OfflineAudioContext's source that resamples the file.
+  if (this.context instanceof AudioContext) player = [this.context, this.context.currentTime - (args[1] || 0)];
   return start.apply(this, args);
 };
 const send = WebSocket.prototype.send;
 WebSocket.prototype.send = function (data) {
   const event = JSON.parse(data);
-  if (event.type === "input_audio_buffer.append" && player) {
+  if (event.type === "input_audio_buffer.append") {
     sent += atob(event.audio).length / 2 / 16000;
-    window.__heardAhead.push(player[0].currentTime - player[1] - sent);
+    if (player) window.__heardAhead.push(player[0].currentTime - player[1] - sent);
   }
   return send.call(this, data);
 };
@@ -552,6 +660,42 @@ def test_a_server_that_goes_away_mid_stream_is_explained(browser, engine):
     browser.find_element("id", "start").click()
     wait_for(browser, lambda: "cannot be reached" in text_of(browser, "status"), timeout=30)
     wait_for(browser, lambda: idle(browser))
+
+
+def test_start_on_a_server_gone_before_the_microphone_was_used_says_it_cannot_be_reached(browser, engine):
+    """The server is gone before the first Start: the capture worklet's module, fetched from the server, fails to
+    load, and the browser's words for it ("Failed to load worklet module script (Network error)") blamed the
+    browser. The page asks /v1/models, which does not answer either, and says the server cannot be reached."""
+    gone = ServerThread(engine, ServerConfig())
+    try:
+        open_page(browser, gone.url("/", scheme="http"))
+    finally:
+        gone.close()
+    browser.find_element("id", "start").click()
+    wait_for(browser, lambda: idle(browser))
+    status = text_of(browser, "status")
+    assert "cannot be reached" in status and "audio could not be set up" not in status, status
+    assert "error" in browser.find_element("id", "status").get_attribute("class")
+
+
+def test_a_page_loaded_while_the_server_is_down_connects_once_it_is_up(browser, server):
+    """The page loads while its server cannot be reached (restarting, say): /v1/models fails as a refused
+    connection does (Chromium blocks it: DevTools' Network.setBlockedURLs). The page says it tries again, and
+    becomes Ready without a reload once the server answers; it said "cannot be reached" for good."""
+    open_page(browser, server.url("/", scheme="http"), key=API_KEY)  # the key, in the tab's sessionStorage
+    browser.execute_cdp_cmd("Network.enable", {})
+    try:
+        browser.execute_cdp_cmd("Network.setBlockedURLs", {"urls": ["*/v1/models"]})
+        browser.get(server.url("/", scheme="http"))
+        wait_for(browser, lambda: "Trying again" in text_of(browser, "status"), timeout=10)
+        assert "cannot be reached" in text_of(browser, "status")
+        assert not browser.find_element("id", "start").is_enabled()
+        browser.execute_cdp_cmd("Network.setBlockedURLs", {"urls": []})  # the server is up
+        wait_for(browser, browser.find_element("id", "start").is_enabled, timeout=10)  # the first retry: 2 s
+        assert "Ready" in text_of(browser, "status")
+    finally:
+        browser.execute_cdp_cmd("Network.setBlockedURLs", {"urls": []})
+        browser.execute_cdp_cmd("Network.disable", {})
 
 
 def test_without_audio_worklet_files_stream_and_start_explains(browser, server, speech_wav):

@@ -3,6 +3,7 @@
 // specs/realtime_protocols.md §1) -> live transcript. One WebSocket per utterance: session.created,
 // session.update{model, transcription_delay_ms}, commit{}, appends every 80 ms, commit{final: true}, then
 // deltas and one transcription.done; the socket is closed after it, or FINAL_WAIT_MS after the final commit.
+// The sentences it shows are in messages.js, loaded first.
 
 const SAMPLE_RATE = 16000;
 const CHUNK = 1280; // 80 ms: what the worklet posts, and the file streamer's step
@@ -27,6 +28,8 @@ const MAX_BUFFERED_BYTES = 2 * SAMPLE_RATE * 2 * (4 / 3);
 // stalled network, or a server that never answers, left the page "Finishing…" until the server's idle timeout
 // (150 s by default).
 const FINAL_WAIT_MS = 5000;
+const FINAL_LATE_TEXT = `The end of the transcript did not come within ${FINAL_WAIT_MS / 1000} s, so the page ` +
+  "stopped waiting: its last words may be missing.";
 
 const $ = (id) => document.getElementById(id);
 const ui = {
@@ -35,31 +38,6 @@ const ui = {
   status: $("status"), transcript: $("transcript"),
   statDelay: $("stat-delay"), statFirst: $("stat-first"), statWord: $("stat-word"), statFinal: $("stat-final"),
   statAudio: $("stat-audio"),
-};
-
-// Server error codes (error events, or the close that follows a refusal) in words a user can act on.
-const ERROR_TEXT = {
-  capacity: "The server is busy: every transcription slot is in use. Try again in a moment.",
-  not_ready: "The model is still loading. Try again in a moment.",
-  draining: "The server is shutting down and takes no new transcription.",
-  server_draining: "The server is shutting down.",
-  engine_dead: "The server's engine has stopped; it needs a restart.",
-  idle_timeout: "The connection was idle for too long and was closed.",
-};
-const KEY_NEEDED = "This server needs an API key: enter it to start.";
-const KEY_REFUSED = "The server refused this API key.";
-const NETWORK_TEXT = "The network could not keep up with the microphone, so listening stopped: the transcript " +
-  "covers the audio sent until then.";
-const UNREACHABLE_TEXT = "The server cannot be reached.";
-const FINISHING_TEXT = "Finishing the transcript… (press Stop to end without waiting for it)";
-const FINAL_LATE_TEXT = `The end of the transcript did not come within ${FINAL_WAIT_MS / 1000} s, so the page ` +
-  "stopped waiting: its last words may be missing.";
-const FINAL_STOPPED_TEXT = "Stopped before the server finished the transcript: its last words may be missing.";
-const CLOSE_TEXT = {
-  1001: ERROR_TEXT.server_draining, 1013: ERROR_TEXT.not_ready, 4000: ERROR_TEXT.idle_timeout,
-  4002: ERROR_TEXT.capacity, 4003: "The connection reached the server's maximum duration.",
-  // No close frame: the server died or the network dropped (the transcript keeps the text that came).
-  1006: "The connection to the server was lost before the transcript was complete.",
 };
 
 let apiKey = sessionStorage.getItem(KEY_STORAGE) || "";
@@ -86,21 +64,49 @@ function setRunning(running) {
 // -- server: the model id (session.update needs it) and the API key ------------------------------------
 const fetchModels = () => fetch("/v1/models", { headers: apiKey ? { Authorization: `Bearer ${apiKey}` } : {} });
 
+// False when the request does not reach the server (refused, reset, no route: fetch rejects), whatever the answer.
+async function serverReachable() {
+  try {
+    await fetchModels();
+    return true;
+  } catch (err) {
+    return false;
+  }
+}
+
+// A server that cannot be reached at start-up (down, restarting) is asked again: every 2 s for the first few tries,
+// as a restart takes, then less often, up to twice a minute, for as long as the page stays open.
+const RETRY_MS = 2000;
+const RETRY_MAX_MS = 30000;
+const RETRY_FAST_TRIES = 5;
+let retryTimer = null;
+let unreachableTries = 0;
+
+function retryConnect(delayMs) {
+  clearTimeout(retryTimer);
+  retryTimer = setTimeout(connectServer, delayMs);
+}
+
 async function connectServer() {
+  clearTimeout(retryTimer); // a key submitted meanwhile connects now; one retry loop at a time
   let response;
   try {
     response = await fetchModels();
   } catch (err) {
-    setStatus(UNREACHABLE_TEXT, "error");
+    const delayMs = Math.min(RETRY_MAX_MS, RETRY_MS * 2 ** Math.max(0, unreachableTries - RETRY_FAST_TRIES));
+    unreachableTries += 1;
+    setStatus(`${UNREACHABLE_TEXT} Trying again in ${delayMs / 1000} s…`, "error");
+    retryConnect(delayMs);
     return;
   }
+  unreachableTries = 0;
   if (response.status === 401) {
     askForKey(apiKey ? KEY_REFUSED : KEY_NEEDED);
     return;
   }
   if (response.status === 503) {
     setStatus(ERROR_TEXT.not_ready);
-    setTimeout(connectServer, 2000);
+    retryConnect(RETRY_MS);
     return;
   }
   if (!response.ok) {
@@ -161,6 +167,7 @@ class Utterance {
     this.finalAt = null;
     this.finalTimer = null; // gives up on transcription.done FINAL_WAIT_MS after the final commit
     this.warning = null; // shown instead of "Done" when the transcript ends, e.g. NETWORK_TEXT
+    this.notice = null; // shown as plain information instead of "Done", e.g. NO_AUDIO_TEXT
     this.ended = false;
     this.onEnded = () => {};
     this.stats = { first: null, word: null, final: null };
@@ -246,7 +253,8 @@ class Utterance {
     if (this.ended || this.finalSent) return;
     this.finalSent = true;
     if (this.samples === 0) {
-      this.end("No audio was captured.");
+      this.notice = NO_AUDIO_TEXT; // Stop came first: no error, the server's utterance is abandoned with the socket
+      this.end(null);
       return;
     }
     this.finalAt = performance.now();
@@ -339,38 +347,30 @@ function showLevel(peak) {
 // for the status line.
 // Autoplay rules let a context run only once the page has had a click or a key press. Start is a click, and the
 // microphone needs the context running (its worklet runs only then), so it waits for resume(). A file may come
-// before any (dropped on a fresh page): resume() would then wait for ever (its promise settles once the context
-// may start), so a file does not wait: it streams all the same, and its playback, there for the listener only,
-// stays silent.
+// before any (dropped on a fresh page): resume() would then wait for ever (its promise settles once resume() is
+// called after a click), so a file does not wait: it streams all the same, and its playback, there for the listener
+// only, stays silent until the page's first click (streamFile says so, and resumes the context then).
 async function ensureAudio(capture) {
+  let loading = false; // the failure, if any, is the worklet module's load
   try {
     if (audioContext === null) audioContext = new AudioContext();
     if (capture && !captureLoaded) {
-      await audioContext.audioWorklet.addModule("/static/pcm16-worklet.js");
+      // Throws at once where the browser has no AudioWorklet (neither https nor localhost): not a load failure.
+      const load = audioContext.audioWorklet.addModule("/static/pcm16-worklet.js");
+      loading = true;
+      await load;
+      loading = false;
       captureLoaded = true; // only once loaded: a failed load is tried again on the next Start
     }
     const resumed = audioContext.resume();
     if (capture) await resumed;
   } catch (err) {
+    // The module comes from the server: when the server is gone, the browser's words ("Failed to load worklet module
+    // script (Network error)") blame the browser. /v1/models tells which.
+    if (loading && !(await serverReachable())) throw new Error(UNREACHABLE_TEXT);
     throw new Error(`The browser's audio could not be set up: ${err && err.message ? err.message : err}`);
   }
   return audioContext;
-}
-
-function microphoneError(err) {
-  switch (err && err.name) {
-    case "NotAllowedError":
-    case "SecurityError":
-      return "Microphone access was denied. Allow the microphone for this site (the icon at the left of " +
-        "the address bar) and press Start again.";
-    case "NotFoundError":
-    case "OverconstrainedError":
-      return "No microphone was found. Connect one and press Start again.";
-    case "NotReadableError":
-      return "The microphone is in use by another application or cannot be opened.";
-    default:
-      return `The microphone could not be opened: ${err && err.message ? err.message : err}`;
-  }
 }
 
 // Runs work(current) as the session, unless one runs already. The session is taken before anything is
@@ -390,8 +390,6 @@ async function startSession(work) {
     setRunning(false);
   }
 }
-
-const STOPPED_TEXT = "Stopped before any audio was sent.";
 
 async function run(current, label, prepare) {
   // prepare(utterance) starts the audio source and returns its stop function; the utterance sends audio.
@@ -416,6 +414,7 @@ async function run(current, label, prepare) {
     current.stop();
     if (error) setStatus(error, error === ERROR_TEXT.capacity ? "busy" : "error");
     else if (utterance.warning) setStatus(utterance.warning, "warning");
+    else if (utterance.notice) setStatus(utterance.notice);
     else setStatus("Done. Press Start for another utterance, or drop a file.");
   } catch (err) {
     if (!utterance.ended) utterance.end(null);
@@ -511,10 +510,37 @@ const streamFile = (file) => startSession(async (current) => {
     player.buffer = decoded;
     player.connect(context.destination);
     let stopped = false;
-    const streaming = `Streaming ${file.name} (${decoded.duration.toFixed(1)} s) at real time…`;
-    setStatus(streaming, "live");
-    let started = performance.now(); // the file's clock: when its first sample played, less the pauses
-    player.start();
+    let pausedAt = null; // while the network holds the audio back: when the wait began (the status says so)
+    let started = performance.now(); // the file's clock: when its first sample was due to play, less the pauses
+    const fileSeconds = () => ((pausedAt === null ? performance.now() : pausedAt) - started) / 1000;
+    // Whether the listener hears the file: not before the browser lets the context run (SILENT_PLAYBACK_TEXT).
+    let audible = context.state === "running";
+    const showStreaming = () => {
+      if (stopped || utterance.ended || pausedAt !== null) return;
+      const streaming = `Streaming ${file.name} (${decoded.duration.toFixed(1)} s) at real time…`;
+      setStatus(audible ? streaming : `${streaming} ${SILENT_PLAYBACK_TEXT}`, "live");
+    };
+    if (audible) {
+      player.start();
+    } else {
+      // The context may run once the page has had a click or a key press, but it runs only when resume() is
+      // called after that (Chromium settles a resume() from before then, not at the click): each click or key
+      // press calls it until the context runs (Escape, say, is no activation).
+      const gestures = ["click", "keydown"];
+      const resumeOnGesture = () => context.resume();
+      gestures.forEach((type) => window.addEventListener(type, resumeOnGesture, true));
+      // The playback then starts where the file's clock is, in step with what was sent, not at the file's
+      // beginning, behind it.
+      context.resume().then(() => {
+        gestures.forEach((type) => window.removeEventListener(type, resumeOnGesture, true));
+        audible = true;
+        if (stopped || utterance.ended || fileSeconds() >= decoded.duration) return;
+        player.start(0, fileSeconds());
+        if (pausedAt !== null) context.suspend(); // the click came while the network holds the audio back
+        showStreaming();
+      });
+    }
+    showStreaming();
     (async () => {
       for (let begin = 0; begin < pcm.length && !stopped; begin += CHUNK) {
         const end = Math.min(begin + CHUNK, pcm.length);
@@ -526,13 +552,14 @@ const streamFile = (file) => startSession(async (current) => {
           // too, as a media player's does while it buffers, and the file's clock stops: what the user hears
           // stays what the server has got, and the audio goes on at real time, as it played, afterwards.
           // Suspending the context pauses the player in place (nothing else plays in a file's session).
-          const paused = performance.now();
+          pausedAt = performance.now();
           context.suspend();
           setStatus(`Waiting for the network to take the audio sent so far (${file.name})…`, "warning");
           while (utterance.backlogged() && !stopped && !utterance.ended) await sleep(50);
           context.resume(); // not awaited: see ensureAudio
-          started += performance.now() - paused;
-          if (!stopped && !utterance.ended) setStatus(streaming, "live");
+          started += performance.now() - pausedAt;
+          pausedAt = null;
+          showStreaming();
         }
         if (stopped) break;
         const chunk = new Int16Array(end - begin);

@@ -1,0 +1,74 @@
+"use strict";
+// The demo page's words (app.js shows them): every sentence for an error, a refusal or an ending, in words a user can
+// act on. A classic script loaded before app.js: its constants are app.js's globals.
+
+const MAX_DURATION_TEXT = "The connection reached the server's maximum duration."; // its error code and close code
+// Codes that answer events this page never sends as it is: the page and the server disagree, most likely because the
+// server was upgraded under an open page (or a proxy changed the frames).
+const MISMATCH_TEXT = "The server did not accept what this page sent: reload the page (the server may have been " +
+  "upgraded since the page was loaded).";
+// Every error code the server sends on /v1/realtime (error events, or the close that follows a refusal), in words a
+// user can act on. tests/test_demo_page.py finds the codes in the server's source and checks that each is here; a
+// code this page does not know (a newer server's) shows as `Server error <code>: <the server's message>`.
+const ERROR_TEXT = {
+  // The server: busy, loading, shutting down, failing.
+  capacity: "The server is busy: every transcription slot is in use. Try again in a moment.",
+  backlog: "The server fell too far behind the audio and stopped this transcription. Try again in a moment.",
+  not_ready: "The model is still loading. Try again in a moment.",
+  draining: "The server is shutting down and takes no new transcription.",
+  server_draining: "The server is shutting down.", // no code the server sends: CLOSE_TEXT's words for a 1001
+  server_shutdown: "The server shut down before the transcription finished: the transcript keeps the text that came.",
+  engine_dead: "The server's engine has stopped; it needs a restart.",
+  engine_error: "The server's engine failed on this transcription. Try again; the server's log says why.",
+  processing_error: "The server failed on this transcription. Try again; the server's log says why.",
+  session_closed: "The server ended this transcription before it was complete.",
+  // The connection's limits.
+  idle_timeout: "The connection was idle for too long and was closed.",
+  max_duration_exceeded: MAX_DURATION_TEXT,
+  audio_limit_exceeded: "This utterance reached the server's limit on audio per connection: the transcript covers " +
+    "the audio until then. Press Start to go on.",
+  too_many_errors: "The server closed the connection after too many errors.",
+  // What the page sent.
+  invalid_request: "The server refused this transcription's settings: choose another delay, or the server default.",
+  invalid_audio: "The server could not use the audio this page sent.",
+  model_not_found: "The server now serves another model: reload the page.",
+  invalid_frame: MISMATCH_TEXT, invalid_json: MISMATCH_TEXT, invalid_event: MISMATCH_TEXT,
+  unknown_event: MISMATCH_TEXT, model_not_validated: MISMATCH_TEXT, generation_in_progress: MISMATCH_TEXT,
+  no_active_generation: MISMATCH_TEXT, input_audio_buffer_commit_empty: MISMATCH_TEXT,
+};
+const KEY_NEEDED = "This server needs an API key: enter it to start.";
+const KEY_REFUSED = "The server refused this API key.";
+const NETWORK_TEXT = "The network could not keep up with the microphone, so listening stopped: the transcript " +
+  "covers the audio sent until then.";
+const UNREACHABLE_TEXT = "The server cannot be reached.";
+// Stop before the microphone's first 80 ms (or a file's first chunk) came: nothing to transcribe, nothing wrong.
+const NO_AUDIO_TEXT = "No audio was captured, so there is nothing to transcribe.";
+// Browsers' autoplay rule: a page's audio plays only once the page has had a click or a key press. A file dropped
+// on a fresh page streams all the same (ensureAudio); only the listener's copy is silent.
+const SILENT_PLAYBACK_TEXT = "Its playback stays silent until the page has been clicked (a browser rule); the " +
+  "transcript is unaffected.";
+const FINISHING_TEXT = "Finishing the transcript… (press Stop to end without waiting for it)";
+const FINAL_STOPPED_TEXT = "Stopped before the server finished the transcript: its last words may be missing.";
+const CLOSE_TEXT = {
+  1001: ERROR_TEXT.server_draining, 1013: ERROR_TEXT.not_ready, 4000: ERROR_TEXT.idle_timeout,
+  4002: ERROR_TEXT.capacity, 4003: MAX_DURATION_TEXT,
+  // No close frame: the server died or the network dropped (the transcript keeps the text that came).
+  1006: "The connection to the server was lost before the transcript was complete.",
+};
+const STOPPED_TEXT = "Stopped before any audio was sent.";
+
+function microphoneError(err) {
+  switch (err && err.name) {
+    case "NotAllowedError":
+    case "SecurityError":
+      return "Microphone access was denied. Allow the microphone for this site (the icon at the left of " +
+        "the address bar) and press Start again.";
+    case "NotFoundError":
+    case "OverconstrainedError":
+      return "No microphone was found. Connect one and press Start again.";
+    case "NotReadableError":
+      return "The microphone is in use by another application or cannot be opened.";
+    default:
+      return `The microphone could not be opened: ${err && err.message ? err.message : err}`;
+  }
+}
