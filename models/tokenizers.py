@@ -315,6 +315,9 @@ class HFTokenizer(Tokenizer):
         return HFStreamDecoder(self._tokenizer, self._checked)
 
 
+_INVALID_PREFIX = "Invalid prefix encountered"  # tokenizers' DecodeStream error (its message is its only type)
+
+
 class HFStreamDecoder:
     """`StreamDecoder` for an `HFTokenizer`: the library's `DecodeStream`, which holds back a character
     whose bytes are incomplete; the deltas plus `flush()` concatenate to `HFTokenizer.decode(ids)`."""
@@ -327,8 +330,9 @@ class HFStreamDecoder:
         self._stream = DecodeStream(skip_special_tokens=True)
         self._prompt: list[int] = []  # the prompt tail the stream was primed with
         self._prompt_text = ""
-        self._ids: list[int] = []
+        self._ids: list[int] = []  # pushed since the stream started
         self._parts: list[str] = []
+        self._text_before = 0  # characters of `text` from a stream that broke (`push`)
 
     @property
     def text(self) -> str:
@@ -352,7 +356,20 @@ class HFStreamDecoder:
     def push(self, token_id: int) -> str:
         token_id = self._checked(token_id)
         self._ids.append(token_id)
-        delta = self._stream.step(self._tokenizer, token_id) or ""
+        try:
+            delta = self._stream.step(self._tokenizer, token_id) or ""
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception
+            if not str(exc).startswith(_INVALID_PREFIX):
+                raise
+            # DecodeStream breaks on byte-fallback bytes that do not form UTF-8 in order (a character's lead byte,
+            # then text): its text stops being a prefix of the next. vLLM (FastIncrementalDetokenizer's
+            # `_protected_step`) starts a fresh stream at that token rather than fail the request; so do we.
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=True)
+            # The fresh stream decodes from this token on, unprimed: `flush` compares it with that decode.
+            self._prompt, self._prompt_text, self._ids, self._text_before = [], "", [token_id], len(self.text)
+            delta = self._stream.step(self._tokenizer, token_id) or ""
         if delta:
             self._parts.append(delta)
         return delta
@@ -364,7 +381,7 @@ class HFStreamDecoder:
         """End of the token stream: what `decode` gives beyond the text so far (an incomplete character
         that DecodeStream held back, as U+FFFD)."""
         full = self._tokenizer.decode(self._prompt + self._ids, skip_special_tokens=True)
-        delta = full[len(self._prompt_text) + len(self.text):]
+        delta = full[len(self._prompt_text) + len(self.text) - self._text_before:]
         if delta:
             self._parts.append(delta)
         return delta

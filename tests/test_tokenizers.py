@@ -325,6 +325,21 @@ def test_tokenizer_json_metaspace_text_continues_the_prompt(tmp_path):
     check_text_continues_the_prompt(tokenizer, [259] * 30 + chars + [261, 262])
 
 
+def test_tokenizer_json_stream_survives_bytes_out_of_utf8_order(tmp_path):
+    """Byte-fallback output whose bytes are not UTF-8 in order (a character's lead byte, then a word) broke
+    tokenizers' DecodeStream ("Invalid prefix encountered"), and the engine failed the request. vLLM starts a
+    fresh stream at that token (FastIncrementalDetokenizer._protected_step); so does HFStreamDecoder: later tokens'
+    text still comes (the fresh stream's first word without its space, as vLLM's), and `flush` adds only what the
+    fresh stream holds back."""
+    metaspace_tokenizer_json(tmp_path / "tokenizer.json")
+    tokenizer = HFTokenizer(tmp_path / "tokenizer.json", bos_id=1, eos_id=2)
+    x, lead = 3 + ord("x"), 3 + 0xC3
+    decoder = tokenizer.stream_decoder()
+    decoder.prime([1, 259])
+    assert [decoder.push(token) for token in (x, lead, 261, 262, lead)] == ["x", "", "the", " fox", ""]
+    assert decoder.flush() == "\ufffd" and decoder.text == "xthe fox\ufffd"
+
+
 def test_tokenizer_json_byte_level_text_continues_the_prompt(hf_tokenizer_dir):
     tokenizer = load_tokenizer(hf_tokenizer_dir)
     for text in UTF8_TEXTS:
