@@ -56,6 +56,7 @@ class TextSession(SessionBase):
         self.cumulative_logprob = 0.0
         self.detokenizer = detokenizer
         self.stop_text: StopStringText | None = None  # the output text of a one-shot request with stop strings
+        self.stop_token_ids: frozenset[int] = frozenset()  # the chunk's
 
     @property
     def num_tokens(self) -> int:
@@ -185,6 +186,8 @@ class TextScheduler(Residency):
         session.chunk_prompts += update.prompt_ids
         session.params = update.params
         session.stop_text = StopStringText(update.params) if update.params.stop else None
+        # A set: looked up at every token on the engine thread, for a list as long as the request made it.
+        session.stop_token_ids = frozenset(update.params.stop_token_ids or ())
         session.max_tokens = update.params.max_tokens or max(1, self.max_model_len - len(update.prompt_ids))
         session.seed = self._seed(update.params)
         self.touch(session)
@@ -404,7 +407,7 @@ class TextScheduler(Residency):
         last = session.outputs[-1]
         if not session.params.ignore_eos and last in self.eos_token_ids:
             return "stop", None, False
-        if session.params.stop_token_ids and last in session.params.stop_token_ids:
+        if last in session.stop_token_ids:
             return "stop", last, False
         return None, None, False
 
