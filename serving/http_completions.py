@@ -1,10 +1,11 @@
 """OpenAI's `POST /v1/completions` over a served text LM (specs/realtime_protocols.md §7.1, §8).
 
 A JSON body as OpenAI's SDK sends it: `model`, `prompt` (a string, or token ids; a list of one of either),
-`max_tokens` (default 16, as OpenAI), `temperature`, `top_p`, `seed`, `stop` (a string or a list of them),
-`n` (1), `stream`, `stream_options.include_usage`, and vLLM's `top_k`, `min_tokens`, `ignore_eos`,
-`stop_token_ids`, `include_stop_str_in_output`, `return_token_ids`. `stream: true` answers with SSE
-`text_completion` chunks and `data: [DONE]`; `stream_options` without it is refused, as vLLM refuses it.
+`max_tokens` (default 16, as OpenAI), `temperature`, `top_p`, `seed`, `stop` (a string or a list of up to 64,
+each up to 1,000 characters), `n` (1), `stream`, `stream_options.include_usage`, and vLLM's `top_k`,
+`min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `return_token_ids`. `stream: true`
+answers with SSE `text_completion` chunks and `data: [DONE]`; `stream_options` without it is refused, as vLLM
+refuses it.
 
 A plain request is one engine request (`generate` over its prompt), so stop strings work as in vLLM: the text
 ends before the first one generated (or after it with `include_stop_str_in_output`), the choice says
