@@ -15,14 +15,17 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # imported in the controller and inherit the variable) and in the CLI subprocesses tests start. A fresh
     # folder per run keeps runs independent; the process that made it removes it.
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxstream-tests-xla-")
+    os.environ["JAXSTREAM_TESTS_XLA_CACHE"] = "run"  # this run's own folder (the workers see it too)
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "float32")
-# JAX keeps only programs that took a second to compile; the tiny engines' take less, and there are many.
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+if os.environ.get("JAXSTREAM_TESTS_XLA_CACHE") == "run":
+    # JAX keeps only programs that took a second to compile; the tiny engines' take less, and there are many. (A
+    # cache folder of the developer's own keeps JAX's rule: it outlives the run.)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 @pytest.fixture
