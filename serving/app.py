@@ -303,7 +303,7 @@ async def drain(app: web.Application, timeout: float | None = None) -> bool:
     cut_off = [conn for conn in state.connections if conn.protocol.busy()]
     for conn in list(state.connections):
         conn.stop(Breach("drain_deadline", CLOSE_GOING_AWAY, "server_shutdown",
-                         "The server shut down before the transcription finished")
+                         "The server shut down before the stream finished")
                   if conn in cut_off else state.drain_breach())
     await state.wait_connections_closed(loop.time() + CLOSE_WAIT_S)
     engine_clean = await engine_drain if engine_drain is not None else True
