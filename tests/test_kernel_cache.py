@@ -4,9 +4,18 @@ A library in the cache can be broken for a process that finds it: truncated (a f
 a shared object at all, or built against another C++ runtime on a home shared by hosts. Such a library used
 to be taken as built: it failed to load and every process on that cache fell back to the XLA path for good,
 or (truncated) it killed every process that loaded it with SIGBUS. These tests plant one where the cache
-looks and check that it is rebuilt once, into a fresh file renamed over it, and used. The "compiler" here is a script that copies a library the real compiler built (or writes
-garbage), so that no test compiles more than the session's one kernel.
+looks and check that it is rebuilt once, into a fresh file renamed over it, and used. The "compiler" here is
+a script that copies a library the real compiler built (or writes garbage), so that no test compiles more
+than the session's one kernel.
+
+A truncated library is refused from its ELF program headers before anything maps it, so those tests run in
+this process: where each segment lies comes from binutils' readelf (the oracle), for the real kernel, a
+32-bit library and both in the other byte order. One test still runs the truncated case in child processes,
+where a SIGBUS would fail the test instead of killing the test run.
 """
+import ctypes
+import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -64,11 +73,13 @@ def plant(monkeypatch, tmp_path, compiler, content):
     return library
 
 
-# Loaded in this process by the old code, these failed; a truncated library could kill it (SIGBUS), so that
-# one is planted for the child processes of the last test instead.
+# dlopen reports the first two itself; the truncated ones are refused from their program headers (loaded, they
+# killed the process with SIGBUS).
 PLANTED = {
     "not_a_library": lambda good: b"\x7fELF but not really" * 64,
     "empty": lambda good: b"",
+    "truncated_in_its_program_headers": lambda good: good[:100],
+    "truncated_in_a_segment": lambda good: good[: len(good) // 3],
 }
 
 
@@ -131,3 +142,137 @@ def test_processes_that_find_a_broken_library_rebuild_it_and_run_the_kernel(good
     assert 1 <= len(builds(tmp_path)) <= 2
     assert library.read_bytes() == good_library
     assert sorted(path.name for path in library.parent.iterdir()) == [library.name]
+
+
+def test_a_good_library_loads_where_sys_executable_is_not_an_interpreter(good_library, monkeypatch, tmp_path,
+                                                                         caplog):
+    """A frozen app, uWSGI or an embedding host sets `sys.executable` to its own binary. The load check used to
+    start it as an interpreter: a binary that exits 2 made a good library look broken, rebuilt it, failed the
+    rebuild the same way and sent every start to the XLA path. The library is loaded as it is, no rebuild, and
+    nothing is started."""
+    host = tmp_path / "host-binary"
+    host.write_text(f"#!/bin/sh\necho \"$@\" >> \"{tmp_path / 'host-calls'}\"\nexit 2\n")
+    host.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(host))
+    library = plant(monkeypatch, tmp_path, fake_compiler(tmp_path, b"garbage a rebuild would write"),
+                    good_library)
+    registered = []
+    monkeypatch.setattr(jax.ffi, "register_ffi_target", lambda name, *args, **kwargs: registered.append(name))
+    assert cpu._load_and_register() is None
+    assert registered == [cpu.TARGET]
+    assert builds(tmp_path) == []
+    assert not (tmp_path / "host-calls").exists()
+    assert library.read_bytes() == good_library
+    assert not [record for record in caplog.records if record.levelname == "WARNING"]
+
+
+def readelf(path, *options):
+    return subprocess.run(["readelf", "-W", *options, str(path)], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def loaded_segments(path):
+    """(p_offset, p_filesz) of each PT_LOAD segment, as binutils' readelf reads them."""
+    return [(int(fields[1], 16), int(fields[4], 16)) for fields in map(str.split, readelf(path, "-l").splitlines())
+            if fields[:1] == ["LOAD"]]
+
+
+def program_header_table(path):
+    """(start, end) in the file of the program header table, as readelf reads the ELF header."""
+    numbers = {}
+    for line in readelf(path, "-h").splitlines():
+        name, _, value = line.partition(":")
+        numbers[name.strip()] = value.split()[0] if value.split() else ""
+    start = int(numbers["Start of program headers"])
+    return start, start + int(numbers["Size of program headers"]) * int(numbers["Number of program headers"])
+
+
+def other_byte_order(data):
+    """A little-endian ELF file's bytes in big-endian order: the ELF header and program headers swapped (the
+    section headers dropped, which no loader reads). The tests check readelf reads the same segments in it."""
+    wide = data[4] == 2
+    header, entry = ("HHIQQQIHHHHHH", "IIQQQQQQ") if wide else ("HHIIIIIHHHHHH", "IIIIIIII")
+    fields = list(struct.unpack_from("<" + header, data, 16))
+    fields[5], fields[11], fields[12] = 0, 0, 0  # e_shoff, e_shnum, e_shstrndx: no section headers
+    out = bytearray(data)
+    out[5] = 2  # EI_DATA: big-endian
+    struct.pack_into(">" + header, out, 16, *fields)
+    table, size, count = fields[4], fields[8], fields[9]
+    for index in range(count):
+        struct.pack_into(">" + entry, out, table + index * size,
+                         *struct.unpack_from("<" + entry, data, table + index * size))
+    return bytes(out)
+
+
+@pytest.fixture(scope="module")
+def elf_files(good_library, tmp_path_factory):
+    """Real ELF libraries of both classes, in both byte orders, as files: the kernel, a 32-bit library the system
+    C compiler builds (x86's -m32), and both swapped to big-endian."""
+    if not shutil.which("readelf"):
+        pytest.skip("no readelf (binutils) to read the segments with")
+    folder = tmp_path_factory.mktemp("elf")
+    files = {"elf64-lsb": folder / "elf64-lsb.so"}
+    files["elf64-lsb"].write_bytes(good_library)
+    (folder / "tiny.c").write_text("int jaxstream_tiny(int x) { return x + 1; }\n")
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler and subprocess.run([compiler, "-m32", "-shared", "-nostdlib", "-fPIC", str(folder / "tiny.c"), "-o",
+                                    str(folder / "elf32-lsb.so")], capture_output=True).returncode == 0:
+        files["elf32-lsb"] = folder / "elf32-lsb.so"
+    for kind in list(files):
+        swapped = files[kind].with_name(kind.replace("lsb", "msb") + ".so")
+        swapped.write_bytes(other_byte_order(files[kind].read_bytes()))
+        assert loaded_segments(swapped) == loaded_segments(files[kind]) != []
+        assert "big endian" in readelf(swapped, "-h")
+        files[swapped.stem] = swapped
+    return files
+
+
+ELF_KINDS = ["elf64-lsb", "elf64-msb", "elf32-lsb", "elf32-msb"]
+
+
+def elf_file(elf_files, kind):
+    if kind not in elf_files:
+        pytest.skip(f"no {kind} library: the C compiler cannot build for -m32 here")
+    return elf_files[kind]
+
+
+@pytest.mark.parametrize("kind", ELF_KINDS)
+def test_a_truncated_library_is_refused_before_it_is_loaded(kind, elf_files, monkeypatch, tmp_path):
+    """Cut inside e_ident, the ELF header, the program header table, and at the start, middle and last byte of
+    every segment the loader maps (readelf's offsets): OSError, and dlopen is never called on it."""
+    path = elf_file(elf_files, kind)
+    whole = path.read_bytes()
+    table_start, table_end = program_header_table(path)
+    cuts = {0, 3, 10, 30, table_start + 1, table_end - 1}
+    for offset, size in loaded_segments(path):
+        if size:
+            cuts |= {offset + 1, offset + size // 2, offset + size - 1}
+    loaded = []
+
+    def dlopen(name, *args, **kwargs):
+        loaded.append(name)
+        pytest.fail(f"{name} was loaded")
+
+    monkeypatch.setattr(ctypes, "CDLL", dlopen)
+    for cut in sorted(cuts):
+        library = tmp_path / f"cut-{cut}.so"
+        library.write_bytes(whole[:cut])
+        with pytest.raises(OSError, match="truncated|not an ELF file"):
+            cpu._open(library)
+    assert loaded == []
+
+
+@pytest.mark.parametrize("kind", ELF_KINDS)
+def test_a_library_whose_segments_lie_within_it_passes_the_check(kind, elf_files, tmp_path):
+    """The check is no stricter than the loader: the whole file, and the file cut right after the end of its
+    last segment (nothing the loader maps is missing), pass; the cut kernel still loads and has its symbol."""
+    path = elf_file(elf_files, kind)
+    whole = path.read_bytes()
+    end = max(offset + size for offset, size in loaded_segments(path))
+    assert end < len(whole)  # the section headers and their tables come after the segments
+    library = tmp_path / f"{kind}.so"
+    for content in (whole, whole[:end]):
+        library.write_bytes(content)
+        cpu._check_segments(library)
+    if kind == "elf64-lsb":
+        assert cpu._open(library) is not None

@@ -19,6 +19,14 @@ once, over it. Where there is no compiler or the build fails (or outlasts COMPIL
 `check_supported` gives the reason and the dispatcher falls back to the XLA path. float32 only (the CPU
 engine's dtype); other dtypes take the XLA path.
 
+Before a library is loaded (in this process, with ctypes), its ELF program headers are read (`_check_segments`):
+every PT_LOAD segment must lie within the file. A truncated library's last segments reach past its end; the
+loader maps them anyway and the first touch of a page with no file behind it kills the process with SIGBUS,
+before dlopen can report anything. Everything else dlopen reports itself, as an OSError: not a library, an
+empty file, another C++ runtime, a missing symbol. No child process does the check: `sys.executable` is not
+always an interpreter (a frozen app, uWSGI, an embedding host), and one that fails or hangs would have made
+every good library look broken.
+
 Forward only in C++: gradients come from the XLA path (its backward, after recomputing its forward), so the
 op stays differentiable; training itself takes the XLA path (`jaxstream/training/step.py`).
 """
@@ -30,8 +38,8 @@ import platform
 import shlex
 import shutil
 import signal
+import struct
 import subprocess
-import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -56,9 +64,12 @@ FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno",
 # must not hold the first ring_attention call (an engine's start) forever: the XLA path runs instead.
 COMPILE_TIMEOUT = 300
 VERSION_TIMEOUT = 30
-LOAD_TIMEOUT = 30
-# Run by a child interpreter on a library before this process loads it (`_open`).
-_LOAD_CHECK = "import ctypes, sys; getattr(ctypes.CDLL(sys.argv[1]), sys.argv[2])"
+# What `_check_segments` reads, per ELF class (e_ident[4]: 1 ELF32, 2 ELF64): the header after e_ident (its
+# 5th field e_phoff, its 9th and 10th e_phentsize and e_phnum), one program header, and the fields of
+# p_offset and p_filesz in it.
+_ELF_LAYOUTS = {1: ("HHIIIIIHHHHHH", "IIIIIIII", 1, 4), 2: ("HHIQQQIHHHHHH", "IIQQQQQQ", 2, 5)}
+_PT_LOAD = 1
+_PN_XNUM = 0xFFFF  # e_phnum's escape to a count in the first section header; no shared library needs it
 _logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _registration = {}  # "reason": None once registered, else why the kernel cannot run here
@@ -169,31 +180,47 @@ def _build(compiler, include, library):
 def _open(library):
     """The kernel's entry point in `library`, or OSError saying why it does not load.
 
-    The library is loaded in a child process first (the same interpreter, environment and C++ runtime): a
-    truncated one can kill the loader (its segments map past the end of the file, SIGBUS at the first touch),
-    which must cost a rebuild, not this process."""
+    Loaded in this process, once its segments are known to lie within the file: dlopen reports every other
+    way a library can be broken as an OSError, but not a truncated one (SIGBUS)."""
     import ctypes  # Only where the kernel is asked for.
 
-    if sys.executable:  # An embedding application may have no interpreter to start: then load it directly.
-        _check_loads(library)
+    _check_segments(library)
     try:
         return getattr(ctypes.CDLL(str(library)), SYMBOL)
-    except AttributeError:  # The check found the symbol: only a file replaced meanwhile could lack it.
+    except AttributeError:  # It loads but lacks the kernel: as unusable, and worth the same rebuild.
         raise OSError(f"{library.name} has no {SYMBOL}") from None
 
 
-def _check_loads(library):
-    """OSError unless a child interpreter loads `library` and finds the kernel's symbol in it."""
-    try:
-        returncode, _, stderr = _run([sys.executable, "-I", "-S", "-c", _LOAD_CHECK, str(library), SYMBOL],
-                                     LOAD_TIMEOUT, "the load check")
-    except RuntimeError as error:  # It hung: as unusable as a library that fails.
-        raise OSError(f"{library.name}: {error}") from None
-    if returncode < 0:
-        raise OSError(f"{library.name}: loading it killed a process "
-                      f"({signal.strsignal(-returncode) or f'signal {-returncode}'})")
-    if returncode:
-        raise OSError((stderr.strip().splitlines() or [f"{library.name}: the load check failed"])[-1])
+def _check_segments(library):
+    """OSError unless `library` is an ELF file (either class and byte order) whose program headers and
+    PT_LOAD segments all lie within it: the loader maps those segments from the file, and a page of one past
+    its end has nothing behind it (SIGBUS at the first touch). A file whose headers cannot be read is broken
+    too; whether it is a library for this machine is left to dlopen."""
+    with open(library, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        ident = file.read(16)
+        if ident[:4] != b"\x7fELF" or len(ident) < 6 or ident[4] not in _ELF_LAYOUTS or ident[5] not in (1, 2):
+            raise OSError(f"{library.name} is not an ELF file")
+        file.seek(16)  # Past e_ident: where the header's fields start (a short file reads nothing there).
+        order = "<" if ident[5] == 1 else ">"
+        header, entry, offset_field, size_field = _ELF_LAYOUTS[ident[4]]
+        fields = file.read(struct.calcsize(order + header))
+        if len(fields) < struct.calcsize(order + header):
+            raise OSError(f"{library.name} is truncated: its ELF header is incomplete ({size} bytes)")
+        fields = struct.unpack(order + header, fields)
+        table, entry_size, count = fields[4], fields[8], fields[9]
+        if count == _PN_XNUM or (count and entry_size < struct.calcsize(order + entry)):
+            raise OSError(f"{library.name}: unreadable program headers ({count} of {entry_size} bytes)")
+        if table + count * entry_size > size:
+            raise OSError(f"{library.name} is truncated: its program headers end at byte "
+                          f"{table + count * entry_size}, the file at {size}")
+        file.seek(table)
+        headers = file.read(count * entry_size)
+    for index in range(count):
+        segment = struct.unpack_from(order + entry, headers, index * entry_size)
+        end = segment[offset_field] + segment[size_field]
+        if segment[0] == _PT_LOAD and end > size:
+            raise OSError(f"{library.name} is truncated: a segment it loads ends at byte {end}, the file at {size}")
 
 
 def _library_path(compiler, include):
