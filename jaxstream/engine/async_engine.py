@@ -167,6 +167,10 @@ class AsyncEngine:
                 if not worked or now - self._metrics_time > _METRICS_PERIOD_S:
                     self._metrics, self._metrics_time = engine_metrics.snapshot(self.core), now
                 if self._idle_waiters and not self.core.has_work() and self._commands.empty():
+                    # `metrics()` is current when idle: a tick that did work and ended the work kept the
+                    # snapshot of up to _METRICS_PERIOD_S before it (a clean-clone CI run read evictions=0
+                    # after an eviction).
+                    self._metrics, self._metrics_time = engine_metrics.snapshot(self.core), now
                     self._outbox.extend(self._take_idle_waiters(last=False))
                 self._flush_outbox()
                 self.core.off_tick_cpu_s += time.thread_time() - cpu
