@@ -25,8 +25,7 @@ from jaxstream.errors import InvalidRequestError
 from jaxstream.serving.testing import ServerThread
 from serve_fixtures import engine_returns_to_baseline, model, server  # noqa: F401 - pytest fixtures
 from test_serve_http import call
-from test_serve_http_completions import b64, text_engine, text_engine_with_tokenizer
-from test_engine_text_model import LLAMA
+from test_serve_http_completions import b64, text_engine_with_tokenizer, tokenizerless_engine  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -180,14 +179,6 @@ async def test_streaming_input_still_refuses_stop_strings(engine):
         with pytest.raises(InvalidRequestError, match="stop strings are not supported with streaming input"):
             async for _ in engine.generate(chunks(chunk_params), session_params):
                 pass
-
-
-@pytest.fixture(scope="module")
-def tokenizerless_engine():
-    engine = text_engine(LLAMA)  # the fixture checkpoint has no tokenizer
-    assert engine.tokenizer is None
-    yield engine
-    engine.close()
 
 
 async def test_stop_strings_need_a_tokenizer(tokenizerless_engine):
