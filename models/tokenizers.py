@@ -59,6 +59,9 @@ class Tokenizer(abc.ABC):
 
     bos_id: int | None  # None only for a tokenizer.json whose checkpoint names no BOS / EOS
     eos_id: int | None
+    # The EOS the tokenizer's own config names (a tokenizer.json's tokenizer_config.json `eos_token`), which vLLM
+    # takes as the model's EOS where a checkpoint declares several; None: the checkpoint's first declared id is.
+    named_eos_id: int | None = None
     streaming_pad_id: int | None  # None for tokenizers without the realtime controls (text-only tekken)
     streaming_word_id: int | None
     vocab_size: int
@@ -261,7 +264,7 @@ class HFTokenizer(Tokenizer):
 
     Its special tokens are its control ids. `bos_id` / `eos_id` are the ones given (the loader passes those
     the checkpoint's generation_config.json / config.json declare), else those a tokenizer_config.json
-    beside the file names, else None.
+    beside the file names, else None; `named_eos_id` is always the tokenizer_config.json's own.
     Text comes from the library's decoder, so every tokenizer family (byte-level BPE, sentencepiece-style
     byte fallback, WordPiece, ...) decodes exactly as transformers decodes it.
     """
@@ -277,7 +280,8 @@ class HFTokenizer(Tokenizer):
                                       if token.special)
         named = self._named_special_ids(path.parent / "tokenizer_config.json")
         self.bos_id = bos_id if bos_id is not None else named.get("bos_token")
-        self.eos_id = eos_id if eos_id is not None else named.get("eos_token")
+        self.named_eos_id = named.get("eos_token")
+        self.eos_id = eos_id if eos_id is not None else self.named_eos_id
         self.streaming_pad_id = self.streaming_word_id = None
 
     def _named_special_ids(self, config_path: Path) -> dict[str, int]:

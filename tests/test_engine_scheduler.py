@@ -230,7 +230,8 @@ def test_reaching_max_model_len_ends_the_session(core):
 
 
 def test_any_of_several_eos_ids_ends_the_chunk(core):
-    """Llama 3 declares several EOS ids: any of them is a stop (finish_reason "stop", no stop_reason)."""
+    """Llama 3 declares several EOS ids: any of them is a stop (finish_reason "stop"; no stop_reason here, where
+    none is secondary: test_engine_text_model.py checks vLLM's stop_reason for the secondary ones)."""
     probe, _ = reference([([9, 8, 7], 5, None)])
     saved, core.eos_token_ids = core.eos_token_ids, frozenset({CFG.vocab_size + 1, probe[0][2]})
     sink = Collector()

@@ -176,7 +176,18 @@ def word_level_tokenizer(path: Path, vocab_size: int):
     tokenizer.save(str(path))
 
 
-async def test_tokenizer_json_checkpoint_stops_at_the_declared_eos_ids(tmp_path):
+# vLLM's SamplingParams.update_from_generation_config: the tokenizer's EOS (tokenizer_config.json's `eos_token`;
+# without one, the first declared id) is the model's own and ends a request with stop_reason None; every other id
+# generation_config.json declares becomes a stop token id, reported as stop_reason (Llama 3.1 instruct: tokenizer
+# EOS 128009, declared [128001, 128008, 128009], a request ended at 128001 reports 128001).
+@pytest.mark.parametrize("order, named, reported", [
+    ("eos_then_stop", None, "stop"),  # the first declared id (2) is the model's own: `stop` is a secondary EOS
+    ("stop_then_eos", None, None),  # `stop` declared first is the model's own
+    # Llama 3.1: tokenizer_config.json names another EOS than the first declared id, and it is the model's own.
+    ("eos_then_stop", "stop", None),
+    ("stop_then_eos", "</s>", "stop"),
+], ids=["secondary", "first-declared", "tokenizer-named", "tokenizer-named-secondary"])
+async def test_tokenizer_json_checkpoint_stops_at_the_declared_eos_ids(tmp_path, order, named, reported):
     from jaxstream.models.tokenizers import HFTokenizer
 
     reference = dict(np.load(LLAMA.parent / "llama_tiny_reference.npz"))
@@ -188,16 +199,22 @@ async def test_tokenizer_json_checkpoint_stops_at_the_declared_eos_ids(tmp_path)
     # A list, as Llama 3 declares it, naming the run's third token; config.json names only 2.
     stop = greedy_run[2]
     assert 2 not in greedy_run[:3] and stop not in greedy_run[:2]
+    declared = [2, stop] if order == "eos_then_stop" else [stop, 2]
     generation = json.loads((directory / "generation_config.json").read_text())
-    (directory / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [2, stop]}))
+    (directory / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": declared}))
     assert json.loads((directory / "config.json").read_text())["eos_token_id"] == 2
+    if named:
+        eos_token = f"w{stop}" if named == "stop" else named
+        (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos_token}))
 
     async with AsyncEngine.from_pretrained(directory, config=LLAMA_CFG) as engine:
         assert isinstance(engine.tokenizer, HFTokenizer)
+        assert engine.tokenizer.eos_id == declared[0]  # the loader still gives it the first declared id
         assert engine.core.eos_token_ids == {2, stop}
         tokens, outputs = await greedy_tokens(engine, prompt, 20, "eos")
         assert tokens == greedy_run[:3]
         assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "stop"
+        assert outputs[-1].outputs[0].stop_reason == (stop if reported == "stop" else None)
         # The text continues the prompt's (vLLM's detokenizer is primed with it): " w<id>" each, but for the EOS
         # token's: vLLM's detokenizer leaves out the text of the token that stopped the request.
         assert "".join(out.outputs[0].text for out in outputs) == "".join(f" w{t}" for t in tokens[:-1])

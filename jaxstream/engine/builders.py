@@ -44,7 +44,8 @@ def load_pretrained(model_source, engine_cfg: EngineConfig, *, dtype=None):
 
 def build_core(model, engine_cfg: EngineConfig, *, tokenizer=None, eos_token_id=None):
     """The engine core that serves `model`: Voxtral Realtime's transcription scheduler, or the text scheduler
-    (stopping at `eos_token_id`, else the tokenizer's EOS). Every program is compiled before it returns.
+    (stopping at `eos_token_id`, else the tokenizer's EOS; the EOS a tokenizer_config.json names is the model's
+    own, as vLLM takes it, and any other reports its id as stop_reason). Every program is compiled before it returns.
 
     Over a mesh that spans processes, parked sessions are never offloaded to host memory: an offload is a
     program of its own that the followers would have to mirror, so such sessions stay (or recompute)."""
@@ -60,11 +61,14 @@ def build_core(model, engine_cfg: EngineConfig, *, tokenizer=None, eos_token_id=
     if eos_token_id is None and tokenizer is not None:
         eos_token_id = tokenizer.eos_id
     return build_text_core(model, engine_cfg, eos_token_id=eos_token_id,
+                           primary_eos_token_id=tokenizer.named_eos_id if tokenizer is not None else None,
                            detokenizer_factory=tokenizer.stream_decoder if tokenizer is not None else None)
 
 
-def build_text_core(model, engine_cfg: EngineConfig, *, eos_token_id=None, detokenizer_factory=None,
-                    warm_up=True) -> TextScheduler:
+def build_text_core(model, engine_cfg: EngineConfig, *, eos_token_id=None, primary_eos_token_id=None,
+                    detokenizer_factory=None, warm_up=True) -> TextScheduler:
+    """The text scheduler over `model`, stopping at `eos_token_id` (one id or several): a stop at
+    `primary_eos_token_id` (default: the first of them) reports stop_reason None, one at any other reports its id."""
     cfg = model_config(model)
     max_model_len = min(engine_cfg.max_model_len or cfg.max_positions, cfg.max_positions)
     ring = min(cfg.attention_window, max_model_len)
@@ -84,7 +88,7 @@ def build_text_core(model, engine_cfg: EngineConfig, *, eos_token_id=None, detok
                                  slot_sharding=placement.replicated())
     programs = steps.Programs(model, cache, **placement.program_shardings(model, cache))
     scheduler = TextScheduler(programs, engine_cfg, cfg, max_model_len=max_model_len, eos_token_id=eos_token_id,
-                              detokenizer_factory=detokenizer_factory)
+                              primary_eos_token_id=primary_eos_token_id, detokenizer_factory=detokenizer_factory)
     if warm_up:
         _warm_up(scheduler)
     return scheduler

@@ -76,7 +76,7 @@ class TextScheduler(Residency):
     can_drop_kv = True
 
     def __init__(self, programs: steps.Programs, engine_cfg, model_cfg, *, max_model_len, eos_token_id=None,
-                 detokenizer_factory=None):
+                 primary_eos_token_id=None, detokenizer_factory=None):
         super().__init__(programs, engine_cfg.host_offload_bytes)
         self.cfg = engine_cfg
         self.vocab_size = model_cfg.vocab_size
@@ -84,7 +84,13 @@ class TextScheduler(Residency):
         # One id or several (Llama 3's generation_config stops at any of three).
         if isinstance(eos_token_id, numbers.Integral):
             eos_token_id = (eos_token_id,)
-        self.eos_token_ids = frozenset(int(token) for token in eos_token_id or ())
+        eos_ids = [int(token) for token in eos_token_id or ()]
+        self.eos_token_ids = frozenset(eos_ids)
+        # vLLM's update_from_generation_config: the model's own EOS (the tokenizer's; else the first id given)
+        # ends a request with stop_reason None, every other declared EOS id is a stop token id and is reported.
+        if primary_eos_token_id is None and eos_ids:
+            primary_eos_token_id = eos_ids[0]
+        self.secondary_eos_token_ids = self.eos_token_ids - {primary_eos_token_id}
         self.detokenizer_factory = detokenizer_factory
         self.waiting: collections.deque[TextSession] = collections.deque()
         self.running: list[TextSession] = []
@@ -406,7 +412,7 @@ class TextScheduler(Residency):
             return None, None, False
         last = session.outputs[-1]
         if not session.params.ignore_eos and last in self.eos_token_ids:
-            return "stop", None, False
+            return "stop", last if last in self.secondary_eos_token_ids else None, False
         if last in session.stop_token_ids:
             return "stop", last, False
         return None, None, False
