@@ -129,8 +129,7 @@ class TextScheduler(Residency):
             self.sessions[request_id] = session
         try:
             update = ChunkUpdate(self._validated(prompt_ids), params)
-            if params.stop and resumable:
-                raise InvalidRequestError("stop strings are not supported with streaming input; use stop_token_ids")
+            params.check_supported(streaming=resumable)  # stop strings: one-shot requests only
             if params.stop and session.detokenizer is None:
                 raise InvalidRequestError("stop strings need a tokenizer and this model has none; use stop_token_ids")
             if len(self._min_tokens_bans(params)) > sampling.MAX_BANNED_IDS:
