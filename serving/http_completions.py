@@ -114,10 +114,10 @@ def check_context_length(ids: list[int], params: SamplingParams, state) -> None:
     raise RequestError(400, "context_length_exceeded", message, "prompt")
 
 
-def check_tokenizer(state) -> None:
+def check_tokenizer(state, param: str = "prompt", instead: str = "send token ids") -> None:
+    """400 on `param` when the model has no tokenizer (a text prompt, stop strings), saying what to do `instead`."""
     if state.engine.tokenizer is None:
-        raise RequestError(400, "invalid_request", f"{state.model_id!r} has no tokenizer: send token ids",
-                           "prompt")
+        raise RequestError(400, "invalid_request", f"{state.model_id!r} has no tokenizer: {instead}", param)
 
 
 def parse_flag(body: dict, name: str) -> bool:
@@ -334,9 +334,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         check_model(state, body.get("model"), "text")
         prompt = prompt_ids(parse_prompt(body, state), state)
         params = sampling_params(body, streaming=False)
-        if params.stop and state.engine.tokenizer is None:
-            raise RequestError(400, "invalid_request", f"{state.model_id!r} has no tokenizer to find stop strings "
-                               f"with: use stop_token_ids", "stop")
+        if params.stop:
+            check_tokenizer(state, "stop", "stop strings need one; use stop_token_ids")
         check_context_length(prompt, params, state)
         stream, include_usage = parse_stream(body)
         text_input = TextInput(state, params, sse.EventLog() if stream else None, include_usage=include_usage,
