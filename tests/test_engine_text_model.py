@@ -186,7 +186,9 @@ def word_level_tokenizer(path: Path, vocab_size: int):
     # Llama 3.1: tokenizer_config.json names another EOS than the first declared id, and it is the model's own.
     ("eos_then_stop", "stop", None),
     ("stop_then_eos", "</s>", "stop"),
-], ids=["secondary", "first-declared", "tokenizer-named", "tokenizer-named-secondary"])
+    # BLIP-2: the tokenizer's EOS is not among the declared ids, and vLLM stops at it all the same.
+    ("eos_only", "stop", None),
+], ids=["secondary", "first-declared", "tokenizer-named", "tokenizer-named-secondary", "tokenizer-named-undeclared"])
 async def test_tokenizer_json_checkpoint_stops_at_the_declared_eos_ids(tmp_path, order, named, reported):
     from jaxstream.models.tokenizers import HFTokenizer
 
@@ -199,7 +201,7 @@ async def test_tokenizer_json_checkpoint_stops_at_the_declared_eos_ids(tmp_path,
     # A list, as Llama 3 declares it, naming the run's third token; config.json names only 2.
     stop = greedy_run[2]
     assert 2 not in greedy_run[:3] and stop not in greedy_run[:2]
-    declared = [2, stop] if order == "eos_then_stop" else [stop, 2]
+    declared = {"eos_then_stop": [2, stop], "stop_then_eos": [stop, 2], "eos_only": [2]}[order]
     generation = json.loads((directory / "generation_config.json").read_text())
     (directory / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": declared}))
     assert json.loads((directory / "config.json").read_text())["eos_token_id"] == 2

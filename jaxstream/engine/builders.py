@@ -67,8 +67,8 @@ def build_core(model, engine_cfg: EngineConfig, *, tokenizer=None, eos_token_id=
 
 def build_text_core(model, engine_cfg: EngineConfig, *, eos_token_id=None, primary_eos_token_id=None,
                     detokenizer_factory=None, warm_up=True) -> TextScheduler:
-    """The text scheduler over `model`, stopping at `eos_token_id` (one id or several): a stop at
-    `primary_eos_token_id` (default: the first of them) reports stop_reason None, one at any other reports its id."""
+    """The text scheduler over `model`, stopping at `eos_token_id` (one id or several) and at
+    `primary_eos_token_id` (default: the first of them), which reports stop_reason None; any other reports its id."""
     cfg = model_config(model)
     max_model_len = min(engine_cfg.max_model_len or cfg.max_positions, cfg.max_positions)
     ring = min(cfg.attention_window, max_model_len)

@@ -85,11 +85,15 @@ class TextScheduler(Residency):
         if isinstance(eos_token_id, numbers.Integral):
             eos_token_id = (eos_token_id,)
         eos_ids = [int(token) for token in eos_token_id or ()]
-        self.eos_token_ids = frozenset(eos_ids)
         # vLLM's update_from_generation_config: the model's own EOS (the tokenizer's; else the first id given)
         # ends a request with stop_reason None, every other declared EOS id is a stop token id and is reported.
+        # The tokenizer's EOS stops a request even where the checkpoint does not declare it (vLLM's
+        # `eos_token_id` check), as BLIP-2's tokenizer EOS 2 beside its generation_config's 50118.
         if primary_eos_token_id is None and eos_ids:
             primary_eos_token_id = eos_ids[0]
+        if primary_eos_token_id is not None:
+            eos_ids.append(int(primary_eos_token_id))
+        self.eos_token_ids = frozenset(eos_ids)
         self.secondary_eos_token_ids = self.eos_token_ids - {primary_eos_token_id}
         self.detokenizer_factory = detokenizer_factory
         self.waiting: collections.deque[TextSession] = collections.deque()
