@@ -527,4 +527,24 @@ def _restore_orbax(directory: Path, abstract: nnx.State, param_dtype, shardings:
         with ocp.StandardCheckpointer(multiprocessing_options=options) as checkpointer:
             return checkpointer.restore(state_dir, target)
     except Exception as exc:  # Orbax and TensorStore raise plain Exceptions for missing or damaged files
-        raise UserError(f"cannot restore {state_dir} as {ORBAX_METADATA} describes it: {_first_line(exc)}") from None
+        # Orbax abandons its other reads at the first failure; each that fails too would be logged by asyncio as
+        # "Task exception was never retrieved" with TensorStore's whole spec, pages of it after our one line.
+        asyncio_logger = logging.getLogger("asyncio")
+        if _drop_abandoned_orbax_reads not in asyncio_logger.filters:
+            asyncio_logger.addFilter(_drop_abandoned_orbax_reads)
+        raise UserError(f"cannot restore {state_dir} as {ORBAX_METADATA} describes it: "
+                        f"{_first_line(_tensorstore_status(exc), 300)}") from None
+
+
+def _drop_abandoned_orbax_reads(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not (message.startswith("Task exception was never retrieved") and "orbax" in message)
+
+
+def _tensorstore_status(exc: BaseException) -> BaseException:
+    """The error under Orbax's "Encountered error while reading array index ... See full TensorStore details:
+    <the store's whole spec>": TensorStore's own status, which names the array and what is wrong with its file
+    ('FAILED_PRECONDITION: Error reading "decoder.norm.scale/0" ...: Truncated Zstd-compressed stream')."""
+    while "TensorStore details" in str(exc) and (inner := exc.__cause__ or exc.__context__) is not None:
+        exc = inner
+    return exc
