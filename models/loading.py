@@ -177,15 +177,18 @@ def resolve_model_dir(source: str | os.PathLike) -> Path:
 
 def _download(repo_id: str) -> Path:
     """Metadata first, then only the weights of the format the repo offers (native preferred), so a repo
-    that ships both formats is not downloaded twice."""
+    that ships both formats is not downloaded twice. A repo with params.json but Hugging Face weights only
+    (fine-tunes saved with transformers beside the base model's params.json) gets those."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
         directory = Path(snapshot_download(repo_id, allow_patterns=_HUB_METADATA_FILES))
-        native = (directory / "params.json").is_file()
-        weights = _NATIVE_WEIGHTS if native else _HF_WEIGHTS
-        return Path(snapshot_download(repo_id, allow_patterns=_HUB_METADATA_FILES + [weights]))
+        if (directory / "params.json").is_file():
+            directory = Path(snapshot_download(repo_id, allow_patterns=_HUB_METADATA_FILES + [_NATIVE_WEIGHTS]))
+            if any(directory.glob(_NATIVE_WEIGHTS)):
+                return directory
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_METADATA_FILES + [_HF_WEIGHTS]))
     except GatedRepoError:
         raise UserError(f"Hugging Face repo {repo_id!r} is gated: accept its terms on huggingface.co and log in "
                         "with `hf auth login`") from None
