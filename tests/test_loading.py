@@ -569,7 +569,7 @@ def test_orbax_metadata_and_state_errors_are_one_line(voxtral_orbax, tmp_path):
     result = subprocess.run([sys.executable, "-m", "jaxstream", "convert", str(no_data), str(tmp_path / "out")],
                             capture_output=True, text=True, timeout=300)
     [message] = [line for line in result.stderr.splitlines() if line.startswith("jaxstream convert: error:")]
-    assert result.returncode == 2 and len(message) < 500
+    assert result.returncode == 2 and len(message) < 300 + 2 * len(str(no_data))  # it names the folder twice
     assert message.startswith(f"jaxstream convert: error: cannot restore {no_data / 'state'}")
     # TensorStore's own status names the array and what is wrong with its file, not Orbax's wrapper (which
     # printed the store's spec: "See full TensorStore details: <bound method pybind11_detail_function_...").
