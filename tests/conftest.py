@@ -2,8 +2,10 @@
 compilation cache for the whole run."""
 import atexit
 import os
+import re
 import shutil
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -13,8 +15,17 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # (JAX's in-memory cache is per jitted function object). On disk, a program compiled once is loaded by
     # every later engine, in this process, in the other xdist worker (workers start after this module is
     # imported in the controller and inherit the variable) and in the CLI subprocesses tests start. A fresh
-    # folder per run keeps runs independent; the process that made it removes it.
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxstream-tests-xla-")
+    # folder per run keeps runs independent; the process that made it removes it at exit, and a run that was
+    # killed first leaves it to the next run, which removes the folders of runs no longer alive.
+    for folder in Path(tempfile.gettempdir()).glob("jaxstream-tests-xla-*"):
+        if (match := re.fullmatch(r"jaxstream-tests-xla-(\d+)-\w+", folder.name)):
+            try:
+                os.kill(int(match[1]), 0)
+            except ProcessLookupError:
+                shutil.rmtree(folder, ignore_errors=True)
+            except OSError:  # alive, another user's
+                pass
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"jaxstream-tests-xla-{os.getpid()}-")
     os.environ["JAXSTREAM_TESTS_XLA_CACHE"] = "run"  # this run's own folder (the workers see it too)
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
