@@ -11,6 +11,9 @@ waits in the socket (`bufferedAmount`) up to about 2 s: a file then waits, its p
 hears what the server has got), and the microphone stops and says why. After Stop the page waits at most 5 s for the
 final transcript (a second Stop ends at once), then keeps the text that came and says its last words may be missing.
 The page's sentences, one for every error code the server sends on `/v1/realtime`, are in `static/messages.js`.
+`static/connection.js` keeps the page in touch with the server: `/v1/models` at load, `/health` every 5 s while the page
+is idle, and retries with backoff (2 s, up to 30 s) while the server cannot be reached or its reverse proxy answers
+502/503/504, until the page is Ready again by itself.
 
 The page and its assets hold no secret, so they are served without a key: `PUBLIC_PATHS` lists them for the
 auth middleware. The delays the selector offers come from `jaxstream.models.audio`, their one owner.
@@ -22,7 +25,7 @@ from aiohttp import web
 from jaxstream.models.audio import ALLOWED_DELAYS_MS
 
 STATIC_DIR = Path(__file__).parent / "static"
-ASSETS = ("app.js", "messages.js", "pcm16-worklet.js", "style.css")
+ASSETS = ("app.js", "connection.js", "messages.js", "pcm16-worklet.js", "style.css")
 PUBLIC_PATHS = frozenset({"/"} | {f"/static/{name}" for name in ASSETS})
 
 # The page only talks to its own origin; a strict policy keeps an injected script from sending the API key

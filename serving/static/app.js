@@ -3,11 +3,11 @@
 // specs/realtime_protocols.md §1) -> live transcript. One WebSocket per utterance: session.created,
 // session.update{model, transcription_delay_ms}, commit{}, appends every 80 ms, commit{final: true}, then
 // deltas and one transcription.done; the socket is closed after it, or FINAL_WAIT_MS after the final commit.
-// The sentences it shows are in messages.js, loaded first.
+// The sentences it shows are in messages.js, loaded first; the server's model id, the API key and whether the
+// server can be reached are connection.js's, loaded next.
 
 const SAMPLE_RATE = 16000;
 const CHUNK = 1280; // 80 ms: what the worklet posts, and the file streamer's step
-const KEY_STORAGE = "jaxstream-api-key"; // sessionStorage: the key lives as long as the tab
 // A browser's WebSocket can set no header but Sec-WebSocket-Protocol, so the key travels there, as OpenAI's
 // browser clients send theirs: not in the URL, which access logs and proxies keep. The server selects the
 // other subprotocol offered (a browser fails a handshake that offered subprotocols and got none back) and
@@ -40,8 +40,6 @@ const ui = {
   statAudio: $("stat-audio"),
 };
 
-let apiKey = sessionStorage.getItem(KEY_STORAGE) || "";
-let modelId = null;
 let audioContext = null;
 let captureLoaded = false; // the capture worklet is loaded into audioContext
 // The one session at a time, from the click (or chosen file) that starts it to its end:
@@ -61,95 +59,9 @@ function setRunning(running) {
   ui.drop.classList.toggle("disabled", running || modelId === null);
 }
 
-// -- server: the model id (session.update needs it) and the API key ------------------------------------
-const fetchModels = () => fetch("/v1/models", { headers: apiKey ? { Authorization: `Bearer ${apiKey}` } : {} });
-
-// False when the request does not reach the server (refused, reset, no route: fetch rejects), whatever the answer.
-async function serverReachable() {
-  try {
-    await fetchModels();
-    return true;
-  } catch (err) {
-    return false;
-  }
-}
-
-// A server that cannot be reached at start-up (down, restarting) is asked again: every 2 s for the first few tries,
-// as a restart takes, then less often, up to twice a minute, for as long as the page stays open.
-const RETRY_MS = 2000;
-const RETRY_MAX_MS = 30000;
-const RETRY_FAST_TRIES = 5;
-let retryTimer = null;
-let unreachableTries = 0;
-
-function retryConnect(delayMs) {
-  clearTimeout(retryTimer);
-  retryTimer = setTimeout(connectServer, delayMs);
-}
-
-async function connectServer() {
-  clearTimeout(retryTimer); // a key submitted meanwhile connects now; one retry loop at a time
-  let response;
-  try {
-    response = await fetchModels();
-  } catch (err) {
-    const delayMs = Math.min(RETRY_MAX_MS, RETRY_MS * 2 ** Math.max(0, unreachableTries - RETRY_FAST_TRIES));
-    unreachableTries += 1;
-    setStatus(`${UNREACHABLE_TEXT} Trying again in ${delayMs / 1000} s…`, "error");
-    retryConnect(delayMs);
-    return;
-  }
-  unreachableTries = 0;
-  if (response.status === 401) {
-    askForKey(apiKey ? KEY_REFUSED : KEY_NEEDED);
-    return;
-  }
-  if (response.status === 503) {
-    setStatus(ERROR_TEXT.not_ready);
-    retryConnect(RETRY_MS);
-    return;
-  }
-  if (!response.ok) {
-    setStatus(`The server answered ${response.status} to /v1/models.`, "error");
-    return;
-  }
-  modelId = (await response.json()).data[0].id;
-  ui.model.textContent = `model ${modelId}`;
-  ui.keyPanel.hidden = true;
-  setRunning(false);
-  setStatus("Ready: press Start and speak, or drop an audio file.");
-}
-
-// A browser hides why a handshake failed (a refused key is a 401 before the upgrade, a server that is gone
-// refuses the TCP connection); /v1/models tells. Returns what to tell the user (`otherwise` when /v1/models
-// answers), or null when the key was the reason: the key panel then asks for another.
-async function handshakeFailure(otherwise) {
-  let response;
-  try {
-    response = await fetchModels();
-  } catch (err) {
-    return UNREACHABLE_TEXT;
-  }
-  if (response.status !== 401) return otherwise;
-  askForKey(apiKey ? KEY_REFUSED : KEY_NEEDED);
-  return null;
-}
-
-function askForKey(message) {
-  modelId = null;
-  setRunning(false);
-  ui.keyPanel.hidden = false;
-  ui.keyMessage.textContent = message;
-  ui.model.textContent = "API key needed";
-  setStatus(message, "error");
-  ui.key.focus();
-}
-
 ui.keyPanel.addEventListener("submit", (event) => {
   event.preventDefault();
-  apiKey = ui.key.value.trim();
-  sessionStorage.setItem(KEY_STORAGE, apiKey);
-  connectServer();
+  useKey(ui.key.value.trim());
 });
 
 // -- one utterance on one WebSocket -------------------------------------------------------------------
@@ -188,6 +100,7 @@ class Utterance {
       this.ws.onmessage = (message) => {
         const event = JSON.parse(message.data);
         if (event.type === "session.created") {
+          serverAnswered();
           const update = { type: "session.update", model: modelId };
           if (delayMs) update.transcription_delay_ms = delayMs;
           this.ws.send(JSON.stringify(update));
@@ -201,7 +114,7 @@ class Utterance {
       this.ws.onclose = (close) => {
         // Before session.created a close is a refusal: at capacity, loading (its code says which), or the
         // handshake failed (1006, whatever the reason: handshakeFailure finds it).
-        const refusal = new Error((opened && CLOSE_TEXT[close.code]) || "The server refused the connection.");
+        const refusal = new Error(closeText(close));
         refusal.handshakeFailed = !opened;
         reject(refusal);
         this.closed(close);
@@ -232,7 +145,7 @@ class Utterance {
 
   closed(close) {
     if (!this.ended) {
-      this.end(CLOSE_TEXT[close.code] || `The connection closed before the transcript was complete (${close.code}).`);
+      this.end(closeText(close));
     }
   }
 
@@ -367,7 +280,8 @@ async function ensureAudio(capture) {
   } catch (err) {
     // The module comes from the server: when the server is gone, the browser's words ("Failed to load worklet module
     // script (Network error)") blame the browser. /v1/models tells which.
-    if (loading && !(await serverReachable())) throw new Error(UNREACHABLE_TEXT);
+    const unavailable = loading ? await unavailableText() : null;
+    if (unavailable !== null) throw new Error(unavailable);
     throw new Error(`The browser's audio could not be set up: ${err && err.message ? err.message : err}`);
   }
   return audioContext;
@@ -418,8 +332,8 @@ async function run(current, label, prepare) {
     else setStatus("Done. Press Start for another utterance, or drop a file.");
   } catch (err) {
     if (!utterance.ended) utterance.end(null);
-    const message = err.handshakeFailed ? await handshakeFailure(err.message) : err.message;
-    if (message !== null) setStatus(message, message === ERROR_TEXT.capacity ? "busy" : "error");
+    const [message, kind] = err.handshakeFailed ? (await handshakeFailure()) || [] : [err.message, "error"];
+    if (message) setStatus(message, message === ERROR_TEXT.capacity ? "busy" : kind);
   }
 }
 

@@ -41,6 +41,21 @@ const KEY_REFUSED = "The server refused this API key.";
 const NETWORK_TEXT = "The network could not keep up with the microphone, so listening stopped: the transcript " +
   "covers the audio sent until then.";
 const UNREACHABLE_TEXT = "The server cannot be reached.";
+const READY_TEXT = "Ready: press Start and speak, or drop an audio file.";
+const LOADING_TEXT = "The model is still loading.";
+// A reverse proxy's 502, 504 or 503 (nginx's while the server behind it restarts).
+const proxyText = (status) => `The server is unavailable: the proxy in front of it answered ${status} (the server ` +
+  "may be restarting).";
+// /health's words for a server that answers but cannot take a transcription (its status: serving/app.py).
+const HEALTH_TEXT = {
+  draining: ERROR_TEXT.server_draining, engine_dead: ERROR_TEXT.engine_dead,
+  failed: "The server could not load its model; it needs a restart.",
+};
+// The per-key limits (serving/limits.py; `owner`: "this API key", or "this address" on a server without keys): a 429
+// before the WebSocket upgrade, which a browser only reports as a failed handshake.
+const requestLimitText = (owner) => `The server has had as many requests from ${owner} as it takes in a minute.`;
+const streamLimitText = (owner) => "The server turned the connection down: it is at its limit of open " +
+  `transcriptions for ${owner} (other tabs or programs using it count too), or busy. Try again shortly.`;
 // Stop before the microphone's first 80 ms (or a file's first chunk) came: nothing to transcribe, nothing wrong.
 const NO_AUDIO_TEXT = "No audio was captured, so there is nothing to transcribe.";
 // Browsers' autoplay rule: a page's audio plays only once the page has had a click or a key press. A file dropped
@@ -54,7 +69,22 @@ const CLOSE_TEXT = {
   4002: ERROR_TEXT.capacity, 4003: MAX_DURATION_TEXT,
   // No close frame: the server died or the network dropped (the transcript keeps the text that came).
   1006: "The connection to the server was lost before the transcript was complete.",
+  // Policy violation. This server sends it without an error event when the page did not take its events for
+  // send_timeout_s (a stalled tab or network); a proxy may send it for a key or a message it does not allow.
+  1008: "The server closed the connection as a policy violation (something it does not allow, such as a page that " +
+    "stopped reading its messages). Press Start to try again.",
+  // Internal error: without an error event first (which has its own words), the server failed on its side.
+  1011: "The server closed the connection after an internal error. Try again; the server's log says why.",
 };
+// A close's words. The generic ones (1008, 1011, and codes this page has no words for) add the server's reason,
+// which says what happened ("client did not read for 30 s").
+function closeText(close) {
+  const said = close.reason ? ` The server said: “${close.reason}”.` : "";
+  if (!(close.code in CLOSE_TEXT)) {
+    return `The connection closed before the transcript was complete (close code ${close.code}).${said}`;
+  }
+  return close.code === 1008 || close.code === 1011 ? CLOSE_TEXT[close.code] + said : CLOSE_TEXT[close.code];
+}
 const STOPPED_TEXT = "Stopped before any audio was sent.";
 
 function microphoneError(err) {
