@@ -5,10 +5,11 @@
 
 Speaks vLLM's realtime protocol (works against `jaxstream serve` and `vllm serve`): it records 16 kHz mono,
 sends every 80 ms of audio as it is captured, prints the text as it streams back, and on Ctrl-C sends the
-final commit and prints the final transcript (a second Ctrl-C stops waiting for it). Needs `websockets`,
-`numpy` and `sounddevice` (`pip install sounddevice`; on Linux also the PortAudio library, e.g.
-`apt install libportaudio2`): without them, or without an input device, it says so in one line before it
-connects."""
+final commit and prints the final transcript (a second Ctrl-C stops waiting for it). A server that ends the
+utterance itself (shutting down) sends its final transcript all the same: it is printed, then a line saying
+that it stops there, and the exit code is 1. Needs `websockets`, `numpy` and `sounddevice` (`pip install
+sounddevice`; on Linux also the PortAudio library, e.g. `apt install libportaudio2`): without them, or without
+an input device, it says so in one line before it connects."""
 import argparse
 import asyncio
 import base64
@@ -100,8 +101,10 @@ async def run(args) -> int:
             await ws.send(json.dumps({"type": "input_audio_buffer.commit", "final": True}))
             final_sent.set()
             print("finishing the transcript; Ctrl-C again to stop waiting", file=sys.stderr)
-        done = await receiver
+        done, notice = await receiver
         print(f"\nfinal: {done['text']}")
+        if notice is not None:  # the server ended the utterance itself (shutting down): the text stops there
+            raise Failed(f"incomplete transcript: {notice}")
         return 0
 
 

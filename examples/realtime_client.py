@@ -9,14 +9,18 @@ events (printed as they arrive) and one transcription.done. Needs only `websocke
 `soundfile`. Files not at 16 kHz are resampled by linear interpolation (convert them with sox or ffmpeg
 for the best quality).
 
-Any failure (an unreadable file, a URL that is not ws:// or wss://, an error event, a refused or closed
-connection) ends the run with one line on stderr and exit code 1. microphone_client.py imports the protocol
+Any failure (an unreadable file, a URL that is not ws:// or wss:// or names no realtime route, an error
+event, a refused or closed connection) ends the run with one line on stderr and exit code 1. So does a
+transcript the server ended before the end of the file (a jaxstream server shutting down ends the utterance
+itself and says so with an `error` `server_draining` before its transcription.done): the text is printed, and
+the line says how much of the file's audio the server transcribed. microphone_client.py imports the protocol
 helpers below.
 """
 import argparse
 import asyncio
 import base64
 import json
+import math
 import os
 import sys
 import time
@@ -75,23 +79,65 @@ def load_pcm16(path: str) -> np.ndarray:
     return (np.clip(mono, -1.0, 1.0) * 32767).astype("<i2")
 
 
+def chunk_ms(text: str) -> float:
+    """--chunk-ms: milliseconds of audio per append, at least one sample (0 sent one sample per append)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds, got {text!r}") from None
+    if not (math.isfinite(value) and value * SAMPLE_RATE / 1000 >= 1):
+        raise argparse.ArgumentTypeError(f"must be a positive number of milliseconds (at least one sample, "
+                                         f"{1000 / SAMPLE_RATE:g} ms), got {text}")
+    return value
+
+
+def models_url(url: str) -> str:
+    """Where the server behind the WebSocket `url` lists its models: beside the realtime route, so a server
+    behind a path prefix is asked under it (`wss://host/prefix/v1/realtime` -> `https://host/prefix/v1/models`);
+    at the root for any other path (SageMaker's route, or a wrong one, which the WebSocket then reports)."""
+    parts = urllib.parse.urlsplit(url)
+    prefix = parts.path.removesuffix("/v1/realtime") if parts.path.endswith("/v1/realtime") else ""
+    return f"{'https' if parts.scheme.lower() == 'wss' else 'http'}://{parts.netloc}{prefix}/v1/models"
+
+
 def served_model(url: str, api_key: str | None) -> str:
     """The first model id of the server's GET /v1/models."""
-    http = url.replace("wss://", "https://").replace("ws://", "http://").split("/v1/realtime")[0]
-    request = urllib.request.Request(http + "/v1/models",
-                                     headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        try:
+    models = models_url(url)
+    request = urllib.request.Request(models, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
             return json.load(response)["data"][0]["id"]
-        except (ValueError, LookupError, TypeError):  # not JSON, or no model listed: not a realtime server
-            raise Failed(f"GET {http}/v1/models listed no model; name one with --model") from None
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:  # vLLM and jaxstream list them there: the server is another kind, or a proxy hides it
+            raise Failed(f"GET {models}: HTTP 404: the server lists no models there; name one with --model") from None
+        raise Failed(f"the server refused GET {urllib.parse.urlsplit(models).path}: HTTP {exc.code} "
+                     f"{exc.reason}") from None
+    except (ValueError, LookupError, TypeError):  # not JSON, or no model listed: not a realtime server
+        raise Failed(f"GET {models} listed no model; name one with --model") from None
+
+
+def error_words(event: dict) -> str:
+    """An `error` event as words: its message, then its code (vLLM's flat shape, or OpenAI's `error` object);
+    the event as JSON when it has neither shape."""
+    message, code = event.get("error"), event.get("code")
+    if isinstance(message, dict):
+        message, code = message.get("message"), message.get("code")
+    if not isinstance(message, str):
+        return json.dumps(event)
+    return f"{message} (code {code})" if code else message
 
 
 async def open_session(ws, model: str, delay_ms: int | None) -> None:
     """session.created, then session.update and the commit that starts the utterance."""
-    created = json.loads(await ws.recv())
+    try:
+        created = json.loads(await ws.recv())
+    except ValueError:  # a WebSocket of another protocol (Kyutai's msgpack route, say)
+        raise Failed("the server's first message is not JSON: is --url a realtime route (/v1/realtime)?") from None
+    if created.get("type") == "error":  # e.g. at its connection limit, or shutting down
+        raise Failed(f"the server refused the session: {error_words(created)}")
     if created.get("type") != "session.created":
-        raise Failed(f"refused: {created}")
+        raise Failed(f"the server's first event is {created.get('type')!r}, not session.created: is --url a "
+                     "realtime route (/v1/realtime)?")
     update = {"type": "session.update", "model": model}
     if delay_ms is not None:
         update["transcription_delay_ms"] = delay_ms  # a jaxstream extension; vLLM ignores it
@@ -99,14 +145,18 @@ async def open_session(ws, model: str, delay_ms: int | None) -> None:
     await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
 
 
-async def read_transcript(ws, final_sent: asyncio.Event) -> dict:
-    """Prints the deltas as they arrive and returns the transcription.done event.
+async def read_transcript(ws, final_sent: asyncio.Event) -> tuple[dict, str | None]:
+    """Prints the deltas as they arrive and returns (the transcription.done event, the message of the
+    `server_draining` error that came before it, or None).
 
-    An error event raises Failed: these clients send only valid events, so an error means no transcript is
-    coming (a setup error such as model_not_found, or the utterance failed). So does DONE_TIMEOUT_S of
-    silence once `final_sent` is set. A closed connection raises websockets.ConnectionClosed."""
+    `server_draining` says the server ended the utterance's audio itself (it is shutting down): its done
+    follows, covering only the audio received. Any other error event raises Failed: these clients send only
+    valid events, so an error means no transcript is coming (a setup error such as model_not_found, or the
+    utterance failed). So does DONE_TIMEOUT_S of silence once `final_sent` is set. A closed connection raises
+    websockets.ConnectionClosed."""
     line_open = False
     quiet_s = 0
+    notice = None
     try:
         while True:
             try:
@@ -122,9 +172,11 @@ async def read_transcript(ws, final_sent: asyncio.Event) -> dict:
                 print(event["delta"], end="", flush=True)
                 line_open = True
             elif event["type"] == "transcription.done":
-                return event
+                return event, notice
+            elif event["type"] == "error" and event.get("code") == "server_draining":
+                notice = str(event.get("error"))
             elif event["type"] == "error":
-                raise Failed(f"error {event.get('code')}: {event.get('error')}")
+                raise Failed(f"the server's error: {error_words(event)}")
     finally:
         if line_open:
             print()  # ends the transcript's line before what follows it on the terminal
@@ -144,11 +196,14 @@ def run_client(coroutine, url: str) -> int:
         print(f"the server closed the connection: {exc.rcvd.code} {exc.rcvd.reason}" if exc.rcvd else
               "the connection to the server was lost", file=sys.stderr)
     except websockets.InvalidStatus as exc:  # e.g. 401: a missing or wrong API key
-        print(f"the server refused the connection: HTTP {exc.response.status_code}", file=sys.stderr)
+        status = exc.response.status_code
+        path = urllib.parse.urlsplit(url).path or "/"
+        # No route there, or one that is not a WebSocket (jaxstream's / is the demo page): the path is wrong.
+        print(f"the server has no WebSocket route {path} (HTTP {status}): check the path of --url, e.g. "
+              f"ws://localhost:8000/v1/realtime" if status in (200, 404, 405) else
+              f"the server refused the connection: HTTP {status}", file=sys.stderr)
     except websockets.InvalidURI as exc:  # a ws:// URL websockets cannot parse (checked_url passed the scheme)
         print(f"--url {url}: {exc}", file=sys.stderr)
-    except urllib.error.HTTPError as exc:  # from GET /v1/models
-        print(f"the server refused GET /v1/models: HTTP {exc.code} {exc.reason}", file=sys.stderr)
     except OSError as exc:
         print(f"cannot reach {url}: {exc}", file=sys.stderr)
     return 1
@@ -163,7 +218,7 @@ async def transcribe(args) -> int:
         raise Failed(f"{args.file} holds no audio")
     model = args.model or served_model(args.url, args.api_key)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    chunk = max(1, int(SAMPLE_RATE * args.chunk_ms / 1000))
+    chunk = int(SAMPLE_RATE * args.chunk_ms / 1000)
     async with websockets.connect(args.url, additional_headers=headers, max_size=None) as ws:
         await open_session(ws, model, args.delay_ms)
         start = time.monotonic()
@@ -181,11 +236,20 @@ async def transcribe(args) -> int:
 
         sender = asyncio.create_task(send_audio())
         try:
-            done = await read_transcript(ws, final_sent)
+            done, notice = await read_transcript(ws, final_sent)
         finally:
             sender.cancel()
             await asyncio.gather(sender, return_exceptions=True)  # a closed socket is the reader's to report
     usage = done.get("usage") or {}
+    heard = usage.get("audio_seconds")  # jaxstream's: the audio the transcript covers (vLLM does not say)
+    if heard is not None:  # a notice that came once the whole file was sent (before its final) cut nothing short
+        incomplete = round(heard * SAMPLE_RATE) < len(pcm)
+    else:
+        incomplete = notice is not None
+    if incomplete:
+        covered = f"{heard:.2f} s" if heard is not None else "part"
+        raise Failed(f"incomplete transcript: the server transcribed {covered} of the {len(pcm) / SAMPLE_RATE:.2f} s "
+                     f"of audio in {args.file}" + (f": {notice}" if notice else ""))
     print(f"[{time.monotonic() - start:.2f} s, {len(pcm) / SAMPLE_RATE:.2f} s of audio, "
           f"{usage.get('completion_tokens')} tokens]", file=sys.stderr)
     return 0
@@ -198,7 +262,7 @@ def main() -> int:
     parser.add_argument("--api-key", default=os.environ.get("JAXSTREAM_API_KEY"))
     parser.add_argument("--model", default=None, help="model id (default: the server's first, from /v1/models)")
     parser.add_argument("--delay-ms", type=int, default=None, help="transcription delay (jaxstream servers)")
-    parser.add_argument("--chunk-ms", type=float, default=80.0, help="audio per append (default 80 ms)")
+    parser.add_argument("--chunk-ms", type=chunk_ms, default=80.0, help="audio per append (default 80 ms)")
     parser.add_argument("--fast", action="store_true", help="send as fast as possible instead of in real time")
     args = parser.parse_args()
     return run_client(transcribe(args), args.url)

@@ -47,6 +47,8 @@ cause (the same word where there is nothing more precise to say):
     invalid_request / invalid_payload, model_not_allowed, no_active_utterance, turn_detection_enabled,
                       utterance_in_progress
     invalid_audio, audio_limit_exceeded, input_audio_buffer_commit_empty, draining    as on /v1/realtime
+    server_draining                           the drain ended the utterance's audio: its done (next) covers
+                                              only the audio received; details: audio_seconds
     the engine's code (engine_dead, ...), processing_error      a failed start or transcription (no `done`)
 """
 import asyncio
@@ -62,7 +64,7 @@ from jaxstream.errors import EngineError
 from jaxstream.models.audio import SAMPLING_RATE  # the protocol's audio rate, never negotiated
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_pcm16_base64
 from jaxstream.serving.engine_sessions import failure_of, start_session
-from jaxstream.serving.limits import CLOSE_NORMAL, CLOSE_UNAUTHORIZED, Breach, RollingWindowLimiter
+from jaxstream.serving.limits import CLOSE_NORMAL, CLOSE_UNAUTHORIZED, Breach, RollingWindowLimiter, drain_notice
 from jaxstream.serving.vad import (TurnDetectionError, TurnSegmenter, parse_turn_detection, start_turn_segmenter,
                                    vad_config)
 from jaxstream.serving.websocket import ConnectionClosed
@@ -102,6 +104,7 @@ class _Utterance:
         self.first_audio_at: float | None = None
         self.final_at: float | None = None
         self.pump: asyncio.Task | None = None
+        self.drained = False  # the server's drain ended its audio, not the client: its done comes with a notice
         self.reported = False  # its done or error went out: aborting it now cancels nothing the client awaits
 
 
@@ -157,6 +160,7 @@ class EnvelopeProtocol:
         async with self._lock:
             self._drop_pending()
             if self.open is not None:
+                self.open.drained = True
                 try:
                     await self._finalize(self.open)
                 except (EnvelopeError, EngineError) as exc:
@@ -301,7 +305,9 @@ class EnvelopeProtocol:
         if self.conn.audio_seconds + seconds > self.limits.max_audio_seconds:
             raise EnvelopeError("audio_limit_exceeded", "audio_limit_exceeded", f"This connection reached its "
                                 f"limit of {self.limits.max_audio_seconds:g} s of audio; open a new one")
-        if self.segmenter is None and self.open is None and not self.discarding:
+        # A draining server starts no later utterance: audio no utterance takes is dropped, not held (it would
+        # only fill max_pending_seconds and answer audio_limit_exceeded to a client whose utterance it ended).
+        if self.segmenter is None and self.open is None and not self.discarding and not self.server.draining:
             if self.pending_samples + pcm.size > self.limits.max_pending_seconds * SAMPLING_RATE:
                 raise EnvelopeError("audio_limit_exceeded", "audio_limit_exceeded", f"More than "
                                     f"{self.limits.max_pending_seconds:g} s of audio appended while no utterance "
@@ -459,6 +465,10 @@ class EnvelopeProtocol:
                     elif isinstance(event, TranscriptionDone):
                         if utterance.final_at is not None:
                             metrics.finalize.observe(time.monotonic() - utterance.final_at)
+                        if utterance.drained:  # after the last delta, before the done: both kinds of client see it
+                            seconds = event.usage.audio_seconds
+                            await self._error(utterance.session_id, utterance.request_id, "server_draining",
+                                              "server_draining", drain_notice(seconds), {"audio_seconds": seconds})
                         await self._send("transcription.done", *ids, **_done_payload(event))
                         outcome = "done"
             except ConnectionClosed:
@@ -493,8 +503,9 @@ class EnvelopeProtocol:
 
     async def _error(self, session_id, request_id, code: str, reason_code: str, message: str,
                      details: dict | None = None) -> None:
-        # The rate limits answer with their own error and keep the socket open (§5.6): not the error budget's.
-        self.conn.count_error(code, budget=code != "rate_limited")
+        # The rate limits answer with their own error and keep the socket open (§5.6), and the drain's notice is
+        # the server's doing: neither is the error budget's.
+        self.conn.count_error(code, budget=code not in ("rate_limited", "server_draining"))
         await self._send("error", session_id, request_id, code=code, message=message, reason_code=reason_code,
                          details=details or {})
 

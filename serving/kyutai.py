@@ -33,6 +33,9 @@ How our engine's output maps onto Kyutai's events (jaxstream choices):
   `Error` and the socket stays open, where Kyutai drops the connection. Errors that end the stream (the
   engine failed) send `Error` and close.
 - Timeouts are the server's shared limits (serving/limits.py), not Kyutai's 10 s ping / 20 s / 120 s.
+- A draining server (app.drain) ends the stream's audio itself: the last words go out, then an `Error` saying
+  the server is shutting down and the words cover only the first N s of audio received (audio sent after it is
+  dropped), then every pending `Marker`, then the close (1001). Kyutai's server has no drain to follow.
 """
 import asyncio
 import logging
@@ -45,7 +48,7 @@ import numpy as np
 from jaxstream.errors import CapacityError, DrainingError, EngineError, InvalidAudioError
 from jaxstream.models.audio import MAX_SAMPLE_MAGNITUDE, SLOT_SECONDS, n_delay_from_ms, prompt_length
 from jaxstream.serving.engine_sessions import start_session
-from jaxstream.serving.limits import CLOSE_CAPACITY, CLOSE_GOING_AWAY, CLOSE_INTERNAL_ERROR, Breach
+from jaxstream.serving.limits import CLOSE_CAPACITY, CLOSE_GOING_AWAY, CLOSE_INTERNAL_ERROR, Breach, drain_notice
 from jaxstream.serving.vad import SpeechDetector, VadConfig
 from jaxstream.serving.websocket import ConnectionClosed
 from jaxstream.transcription import TranscriptionDelta, TranscriptionDone, WordTiming, word_timings
@@ -316,8 +319,9 @@ class KyutaiAsr:
             self._put({"type": "Word", "text": word.word, "start_time": word.start})
             self._put({"type": "EndWord", "stop_time": word.end})
 
-    def _error(self, code: str, message: str) -> None:
-        self.conn.count_error(code)
+    def _error(self, code: str, message: str, *, budget: bool = True) -> None:
+        """`budget`: whether it counts against the connection's error budget (the client's conduct)."""
+        self.conn.count_error(code, budget=budget)
         self._put({"type": "Error", "message": message})
 
     def _fail(self, exc: EngineError) -> None:
@@ -346,6 +350,8 @@ class KyutaiAsr:
                 elif isinstance(event, TranscriptionDone):
                     tail = event.token_ids[self.words.generated:]
                     self._put_words(self.words.flush(tail, event.usage.audio_seconds))
+                    if self.draining:  # after the last words, before the markers a client waits for
+                        self._error("server_draining", drain_notice(event.usage.audio_seconds), budget=False)
                     self.ended = True
                     metrics.utterances.labels(outcome="done").inc()
         except EngineError as exc:

@@ -107,6 +107,19 @@ def idle_breach(limits: Limits) -> Breach:
                   f"No message for {limits.idle_timeout_s:g} s: closing the idle connection")
 
 
+def drain_notice(received: float, modality: str = "audio") -> str:
+    """The message of the `server_draining` error a draining server sends, on every protocol, when it ended a
+    stream's input itself (app.drain: `finish_for_drain`): sent before the output's end (its done), so that a
+    client reading to the done knows the output stops at the input received (`received`: seconds of audio, or
+    bytes of text)."""
+    if modality == "audio":
+        amount, output = f"{received:.2f} s of audio", "transcript"
+    else:
+        amount, output = f"{received:g} bytes of text", "completion"
+    return (f"The server is shutting down: it ended the input early, and the {output} covers only the first "
+            f"{amount} received")
+
+
 def duration_breach(limits: Limits, what: str = "connection") -> Breach:
     """The end of a WebSocket connection, or of an HTTP stream (`what`), at `max_session_seconds` of age."""
     return Breach("max_duration", CLOSE_MAX_DURATION, "max_duration_exceeded",

@@ -35,6 +35,10 @@ jaxstream choices where OpenAI's behaviour does not carry over:
   still stay open); neither resets while the connection is open (`reset_seconds: null`).
 - No `...transcription.segment` events: they carry diarisation (a speaker per segment), which the model
   does not produce; the spec makes them optional.
+- A draining server (app.drain) commits the item still open at its deadline, and that item's transcript covers
+  only the audio received: an `error` `server_draining` (a `server_error`, naming the seconds transcribed) comes
+  after its last delta and before its `...transcription.completed`. Audio appended after it is refused
+  (`draining`: no new item opens); the socket closes with 1001 once the item is done.
 """
 import asyncio
 import json
@@ -51,6 +55,7 @@ from jaxstream.models.audio import SLOT_SECONDS
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_g711_base64, decode_pcm16_base64
 from jaxstream.serving.engine_sessions import start_session, token_logprobs
 from jaxstream.serving.http_errors import error_type
+from jaxstream.serving.limits import drain_notice
 from jaxstream.serving.vad import (TurnDetectionError, TurnSegmenter, parse_turn_detection, start_turn_segmenter,
                                    vad_config)
 from jaxstream.serving.websocket import ConnectionClosed
@@ -86,6 +91,7 @@ class _Item:
         self.samples = 0  # at the input rate
         self.first_audio_at: float | None = None  # for the first-delta latency metric
         self.committed_at: float | None = None
+        self.drained = False  # committed by the server's drain, not the client: completed comes with a notice
         self.pump: asyncio.Task | None = None
 
 
@@ -151,6 +157,7 @@ class OpenAiRealtime:
             item = self.open
             if item is not None:
                 if item.samples * 1000 >= MIN_COMMIT_MS * self.rate:
+                    item.drained = True
                     await self._commit(item)
                 else:
                     await self._drop_open()
@@ -490,6 +497,9 @@ class OpenAiRealtime:
             if item.committed_at is not None:
                 metrics.finalize.observe(time.monotonic() - item.committed_at)
             metrics.utterances.labels(outcome="done").inc()
+            if item.drained:  # after the item's last delta, before its transcript: whoever stops at either saw it
+                await self._error("server_draining", drain_notice(done.usage.audio_seconds), None, None,
+                                  budget=False)
             audio_tokens = round(done.usage.audio_seconds / SLOT_SECONDS)
             text_tokens, output = done.usage.prompt_tokens, done.usage.output_tokens
             await self._send("conversation.item.input_audio_transcription.completed", item_id=item.id,
@@ -553,8 +563,10 @@ class OpenAiRealtime:
         else:
             await self._error(exc.code, str(exc), None, event_id)
 
-    async def _error(self, code: str, message: str, param: str | None, event_id: str | None) -> None:
-        self.conn.count_error(code)
+    async def _error(self, code: str, message: str, param: str | None, event_id: str | None, *,
+                     budget: bool = True) -> None:
+        """`budget`: whether it counts against the connection's error budget (the client's conduct)."""
+        self.conn.count_error(code, budget=budget)
         await self.conn.send(self.error_event(code, message, param=param, event_id=event_id))
 
 

@@ -38,7 +38,7 @@ from jaxstream.serving import sse
 from jaxstream.serving.http_errors import (
     RequestError, body_read, engine_request_error, parse_json_object, read_before_admission,
 )
-from jaxstream.serving.limits import Breach, duration_breach
+from jaxstream.serving.limits import Breach, drain_notice, duration_breach
 
 logger = logging.getLogger(__name__)
 
@@ -273,11 +273,24 @@ class DrainHandle:
         return self.stream.started and not self.stream.done
 
     async def finish_for_drain(self) -> None:
-        if self.feed is not None and not self.feed.ended:
-            try:
-                await self.feed.end()
-            except RequestError as exc:
-                logger.info("drain could not end an HTTP stream's input: %s", exc)
+        """Ends the input of a running stream, and says so on its output: an `error` `server_draining` naming the
+        input the output covers; the output then goes on to its done. The notice is logged before the input
+        ends: the engine input's pump logs the done as soon as the engine is through, and could otherwise come
+        first (so the output's last deltas may follow the notice, where the WebSocket protocols send it right
+        before their done). A stream whose engine session does not run (not started, or over) was stopped, or
+        has no output to cut short."""
+        feed = self.feed
+        if feed is None or feed.ended or not self.busy():
+            return
+        stream = self.stream
+        if stream.log is not None:
+            received = feed.audio_seconds if stream.modality == "audio" else feed.applied_bytes
+            stream.state.metrics.errors.labels(code="server_draining").inc()
+            stream.log.append(sse.error_payload(drain_notice(received, stream.modality), "server_draining"))
+        try:
+            await feed.end()
+        except RequestError as exc:
+            logger.info("drain could not end an HTTP stream's input: %s", exc)
 
     def stop(self, breach: Breach) -> None:
         # The stream ends with the breach's own code before `on_stop` runs: the session closing that follows

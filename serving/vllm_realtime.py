@@ -21,9 +21,16 @@ Where vLLM 0.33 silently misbehaves, the default ("strict") mode answers instead
 | binary frame                      | `invalid_frame`, socket kept            | socket closed (1003)    |
 | `transcription.done` extras       | `words`, `usage.audio_seconds`          | none                    |
 | engine error in a generation      | the engine's code (`engine_dead`, ...)  | `processing_error`      |
+| drain ends an utterance's audio   | `server_draining` error, then its done  | its done only           |
 
 Neither mode reproduces vLLM's bugs: a stray `final` never poisons the next utterance, and deltas are never
 empty (the engine streams text only). On the SageMaker route binary frames are UTF-8 JSON.
+
+A draining server (SIGTERM: app.drain) ends the audio of an utterance the client has not finalised by its
+deadline, as a final commit would; its `transcription.done` then covers only the audio received, and strict
+mode says so first: an `error` `server_draining` after its last delta, naming the seconds of audio transcribed.
+Audio appended after that is dropped, and the socket closes with 1001 after the done. A connection with no
+utterance taking audio gets only that close ("server shutting down"): no transcript of it is cut short.
 
 Server VAD, a jaxstream extension (strict mode only; `--compat vllm` ignores the field as vLLM does):
 `session.update` may carry OpenAI's `turn_detection` object (`{"type": "server_vad", "threshold",
@@ -57,7 +64,7 @@ from jaxstream.errors import EngineError
 from jaxstream.models.audio import SAMPLING_RATE  # the protocol's audio rate, never negotiated
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_pcm16_base64
 from jaxstream.serving.engine_sessions import failure_of, start_session
-from jaxstream.serving.limits import CLOSE_UNSUPPORTED_DATA, Breach
+from jaxstream.serving.limits import CLOSE_UNSUPPORTED_DATA, Breach, drain_notice
 from jaxstream.serving.vad import (TurnDetectionError, TurnSegmenter, parse_turn_detection, start_turn_segmenter,
                                    vad_config)
 from jaxstream.serving.websocket import ConnectionClosed
@@ -87,6 +94,7 @@ class _Utterance:
         self.session = session
         self.samples = 0
         self.finalizing = False  # the final commit was received (no more audio for this one)
+        self.drained = False  # the server's drain ended its audio, not the client: its done comes with a notice
         self.failed = False  # an error was already reported for it (report once)
         self.first_audio_at: float | None = None
         self.final_at: float | None = None
@@ -160,6 +168,7 @@ class VllmRealtime:
             self.next_commit, self.next_final = False, None
             utterance = self.utterance
             if utterance is not None and not utterance.finalizing:
+                utterance.drained = True
                 try:
                     await self._finalize(utterance)
                 except (ProtocolError, EngineError) as exc:
@@ -288,9 +297,12 @@ class VllmRealtime:
         utterance = self.utterance
         if utterance is not None and not utterance.finalizing:
             await self._feed(utterance, pcm)
-        elif (utterance is not None and self.compat) or self.discarding or self.segmenter is not None:
+        elif ((utterance is not None and self.compat) or self.discarding or self.segmenter is not None
+              or self.server.draining):
             pass  # vLLM drains audio sent between final and done; strict drops audio the engine won't use, and
-            # with VAD a turn's audio belongs to no later turn
+            # with VAD a turn's audio belongs to no later turn; a draining server starts no later utterance (held,
+            # it would only reach max_pending_seconds and answer a client whose utterance the drain ended with
+            # audio_limit_exceeded)
         else:
             if self.pending_samples + pcm.size > self.limits.max_pending_seconds * SAMPLING_RATE:
                 raise ProtocolError("audio_limit_exceeded", f"More than {self.limits.max_pending_seconds:g} s "
@@ -432,6 +444,10 @@ class VllmRealtime:
                 elif isinstance(event, TranscriptionDone):
                     if utterance.final_at is not None:
                         metrics.finalize.observe(time.monotonic() - utterance.final_at)
+                    if utterance.drained and not self.compat:  # vLLM has no such notice: --compat vllm sends none
+                        # After the last delta and before the done: a client that stops at an error (vLLM's
+                        # example does) has the whole text, one that reads to the done has seen the notice.
+                        await self._error("server_draining", drain_notice(event.usage.audio_seconds), budget=False)
                     await self.conn.send(self._done_event(event))
                     finished = True
                     metrics.utterances.labels(outcome="done").inc()
@@ -480,8 +496,9 @@ class VllmRealtime:
             event["words"] = [{"word": w.word, "start": w.start, "end": w.end} for w in done.words]
         return event
 
-    async def _error(self, code: str, message: str) -> None:
-        self.conn.count_error(code)
+    async def _error(self, code: str, message: str, *, budget: bool = True) -> None:
+        """`budget`: whether it counts against the connection's error budget (the client's conduct)."""
+        self.conn.count_error(code, budget=budget)
         await self.conn.send(self.error_event(code, message))
 
 

@@ -154,14 +154,16 @@ def assert_one_line_failure(result, *expected: str) -> None:
 
 class FakeServer:
     """A /v1/realtime server that sends session.created, records what the client sends, and then either
-    never answers (`close_after` None) or closes the connection with that code after the first append."""
+    never answers (`close_after` None), or closes the connection with that code after the first append, or
+    answers the final commit with the events `answer`."""
 
-    def __init__(self, close_after: int | None = None):
+    def __init__(self, close_after: int | None = None, answer: list[dict] = ()):
         from websockets.sync.server import serve
 
         self.received: list[dict] = []
         self.connections = 0
         self.close_after = close_after
+        self.answer = answer
         self.server = serve(self._handle, "127.0.0.1", 0)
         self.url = f"ws://127.0.0.1:{self.server.socket.getsockname()[1]}/v1/realtime"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -176,6 +178,9 @@ class FakeServer:
                 self.received.append(json.loads(message))
                 if self.close_after and self.received[-1]["type"] == "input_audio_buffer.append":
                     ws.close(self.close_after, "closed by the test")
+                if self.received[-1].get("final"):
+                    for event in self.answer:
+                        ws.send(json.dumps(event))
 
     def types(self) -> list[str]:
         return [event["type"] + ("(final)" if event.get("final") else "") for event in self.received]
@@ -273,6 +278,103 @@ def test_realtime_client_a_server_that_lists_no_model_is_one_line(wavs, tmp_path
     assert_one_line_failure(result, "/v1/models listed no model; name one with --model")
 
 
+def busy(server) -> bool:
+    return any(conn.protocol.busy() for conn in list(server.state.connections))
+
+
+def test_realtime_client_reports_a_transcript_the_server_ended_early(engine, wavs):
+    """A server shutting down mid-file (SIGTERM: app.drain) ends the utterance itself and sends its done: the
+    client printed that transcript and exited 0 as if it covered the whole file. It now prints it, then one line
+    saying how much of the file the server transcribed, with the server's notice, and exits 1."""
+    from jaxstream.serving.app import drain
+
+    stopping = ServerThread(engine)
+    try:
+        client = Client("realtime_client.py", str(wavs / "speech.wav"), "--url", stopping.url())  # at real time
+        wait_until(lambda: busy(stopping), "the client's utterance never ran")
+        assert stopping.call(drain(stopping.app, 2.0)) is True  # the drain ends it 1 s later, then waits for it
+        code, stdout, stderr = client.result()
+    finally:
+        stopping.close()
+    seconds = sample_audio().size / 16000
+    assert code == 1 and len(stderr) == 1, stderr
+    line = stderr[0]
+    assert line.startswith("incomplete transcript: the server transcribed ") and "shutting down" in line, line
+    assert f" s of the {seconds:.2f} s of audio in {wavs / 'speech.wav'}: " in line, line
+    transcribed = float(line.split("transcribed ")[1].split(" s")[0])
+    assert 0 < transcribed < seconds - 1, line  # the drain came a second or more before the end of the file
+    assert f"the first {transcribed:.2f} s of audio received" in line, line
+    heard, words = stdout.split(), set(sample_words())
+    assert heard and sum(word in words for word in heard) >= len(heard) - 1, stdout
+
+
+@pytest.mark.parametrize("usage, incomplete", [({"audio_seconds": 1.0}, True), ({}, False)],
+                         ids=["jaxstream-usage", "vllm-usage"])
+def test_realtime_client_compares_the_audio_the_server_transcribed_with_the_file(wavs, usage, incomplete):
+    """A done whose usage says it covers less audio than the file (a server that ended the utterance without
+    saying why) is an incomplete transcript too; vLLM's done does not say, and is taken as complete."""
+    fake = FakeServer(answer=[{"type": "transcription.delta", "delta": "he who"},
+                              {"type": "transcription.done", "text": "he who", "usage": usage}])
+    try:
+        result = Client("realtime_client.py", str(wavs / "speech.wav"), "--url", fake.url, "--model", "m",
+                        "--fast").result()
+    finally:
+        fake.close()
+    code, stdout, stderr = result
+    assert stdout.split() == ["he", "who"], stdout
+    if incomplete:
+        assert_one_line_failure(result, f"the server transcribed 1.00 s of the {sample_audio().size / 16000:.2f} s "
+                                "of audio in")
+    else:
+        assert code == 0 and len(stderr) == 1 and "s of audio" in stderr[0], stderr
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "0.01", "nan", "inf", "x"])
+def test_realtime_client_chunk_ms_must_be_a_positive_number_of_samples(wavs, value):
+    """--chunk-ms 0 or -5 sent one sample per append; argparse now refuses it (exit 2), naming the option."""
+    code, _, stderr = Client("realtime_client.py", str(wavs / "speech.wav"), "--url", "ws://127.0.0.1:9/v1/realtime",
+                             "--model", "m", f"--chunk-ms={value}").result()
+    assert code == 2 and stderr[-1].startswith("realtime_client.py: error: argument --chunk-ms: "), stderr
+    assert "positive number of milliseconds" in stderr[-1] or "expected milliseconds" in stderr[-1], stderr
+
+
+def client_args(script: str, wavs: Path, *args: str) -> list[str]:
+    """The arguments of `script` that transcribe speech.wav (realtime_client.py) or the microphone, plus `args`."""
+    return [str(wavs / "speech.wav"), *args, "--fast"] if script == "realtime_client.py" else list(args)
+
+
+@pytest.mark.parametrize("script", ["realtime_client.py", "microphone_client.py"])
+@pytest.mark.parametrize("model", [[], ["--model", "m"]], ids=["model-from-server", "model-given"])
+@pytest.mark.parametrize("path, status", [("/v1/nothere", 404), ("/", 200)], ids=["no-route", "demo-page"])
+def test_a_wrong_url_path_is_named(server, wavs, fake_sounddevice, script, model, path, status):
+    """A path that is no WebSocket route of the server: the client blamed its model lookup ("the server refused
+    GET /v1/models: HTTP 404"), or said "refused: HTTP 200"; it now asks the server's /v1/models and says the
+    path of --url is wrong."""
+    env = {"PYTHONPATH": str(fake_sounddevice), "FAKE_MICROPHONE": ""}
+    args = client_args(script, wavs, "--url", server.url(path), "--api-key", API_KEY, *model)
+    assert_one_line_failure(Client(script, *args, env=env).result(),
+                            f"the server has no WebSocket route {path} (HTTP {status}): check the path of --url")
+
+
+@pytest.mark.parametrize("script", ["realtime_client.py", "microphone_client.py"])
+def test_a_refusal_at_capacity_is_the_servers_words(engine, wavs, fake_sounddevice, script):
+    """A server at its connection limit answers the handshake with an `error` event: the client printed it as a
+    Python dict ("refused: {'type': 'error', ...}"); it now prints its message and code."""
+    from websockets.sync.client import connect
+
+    full = ServerThread(engine, ServerConfig(limits=Limits(max_connections=1)))
+    try:
+        with connect(full.url()) as held:
+            assert json.loads(held.recv(30))["type"] == "session.created"
+            env = {"PYTHONPATH": str(fake_sounddevice), "FAKE_MICROPHONE": ""}
+            result = Client(script, *client_args(script, wavs, "--url", full.url(), "--model", "m"), env=env).result()
+    finally:
+        full.close()
+    assert_one_line_failure(result, "the server refused the session: The server is at its limit of 1 connections; "
+                            "retry later (code capacity)")
+    assert "{" not in result[2][0], result
+
+
 # -- microphone_client.py ---------------------------------------------------------------------------------
 def microphone(fake_sounddevice, *args: str, wav: Path | None = None) -> Client:
     env = {"PYTHONPATH": str(fake_sounddevice), "FAKE_MICROPHONE": str(wav) if wav else ""}
@@ -325,6 +427,24 @@ def test_microphone_client_ctrl_c_before_any_audio(server, fake_sounddevice):
     code, _, stderr = client.result()
     assert code == 1 and "Traceback" not in "\n".join(stderr), stderr
     assert stderr[-1] == "no audio was captured", stderr
+
+
+def test_microphone_client_reports_a_transcript_the_server_ended_early(engine, wavs, fake_sounddevice):
+    """A server shutting down ends the utterance itself: the final transcript is printed as it came, then one line
+    with the server's notice, and the exit code is 1 (it was 0, as if the user had ended the utterance)."""
+    from jaxstream.serving.app import drain
+
+    stopping = ServerThread(engine)
+    try:
+        client = microphone(fake_sounddevice, "--url", stopping.url(), wav=wavs / "speech.wav")
+        wait_until(lambda: busy(stopping), "the client's utterance never ran")
+        assert stopping.call(drain(stopping.app, 2.0)) is True
+        code, stdout, stderr = client.result()
+    finally:
+        stopping.close()
+    assert code == 1 and "Traceback" not in "\n".join(stderr), stderr
+    assert stdout.split("final: ")[-1].strip(), stdout
+    assert stderr[-1].startswith("incomplete transcript: The server is shutting down"), stderr
 
 
 def test_microphone_client_a_second_ctrl_c_stops_waiting(wavs, fake_sounddevice):

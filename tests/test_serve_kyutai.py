@@ -4,6 +4,7 @@ and times against the engine's own result for the same audio, markers, steps, au
 malformed frames and a hypothesis fuzz."""
 import asyncio
 import math
+import re
 
 import msgpack
 import numpy as np
@@ -178,7 +179,9 @@ async def test_a_marker_comes_back_when_the_audio_after_it_just_covers_the_delay
 
 async def test_the_drain_sends_the_last_words_then_closes(engine, speech):
     """A drain ends the stream's audio: the words of all the audio sent (the last one too, which no next
-    word closed) go out as the engine's own API gives them, then the socket closes with 1001."""
+    word closed) go out as the engine's own API gives them, then an `Error` says that the server ended the
+    stream and how much audio the words cover (nothing said so: the words just stopped), then the socket closes
+    with 1001."""
     from jaxstream.serving.app import drain
 
     talk = speech[:-2 * INPUT_RATE]
@@ -199,6 +202,10 @@ async def test_the_drain_sends_the_last_words_then_closes(engine, speech):
         assert closed.value.rcvd.code == 1001 and await draining is True
         words = [m for m in messages if m["type"] in ("Word", "EndWord")]
         assert [(w["text"], w["start_time"], e["stop_time"]) for w, e in zip(words[::2], words[1::2])] == expected
+        said = [m for m in messages if m["type"] != "Step"]
+        assert said[-1]["type"] == "Error" and said[:-1] == words, said[-3:]
+        covered = re.search(r"shutting down.* the first ([0-9.]+) s of audio", said[-1]["message"])
+        assert float(covered.group(1)) == pytest.approx(talk.size / INPUT_RATE, abs=0.011), said[-1]
     finally:
         server.close()
 

@@ -330,6 +330,8 @@ async def test_drain_deadline_finishes_running_utterances_itself(engine, audio, 
         await wait_for(lambda: any(conn.protocol.busy() for conn in list(server.state.connections)))
         started = time.monotonic()
         draining = start_drain(server, 3.0)
+        # The server ended the audio, not the client: its done comes after a notice saying so.
+        assert (await client.until("error"))[-1]["code"] == "server_draining"
         done = (await client.until("transcription.done"))[-1]
         assert done["text"] == full_text
         assert (await closed_code(client))[0] == 1001

@@ -4,6 +4,7 @@ errors, fuzz): manual turns, server VAD, input formats, errors echoing the clien
 import asyncio
 import base64
 import json
+import re
 import warnings
 
 import jiwer
@@ -468,7 +469,9 @@ async def test_an_update_whose_vad_fails_to_start_changes_nothing(server, model,
 
 
 async def test_drain_commits_the_open_item_and_closes(engine, model, speech, reference):
-    """A draining server commits the item still open, sends its transcript, then closes with 1001."""
+    """A draining server commits the item still open, sends its transcript, then closes with 1001. Between the
+    item's last delta and its transcript an `error` `server_draining` says the transcript covers only the audio
+    received (the server, not the client, ended the item; nothing said so)."""
     from jaxstream.serving.app import drain
 
     server = ServerThread(engine)
@@ -480,7 +483,14 @@ async def test_drain_commits_the_open_item_and_closes(engine, model, speech, ref
         await client.until("conversation.item.added")
         draining = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(drain(server.app, 3.0), server.loop))
         events = await client.until("conversation.item.done")
-        assert "input_audio_buffer.committed" in [e["type"] for e in events]
+        kinds = [e["type"] for e in events]
+        committed, completed = (kinds.index("input_audio_buffer.committed"),
+                                kinds.index("conversation.item.input_audio_transcription.completed"))
+        assert set(kinds[committed + 1:completed - 1]) <= {"conversation.item.input_audio_transcription.delta"}
+        notice = events[completed - 1]["error"]
+        assert (notice["code"], notice["type"]) == ("server_draining", "server_error"), events[completed - 1]
+        covered = re.search(r"the first ([0-9.]+) s of audio", notice["message"])
+        assert float(covered.group(1)) == pytest.approx(speech.size / 16000, abs=0.011), notice
         assert list(transcripts(events).values()) == [reference]
         with pytest.raises(websockets.ConnectionClosed) as closed:
             await client.event(10)

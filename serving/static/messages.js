@@ -3,6 +3,7 @@
 // act on. A classic script loaded before app.js: its constants are app.js's globals.
 
 const MAX_DURATION_TEXT = "The connection reached the server's maximum duration."; // its error code and close code
+const SHUTTING_DOWN_TEXT = "The server is shutting down."; // a 1001 close, /health's "draining"
 // Codes that answer events this page never sends as it is: the page and the server disagree, most likely because the
 // server was upgraded under an open page (or a proxy changed the frames).
 const MISMATCH_TEXT = "The server did not accept what this page sent: reload the page (the server may have been " +
@@ -16,7 +17,9 @@ const ERROR_TEXT = {
   backlog: "The server fell too far behind the audio and stopped this transcription. Try again in a moment.",
   not_ready: "The model is still loading. Try again in a moment.",
   draining: "The server is shutting down and takes no new transcription.",
-  server_draining: "The server is shutting down.", // no code the server sends: CLOSE_TEXT's words for a 1001
+  // Sent by a draining server that ended the utterance's audio itself, before its transcription.done.
+  server_draining: "The server is shutting down, so it stopped taking audio: the transcript covers only what " +
+    "was said until then.",
   server_shutdown: "The server shut down before the transcription finished: the transcript keeps the text that came.",
   engine_dead: "The server's engine has stopped; it needs a restart.",
   engine_error: "The server's engine failed on this transcription. Try again; the server's log says why.",
@@ -48,7 +51,7 @@ const proxyText = (status) => `The server is unavailable: the proxy in front of 
   "may be restarting).";
 // /health's words for a server that answers but cannot take a transcription (its status: serving/app.py).
 const HEALTH_TEXT = {
-  draining: ERROR_TEXT.server_draining, engine_dead: ERROR_TEXT.engine_dead,
+  draining: SHUTTING_DOWN_TEXT, engine_dead: ERROR_TEXT.engine_dead,
   failed: "The server could not load its model; it needs a restart.",
 };
 // The per-key limits (serving/limits.py; `owner`: "this API key", or "this address" on a server without keys): a 429
@@ -65,7 +68,7 @@ const SILENT_PLAYBACK_TEXT = "Its playback stays silent until the page has been 
 const FINISHING_TEXT = "Finishing the transcript… (press Stop to end without waiting for it)";
 const FINAL_STOPPED_TEXT = "Stopped before the server finished the transcript: its last words may be missing.";
 const CLOSE_TEXT = {
-  1001: ERROR_TEXT.server_draining, 1013: ERROR_TEXT.not_ready, 4000: ERROR_TEXT.idle_timeout,
+  1001: SHUTTING_DOWN_TEXT, 1013: ERROR_TEXT.not_ready, 4000: ERROR_TEXT.idle_timeout,
   4002: ERROR_TEXT.capacity, 4003: MAX_DURATION_TEXT,
   // No close frame: the server died or the network dropped (the transcript keeps the text that came).
   1006: "The connection to the server was lost before the transcript was complete.",
