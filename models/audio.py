@@ -458,10 +458,13 @@ def clip_resampled(samples: np.ndarray) -> np.ndarray:
     return np.clip(samples, -MAX_SAMPLE_MAGNITUDE, MAX_SAMPLE_MAGNITUDE)
 
 
-def load_audio(source: str | os.PathLike | bytes, max_seconds: float | None = None) -> np.ndarray:
+def load_audio(source: str | os.PathLike | bytes, max_seconds: float | None = None, *,
+               name: str | None = None) -> np.ndarray:
     """An audio file (path or the file's bytes; wav/flac/ogg/mp3/...) -> mono float32 at 16 kHz.
 
-    Channels are averaged. Raises `AudioError` naming the file when it is missing or cannot be decoded. With
+    Channels are averaged. Raises `AudioError` naming the file (its path; bytes by `name`, an upload's filename,
+    when the caller has one) when it is missing or cannot be decoded, and listing the formats libsndfile reads
+    when it does not recognise the file's format or encoding (`readable_formats`). With
     `max_seconds`, longer audio raises `AudioTooLongError` before more than that much of it is decoded: a
     compressed file of hours of silence is a few MB, its samples gigabytes. The length the file declares is
     checked first; the decoding, a block at a time, stops once it passes the limit all the same, since a
@@ -475,7 +478,7 @@ def load_audio(source: str | os.PathLike | bytes, max_seconds: float | None = No
     import soxr
 
     if isinstance(source, (bytes, bytearray)):
-        name, handle = "<audio bytes>", io.BytesIO(source)
+        name, handle = name or "<audio bytes>", io.BytesIO(source)
     else:
         name = handle = os.fspath(source)
         if not os.path.isfile(name):
@@ -509,8 +512,27 @@ def load_audio(source: str | os.PathLike | bytes, max_seconds: float | None = No
     except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
         # libsndfile's own message names its handle ("Error opening <_io.BytesIO object at 0x...>"): `name`
         # says which audio, its error_string why.
-        raise AudioError(f"cannot decode audio {name}: {getattr(exc, 'error_string', None) or exc}") from exc
+        reason = getattr(exc, "error_string", None) or str(exc)
+        if getattr(exc, "code", None) in _FORMAT_ERRORS:
+            reason = f"{reason.rstrip('.')}. {readable_formats()}"
+        raise AudioError(f"cannot decode audio {name}: {reason}") from exc
     return samples.take()
+
+
+_FORMAT_ERRORS = (1, 4)  # libsndfile's SF_ERR_UNRECOGNISED_FORMAT, SF_ERR_UNSUPPORTED_ENCODING
+_COMMON_FORMATS = ("WAV", "FLAC", "OGG", "MP3")  # named first, when this libsndfile reads them
+
+
+def readable_formats() -> str:
+    """The formats load_audio decodes, as this build of libsndfile names them (RAW, header-less, it cannot: it
+    would need the rate and encoding given). Common ones it does not read, such as the MP4/M4A and WebM that
+    OpenAI's upload takes, need converting first."""
+    import soundfile
+
+    formats = set(soundfile.available_formats()) - {"RAW"}
+    named = [f for f in _COMMON_FORMATS if f in formats] + sorted(formats - set(_COMMON_FORMATS))
+    return (f"Readable formats (libsndfile {soundfile.__libsndfile_version__}): {', '.join(named)}; convert others "
+            f"first, e.g. MP4, M4A or WebM: ffmpeg -i IN OUT.wav")
 
 
 def _checked_block(mono: np.ndarray, name: str) -> np.ndarray:

@@ -14,6 +14,8 @@ Routes (specs/realtime_protocols.md §0):
     /v1/streaming_input/sessions/...       Mode B streaming-input sessions, audio or text (http_sessions.py)
     GET /health, /healthz, /ping           200 when ready, 503 while loading, draining or dead (no auth)
     GET /metrics                           Prometheus text (no auth, as vLLM)
+    anything else                          404 `unknown_url` / 405 with Allow, in OpenAI's error shape; a WebSocket
+                                           route asked without an upgrade: 426 (http_errors.routing_errors_middleware)
 
 The engine is either given (tests, embedding: the caller owns it) or built by `engine_factory` on a daemon
 thread after the app starts, so /health answers 503 while every bucket compiles; the app then owns it:
@@ -41,7 +43,7 @@ from jaxstream.serving import demo, envelope, kyutai, openai_realtime, realtime_
 from jaxstream.serving.auth import OPEN_PATHS, auth_middleware, is_authorized
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.http_completions import add_completion_routes
-from jaxstream.serving.http_errors import error_response
+from jaxstream.serving.http_errors import error_response, routing_errors_middleware
 from jaxstream.serving.http_sessions import add_streaming_input_routes
 from jaxstream.serving.http_transcriptions import add_transcription_routes
 from jaxstream.serving.limits import (
@@ -61,6 +63,13 @@ CLOSE_WAIT_S = 10.0  # after the drain deadline, for sockets to finish closing (
 HEALTH_PATHS = ("/health", "/healthz", "/ping")  # open to all; 503 unless ready
 # What the routes speaking the server's own (not OpenAI's) protocols select when a browser offers it with its key.
 VLLM_SUBPROTOCOLS = (realtime_dialects.VLLM_SUBPROTOCOL,)
+# Each WebSocket route and what it is, for a client that asks one without an upgrade (a browser, curl).
+WEBSOCKET_ROUTES = {
+    "/v1/realtime": "the realtime transcription WebSocket (vLLM's protocol, or OpenAI's realtime transcription)",
+    "/invocations-bidirectional-stream": "SageMaker's bidirectional-streaming WebSocket (vLLM's realtime protocol)",
+    envelope.ROUTE: "the JSON-envelope WebSocket",
+    kyutai.ROUTE: "Kyutai's speech-to-text WebSocket (msgpack frames)",
+}
 
 
 class ServerState:
@@ -172,9 +181,11 @@ def create_app(config: ServerConfig | None = None, *, engine=None, engine_factor
     state = ServerState(config, engine)
     open_paths = OPEN_PATHS | demo.PUBLIC_PATHS
     # /ws checks its key itself: its protocol answers a bad one after the upgrade (error, close 4001).
+    # Routing's refusals are answered last, inside auth and the key's limits: they apply to any path.
     app = web.Application(middlewares=[state.first_request.middleware(),
                                        auth_middleware(config.api_keys, open_paths | {envelope.ROUTE}),
-                                       key_limits_middleware(state.key_limits, open_paths)],
+                                       key_limits_middleware(state.key_limits, open_paths),
+                                       routing_errors_middleware(WEBSOCKET_ROUTES)],
                           client_max_size=64 << 10)
     app[SERVER] = state
     app.router.add_get("/v1/realtime", _realtime)

@@ -31,6 +31,9 @@ ERROR_STATUS = {
     "no_input": 422, "file_too_large": 413, "field_too_large": 413, "payload_too_large": 413,
     "request_too_large": 413, "body_too_slow": 408, "idle_timeout": 408, "client_disconnected": 400,
     "invalid_api_key": 401, "unauthorized": 401,
+    # Routing: a path the server does not serve (OpenAI's own code), a method its route does not take, a WebSocket
+    # route asked without an upgrade.
+    "unknown_url": 404, "method_not_allowed": 405, "upgrade_required": 426,
     # A Mode B session and its event stream. A session closed for the client (idle, over its cap, not resumed) is
     # the engine's session_closed, a 409.
     "session_not_found": 404, "session_expired": 410, "session_closed": 409, "sequence_conflict": 409,
@@ -47,9 +50,9 @@ ERROR_STATUS = {
     "rate_limit_exceeded": 429, "rate_limited": 429,
     # The server's: busy, so worth retrying elsewhere or later (capacity, backlog: RETRYABLE_ENGINE_CODES), not
     # serving now (loading, failed, draining, dead), shutting down, or failing.
-    "capacity": 503, "backlog": 503, "draining": 503, "engine_dead": 503, "not_ready": 503, "loading": 503,
-    "failed": 503, "server_shutdown": 503, "first_token_timeout": 500, "engine_error": 500, "processing_error": 500,
-    "server_error": 500, "aborted": 500,
+    "capacity": 503, "backlog": 503, "draining": 503, "server_draining": 503, "engine_dead": 503, "not_ready": 503,
+    "loading": 503, "failed": 503, "server_shutdown": 503, "first_token_timeout": 500, "engine_error": 500,
+    "processing_error": 500, "server_error": 500, "aborted": 500,
 }
 # The engine is busy: it refused the call whole, and the same call may succeed on this server later. A draining
 # or dead engine will not serve it again.
@@ -86,6 +89,54 @@ def error_response(status: int, code: str, message: str, param: str | None = Non
         # RFC 9110 15.5.9: the server closes the connection rather than go on waiting for the body (aiohttp
         # discards what more of it comes for at most its 10 s lingering time, then closes).
         response.force_close()
+    return response
+
+
+_PATH_SHOWN = 200  # of a request's path, echoed in a routing error
+
+
+def routing_errors_middleware(websocket_routes: dict[str, str]):
+    """Answers the refusals aiohttp raises itself in OpenAI's error shape, as every route answers its own: an
+    unknown path (404 `unknown_url`, OpenAI's code for it) and a method its route does not take (405 with the
+    Allow header), both raised by the router, and the rest (a handshake or body aiohttp refuses) with their
+    status. `websocket_routes` maps each WebSocket route to what it is: a plain request to one is told so (426
+    Upgrade Required, RFC 9110 15.5.22), where the handshake's refusal said only `No WebSocket UPGRADE hdr`.
+
+    The app runs it after the auth middleware, as vLLM checks its key before routing: without a key, an unknown
+    path is a 401 like any other, so the server tells nobody which routes it has before they authenticate."""
+    @web.middleware
+    async def answer_in_openai_shape(request: web.Request, handler):
+        path = request.path[:_PATH_SHOWN]
+        if (request.path in websocket_routes and request.method in ("GET", "HEAD")
+                and request.headers.get("Upgrade", "").strip().lower() != "websocket"):
+            response = error_response(426, "upgrade_required", f"{path} is {websocket_routes[request.path]}: "
+                                      f"connect to it with a WebSocket client (ws:// or wss://)")
+            response.headers["Upgrade"] = "websocket"
+            return _counted(request, response, "upgrade_required")
+        try:
+            return await handler(request)
+        except web.HTTPMethodNotAllowed as exc:
+            allowed = ", ".join(sorted(exc.allowed_methods))
+            response = error_response(405, "method_not_allowed", f"{request.method} is not allowed on {path}; "
+                                      f"it takes {allowed}")
+            response.headers["Allow"] = exc.headers["Allow"]
+            return _counted(request, response, "method_not_allowed")
+        except web.HTTPNotFound:
+            return _counted(request, error_response(404, "unknown_url", f"Unknown request URL: {request.method} "
+                                                    f"{path}. Please check the URL for typos"), "unknown_url")
+        except web.HTTPException as exc:
+            if exc.status < 400:  # a redirect or 304 is an answer, not a refusal
+                raise
+            code = "request_too_large" if exc.status == 413 else "invalid_request" if exc.status < 500 else \
+                "server_error"
+            message = " ".join(exc.text.split()) if exc.text else exc.reason
+            return _counted(request, error_response(exc.status, code, message), code)
+
+    return answer_in_openai_shape
+
+
+def _counted(request: web.Request, response: web.Response, code: str) -> web.Response:
+    server_state(request).metrics.errors.labels(code=code).inc()
     return response
 
 

@@ -22,8 +22,12 @@ What a session remembers of the ids is bounded: the next id expected, the held c
 bytes a session received (held chunks included) are capped; crossing the cap answers 413, closes the session
 and aborts its engine session. A chunk or finish the engine refuses for now (at capacity: 503, Retry-After)
 changes nothing: the chunk stays held unapplied and its retry (or a finish) applies it. A refusal of the
-client's input (a finish with no payload: 422) leaves the session open; one the engine answers for good
-(draining, dead, invalid audio) closes it.
+client's input (a finish with no payload: 422 `no_input`, as an empty commit is an error on the realtime routes)
+leaves the session open for its input; one the engine answers for good (draining, dead, invalid audio) closes it.
+`.../result` before the input ended answers what stands in the way, the refusal a finish would give then: no
+payload yet (422 `no_input`), chunks missing (409 `chunks_missing`), or else a finish still to come (409
+`input_not_finished`), so that a client that called finish and result in turn is told the same thing twice and
+what to do next.
 
 A session with unfinished input and no chunk for `session_timeout_s` is closed (410 afterwards), as is one
 whose event stream dropped and was not resumed within `resume_grace_s`, and one whose engine work has not ended
@@ -233,7 +237,7 @@ class StreamingInputSessions:
                                    f"{self.max_held_chunks} ids", "sequence_id")
             piece = session.stream.decode(payload) if payload else None
             if end and piece is None and seq == session.next_seq:
-                session.feed.check_end()  # before anything changes: the session stays open for its input
+                self._check_end(session)  # before anything changes: the session stays open for its input
             if piece is not None and not session.feed.count(session.stream.measure(piece)[0]):
                 await self.close(session, f"payload over the {self.max_payload_bytes}-byte cap")
                 raise RequestError(413, "payload_too_large", f"The session received more than "
@@ -288,9 +292,32 @@ class StreamingInputSessions:
             if not session.input_ended:
                 if session.held:
                     raise _chunks_missing(session)
+                self._check_end(session)
                 await self._apply(session, session.feed.end())  # refused: nothing changed, the input stays open
                 session.end_seq = session.next_seq - 1
             return session.acknowledgement()
+
+    def _check_end(self, session: InputSession) -> None:
+        """RequestError 422 no_input when ending the input now would end it empty (the feed's check), saying
+        that the session stays open for its input and for how long."""
+        try:
+            session.feed.check_end()
+        except RequestError as exc:
+            raise RequestError(exc.status, exc.code, f"Session {session.id} has received no payload, so its input "
+                               "cannot end yet: send chunks with a payload, then finish it (it stays open, and "
+                               f"closes after {self.session_timeout_s:g} s without a chunk)") from None
+
+    def unfinished(self, session: InputSession) -> RequestError:
+        """Why `session`, whose input has not ended, has no result yet: what a finish would answer now, or, when
+        a finish would succeed, that it is still to come."""
+        if session.held:
+            return _chunks_missing(session)
+        try:
+            self._check_end(session)
+        except RequestError as exc:
+            return exc
+        return RequestError(409, "input_not_finished", f"The input has not ended: finish the session (POST {PREFIX}/"
+                            f"{session.id}/finish) or send a chunk with end_of_input, then ask for its result")
 
 
 def _chunks_missing(session: InputSession) -> RequestError:
@@ -382,7 +409,7 @@ async def _finish(request: web.Request, registry: StreamingInputSessions) -> web
 async def _result(request: web.Request, registry: StreamingInputSessions) -> web.Response:
     session = registry.get(request.match_info["session_id"])
     if not session.input_ended and not session.stream.done:
-        raise RequestError(409, "input_not_finished", "The input has not ended; finish the session first")
+        raise registry.unfinished(session)
     await session.stream.wait()  # bounded: the engine finishes a session whose input ended
     if session.stream.failure is not None:
         raise engine_request_error(session.stream.failure)

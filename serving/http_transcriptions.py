@@ -2,14 +2,18 @@
 
 A multipart upload as OpenAI's SDK sends it: `file`, `model`, `response_format` (json | text | verbose_json
 | srt | vtt), `timestamp_granularities[]` (segment, word), `stream`, `include[]=logprobs` (json only, as
-OpenAI: each text token's `{token, logprob, bytes}` in the answer and the stream events), and fields we accept
-and ignore (`language`, `prompt`, `temperature`: the model neither needs nor uses them). The form is read
-before the request is admitted, so it must keep arriving at a minimum average rate after a grace period
-(`body_grace_s`, `body_min_rate`; a slower body is a 408 that closes the connection). Once the request is
-admitted, the file is decoded with soundfile and resampled to 16 kHz (`load_audio`) off the event loop, no
-further than the server's audio limit, then streamed into one engine session. With `stream=true` the answer
-is SSE: `transcript.text.delta` events then `transcript.text.done`, and the engine session is aborted as soon
-as the client goes away.
+OpenAI: each text token's `{token, logprob, bytes}` in the answer and the stream events), `language` (an
+ISO-639-1 code: verbose_json reports it by name, as OpenAI does), and fields the model neither needs nor uses,
+checked as OpenAI types them and otherwise ignored (`temperature`, a number from 0 to 1: the model decodes
+greedily; `chunking_strategy`, "auto" or a server_vad object: the audio streams through whole; `languages[]`,
+ISO-639-1 codes; `prompt` and the rest, any text). A field that does not parse is a 400, as OpenAI answers it.
+An empty file is an `invalid_audio` 400; one that does not decode names its filename and the formats the decoder
+reads. The form is read before the request is admitted, so it must keep arriving at a minimum average rate after
+a grace period (`body_grace_s`, `body_min_rate`; a slower body is a 408 that closes the connection). Once the
+request is admitted, the file is decoded with soundfile and resampled to 16 kHz (`load_audio`) off the event
+loop, no further than the server's audio limit, then streamed into one engine session. With `stream=true` the
+answer is SSE: `transcript.text.delta` events then `transcript.text.done`, and the engine session is aborted as
+soon as the client goes away.
 
 With `X-Streaming-Input: true` the body is Mode A's NDJSON instead (streaming_input.py): an optional
 parameters line (`model`, `delay_ms`, `include: ["logprobs"]`, `start_policy`, ...), then chunks of base64
@@ -20,6 +24,7 @@ PCM16 16 kHz audio; the answer is the same SSE stream, produced while the audio 
 """
 import asyncio
 import logging
+import math
 import time
 
 import numpy as np
@@ -45,8 +50,27 @@ _FIELD_BYTES = 4 << 10  # a form field that is not the file
 # body of endless small fields (or a gzip body inflating to them) was read whole, each field kept.
 _FORM_BYTES = MAX_FILE_BYTES + (1 << 20)
 _MAX_PARTS = 64
-_FIELDS = ("model", "response_format", "stream", "language")  # the fields the route reads; others are skipped
-_LIST_FIELDS = ("timestamp_granularities", "include")
+# The fields the route reads or checks; others are skipped. chunking_strategy's server_vad object comes as
+# `chunking_strategy[type]`, ... (the SDK's bracketed form), read as fields too.
+_FIELDS = ("model", "response_format", "stream", "language", "temperature", "chunking_strategy")
+_OBJECT_FIELDS = ("chunking_strategy[",)
+_LIST_FIELDS = ("timestamp_granularities", "include", "languages")
+_VAD_INTS = ("prefix_padding_ms", "silence_duration_ms")
+_SHOWN = 40  # characters of a refused value or a filename echoed in an error
+# OpenAI's transcription languages (its speech-to-text guide, as vLLM lists them for Whisper), ISO-639-1 code ->
+# the name its verbose_json reports.
+LANGUAGES = dict(pair.split(":") for pair in """
+    af:afrikaans ar:arabic hy:armenian az:azerbaijani be:belarusian bs:bosnian bg:bulgarian ca:catalan zh:chinese
+    hr:croatian cs:czech da:danish nl:dutch en:english et:estonian fi:finnish fr:french gl:galician de:german
+    el:greek he:hebrew hi:hindi hu:hungarian is:icelandic id:indonesian it:italian ja:japanese kn:kannada
+    kk:kazakh ko:korean lv:latvian lt:lithuanian mk:macedonian ms:malay mr:marathi mi:maori ne:nepali
+    no:norwegian fa:persian pl:polish pt:portuguese ro:romanian ru:russian sr:serbian sk:slovak sl:slovenian
+    es:spanish sw:swahili sv:swedish tl:tagalog ta:tamil th:thai tr:turkish uk:ukrainian ur:urdu vi:vietnamese
+    cy:welsh""".split())
+# What verbose_json reports when the request names no language. The models served here detect none and their
+# metadata names none; both transcribe English by default (the embedded tiny model was trained on English only),
+# as vLLM assumes `en` for its Whisper models when a request names none.
+DEFAULT_LANGUAGE = "en"
 RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 _STREAM_FORMATS = ("json", "text")  # as OpenAI: a stream carries text events, not subtitles
 _SEGMENT_GAP_S = 1.0  # a pause this long between words starts a new segment
@@ -218,9 +242,10 @@ async def _next_part(reader, limits):
 
 
 async def _parse_form(request: web.Request) -> tuple[bytes, dict, dict[str, list[str]]]:
-    """(file bytes, the fields the route reads, the list fields `timestamp_granularities` and `include`).
-    The multipart reader is used directly: the app's body limit is sized for small JSON, not uploads. The
-    form is read before the request is admitted, so at the body's minimum rate."""
+    """(file bytes, the fields the route reads, the list fields `timestamp_granularities[]`, `include[]` and
+    `languages[]`); `fields["file"]` is the file's name, when its part gave one. The multipart reader is used
+    directly: the app's body limit is sized for small JSON, not uploads. The form is read before the request is
+    admitted, so at the body's minimum rate."""
     if not request.content_type.startswith("multipart/form-data"):
         raise RequestError(400, "invalid_request", "Send the audio as multipart/form-data with a `file` field")
     return await read_before_admission(request, _read_form(request))
@@ -230,6 +255,7 @@ async def _read_form(request: web.Request) -> tuple[bytes, dict, dict[str, list[
     limits = server_state(request).config.limits
     reader = await body_read(request.multipart(), limits)
     audio, fields, lists = None, {}, {name: [] for name in _LIST_FIELDS}
+    filename = None
     room, parts = _FORM_BYTES, 0
     while (part := await _next_part(reader, limits)) is not None:
         parts += 1
@@ -240,18 +266,29 @@ async def _read_form(request: web.Request) -> tuple[bytes, dict, dict[str, list[
         name = part.name or ""
         if name == "file":
             audio, size = await _read_part(part, MAX_FILE_BYTES, name, limits, room)
+            filename = part.filename
         else:
             base = name.removesuffix("[]")
-            value, size = await _read_part(part, _FIELD_BYTES, name, limits, room,
-                                           keep=name in _FIELDS or base in lists)
+            read = name in _FIELDS or name.startswith(_OBJECT_FIELDS)
+            value, size = await _read_part(part, _FIELD_BYTES, name, limits, room, keep=read or base in lists)
             if base in lists:
                 lists[base].append(value.decode("utf-8", "replace"))
-            elif name in _FIELDS:
+            elif read:
                 fields[name] = value.decode("utf-8", "replace")
         room -= size
-    if not audio:
+    if audio is None:
         raise RequestError(400, "invalid_request", "Missing required parameter: 'file'", "file")
+    if filename:
+        fields["file"] = filename[:_SHOWN]
+    if not audio:
+        # An empty part is a file, not a missing one: a recording that captured nothing, a path that was wrong.
+        raise RequestError(400, "invalid_audio", f"The uploaded file {_upload_name(fields)} is empty (0 bytes)",
+                           "file")
     return audio, fields, lists
+
+
+def _upload_name(fields: dict) -> str:
+    return repr(fields["file"]) if "file" in fields else "in the `file` field"
 
 
 def _flag(fields: dict, name: str) -> bool:
@@ -263,12 +300,62 @@ def _flag(fields: dict, name: str) -> bool:
     return value in ("true", "1")
 
 
-async def _decode(audio: bytes, state, handle: streaming_input.DrainHandle) -> np.ndarray:
-    """The upload as 16 kHz PCM, decoded off the event loop and no further than the server's audio limit.
+def _check_typed_fields(fields: dict, lists: dict[str, list[str]]) -> None:
+    """RequestError 400 for a field OpenAI types that does not parse as its type (it was ignored, whatever it
+    held); an empty field is absent, as `stream`'s is."""
+    temperature = fields.get("temperature", "").strip()
+    if temperature and not _number_in(temperature, 0, 1):
+        raise RequestError(400, "invalid_request", f"temperature must be a number from 0 to 1, got "
+                           f"{temperature[:_SHOWN]!r}", "temperature")
+    if fields.get("language", "").strip():
+        language_name(fields["language"], "language")
+    for value in lists["languages"]:
+        language_name(value, "languages[]")
+    _check_chunking_strategy(fields)
+
+
+def _number_in(text: str, low: float, high: float, *, whole: bool = False) -> bool:
+    try:
+        value = int(text) if whole else float(text)
+    except ValueError:
+        return False
+    return low <= value <= high  # false for nan
+
+
+def language_name(value: str, param: str = "language") -> str:
+    """OpenAI's name of a language given as its ISO-639-1 code (or as that name): `en` -> `english`;
+    RequestError 400 for another value, as OpenAI refuses one."""
+    code = value.strip().lower()
+    if code in LANGUAGES or code in LANGUAGES.values():
+        return LANGUAGES.get(code, code)
+    raise RequestError(400, "invalid_request", f"Invalid language {value[:_SHOWN]!r}: give the audio's language in "
+                       "ISO-639-1 format, such as `en`", param)
+
+
+def _check_chunking_strategy(fields: dict) -> None:
+    """`chunking_strategy`: "auto", or a server_vad object, which OpenAI's SDK writes in a form as
+    `chunking_strategy[type]=server_vad` and its optional members, each a field."""
+    prefix = _OBJECT_FIELDS[0]
+    plain = fields.get("chunking_strategy", "").strip()
+    members = {name[len(prefix):].removesuffix("]"): value.strip() for name, value in fields.items()
+               if name.startswith(prefix)}
+    if not members and plain in ("", "auto"):
+        return
+    if (plain or members.get("type") != "server_vad" or not set(members) <= {"type", "threshold", *_VAD_INTS}
+            or not all(_number_in(members.get(key, "0"), 0, math.inf, whole=True) for key in _VAD_INTS)
+            or not _number_in(members.get("threshold", "0"), 0, 1)):
+        raise RequestError(400, "invalid_request", 'chunking_strategy must be "auto" or a server_vad object: '
+                           f"type=server_vad, {' and '.join(_VAD_INTS)} (whole milliseconds), threshold (from 0 "
+                           "to 1)", "chunking_strategy")
+
+
+async def _decode(audio: bytes, name: str, state, handle: streaming_input.DrainHandle) -> np.ndarray:
+    """The upload as 16 kHz PCM, decoded off the event loop and no further than the server's audio limit; `name`
+    says which upload in an error.
     A handler cancelled meanwhile cannot stop the thread: `handle` (the request's connection slot) is then
     forgotten once the thread ends, so that the connection limit bounds the decodes running at once."""
     limit = state.config.limits.max_audio_seconds
-    decode = asyncio.ensure_future(asyncio.to_thread(load_audio, audio, max_seconds=limit))
+    decode = asyncio.ensure_future(asyncio.to_thread(load_audio, audio, max_seconds=limit, name=name))
     try:
         pcm = await asyncio.shield(decode)
     except asyncio.CancelledError:
@@ -283,10 +370,11 @@ async def _decode(audio: bytes, state, handle: streaming_input.DrainHandle) -> n
         lasts = "" if exc.seconds is None else f" {exc.seconds:.0f} s,"
         raise RequestError(400, "audio_too_long", f"The audio lasts{lasts} more than the limit of {limit:g} s",
                            "file") from None
-    except AudioError as exc:
-        raise RequestError(400, "invalid_audio", f"Could not decode the audio file: {exc}", "file") from None
+    except AudioError as exc:  # it names the upload, and the formats the decoder reads when it cannot open it
+        message = str(exc)
+        raise RequestError(400, "invalid_audio", message[:1].upper() + message[1:], "file") from None
     if pcm.size == 0:
-        raise RequestError(400, "invalid_audio", "The audio file holds no samples", "file")
+        raise RequestError(400, "invalid_audio", f"The audio file {name} holds no samples", "file")
     return pcm
 
 
@@ -328,6 +416,7 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
         audio, fields, lists = await _parse_form(request)
         granularities = lists["timestamp_granularities"]
         check_model(state, fields.get("model"), "realtime")
+        _check_typed_fields(fields, lists)
         response_format = fields.get("response_format", "json")
         if response_format not in RESPONSE_FORMATS:
             raise RequestError(400, "invalid_request", f"response_format must be one of "
@@ -352,7 +441,7 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
         handle = streaming_input.DrainHandle(audio_input)
         streaming_input.admit(state, handle)  # before the decoding: the connection limit bounds the decodes
         try:
-            pcm = await _decode(audio, state, handle)
+            pcm = await _decode(audio, _upload_name(fields), state, handle)
         except RequestError:
             state.forget(handle)
             raise
@@ -416,7 +505,7 @@ def _answer(done, response_format: str, granularities: list[str], fields: dict,
         return web.Response(text=_subtitles(segments, ","), content_type="application/x-subrip")
     if response_format == "vtt":
         return web.Response(text="WEBVTT\n\n" + _subtitles(segments, "."), content_type="text/vtt")
-    body = {"task": "transcribe", "language": fields.get("language", ""),
+    body = {"task": "transcribe", "language": language_name(fields.get("language", "").strip() or DEFAULT_LANGUAGE),
             "duration": done.usage.audio_seconds, "text": done.text,
             "segments": segments if "segment" in granularities or "word" not in granularities else None,
             "usage": {"type": "duration", "seconds": done.usage.audio_seconds}}

@@ -127,6 +127,70 @@ async def test_an_empty_stream_field_is_false(server, model, wav, reference):
             assert response.status == 200 and (await response.json())["text"] == reference.text
 
 
+def _header_only_wav() -> bytes:
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.zeros(0, np.int16), 16000, format="WAV", subtype="PCM_16")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("upload, words", [
+    (("empty.wav", b""), ["'empty.wav' is empty (0 bytes)"]),
+    (("zero.wav", _header_only_wav()), ["'zero.wav' holds no samples"]),
+    # libsndfile reads no MP4: the upload is named, the formats it reads listed, and how to convert.
+    (("talk.m4a", b"\0\0\0\x20ftypM4A not really"), ["Cannot decode audio 'talk.m4a': Format not recognised",
+                                                     "WAV, FLAC, OGG", "M4A", "ffmpeg"]),
+], ids=["empty", "header only", "m4a"])
+def test_an_unusable_upload_is_invalid_audio_naming_the_file(client, model, upload, words):
+    """An empty file was "Missing required parameter: 'file'" (it is there, and empty); an undecodable one was
+    "cannot decode audio <audio bytes>", without its name or what would have been read."""
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.audio.transcriptions.create(model=model, file=upload)
+    body = raised.value.body
+    assert (body["code"], body["param"]) == ("invalid_audio", "file") and "<audio bytes>" not in body["message"]
+    assert all(word in body["message"] for word in words), body["message"]
+
+
+async def test_a_missing_file_is_still_a_missing_parameter(server, model):
+    form = aiohttp.FormData(default_to_multipart=True)
+    form.add_field("model", model)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(server.url("/v1/audio/transcriptions", "http"), data=form) as response:
+            error = (await response.json())["error"]
+    assert (response.status, error["code"], error["param"]) == (400, "invalid_request", "file")
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": "abc"}, "temperature"), ({"temperature": 1.5}, "temperature"),
+    ({"temperature": "nan"}, "temperature"), ({"language": "xx"}, "language"),
+    ({"language": "en-US"}, "language"), ({"languages": ["en", "klingon"]}, "languages[]"),
+    ({"chunking_strategy": "sometimes"}, "chunking_strategy"),
+    ({"chunking_strategy": {"type": "semantic_vad"}}, "chunking_strategy"),
+    ({"chunking_strategy": {"type": "server_vad", "threshold": 2}}, "chunking_strategy"),
+    ({"chunking_strategy": {"type": "server_vad", "silence_duration_ms": 0.5}}, "chunking_strategy"),
+    ({"chunking_strategy": {"type": "server_vad", "frob": 1}}, "chunking_strategy"),
+])
+def test_a_typed_field_that_does_not_parse_is_a_400(client, model, wav, kwargs, param):
+    """OpenAI answers 400 for a form field it cannot parse as its type; these were accepted and ignored."""
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.audio.transcriptions.create(model=model, file=("sample.wav", wav), **kwargs)
+    assert (raised.value.body["code"], raised.value.body["param"]) == ("invalid_request", param)
+
+
+def test_typed_fields_that_parse_are_accepted_and_verbose_json_names_its_language(client, model, wav, reference):
+    """verbose_json's `language` is OpenAI's name of the language (`english`, where it said ""): the request's,
+    else English, what the models served here transcribe by default. The fields the model does not use are
+    accepted when well-formed, the transcript unchanged."""
+    result = client.audio.transcriptions.create(model=model, file=("sample.wav", wav), response_format="verbose_json")
+    assert (result.language, result.text) == ("english", reference.text)
+    result = client.audio.transcriptions.create(
+        model=model, file=("sample.wav", wav), response_format="verbose_json", language="FR", temperature=0.2,
+        languages=["fr", "en"], chunking_strategy={"type": "server_vad", "threshold": 0.5, "silence_duration_ms": 500})
+    assert (result.language, result.text) == ("french", reference.text)
+    result = client.audio.transcriptions.create(model=model, file=("sample.wav", wav), chunking_strategy="auto",
+                                                temperature="", language="english")
+    assert result.text == reference.text
+
+
 def test_api_key_is_required(engine, wav):
     server = ServerThread(engine, ServerConfig(api_keys=("secret",)))
     try:

@@ -142,7 +142,8 @@ async def test_sequence_ids_far_ahead_are_refused_and_a_gap_is_counted(server, m
 @pytest.mark.parametrize("refused_end", ["finish", "empty end_of_input chunk"])
 async def test_a_refused_end_leaves_the_session_open_for_its_input(server, model, audio, reference, refused_end):
     """Ending an input before any payload is refused (422 no_input) and ends nothing: the chunks that follow
-    are taken and transcribed (§7.2's 409 is for a chunk after an accepted end)."""
+    are taken and transcribed (§7.2's 409 is for a chunk after an accepted end). The result asked meanwhile is
+    the same refusal, saying what to do: it was a 409 "finish the session first", which the finish had refused."""
     async with aiohttp.ClientSession() as http:
         _, created = await call(http, server, "POST", SESSIONS, json={"model": model})
         base = f"{SESSIONS}/{created['session_id']}"
@@ -152,10 +153,31 @@ async def test_a_refused_end_leaves_the_session_open_for_its_input(server, model
             empty_end = {"sequence_id": 0, "payload": "", "end_of_input": True}
             status, body = await call(http, server, "POST", base + "/chunks", json=empty_end)
         assert status == 422 and body["error"]["code"] == "no_input"
+        assert "send chunks with a payload, then finish" in body["error"]["message"], body
+        assert await call(http, server, "GET", base + "/result") == (status, body)
         for chunk in chunks_of(audio):
             assert (await call(http, server, "POST", base + "/chunks", json=chunk))[0] == 202
         status, result = await call(http, server, "GET", base + "/result")
     assert status == 200 and result["text"] == reference.text
+
+
+async def test_a_result_before_the_end_says_what_the_input_lacks(server, model, audio):
+    """Before its input ended, a session's result answers what a finish would: chunks missing (409
+    chunks_missing, naming them), else a finish to come (409 input_not_finished, saying how)."""
+    first, second = chunks_of(audio)[:2]
+    async with aiohttp.ClientSession() as http:
+        _, created = await call(http, server, "POST", SESSIONS, json={"model": model})
+        base = f"{SESSIONS}/{created['session_id']}"
+        assert (await call(http, server, "POST", base + "/chunks", json=second))[0] == 202  # held: 0 is missing
+        finish = await call(http, server, "POST", base + "/finish")
+        result = await call(http, server, "GET", base + "/result")
+        assert finish == result and result[0] == 409 and result[1]["error"]["code"] == "chunks_missing", result
+        assert (await call(http, server, "POST", base + "/chunks", json=first))[0] == 202
+        status, body = await call(http, server, "GET", base + "/result")
+        assert (status, body["error"]["code"]) == (409, "input_not_finished")
+        assert f"{base}/finish" in body["error"]["message"], body
+        assert (await call(http, server, "POST", base + "/finish"))[0] == 200
+        assert (await call(http, server, "GET", base + "/result"))[0] == 200
 
 
 @pytest.mark.parametrize("refused", ["first chunk", "last chunk", "finish"])
@@ -310,7 +332,11 @@ async def test_drain_ends_the_input_of_http_streams_and_waits_for_them(engine, a
                             drain(server.app, timeout=6.0), server.loop))
             assert await drained  # nothing was cut off
             assert (await call(http, server, "POST", f"{SESSIONS}/{idle['session_id']}/finish"))[0] == 410
-        assert transcript(parse_sse(raw)) == reference.text
+        events = parse_sse(raw)
+        # The server ended the input, not the client: the stream says so once, and goes on to its done.
+        notices = [event for _, event in events if event != "[DONE]" and event["type"] == "error"]
+        assert [notice["error"]["code"] for notice in notices] == ["server_draining"], notices
+        assert transcript([(i, event) for i, event in events if event not in notices]) == reference.text
         await wait_engine_baseline(engine)
     finally:
         server.close()
