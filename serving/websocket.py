@@ -112,6 +112,9 @@ class Connection:
             else:
                 code = self.ws.close_code
                 if message.type is WSMsgType.ERROR:
+                    # aiohttp's WebSocketError carries the code it closed with; close_code reads 1006 when the
+                    # close handshake then failed on the rest of the frame (an oversized one: 1009).
+                    code = getattr(message.data, "code", None) or code
                     outcome = "message_too_big" if code == 1009 else "client_disconnected"
                     logger.debug("%s: socket error %s", self.id, message.data)
                 else:

@@ -174,6 +174,8 @@ async def test_bad_audio_is_invalid_audio(server, vllm_server, model, payload, s
 
 async def test_oversized_frames_close_with_1009_and_long_appends_are_refused(server, model):
     limits = server.state.config.limits
+    too_big = server.state.metrics.connections_closed.labels(route="/v1/realtime", outcome="message_too_big")
+    before = too_big._value.get()
     client = await connected(server, model)
     too_long = np.zeros(int(limits.max_append_seconds * 16000) + 2, np.float32)
     await client.append(too_long)
@@ -183,6 +185,12 @@ async def test_oversized_frames_close_with_1009_and_long_appends_are_refused(ser
         await client.send("x" * (limits.max_message_bytes + 1))
         await client.event()
     assert closed.value.rcvd.code == 1009
+    # Logged and counted as such (aiohttp's close_code said 1006 after the failed close handshake).
+    for _ in range(100):
+        if too_big._value.get() > before:
+            break
+        await asyncio.sleep(0.1)
+    assert too_big._value.get() == before + 1
     client = await connected(server, model)  # the server goes on
     await still_usable(client)
     await client.close()
