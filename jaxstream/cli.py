@@ -4,6 +4,7 @@ Each command module exposes `register(subparsers)` (adds its parser, sets `func`
 (jax, the model) inside the function it runs, so `jaxstream --help` stays fast.
 """
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -16,7 +17,7 @@ from jaxstream.errors import UserError
 
 DESCRIPTION = """\
 Realtime streaming speech-to-text on JAX (TPU, GPU or CPU): audio streams in, text streams back every 80 ms.
-Transcribe audio files, measure WER and latency on speech corpora, serve a realtime WebSocket API, convert
+Transcribe audio files, measure WER and latency on speech corpora, serve realtime WebSocket and HTTP APIs, convert
 checkpoints, benchmark the engine, and generate speech to train models. Models: the embedded `tiny` (the
 default), a checkpoint directory, or a Hugging Face id such as mistralai/Voxtral-Mini-4B-Realtime-2602."""
 EPILOG = """\
@@ -26,6 +27,7 @@ Run `jaxstream COMMAND --help` for a command's options."""
 COMMANDS = ("serve", "transcribe", "eval", "convert", "bench", "train", "synth")
 # The commands that run compiled programs again and again, and so run faster on TCMalloc (jaxstream/allocator.py).
 PROGRAM_COMMANDS = ("serve", "transcribe", "eval", "bench", "train")
+OWN_LOG_FORMAT = ("serve",)  # a server's log lines carry times and logger names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +64,18 @@ def _configure_logging(verbosity: int) -> None:
     logging.getLogger("jaxstream").setLevel(logging.INFO if verbosity == 1 else logging.DEBUG)
 
 
+XLA_CACHE_VARIABLE = "JAXSTREAM_XLA_CACHE"  # "on" (default) or "off"
+
+
+def xla_cache_enabled(environ=os.environ) -> bool:
+    """Whether $JAXSTREAM_XLA_CACHE leaves the compilation cache on. Raises ValueError for a value that is
+    neither on nor off: a typo (`=of`, `=maybe`) silently kept the cache on."""
+    value = environ.get(XLA_CACHE_VARIABLE, "").strip().lower()
+    if value not in ("", "on", "off"):
+        raise ValueError(f"{XLA_CACHE_VARIABLE} must be 'on' or 'off', got {environ[XLA_CACHE_VARIABLE]!r}")
+    return value != "off"
+
+
 def use_compilation_cache() -> str | None:
     """Keeps compiled XLA programs on disk between runs, so a command's second start skips compiling:
     `jaxstream transcribe` of the sample took 11.1 s, then 3.9 s (tiny model, 2-core CPU). The folder is
@@ -69,7 +83,7 @@ def use_compilation_cache() -> str | None:
     `JAXSTREAM_XLA_CACHE=off` turns the cache off. Returns the folder in use, or None."""
     import jax
 
-    if os.environ.get("JAXSTREAM_XLA_CACHE", "").lower() == "off":
+    if not xla_cache_enabled():
         return None
     if not jax.config.jax_compilation_cache_dir:
         cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -80,16 +94,70 @@ def use_compilation_cache() -> str | None:
     return jax.config.jax_compilation_cache_dir
 
 
+def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """`parser.parse_args`, except that arguments no option takes are reported against the subcommand's usage
+    (`jaxstream serve: error: ...`), not the top-level one, which shows no option of the command."""
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        (action,) = [a for a in parser._actions if a.dest == "command"]  # noqa: SLF001 - no public lookup
+        subparser = action.choices[args.command]
+        subparser.error(f"unrecognized arguments: {' '.join(extras)}{_model_hint(subparser, args, extras)}")
+    return args
+
+
+def _model_hint(subparser: argparse.ArgumentParser, args: argparse.Namespace, extras: list[str]) -> str:
+    """For `jaxstream serve --model X`: serve takes MODEL positionally, where the other commands have --model."""
+    given = [extra for extra in extras if extra.split("=", 1)[0] == "--model"]
+    positional = any(a.dest == "model" and not a.option_strings for a in subparser._actions)  # noqa: SLF001
+    if not given or not positional:
+        return ""
+    model = given[0].partition("=")[2] or getattr(args, "model", None) or "MODEL"
+    return f" ({subparser.prog} takes MODEL as a positional argument, without --model: {subparser.prog} {model})"
+
+
+class _CommandFormatter(logging.Formatter):
+    """`jaxstream transcribe: warning: ...`, as the command's own errors read."""
+
+    def __init__(self, command: str):
+        super().__init__()
+        self._prefix = f"jaxstream {command}"
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        return f"{self._prefix}: {record.levelname.lower()}: {record.getMessage()}"
+
+
+@contextlib.contextmanager
+def _command_style_warnings(command: str, verbosity: int):
+    """Without -v, jaxstream's warnings (the engine's narrowband or untrained-delay input, say) read like the
+    command's errors, instead of the root logger's `WARNING:jaxstream.engine.async_engine:...` that importing
+    jax sets up. `serve` keeps its own timestamped log format, and -v the one with logger names."""
+    if verbosity or command in OWN_LOG_FORMAT:
+        yield
+        return
+    logger = logging.getLogger("jaxstream")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_CommandFormatter(command))
+    logger.addHandler(handler)
+    propagate, logger.propagate = logger.propagate, False  # the root logger's handler would repeat each line
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     if argv is None and args.command in PROGRAM_COMMANDS:  # the process's own command line, not a caller's
         try:
+            xla_cache_enabled()  # checked before the re-execution, which would only repeat the mistake
             allocator.reexecute_with_tcmalloc()
         except ValueError as exc:
             print(f"jaxstream {args.command}: error: {exc}", file=sys.stderr)
             return 2
         use_compilation_cache()
-    _configure_logging(getattr(args, "verbose", 0))
+    verbosity = getattr(args, "verbose", 0)
+    _configure_logging(verbosity)
     logger = logging.getLogger("jaxstream")
     if logger.isEnabledFor(logging.INFO):  # reading the process's mappings is for -v only
         logger.info("memory allocator: %s", allocator.loaded_allocator())
@@ -97,7 +165,7 @@ def main(argv=None) -> int:
         # numpy's BLAS only multiplies small matrices here (the mel filterbank, on the host). Its worker
         # threads wait for cores that XLA's threads hold: beside a training step the filterbank product took
         # 9.6 ms on two threads against 0.6 ms on one, and feature extraction was a quarter of a core.
-        with threadpool_limits(limits=1, user_api="blas"):
+        with threadpool_limits(limits=1, user_api="blas"), _command_style_warnings(args.command, verbosity):
             return args.func(args) or 0
     except UserError as exc:
         print(f"jaxstream {args.command}: error: {exc}", file=sys.stderr)

@@ -5,6 +5,8 @@ source (a phone line, G.711, an 8 kHz recording upsampled later), and a delay ou
 training shifts its text alignment. Neither can be rejected (both are valid input), so the CLI and the engine
 warn once, with the reason, through these checks.
 """
+import contextlib
+import logging
 import threading
 
 import numpy as np
@@ -17,7 +19,12 @@ NARROWBAND_RATE = 8000
 HIGH_BAND_HZ = (4200.0, 7600.0)
 # Share of the speech energy in HIGH_BAND_HZ. Measured (first 40 files of each tiny-v2 corpus, 16 kHz):
 # espeak-ng / Festival / flite speech 1.2e-4 .. 0.14 (median ~7e-3); 8 kHz phone-line audio upsampled by
-# soxr 9e-13 .. 5e-11. The threshold sits in the six decades between.
+# soxr 9e-13 .. 5e-11. The threshold sits in the six decades between. Below it too: 16 kHz speech through a
+# narrow microphone band (the sentence corpora's `synth.augment.band_limit` with its upper edge under ~3.7 kHz:
+# 3 of the 300 held-out espeak-ng utterances of seed 1, 2.4e-6 .. 6.5e-6), and the upsampled phone line stored
+# as 16-bit PCM, whose rounding noise reaches the high band (6e-10 .. 4e-9 at a 0.9 peak, up to 8e-6 at 0.02;
+# 1e-12 .. 1e-11 as float). The share cannot tell an 8 kHz source from a band-limited 16 kHz one, so the
+# reason names both.
 NARROWBAND_ENERGY_SHARE = 1e-5
 _FRAME = 512
 # Frames side by side, not overlapping: the probe runs once per stream on the front-end thread, and half the
@@ -54,13 +61,40 @@ def narrowband_reason(pcm, source_rate: int = SAMPLING_RATE) -> str | None:
         return f"the audio is sampled at {source_rate} Hz"
     share = high_band_energy_share(pcm)
     if share is not None and share < NARROWBAND_ENERGY_SHARE:
-        return f"the audio has no energy above {HIGH_BAND_HZ[0] / 1000:g} kHz (upsampled from 8 kHz?)"
+        return (f"the audio has almost no energy above {HIGH_BAND_HZ[0] / 1000:g} kHz (an 8 kHz source such as a "
+                "phone line, or a band-limited microphone or channel)")
     return None
 
 
+def file_narrowband_reason(path, pcm) -> str | None:
+    """`narrowband_reason` of an audio file, from its first PROBE_SECONDS (as a stream's is judged): `pcm` is
+    the file decoded to 16 kHz; the rate the file declares decides an 8 kHz recording."""
+    import soundfile
+
+    return narrowband_reason(pcm[:int(PROBE_SECONDS * SAMPLING_RATE)], soundfile.info(path).samplerate)
+
+
 def narrowband_warning(reason: str) -> str:
-    return (f"narrowband input: {reason}; the model was trained on 16 kHz wideband speech and transcribes "
-            "telephone-band audio less accurately")
+    return (f"narrowband input: {reason}; the model was trained on 16 kHz wideband speech and may transcribe "
+            "it less accurately")
+
+
+# The engine's narrowband warnings (one per distinct reason; the front end knows no file or client) go to a
+# logger of their own, so that a caller that judges its inputs itself and names them (the CLI, with
+# `file_narrowband_reason`) can mute them (`engine_narrowband_warnings_muted`) instead of saying it twice.
+narrowband_logger = logging.getLogger(f"{__name__}.narrowband")
+
+
+@contextlib.contextmanager
+def engine_narrowband_warnings_muted():
+    def mute(record: logging.LogRecord) -> bool:
+        return False
+
+    narrowband_logger.addFilter(mute)
+    try:
+        yield
+    finally:
+        narrowband_logger.removeFilter(mute)
 
 
 def delay_warning(config, delay_ms: int) -> str | None:

@@ -75,7 +75,12 @@ def load_server_file(name: str) -> ServerFile:
     """Reads a server TOML from a path or a preset name in jaxstream.configs; UserError on any mistake."""
     path = Path(name)
     if path.is_file():
-        text, source = path.read_text(), str(path)
+        try:
+            text, source = path.read_text(encoding="utf-8"), str(path)
+        except UnicodeDecodeError:
+            raise UserError(f"{path} is not a server TOML: it is not UTF-8 text") from None
+        except OSError as exc:
+            raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
     else:
         preset = importlib.resources.files("jaxstream.configs").joinpath(
             name if name.endswith(".toml") else f"{name}.toml")

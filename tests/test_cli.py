@@ -247,3 +247,59 @@ def test_the_compilation_cache_follows_jax_and_turns_off(monkeypatch, tmp_path):
     finally:
         jax.config.update("jax_compilation_cache_dir", before[0])
         jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+
+
+@pytest.mark.parametrize("argv, usage, message", [
+    (["transcribe", "a.wav", "--frob"], "usage: jaxstream transcribe ", "unrecognized arguments: --frob"),
+    # serve takes MODEL positionally (transcribe, eval and bench take --model); the model card said --model.
+    (["serve", "--model", "mistralai/X"], "usage: jaxstream serve ",
+     "unrecognized arguments: --model (jaxstream serve takes MODEL as a positional argument, without --model: "
+     "jaxstream serve mistralai/X)"),
+    (["serve", "--model=org/name"], "usage: jaxstream serve ",
+     "unrecognized arguments: --model=org/name (jaxstream serve takes MODEL as a positional argument, without "
+     "--model: jaxstream serve org/name)"),
+])
+def test_an_unknown_option_is_reported_with_the_commands_usage(argv, usage, message, capsys):
+    """argparse reported it against the top-level usage ("usage: jaxstream [-h] [--version] [-v] COMMAND"),
+    which shows none of the command's options."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith(usage), err
+    assert f"\njaxstream {argv[0]}: error: {message}" in err, err
+
+
+def test_the_compilation_cache_variable_takes_on_or_off(tmp_path):
+    """`JAXSTREAM_XLA_CACHE=maybe` kept the cache on without a word; JAXSTREAM_ALLOCATOR=bogus is an error."""
+    import os
+    import subprocess
+    import sys
+
+    assert cli.xla_cache_enabled({}) and cli.xla_cache_enabled({"JAXSTREAM_XLA_CACHE": " ON "})
+    assert not cli.xla_cache_enabled({"JAXSTREAM_XLA_CACHE": "off"})
+    with pytest.raises(ValueError, match="JAXSTREAM_XLA_CACHE must be 'on' or 'off', got 'maybe'"):
+        cli.xla_cache_enabled({"JAXSTREAM_XLA_CACHE": "maybe"})
+    env = {**os.environ, "JAXSTREAM_XLA_CACHE": "maybe", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "jaxstream", "transcribe", str(tmp_path / "a.wav")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr == "jaxstream transcribe: error: JAXSTREAM_XLA_CACHE must be 'on' or 'off', got 'maybe'\n"
+
+
+def test_jaxstream_warnings_read_like_the_commands_errors(monkeypatch, capsys):
+    """The engine's warnings came out as `WARNING:jaxstream.engine.async_engine:...` (the root logger's format,
+    which importing jax sets up); a command prints them as `jaxstream COMMAND: warning: ...`, once."""
+    root = logging.getLogger()
+    root_handler = logging.StreamHandler()  # what importing jax adds; it must not repeat the line
+    monkeypatch.setattr(root, "handlers", [root_handler])
+
+    def probe_parser():
+        parser = argparse.ArgumentParser()
+        parser.set_defaults(command="probe", func=lambda args: logging.getLogger(
+            "jaxstream.engine.async_engine").warning("%s", "delay 2400 ms is outside the delays"))
+        return parser
+
+    monkeypatch.setattr(cli, "build_parser", probe_parser)
+    assert cli.main([]) == 0
+    assert capsys.readouterr().err == "jaxstream probe: warning: delay 2400 ms is outside the delays\n"
+    assert logging.getLogger("jaxstream").propagate and not logging.getLogger("jaxstream").handlers

@@ -3,6 +3,7 @@ import copy
 import csv
 import io
 import json
+from pathlib import Path
 
 import jiwer
 import pytest
@@ -187,3 +188,26 @@ def test_eval_cli_merges_shard_reports_and_reports_mistakes_in_one_line(tmp_path
         assert cli.main(["eval", *args]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_report_path_that_cannot_be_written_fails_before_the_run(tmp_path, capsys):
+    """`--report DIR` ran the whole evaluation, then ended in an IsADirectoryError traceback (the report's atomic
+    write); now the path is checked before the corpus is even read."""
+    import shutil
+
+    from jaxstream import cli
+
+    sample = Path(__file__).resolve().parents[1] / "models" / "assets" / "samples" / "sample.wav"
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    shutil.copy(sample, corpus / "sample.wav")
+    shutil.copy(sample.with_suffix(".txt"), corpus / "sample.txt")
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    (tmp_path / "r.md").mkdir()
+    for report, problem in [(folder, f"it is a directory; name the JSON file, e.g. {folder / 'report.json'}"),
+                            (tmp_path / "r.json", f"{tmp_path / 'r.md'}, written beside it, is a directory"),
+                            (Path("/proc/jaxstream-eval-test/r.json"),
+                             "cannot write in /proc/jaxstream-eval-test: No such file or directory")]:
+        assert cli.main(["eval", str(corpus), "--report", str(report)]) == 2
+        assert capsys.readouterr().err == f"jaxstream eval: error: --report {report}: {problem}\n"

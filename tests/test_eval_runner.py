@@ -415,3 +415,20 @@ async def test_word_latencies_are_emission_minus_word_end(engine, heldout_corpus
         assert emission["mean"] == pytest.approx(np.mean(latencies))
         assert emission["max"] == pytest.approx(max(latencies))
         assert summary["latency"]["first_token_ms"]["count"] == len(references)
+
+
+def test_eval_names_the_narrowband_files(tmp_path, capsys):
+    """The engine said "narrowband input" once, naming no file (an eval of a wideband set with a few
+    band-limited utterances read as if the whole set were phone audio); eval now names them, counted among
+    the files it read, in its own warning style."""
+    sample = Path(__file__).resolve().parents[1] / "models" / "assets" / "samples" / "sample.wav"
+    shutil.copy(sample, tmp_path / "wide.wav")
+    audio, rate = soundfile.read(sample, dtype="float32")
+    soundfile.write(tmp_path / "call.wav", soxr.resample(audio, rate, 8000), 8000)
+    for name in ("wide", "call"):
+        shutil.copy(sample.with_suffix(".txt"), tmp_path / f"{name}.txt")
+    assert _eval(tmp_path, "--concurrency", 1) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == [f"jaxstream eval: warning: 1 of 2 files ({tmp_path / 'call.wav'}): narrowband input: the "
+                        "audio is sampled at 8000 Hz; the model was trained on 16 kHz wideband speech and may "
+                        "transcribe it less accurately"], warnings

@@ -5,11 +5,13 @@ import asyncio
 import base64
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -24,6 +26,7 @@ from jaxstream.serving.config import ServerConfig, load_server_file
 from jaxstream.serving.limits import Limits
 from jaxstream.serving.testing import RealtimeClient, sample_audio, sample_words
 
+ROOT = Path(__file__).resolve().parents[1]
 SMALL_ENGINE = """
 [engine]
 max_sessions = 2
@@ -267,3 +270,139 @@ def test_limits_are_checked():
     with pytest.raises(ValueError, match="compat"):
         ServerConfig(compat="openai")
 
+
+
+def test_a_binary_file_given_as_the_config_is_a_one_line_mistake(tmp_path, capsys):
+    path = tmp_path / "x.wav"  # was a UnicodeDecodeError traceback
+    path.write_bytes(bytes(range(256)))
+    assert main(["serve", "--config", str(path)]) == 2
+    assert capsys.readouterr().err == f"jaxstream serve: error: {path} is not a server TOML: it is not UTF-8 text\n"
+
+
+def test_a_port_in_use_fails_before_the_model_starts_loading(monkeypatch, capsys):
+    """The app began building the engine on its own thread before the site bound: when binding failed (a port
+    in use, an unknown host) the process exited with that thread inside XLA, and about half such runs
+    aborted ("terminate called after throwing an instance of ''", exit 134) after the one-line error.
+    Nothing loads until the server listens."""
+    import logging
+    import socket
+
+    from jaxstream.engine.async_engine import AsyncEngine
+
+    loads = []
+
+    def from_pretrained(model, **kwargs):
+        loads.append(model)
+        raise RuntimeError("this test loads no model")
+
+    monkeypatch.setattr(AsyncEngine, "from_pretrained", from_pretrained)
+    jaxstream_logger = logging.getLogger("jaxstream")
+    level = jaxstream_logger.level  # serve sets its own
+    try:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            before = set(threading.enumerate())
+            assert main(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 2
+        for thread in set(threading.enumerate()) - before:
+            thread.join(60)  # the engine's build thread among them: whatever it was going to load, it has
+    finally:
+        jaxstream_logger.setLevel(level)
+    assert loads == []
+    assert capsys.readouterr().err == f"jaxstream serve: error: cannot listen on 127.0.0.1:{port}: " \
+                                      "Address already in use\n"
+
+
+# `jaxstream serve` whose model load is still going when the signal comes (it never ends), and which says when
+# the interpreter tears itself down.
+_SERVE_WHILE_LOADING = """
+import atexit
+import sys
+import threading
+
+from jaxstream.cli import main
+from jaxstream.engine.async_engine import AsyncEngine
+
+
+def from_pretrained(model, **kwargs):
+    print("the load started", flush=True)
+    threading.Event().wait()
+
+
+AsyncEngine.from_pretrained = from_pretrained
+atexit.register(lambda: print("interpreter teardown", flush=True))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_signal_while_the_model_loads_stops_the_server_without_tearing_down_the_load():
+    """Ctrl-C (or SIGTERM) before the server was ready let the interpreter tear itself down with the engine's
+    build thread inside XLA: some runs aborted ("terminate called after throwing an instance of ''", exit 134)
+    after "stopped", depending on where the load was (3 s into the tiny model's, 1 run in 2). The server now
+    leaves at once, with its status, when its load is still running."""
+    process = subprocess.Popen([sys.executable, "-c", _SERVE_WHILE_LOADING, "serve", "--host", "127.0.0.1", "--port",
+                                "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        lines = Lines(process.stdout)
+        lines.wait_for("the load started", 60)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) == 0
+        lines.wait_for("stopped", 5)
+        with pytest.raises(AssertionError, match="exited before printing"):
+            lines.wait_for("interpreter teardown", 5)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _route_paths(line: str) -> set[str]:
+    """The paths a ready line names: in URLs, and as bare `/paths`."""
+    return set(re.findall(r"://[^/\s]+(/[\w/.-]*)", line)) | set(re.findall(r"(?:^|[\s(])(/[\w/.-]*)", line))
+
+
+def test_the_ready_line_names_the_routes_the_app_serves():
+    """The ready line listed /ws, SageMaker's route, /v1/models, /health and /metrics, not HTTP transcriptions,
+    Kyutai's protocol, streaming-input sessions or the demo page. The oracle is the app's router."""
+    from jaxstream.commands.serve import _ready_lines
+    from jaxstream.serving.app import create_app
+
+    app = create_app(ServerConfig(), engine_factory=lambda: None)
+    routes = {route.resource.canonical for route in app.router.routes()}
+    top_level = {path for path in routes if "{" not in path and not path.startswith("/static/")}
+    aliases = {"/healthz", "/ping"}  # of /health
+    ready, _ = _ready_lines("realtime", "tiny", "127.0.0.1", 8000)
+    listed = _route_paths(ready)
+    assert listed <= routes and top_level - listed == aliases | {"/v1/completions"}, ready  # completions: text
+    ready, _ = _ready_lines("text", "llama", "127.0.0.1", 8000)
+    listed = _route_paths(ready)
+    assert listed <= routes and {"/v1/completions", "/v1/streaming_input/sessions", "/v1/models"} <= listed, ready
+
+
+@pytest.mark.slow
+def test_the_suggested_client_command_works_when_the_key_was_a_flag(tmp_path):
+    """`serve --api-key K` printed the client command without a key (it relied on $JAXSTREAM_API_KEY, unset
+    when the key was a flag), and copied as printed it failed with HTTP 401. It now names where the key goes,
+    without printing it: filled in, it is run here as a user would, against a server that requires the key."""
+    import shlex
+
+    from jaxstream.commands.serve import KEY_PLACEHOLDER, _ready_lines
+    from jaxstream.serving.testing import ServerThread, shared_engine
+
+    key = "sekrit-given-as-a-flag"
+    server = ServerThread(shared_engine(), ServerConfig(api_keys=(key,)))
+    try:
+        _, suggestion = _ready_lines("realtime", server.state.model_id, "127.0.0.1", server.server.port,
+                                     key_source="--api-key")
+        command = suggestion.split("try: ", 1)[1]
+        assert shlex.split(command, comments=True)[-2:] == ["--api-key", KEY_PLACEHOLDER], command
+        env = {name: value for name, value in os.environ.items() if name != "JAXSTREAM_API_KEY"}
+        done = subprocess.run(["bash", "-c", command.replace(KEY_PLACEHOLDER, key)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        heard, words = set(done.stdout.split()), sample_words()
+        assert sum(word in heard for word in words) >= len(words) - 2, done.stdout
+    finally:
+        server.close()

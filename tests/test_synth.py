@@ -135,6 +135,19 @@ def test_synth_cli_writes_corpus_and_refuses_non_empty_output(tmp_path):
     assert main(["synth", os.fspath(tmp_path / "other"), "--voice-edits", "1.5"]) == 2
 
 
+@needs_espeak
+def test_synth_cli_an_output_folder_it_cannot_make_is_one_line(tmp_path, capsys):
+    """It was a FileNotFoundError traceback from the corpus writer."""
+    from jaxstream.cli import main
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for out, reason in (("/proc/jaxstream-synth-test", "No such file or directory"),
+                        (os.fspath(a_file / "corpus"), "Not a directory")):
+        assert main(["synth", out, "--num", "1", "--workers", "1"]) == 2
+        assert capsys.readouterr().err == f"jaxstream synth: error: cannot create the output folder {out}: {reason}\n"
+
+
 def test_synth_cli_explains_an_espeak_ng_without_a_data_directory(tmp_path, monkeypatch, capsys):
     import subprocess
 
@@ -349,6 +362,11 @@ def test_synth_cli_sentence_options(tmp_path, tiny_pools, capsys):
     (["--augment", "20"], "--augment must be between 0 and 5, got 20.0"),
     (["--augment", "nan"], "--augment must be between 0 and 5, got nan"),
     (["--augment", "-1"], "--augment must be between 0 and 5, got -1.0"),
+    # Accepted and ignored: the sentence corpora speak whole sentences.
+    (["--text", "sentences", "--min-words", "3"], "--min-words applies to --text words only"),
+    (["--text", "sentences", "--min-words", "2", "--max-words", "4"],
+     "--min-words and --max-words apply to --text words only"),
+    (["--max-words", "2"], "need 1 <= --min-words <= --max-words, got 3 and 2"),  # the default --min-words
 ])
 def test_synth_cli_refuses_bad_numbers(tmp_path, capsys, option, message):
     from jaxstream.cli import main

@@ -60,22 +60,23 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def _stream_counts(text: str) -> list[int]:
+def _positive_counts(text: str, flag: str) -> list[int]:
+    """`16,64` -> [16, 64]; a UserError naming `flag` unless they are positive integers."""
     try:
         counts = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         counts = []
     if not counts or min(counts) < 1:
-        raise UserError(f"--streams must be positive integers separated by commas, got {text!r}")
+        raise UserError(f"{flag} must be positive integers separated by commas, got {text!r}")
     return counts
 
 
 def run(args) -> int:
     import asyncio
 
-    counts = _stream_counts(args.streams)
-    steps = tuple(_stream_counts(args.steps_per_dispatch))
-    buckets = tuple(_stream_counts(args.batch_buckets)) if args.batch_buckets else tuple(counts)
+    counts = _positive_counts(args.streams, "--streams")
+    steps = tuple(_positive_counts(args.steps_per_dispatch, "--steps-per-dispatch"))
+    buckets = tuple(_positive_counts(args.batch_buckets, "--batch-buckets")) if args.batch_buckets else tuple(counts)
     if args.config and not args.random_weights:
         raise UserError("--config builds a model with random weights; add --random-weights")
     if args.random_weights and not args.config:

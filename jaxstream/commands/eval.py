@@ -15,13 +15,16 @@ the parts and prints and writes the merged report. With --report each process al
 it (PATH.part-I-of-N.json), which --resume continues. A process that fails hands its error to process 0, which
 reports it. A shard may be empty (more shards than utterances): it is an empty part, and merges as any other.
 """
+import logging
 import sys
 
 from jaxstream import distributed
 from jaxstream.commands.transcribe import checked_delay_ms, model_source
 from jaxstream.errors import UserError
 
+logger = logging.getLogger(__name__)
 _ERRORS_SHOWN = 5  # failed utterances listed on stderr; the report has them all
+_NARROWBAND_SHOWN = 3  # files named per narrowband reason
 
 
 def register(subparsers) -> None:
@@ -63,9 +66,12 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from jaxstream.evaluation import load_report, merge_reports
+    from jaxstream.evaluation.reports import unwritable_reason
 
     if args.report is not None and args.report.endswith((".md", ".csv")):
         raise UserError("--report names the JSON report; the .md and .csv files are written next to it")
+    if args.report is not None and (problem := unwritable_reason(args.report)) is not None:
+        raise UserError(f"--report {args.report}: {problem}")  # now, not after the whole run
     if args.merge is not None:
         if args.corpus is not None:
             raise UserError("--merge joins existing reports; do not give a CORPUS with it")
@@ -207,13 +213,38 @@ def _run(evaluation, args, save) -> None:
     from jaxstream.engine.config import EngineConfig
     from jaxstream.evaluation import run_evaluation
     from jaxstream.models.audio import load_audio
+    from jaxstream.models.audio_checks import engine_narrowband_warnings_muted, file_narrowband_reason
+
+    bands: dict[str, str | None] = {}  # audio file -> why it is narrowband (None: it is not)
+
+    def load_and_judge(path: str):
+        pcm = load_audio(path)
+        bands[path] = file_narrowband_reason(path, pcm)
+        return pcm
 
     async def main():
         engine = AsyncEngine.from_pretrained(evaluation.model, config=EngineConfig(max_sessions=args.concurrency))
         async with engine:
-            await run_evaluation(evaluation, engine, load_audio=load_audio, save=save)
+            await run_evaluation(evaluation, engine, load_audio=load_and_judge, save=save)
 
-    asyncio.run(main())
+    with engine_narrowband_warnings_muted():  # judged here instead, where the files' names are known
+        asyncio.run(main())
+    _warn_narrowband(bands)
+
+
+def _warn_narrowband(bands: dict[str, str | None]) -> None:
+    """One warning per narrowband reason, naming a few of its files: the engine's own would name none."""
+    from jaxstream.models.audio_checks import narrowband_warning
+
+    by_reason: dict[str, list[str]] = {}
+    for path, reason in bands.items():
+        if reason is not None:
+            by_reason.setdefault(reason, []).append(path)
+    for reason, paths in by_reason.items():
+        paths.sort()
+        named = ", ".join(paths[:_NARROWBAND_SHOWN])
+        more = f" and {len(paths) - _NARROWBAND_SHOWN} more" if len(paths) > _NARROWBAND_SHOWN else ""
+        logger.warning("%d of %d files (%s%s): %s", len(paths), len(bands), named, more, narrowband_warning(reason))
 
 
 def _finish(report: dict, report_path: str | None) -> None:

@@ -1,19 +1,25 @@
-"""`jaxstream serve`: the realtime WebSocket server (vLLM's `/v1/realtime`, SageMaker's route, health,
-models and Prometheus metrics) over one engine.
+"""`jaxstream serve`: one engine behind realtime WebSockets (vLLM's and OpenAI's `/v1/realtime`, the `/ws`
+envelope, Kyutai's `/api/asr-streaming`, SageMaker's route), OpenAI's HTTP transcriptions and completions,
+HTTP streaming-input sessions, a browser microphone demo at `/`, health, models and Prometheus metrics.
 
     jaxstream serve [MODEL] [--host H] [--port P] [--api-key K | --api-key-file F] [--max-sessions N]
                     [--delay-ms MS] [--max-session-seconds S] [--idle-timeout S] [--compat vllm]
                     [--config server.toml]
 
-The model loads and every bucket compiles before the server reports ready (GET /health answers 503 until
-then). SIGTERM or Ctrl-C drains: no new connection or utterance, running utterances get --drain-timeout
-seconds to finish, then every socket closes with 1001 "server shutting down". A second signal exits at once.
+The server listens first, then loads the model and compiles every bucket before it reports ready (GET /health
+answers 503 until then); a host or port it cannot listen on fails at once, before any loading. SIGTERM or
+Ctrl-C drains: no new connection or utterance, running utterances get --drain-timeout seconds to finish, then
+every socket closes with 1001 "server shutting down". A second signal exits at once.
 
 Multi-host (`jaxstream/distributed.py`: flags, JAXSTREAM_* or a LeaderWorkerSet's environment): every process
 runs the same command and one engine spans all their devices, tensor parallel. Process 0 serves; the others
 follow its dispatches (`jaxstream/engine/multihost.py`), ignore SIGTERM and SIGINT (the leader's drain still
 needs them) and exit when the leader stops.
 """
+import os
+import sys
+import threading
+
 from jaxstream import distributed
 from jaxstream.errors import ProcessGroupError, UserError
 
@@ -23,7 +29,7 @@ _SERVER_MAX_QUEUED_AUDIO_S = 30.0
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("serve", help="serve the realtime WebSocket API",
+    parser = subparsers.add_parser("serve", help="serve the realtime WebSocket and HTTP APIs",
                                    description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
                         help="model name, directory or Hugging Face id (default: the embedded tiny model)")
@@ -108,17 +114,33 @@ def run(args) -> int:
     except (TypeError, ValueError) as exc:
         raise UserError(f"bad server configuration: {exc}") from None
     model = model_source(args.model or (file.model if file else None))
+    key_source = None
+    if config.api_keys:
+        key_source = "--api-key" if args.api_key is not None else "--api-key-file" if args.api_key_file else "env"
     # A server logs a line per connection by default; libraries' loggers (absl, orbax, jax) stay at warnings.
     level = args.log_level or ("debug" if getattr(args, "verbose", 0) >= 2 else "info")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jaxstream").setLevel(level.upper())
     group = distributed.initialize(args, recoverable=True)
+    loading = threading.Event()  # set while the engine loads and compiles on the app's thread
     if group.count == 1:
-        return asyncio.run(_serve(model, config, engine_config))
+        return _exit_now_if_loading(loading, asyncio.run(_serve(model, config, engine_config, key_source, loading)))
     engine_config = _spanning_every_process(engine_config)
-    status = asyncio.run(_serve(model, config, engine_config)) if group.leader else _follow(group, model,
-                                                                                          engine_config)
+    status = asyncio.run(_serve(model, config, engine_config, key_source, loading)) if group.leader else _follow(
+        group, model, engine_config)
     distributed.leave()
+    return _exit_now_if_loading(loading, status)
+
+
+def _exit_now_if_loading(loading: threading.Event, status: int) -> int:
+    """`status`, or, for a server stopped (SIGINT, SIGTERM) while its engine was still loading, an exit at once
+    with it: the interpreter's exit would stop the loading thread inside XLA, and the process then aborted
+    ("terminate called after throwing an instance of ''", exit 134). Nothing but the standard streams is
+    left to flush by then."""
+    if loading.is_set():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
     return status
 
 
@@ -154,8 +176,9 @@ def _override(target: dict, **values) -> None:
     target.update({key: value for key, value in values.items() if value is not None})
 
 
-async def _serve(model: str, config, engine_config) -> int:
+async def _serve(model: str, config, engine_config, key_source: str | None, loading: threading.Event) -> int:
     import asyncio
+    import concurrent.futures
     import signal
 
     from aiohttp import web
@@ -164,9 +187,21 @@ async def _serve(model: str, config, engine_config) -> int:
     from jaxstream.engine.builders import freeze_startup_heap
     from jaxstream.serving.app import SERVER, create_app, drain
 
+    # The app starts building the engine on its own thread when the runner is set up, before the site can
+    # bind; a process that then failed to listen exited while that thread was inside XLA, and about half
+    # such runs aborted ("terminate called ...", exit 134) after the one-line error. The build waits here
+    # until the site listens, and gives up without loading anything when it never will.
+    listening: concurrent.futures.Future = concurrent.futures.Future()
+
     def build_engine():
-        engine = AsyncEngine.from_pretrained(model, config=engine_config)
-        freeze_startup_heap()  # full garbage collections would stop the server for ~150 ms each
+        if not listening.result():
+            raise RuntimeError("the server stopped before it listened")  # nobody waits for this any more
+        loading.set()
+        try:
+            engine = AsyncEngine.from_pretrained(model, config=engine_config)
+            freeze_startup_heap()  # full garbage collections would stop the server for ~150 ms each
+        finally:
+            loading.clear()
         return engine
 
     app = create_app(config, engine_factory=build_engine)
@@ -183,7 +218,8 @@ async def _serve(model: str, config, engine_config) -> int:
         try:
             await site.start()
         except OSError as exc:
-            raise UserError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+            raise UserError(f"cannot listen on {config.host}:{config.port}: {_listen_error(exc)}") from None
+        listening.set_result(True)
         host, port = runner.addresses[0][:2]
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         _say(f"listening on http://{host}:{port}; loading {model} and compiling every bucket "
@@ -198,7 +234,7 @@ async def _serve(model: str, config, engine_config) -> int:
             if config.host not in ("127.0.0.1", "localhost", "::1") and not config.api_keys:
                 _say("warning: no API key and listening beyond loopback: anyone who can reach this port "
                      "may use it (--api-key or $JAXSTREAM_API_KEY)")
-            for line in _ready_lines(state.engine.kind, state.model_id, shown, port, keyed=bool(config.api_keys)):
+            for line in _ready_lines(state.engine.kind, state.model_id, shown, port, key_source=key_source):
                 _say(line)
             await signal_wait
         _say(f"draining: running utterances get up to {config.drain_timeout_s:g} s (signal again to stop now)")
@@ -211,31 +247,59 @@ async def _serve(model: str, config, engine_config) -> int:
         second.cancel()
     finally:
         deadline.cancel()
-        await runner.cleanup()
+        try:
+            await runner.cleanup()
+        finally:
+            if not listening.done():  # after the cleanup cancelled the load, so that nothing reports its end
+                listening.set_result(False)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
     _say("stopped")
     return 0
 
 
-def _ready_lines(kind: str, model_id: str, host: str, port: int, *, keyed: bool) -> list[str]:
+# The routes each kind of model is served on besides the first (serving/app.py's table).
+SPEECH_ROUTES = ("/ws", "/api/asr-streaming", "/invocations-bidirectional-stream", "/v1/audio/transcriptions",
+                 "/v1/streaming_input/sessions", "/v1/models", "/health", "/metrics")
+TEXT_ROUTES = ("/v1/streaming_input/sessions", "/v1/models", "/health", "/metrics")
+KEY_PLACEHOLDER = "YOUR_KEY"
+
+
+def _ready_lines(kind: str, model_id: str, host: str, port: int, *, key_source: str | None = None) -> list[str]:
     """Where the model is served, and a command to try it with: the realtime client for a speech model, a
-    completion (`curl`) for a text LM, which the realtime routes do not serve."""
+    completion (`curl`) for a text LM, which the realtime routes do not serve. `key_source` is where the
+    server's keys came from ("--api-key", "--api-key-file", "env"; None: no keys): the command carries the
+    key as the user must give it, never the key itself (a log is often shared)."""
     import json
     import shlex
 
+    client_key = header = note = ""
+    if key_source == "env":  # the realtime client reads $JAXSTREAM_API_KEY as the server does; curl does not
+        header = ' -H "Authorization: Bearer $JAXSTREAM_API_KEY"'
+        note = "  # the key from $JAXSTREAM_API_KEY"
+    elif key_source is not None:
+        client_key, header = f" --api-key {KEY_PLACEHOLDER}", f' -H "Authorization: Bearer {KEY_PLACEHOLDER}"'
+        given = "the key given to --api-key" if key_source == "--api-key" else "a key from --api-key-file"
+        note = f"  # {KEY_PLACEHOLDER}: {given}"
     if kind == "text":
         body = json.dumps({"model": model_id, "prompt": "Once upon a time", "max_tokens": 16})
-        auth = ' -H "Authorization: Bearer $JAXSTREAM_API_KEY"' if keyed else ""
-        return [f"ready: http://{host}:{port}/v1/completions serving {model_id!r} "
-                f"(also /v1/streaming_input/sessions, /v1/models, /health, /metrics)",
-                f"try: curl http://{host}:{port}/v1/completions -H 'Content-Type: application/json'{auth} "
-                f"-d {shlex.quote(body)}"]
-    # The client reads the key from $JAXSTREAM_API_KEY, as the server does.
-    return [f"ready: ws://{host}:{port}/v1/realtime serving {model_id!r} "
-            f"(also /ws, /invocations-bidirectional-stream, /v1/models, /health, /metrics)",
+        return [f"ready: http://{host}:{port}/v1/completions serving {model_id!r} (also {', '.join(TEXT_ROUTES)})",
+                f"try: curl http://{host}:{port}/v1/completions -H 'Content-Type: application/json'{header} "
+                f"-d {shlex.quote(body)}{note}"]
+    return [f"ready: ws://{host}:{port}/v1/realtime serving {model_id!r} (also {', '.join(SPEECH_ROUTES)}; "
+            f"microphone demo: http://{host}:{port}/)",
             f"try: python examples/realtime_client.py models/assets/samples/sample.wav "
-            f"--url ws://{host}:{port}/v1/realtime"]
+            f"--url ws://{host}:{port}/v1/realtime{client_key}{note}"]
+
+
+def _listen_error(exc: OSError) -> str:
+    """Why binding failed, once: asyncio words a bind error "error while attempting to bind on address
+    ('0.0.0.0', 8000): address already in use", which repeats the address the message already gives."""
+    import socket
+
+    if exc.errno and not isinstance(exc, socket.gaierror):  # a resolver's codes are not errno values
+        return os.strerror(exc.errno)
+    return exc.strerror or str(exc)
 
 
 def _say(message: str) -> None:

@@ -7,6 +7,8 @@ import shutil
 
 from jaxstream.errors import UserError
 
+_WORDS_RANGE = (3, 7)  # --text words: the default --min-words and --max-words
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -34,8 +36,10 @@ def register(subparsers) -> None:
     parser.add_argument("--telephone", type=float, default=0.0, metavar="FRACTION",
                         help="--text sentences: share of utterances sent over a simulated phone line (300-3400 "
                              "Hz, 8 kHz, mu-law); a --held-out corpus writes them as 8 kHz files (default 0)")
-    parser.add_argument("--min-words", type=int, default=3, help="--text words: shortest sentence (default 3)")
-    parser.add_argument("--max-words", type=int, default=7, help="--text words: longest sentence (default 7)")
+    parser.add_argument("--min-words", type=int, default=None,
+                        help=f"--text words: shortest sentence (default {_WORDS_RANGE[0]})")
+    parser.add_argument("--max-words", type=int, default=None,
+                        help=f"--text words: longest sentence (default {_WORDS_RANGE[1]})")
     parser.add_argument("--augment", type=float, default=1.0, metavar="STRENGTH",
                         help="augmentation strength: 0 = clean, 1 = default (speed, reverb, noise, gain), at most 5")
     parser.add_argument("--voice-edits", type=float, default=0.5, metavar="FRACTION",
@@ -52,8 +56,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num < 1:
         raise UserError(f"--num must be at least 1, got {args.num}")
-    if not 1 <= args.min_words <= args.max_words:
-        raise UserError(f"need 1 <= --min-words <= --max-words, got {args.min_words} and {args.max_words}")
+    if args.text != "words" and (args.min_words, args.max_words) != (None, None):
+        given = [flag for flag, value in (("--min-words", args.min_words), ("--max-words", args.max_words))
+                 if value is not None]
+        raise UserError(f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --text words only: "
+                        f"--text {args.text} speaks whole sentences from its sources")
+    min_words = _WORDS_RANGE[0] if args.min_words is None else args.min_words
+    max_words = _WORDS_RANGE[1] if args.max_words is None else args.max_words
+    if not 1 <= min_words <= max_words:
+        raise UserError(f"need 1 <= --min-words <= --max-words, got {min_words} and {max_words}")
     if args.seed < 0:
         raise UserError(f"--seed must be at least 0, got {args.seed}")
     if not 0 <= args.augment <= MAX_STRENGTH:  # also refuses nan
@@ -91,10 +102,14 @@ def run(args: argparse.Namespace) -> int:
             system_data_dir()  # edited voices are written beside a copy of it
         except RuntimeError as error:
             raise UserError(str(error)) from error
-    spec = CorpusSpec(num_utterances=args.num, seed=args.seed, held_out=args.held_out, min_words=args.min_words,
-                      max_words=args.max_words, augment_strength=args.augment,
+    spec = CorpusSpec(num_utterances=args.num, seed=args.seed, held_out=args.held_out, min_words=min_words,
+                      max_words=max_words, augment_strength=args.augment,
                       voice_edit_fraction=args.voice_edits, text=args.text, engines=engines,
                       telephone=args.telephone)
+    try:
+        os.makedirs(args.out, exist_ok=True)  # now: a folder that cannot be made failed only in the workers
+    except OSError as exc:
+        raise UserError(f"cannot create the output folder {args.out}: {exc.strerror or exc}") from None
     records = generate_corpus(args.out, spec, workers=max(args.workers, 1), progress=True)
     hours = sum(record["duration"] for record in records) / 3600
     print(f"wrote {len(records)} utterances ({hours:.2f} h) to {args.out}")

@@ -43,9 +43,16 @@ def run(args: argparse.Namespace) -> int:
     from jaxstream.synth.corpus import MANIFEST_NAME
     from jaxstream.training import load_train_config, train
 
-    for corpus in filter(None, (*args.corpus, args.eval_corpus)):
+    corpora = [("--corpus", corpus) for corpus in args.corpus]
+    if args.eval_corpus:
+        corpora.append(("--eval-corpus", args.eval_corpus))
+    for flag, corpus in corpora:
+        if not os.path.exists(corpus):
+            raise UserError(f"{flag} {corpus}: no such directory")
+        if not os.path.isdir(corpus):
+            raise UserError(f"{flag} {corpus}: not a directory (a corpus is the folder `jaxstream synth` wrote)")
         if not os.path.isfile(os.path.join(corpus, MANIFEST_NAME)):
-            raise UserError(f"{corpus} has no {MANIFEST_NAME}: generate it with `jaxstream synth`")
+            raise UserError(f"{flag} {corpus} has no {MANIFEST_NAME}: generate it with `jaxstream synth`")
     if args.steps is not None and args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
     if args.until_step is not None and args.until_step < 1:

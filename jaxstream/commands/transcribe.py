@@ -8,9 +8,12 @@ token_ids are the raw generated ids (specials included), in order. Files are tra
 printed in the order given.
 """
 import json
+import logging
 import os
 
 from jaxstream.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 
 def register(subparsers) -> None:
@@ -38,7 +41,10 @@ def run(args) -> int:
     checked_delay_ms(args.delay_ms)
     for path in args.audio:
         _check_audio_file(path)  # before loading the model, so a typo fails in a second
-    asyncio.run(_transcribe_all(args))
+    from jaxstream.models.audio_checks import engine_narrowband_warnings_muted
+
+    with engine_narrowband_warnings_muted():  # each file's band is judged here, where its name is known
+        asyncio.run(_transcribe_all(args))
     return 0
 
 
@@ -48,6 +54,7 @@ async def _transcribe_all(args) -> None:
     from jaxstream.engine.async_engine import AsyncEngine
     from jaxstream.engine.config import EngineConfig
     from jaxstream.evaluation.runner import stream_audio
+    from jaxstream.models.audio_checks import file_narrowband_reason, narrowband_warning
 
     concurrency = min(args.concurrency, len(args.audio))  # fewer sessions compile fewer batch shapes
     engine = AsyncEngine.from_pretrained(model_source(args.model), config=EngineConfig(max_sessions=concurrency))
@@ -57,12 +64,15 @@ async def _transcribe_all(args) -> None:
         async def transcribe(path: str):
             async with slots:
                 pcm = await asyncio.to_thread(_load, path)
-                return pcm.size, (await stream_audio(engine, pcm, delay_ms=args.delay_ms)).done
+                band = await asyncio.to_thread(file_narrowband_reason, path, pcm)
+                return pcm.size, band, (await stream_audio(engine, pcm, delay_ms=args.delay_ms)).done
 
         tasks = [asyncio.create_task(transcribe(path)) for path in args.audio]
         try:
             for path, task in zip(args.audio, tasks):
-                num_samples, done = await task
+                num_samples, band, done = await task
+                if band is not None:
+                    logger.warning("%s: %s", path, narrowband_warning(band))
                 _print_result(path, num_samples, done, args.json, several=len(args.audio) > 1)
         finally:
             for task in tasks:
@@ -115,10 +125,14 @@ def _check_audio_file(path: str) -> None:
                         f"{os.path.join(path, '*.wav')}), or evaluate a corpus folder with `jaxstream eval`")
     if not os.path.isfile(path):
         raise UserError(f"audio file not found: {path}")
+    if os.path.getsize(path) == 0:
+        raise UserError(f"audio file {path} is empty (0 bytes)")
     try:
-        soundfile.info(path)
+        info = soundfile.info(path)
     except (soundfile.LibsndfileError, RuntimeError) as exc:
         raise UserError(f"unsupported or unreadable audio {path}: {exc}") from None
+    if info.frames == 0:  # a header alone: the transcript would be an empty line, as if nothing were said
+        raise UserError(f"audio file {path} holds no samples")
 
 
 def _load(path: str):

@@ -69,9 +69,11 @@ class AsyncEngine:
         self.core.programs.leader = self._leader
         if isinstance(self.model_config, VoxtralConfig):
             self.kind = "realtime"
-            # Narrowband audio and untrained delays transcribe badly without an error: said once, in the log.
+            # Narrowband audio and untrained delays transcribe badly without an error: said once, in the log
+            # (narrowband on audio_checks' logger, which the CLI mutes: it names each file's band itself).
             self._input_warnings = audio_checks.WarnOnce(logger)
-            self._front_end = FrontEndWorker(warn=self._input_warnings)  # every session's log-mel, batched
+            narrowband_warnings = audio_checks.WarnOnce(audio_checks.narrowband_logger)
+            self._front_end = FrontEndWorker(warn=narrowband_warnings)  # every session's log-mel, batched
             self.core.hand_off_barrier = self._flush_outbox  # text events go out before `collected` counts them
         else:
             self.kind = "text"

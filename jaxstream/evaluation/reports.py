@@ -41,6 +41,7 @@ import io
 import json
 import os
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -320,6 +321,25 @@ def _number(value: float | None) -> str:
 
 def _optional(value: float | None) -> str:
     return "" if value is None else f"{value:.6g}"
+
+
+def unwritable_reason(json_path: str | os.PathLike) -> str | None:
+    """Why `write_reports` could not write at `json_path` (one of its files is a directory, or its folder
+    cannot be made or written in), or None. Asked before a run, which otherwise failed after all its work;
+    makes the folder, as writing would."""
+    path = Path(json_path)
+    if path.is_dir():
+        return f"it is a directory; name the JSON file, e.g. {path / 'report.json'}"
+    for companion in companion_paths(path):
+        if companion.is_dir():
+            return f"{companion}, written beside it, is a directory"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):  # where _write_atomic writes first
+            pass
+    except OSError as exc:
+        return f"cannot write in {path.parent}: {exc.strerror or exc}"
+    return None
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -146,6 +146,9 @@ def train(cfg: TrainConfig, corpus_dir: str | list[str], out_dir: str, *, eval_c
     if steps:
         cfg = with_total_steps(cfg, steps)  # before any work: the override must fit the schedule
     paths = RunPaths(Path(out_dir).resolve())
+    nearest = next(path for path in (paths.out, *paths.out.parents) if path.exists())
+    if not nearest.is_dir():  # found now rather than by the mkdir below, after the corpus and models are read
+        raise UserError(f"--out {out_dir}: {nearest} is not a directory")
     records = read_corpora([corpus_dir] if isinstance(corpus_dir, str) else list(corpus_dir))
     untimed = sum(1 for record in records if not record["words"])
     if untimed:
@@ -180,7 +183,10 @@ def train(cfg: TrainConfig, corpus_dir: str | list[str], out_dir: str, *, eval_c
         if exported != cfg.model:
             raise UserError(f"{paths.out} was trained with another architecture than the recipe's [model]: "
                             + ", ".join(_differences(exported, cfg.model)) + "; use a fresh --out")
-    paths.out.mkdir(parents=True, exist_ok=True)
+    try:
+        paths.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create --out {out_dir}: {exc.strerror or exc}") from None
     if initial is not None and not paths.tokenizer.is_file():
         shutil.copyfile(initial.loaded.tokenizer_path, paths.tokenizer)
     tokenizer = ensure_tokenizer(paths, records, cfg.spm_vocab_size, cfg.spm_model_type)
