@@ -211,3 +211,13 @@ def test_a_report_path_that_cannot_be_written_fails_before_the_run(tmp_path, cap
                              "cannot write in /proc/jaxstream-eval-test: No such file or directory")]:
         assert cli.main(["eval", str(corpus), "--report", str(report)]) == 2
         assert capsys.readouterr().err == f"jaxstream eval: error: --report {report}: {problem}\n"
+
+
+def test_a_report_that_cannot_be_replaced_leaves_no_partial_copy(tmp_path):
+    from jaxstream.evaluation import reports
+
+    taken = tmp_path / "report.json"
+    taken.mkdir()  # written after the up-front check, say: the rename fails
+    with pytest.raises(OSError):
+        reports._write_atomic(taken, "{}")
+    assert [path.name for path in tmp_path.iterdir()] == ["report.json"]

@@ -345,5 +345,9 @@ def unwritable_reason(json_path: str | os.PathLike) -> str | None:
 def _write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")  # one per writer
-    temporary.write_text(text, encoding="utf-8")
-    os.replace(temporary, path)
+    try:
+        temporary.write_text(text, encoding="utf-8")
+        os.replace(temporary, path)
+    except BaseException:  # a report that could not be written leaves no hidden partial copy beside it
+        temporary.unlink(missing_ok=True)
+        raise
