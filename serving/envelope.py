@@ -48,7 +48,8 @@ cause (the same word where there is nothing more precise to say):
                       utterance_in_progress
     invalid_audio, audio_limit_exceeded, input_audio_buffer_commit_empty, draining    as on /v1/realtime
     server_draining                           the drain ended the utterance's audio: its done (next) covers
-                                              only the audio received; details: audio_seconds
+                                              only the audio received; details: audio_seconds (the done
+                                              carries `truncated: true` and `truncation` too)
     the engine's code (engine_dead, ...), processing_error      a failed start or transcription (no `done`)
 """
 import asyncio
@@ -64,7 +65,9 @@ from jaxstream.errors import EngineError
 from jaxstream.models.audio import SAMPLING_RATE  # the protocol's audio rate, never negotiated
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_pcm16_base64
 from jaxstream.serving.engine_sessions import failure_of, start_session
-from jaxstream.serving.limits import CLOSE_NORMAL, CLOSE_UNAUTHORIZED, Breach, RollingWindowLimiter, drain_notice
+from jaxstream.serving.limits import (
+    CLOSE_NORMAL, CLOSE_UNAUTHORIZED, Breach, RollingWindowLimiter, drain_notice, drain_truncation,
+)
 from jaxstream.serving.vad import (TurnDetectionError, TurnSegmenter, parse_turn_detection, start_turn_segmenter,
                                    vad_config)
 from jaxstream.serving.websocket import ConnectionClosed
@@ -465,11 +468,13 @@ class EnvelopeProtocol:
                     elif isinstance(event, TranscriptionDone):
                         if utterance.final_at is not None:
                             metrics.finalize.observe(time.monotonic() - utterance.final_at)
+                        truncation = {}
                         if utterance.drained:  # after the last delta, before the done: both kinds of client see it
-                            seconds = event.usage.audio_seconds
+                            seconds, notice = event.usage.audio_seconds, drain_notice(event.usage.audio_seconds)
                             await self._error(utterance.session_id, utterance.request_id, "server_draining",
-                                              "server_draining", drain_notice(seconds), {"audio_seconds": seconds})
-                        await self._send("transcription.done", *ids, **_done_payload(event))
+                                              "server_draining", notice, {"audio_seconds": seconds})
+                            truncation = drain_truncation(notice, seconds)  # again, for a client reading the done
+                        await self._send("transcription.done", *ids, **_done_payload(event), **truncation)
                         outcome = "done"
             except ConnectionClosed:
                 raise

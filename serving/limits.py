@@ -120,6 +120,14 @@ def drain_notice(received: float, modality: str = "audio") -> str:
             f"{amount} received")
 
 
+def drain_truncation(notice: str, audio_seconds: float) -> dict:
+    """The fields a done carries when the drain ended its utterance (`notice`: the `server_draining` message sent
+    before it), for a client that reads the done alone: vLLM's `transcription.done` and the OpenAI dialect's
+    `...transcription.completed` (jaxstream extensions; a done the client ended has neither field)."""
+    return {"truncated": True, "truncation": {"code": "server_draining", "message": notice,
+                                              "audio_seconds": audio_seconds}}
+
+
 def duration_breach(limits: Limits, what: str = "connection") -> Breach:
     """The end of a WebSocket connection, or of an HTTP stream (`what`), at `max_session_seconds` of age."""
     return Breach("max_duration", CLOSE_MAX_DURATION, "max_duration_exceeded",

@@ -37,8 +37,11 @@ jaxstream choices where OpenAI's behaviour does not carry over:
   does not produce; the spec makes them optional.
 - A draining server (app.drain) commits the item still open at its deadline, and that item's transcript covers
   only the audio received: an `error` `server_draining` (a `server_error`, naming the seconds transcribed) comes
-  after its last delta and before its `...transcription.completed`. Audio appended after it is refused
-  (`draining`: no new item opens); the socket closes with 1001 once the item is done.
+  after its last delta and before its `...transcription.completed`, which says it again for a client that reads
+  it alone: `"truncated": true, "truncation": {"code": "server_draining", "message", "audio_seconds"}` (absent
+  from a transcript the client committed). Audio appended while no item is open is dropped, as vLLM's protocol
+  drops it (an error per append was noise, and spent the error budget, of a client still streaming); no new item
+  opens, and the socket closes with 1001 once the item is done.
 """
 import asyncio
 import json
@@ -55,7 +58,7 @@ from jaxstream.models.audio import SLOT_SECONDS
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_g711_base64, decode_pcm16_base64
 from jaxstream.serving.engine_sessions import start_session, token_logprobs
 from jaxstream.serving.http_errors import error_type
-from jaxstream.serving.limits import drain_notice
+from jaxstream.serving.limits import drain_notice, drain_truncation
 from jaxstream.serving.vad import (TurnDetectionError, TurnSegmenter, parse_turn_detection, start_turn_segmenter,
                                    vad_config)
 from jaxstream.serving.websocket import ConnectionClosed
@@ -329,6 +332,8 @@ class OpenAiRealtime:
                 pcm = decode_g711_base64(audio, self.format.removeprefix("audio/"), max_samples=max_samples)
         except AudioDecodeError as exc:
             raise ClientError("invalid_audio", f"Invalid audio data: {exc}", "audio") from None
+        if self.server.draining and self.open is None:
+            return  # it would open an item: dropped (the module docstring)
         seconds = pcm.size / self.rate
         if self.conn.audio_seconds + seconds > self.limits.max_audio_seconds:
             raise ClientError("audio_limit_exceeded", f"This connection reached its limit of "
@@ -497,9 +502,11 @@ class OpenAiRealtime:
             if item.committed_at is not None:
                 metrics.finalize.observe(time.monotonic() - item.committed_at)
             metrics.utterances.labels(outcome="done").inc()
+            truncation = {}
             if item.drained:  # after the item's last delta, before its transcript: whoever stops at either saw it
-                await self._error("server_draining", drain_notice(done.usage.audio_seconds), None, None,
-                                  budget=False)
+                notice = drain_notice(done.usage.audio_seconds)
+                await self._error("server_draining", notice, None, None, budget=False)
+                truncation = drain_truncation(notice, done.usage.audio_seconds)
             audio_tokens = round(done.usage.audio_seconds / SLOT_SECONDS)
             text_tokens, output = done.usage.prompt_tokens, done.usage.output_tokens
             await self._send("conversation.item.input_audio_transcription.completed", item_id=item.id,
@@ -507,7 +514,8 @@ class OpenAiRealtime:
                              usage={
                                  "type": "tokens", "input_tokens": text_tokens + audio_tokens,
                                  "output_tokens": output, "total_tokens": text_tokens + audio_tokens + output,
-                                 "input_token_details": {"text_tokens": text_tokens, "audio_tokens": audio_tokens}})
+                                 "input_token_details": {"text_tokens": text_tokens, "audio_tokens": audio_tokens}},
+                             **truncation)
             if not self.beta:
                 await self._send("conversation.item.done", previous_item_id=item.previous_item_id,
                                  item=self._item_object(item, "completed", done.text))

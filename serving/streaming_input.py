@@ -209,6 +209,7 @@ class InputFeed:
         self.applied_bytes = 0  # in order, for the start policy
         self.audio_seconds = 0.0
         self.ended = False
+        self.drained: str | None = None  # the notice of a drain that ended the input (DrainHandle.finish_for_drain)
         self._pending: list = []
 
     def count(self, payload_bytes: int) -> bool:
@@ -218,19 +219,33 @@ class InputFeed:
 
     async def add(self, piece) -> None:
         """Applies the next piece. A start the engine refuses leaves the feed as it was, so that the same
-        piece can be offered again (Mode B keeps a chunk refused for capacity for the client's retry)."""
+        piece can be offered again (Mode B keeps a chunk refused for capacity for the client's retry). A piece after
+        the end of the input is refused with `after_end` (the engine's own refusal, `session_closed`, named an engine
+        session the client never saw); Mode A drops the chunks it reads then instead (`_read_chunks`)."""
+        if self.ended:
+            raise self.after_end()
         size, seconds = self.stream.measure(piece)
+        # Counted before the engine takes it: an append waiting for the engine to catch up (backpressure) is ahead
+        # of an end that comes meanwhile, so a drain ending the input then must count it among the input received.
+        self.applied_bytes += size
+        self.audio_seconds += seconds
         try:
             if self.stream.started:
                 await self.stream.append(piece)
-            elif self.policy.holds(self.applied_bytes + size, self.audio_seconds + seconds):
+            elif self.policy.holds(self.applied_bytes, self.audio_seconds):
                 await self._start([*self._pending, piece])
             else:
                 self._pending.append(piece)
         except EngineError as exc:
+            self.applied_bytes -= size
+            self.audio_seconds -= seconds
             raise engine_request_error(exc) from None
-        self.applied_bytes += size
-        self.audio_seconds += seconds
+
+    def after_end(self) -> RequestError:
+        """The refusal of a piece that comes after the end of the input: one the drain ended says so, since the
+        client did not end it (Mode B: a chunk in flight while the drain ended the input)."""
+        why = f"{self.drained}; a chunk sent after that" if self.drained else "The input ended; a chunk after its end"
+        return RequestError(409, "input_finished", f"{why} is not applied")
 
     def check_end(self) -> None:
         """RequestError 422 when ending the input now would end it empty; the input then stays open."""
@@ -283,10 +298,12 @@ class DrainHandle:
         if feed is None or feed.ended or not self.busy():
             return
         stream = self.stream
+        received = feed.audio_seconds if stream.modality == "audio" else feed.applied_bytes
+        notice = drain_notice(received, stream.modality)
         if stream.log is not None:
-            received = feed.audio_seconds if stream.modality == "audio" else feed.applied_bytes
             stream.state.metrics.errors.labels(code="server_draining").inc()
-            stream.log.append(sse.error_payload(drain_notice(received, stream.modality), "server_draining"))
+            stream.log.append(sse.error_payload(notice, "server_draining"))
+        feed.drained = notice  # before the end, which may wait for an append: a chunk that comes meanwhile is told why
         try:
             await feed.end()
         except RequestError as exc:
@@ -411,7 +428,10 @@ async def _read_chunks(stream, feed: InputFeed, objects, first_chunk) -> None:
         pending = [first_chunk] if first_chunk is not None else []
         async for body in _chain(pending, objects):
             chunk = parse_chunk(body, stream.modality, ordered=False)
-            if chunk["payload"]:
+            # Once the drain ended the input, a client still sending is not refused (that ended the stream with an
+            # error in place of the transcript the drain's notice promised): its chunks are dropped, as the
+            # WebSocket protocols drop audio appended then, and the stream goes on to its done.
+            if chunk["payload"] and not feed.ended:
                 piece = stream.decode(chunk["payload"])
                 if not feed.count(stream.measure(piece)[0]):
                     raise RequestError(413, "payload_too_large", f"The input is larger than "

@@ -22,6 +22,7 @@ Where vLLM 0.33 silently misbehaves, the default ("strict") mode answers instead
 | `transcription.done` extras       | `words`, `usage.audio_seconds`          | none                    |
 | engine error in a generation      | the engine's code (`engine_dead`, ...)  | `processing_error`      |
 | drain ends an utterance's audio   | `server_draining` error, then its done  | its done only           |
+|                                   | with `truncated`, `truncation`          |                         |
 
 Neither mode reproduces vLLM's bugs: a stray `final` never poisons the next utterance, and deltas are never
 empty (the engine streams text only). On the SageMaker route binary frames are UTF-8 JSON.
@@ -29,8 +30,12 @@ empty (the engine streams text only). On the SageMaker route binary frames are U
 A draining server (SIGTERM: app.drain) ends the audio of an utterance the client has not finalised by its
 deadline, as a final commit would; its `transcription.done` then covers only the audio received, and strict
 mode says so first: an `error` `server_draining` after its last delta, naming the seconds of audio transcribed.
-Audio appended after that is dropped, and the socket closes with 1001 after the done. A connection with no
-utterance taking audio gets only that close ("server shutting down"): no transcript of it is cut short.
+The done says it again, for a client that reads the done alone (one that passes over `error` events, or takes
+the transcript from the done): `"truncated": true, "truncation": {"code": "server_draining", "message",
+"audio_seconds"}` (the notice's code and message, the seconds transcribed); the done of an utterance the client
+ended has neither field. Audio appended after that is dropped, and the socket closes with 1001 after the done.
+A connection with no utterance taking audio gets only that close ("server shutting down"): no transcript of it is
+cut short.
 
 Server VAD, a jaxstream extension (strict mode only; `--compat vllm` ignores the field as vLLM does):
 `session.update` may carry OpenAI's `turn_detection` object (`{"type": "server_vad", "threshold",
@@ -64,7 +69,7 @@ from jaxstream.errors import EngineError
 from jaxstream.models.audio import SAMPLING_RATE  # the protocol's audio rate, never negotiated
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_pcm16_base64
 from jaxstream.serving.engine_sessions import failure_of, start_session
-from jaxstream.serving.limits import CLOSE_UNSUPPORTED_DATA, Breach, drain_notice
+from jaxstream.serving.limits import CLOSE_UNSUPPORTED_DATA, Breach, drain_notice, drain_truncation
 from jaxstream.serving.vad import (TurnDetectionError, TurnSegmenter, parse_turn_detection, start_turn_segmenter,
                                    vad_config)
 from jaxstream.serving.websocket import ConnectionClosed
@@ -444,11 +449,13 @@ class VllmRealtime:
                 elif isinstance(event, TranscriptionDone):
                     if utterance.final_at is not None:
                         metrics.finalize.observe(time.monotonic() - utterance.final_at)
+                    notice = None
                     if utterance.drained and not self.compat:  # vLLM has no such notice: --compat vllm sends none
                         # After the last delta and before the done: a client that stops at an error (vLLM's
                         # example does) has the whole text, one that reads to the done has seen the notice.
-                        await self._error("server_draining", drain_notice(event.usage.audio_seconds), budget=False)
-                    await self.conn.send(self._done_event(event))
+                        notice = drain_notice(event.usage.audio_seconds)
+                        await self._error("server_draining", notice, budget=False)
+                    await self.conn.send(self._done_event(event, notice))
                     finished = True
                     metrics.utterances.labels(outcome="done").inc()
         except ConnectionClosed:
@@ -486,7 +493,9 @@ class VllmRealtime:
             except (ProtocolError, EngineError) as exc:
                 await self._error(getattr(exc, "code", "processing_error"), str(exc))
 
-    def _done_event(self, done: TranscriptionDone) -> dict:
+    def _done_event(self, done: TranscriptionDone, notice: str | None = None) -> dict:
+        """vLLM's `transcription.done`; strict mode adds `words`, `usage.audio_seconds` and, for an utterance the
+        drain ended (`notice`: the `server_draining` message sent before it), `truncated` and `truncation`."""
         prompt, completion = done.usage.prompt_tokens, done.usage.output_tokens
         usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
                  "prompt_tokens_details": None, "completion_tokens_details": None}  # vLLM's UsageInfo order
@@ -494,6 +503,8 @@ class VllmRealtime:
         if not self.compat:
             usage["audio_seconds"] = done.usage.audio_seconds
             event["words"] = [{"word": w.word, "start": w.start, "end": w.end} for w in done.words]
+        if notice is not None:  # the notice again, for a client that reads the done alone
+            event.update(drain_truncation(notice, done.usage.audio_seconds))
         return event
 
     async def _error(self, code: str, message: str, *, budget: bool = True) -> None:

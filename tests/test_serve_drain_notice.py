@@ -2,11 +2,15 @@
 naming the seconds of audio the output covers, comes after the last delta and before the done (vLLM's protocol in
 strict mode, /ws) or before the output's end (HTTP streaming input); `--compat vllm` sends what vLLM would, the done
 only. Before, the done came as if the client had ended the audio: a transcript cut at 28.6 s of a 58.7 s file looked
-complete. Audio a client appends after the drain ended its utterance is dropped, not held for an utterance that will
-never start (held, it reached max_pending_seconds and was answered with audio_limit_exceeded). The OpenAI dialect's
-and Kyutai's drain tests are in their own modules (test_serve_openai.py, test_serve_kyutai.py).
+complete. The done (vLLM's protocol, the OpenAI dialect's completed transcript) says it too, for a client that reads
+it alone. Audio a client appends after the drain ended its utterance is dropped without an answer, not held for an
+utterance that will never start (held, it reached max_pending_seconds and was answered with audio_limit_exceeded) nor
+refused (the OpenAI dialect answered each append with an error); so are the chunks of a Mode A body, where a Mode B
+chunk gets a 409 `input_finished`. More drain tests of the OpenAI dialect and of Kyutai's protocol are in their own
+modules (test_serve_openai.py, test_serve_kyutai.py).
 
-The oracle of each transcript is the engine's own for the audio the server says it received, as sent (PCM16)."""
+The oracle of a transcript is the engine's own for the audio the server says it received, as sent (PCM16); the
+OpenAI dialect's (24 kHz, which engine.transcribe does not take) and Mode B's are checked against their deltas."""
 import asyncio
 import contextlib
 import json
@@ -14,16 +18,18 @@ import json
 import aiohttp
 import numpy as np
 import pytest
+import soxr
 import websockets
 
 from jaxstream.models.audio import SAMPLING_RATE
 from jaxstream.serving.app import drain
 from jaxstream.serving.audio_codecs import decode_pcm16_base64, encode_pcm16_base64
 from jaxstream.serving.config import ServerConfig
+from jaxstream.serving.http_sessions import STREAMING_INPUT
 from jaxstream.serving.limits import Limits
 from jaxstream.serving.testing import RealtimeClient, ServerThread
 from serve_fixtures import audio, engine, engine_returns_to_baseline  # noqa: F401 - pytest fixtures
-from test_serve_http import parse_sse
+from test_serve_http import SESSIONS, call, parse_sse
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +39,7 @@ PIECE = SAMPLING_RATE // 2  # samples per append
 SPEEDUP = 8
 # Under one append: a client whose appends the drain's server held for a later utterance was refused at once.
 PENDING_LIMIT = Limits(max_pending_seconds=0.25)
+CHUNK_S = 2.0  # Mode B's chunks
 DRAIN_S = 8.0  # the drain ends running inputs itself half-way (app.drain keeps the rest for their flush)
 
 
@@ -75,12 +82,19 @@ async def check_covered(engine, sent: list, seconds: float, text: str) -> None:
 # -- vLLM's protocol ------------------------------------------------------------------------------------------
 async def test_vllm_drain_notice_comes_between_the_last_delta_and_the_done(engine, audio):
     """The client streams without end (never a final commit): the drain ends the utterance, and the event before
-    its done is the notice; the audio the client goes on sending is dropped without an error."""
+    its done is the notice; the audio the client goes on sending is dropped without an error. The done says it
+    too (`truncated`, `truncation`: a client that reads the done alone could not tell), where the done of an
+    utterance the client ended itself says nothing of the kind."""
     server = ServerThread(engine, ServerConfig(limits=PENDING_LIMIT))
     try:
         client = await RealtimeClient.connect(server.url())
         await client.update(server.state.model_id)
         assert (await client.event())["type"] == "session.updated"
+        await client.commit()
+        await client.append(audio[:PIECE])
+        await client.commit(final=True)
+        whole = (await client.until("transcription.done"))[-1]
+        assert "truncated" not in whole and "truncation" not in whole, whole
         await client.commit()
         sent = []
         sender = asyncio.create_task(send_until_closed(client.append, audio, sent))
@@ -96,6 +110,8 @@ async def test_vllm_drain_notice_comes_between_the_last_delta_and_the_done(engin
         notice, done = events[-2:]
         seconds = done["usage"]["audio_seconds"]
         assert notice["code"] == "server_draining" and f"the first {seconds:.2f} s of audio" in notice["error"]
+        assert done["truncated"] is True, done
+        assert done["truncation"] == {"code": "server_draining", "message": notice["error"], "audio_seconds": seconds}
         assert "".join(event["delta"] for event in events[:-2]) == done["text"]
         await check_covered(engine, sent, seconds, done["text"])
     finally:
@@ -120,6 +136,47 @@ async def test_vllm_compat_drain_sends_only_what_vllm_sends(engine, audio):
         assert set(events[-1]) == {"type", "text", "usage"}
     finally:
         server.close()
+
+
+# -- the OpenAI dialect ---------------------------------------------------------------------------------------
+async def test_openai_drain_drops_appends_and_marks_the_transcript_truncated(engine, audio):
+    """A client that goes on appending through the drain: the item the drain committed ends with the notice, then
+    its `...transcription.completed`, which says it was cut short too (`truncated`, `truncation`); the appends that
+    come while no item is open are dropped without an answer. They were each answered with an error `draining`."""
+    server = ServerThread(engine)
+    rate = 24000  # the dialect's PCM rate
+    pcm = soxr.resample(audio, SAMPLING_RATE, rate).astype(np.float32)
+    try:
+        ws = await websockets.connect(server.url() + "?intent=transcription", max_size=None)
+
+        async def append(piece: np.ndarray) -> None:
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": encode_pcm16_base64(piece)}))
+
+        async def receive() -> dict:
+            return json.loads(await asyncio.wait_for(ws.recv(), 60))
+
+        sender = asyncio.create_task(send_until_closed(append, pcm, []))
+        while (first := await receive())["type"] != "conversation.item.input_audio_transcription.delta":
+            pass
+        draining = start_drain(server)
+        events, code = await events_until_closed(receive)
+        await sender
+        assert code == 1001 and await draining is True
+    finally:
+        server.close()
+    kinds = [event["type"] for event in events]
+    errors = [event["error"] for event in events if event["type"] == "error"]
+    assert [error["code"] for error in errors] == ["server_draining"], errors
+    at = kinds.index("conversation.item.input_audio_transcription.completed")
+    notice, completed = events[at - 1]["error"], events[at]
+    assert notice["code"] == "server_draining", kinds  # right before the transcript
+    assert kinds[-1] == "conversation.item.done" and "conversation.item.added" not in kinds, kinds  # no new item
+    seconds = completed["truncation"]["audio_seconds"]
+    assert f"the first {seconds:.2f} s of audio" in notice["message"] and completed["truncated"] is True
+    assert completed["truncation"] == {"code": "server_draining", "message": notice["message"],
+                                       "audio_seconds": seconds}
+    assert completed["transcript"] == first["delta"] + "".join(
+        event["delta"] for event in events if event["type"].endswith("transcription.delta"))
 
 
 # -- /ws ------------------------------------------------------------------------------------------------------
@@ -153,6 +210,9 @@ async def test_envelope_drain_notice_carries_the_utterances_ids_and_seconds(engi
         assert notice["payload"]["code"] == notice["payload"]["reason_code"] == "server_draining"
         assert notice["payload"]["details"] == {"audio_seconds": seconds}
         assert f"the first {seconds:.2f} s of audio" in notice["payload"]["message"]
+        assert done["payload"]["truncated"] is True  # and the done says so too, for a client that reads it alone
+        assert done["payload"]["truncation"] == {"code": "server_draining", "message": notice["payload"]["message"],
+                                                 "audio_seconds": seconds}
         await check_covered(engine, sent, seconds, done["payload"]["text"])
     finally:
         server.close()
@@ -190,3 +250,95 @@ async def test_mode_a_drain_notice_precedes_the_transcripts_end(engine, audio):
     assert f"the first {done['usage']['seconds']:.2f} s of audio" in notice["error"]["message"]
     assert "".join(event["delta"] for event in events[:-2] if event["type"] != "error") == done["text"]
     await check_covered(engine, [audio], done["usage"]["seconds"], done["text"])
+
+
+async def test_mode_a_drain_drops_the_chunks_a_client_goes_on_sending(engine, audio):
+    """A Mode A client that goes on sending chunks after the drain ended its input: they are dropped, and the stream
+    still ends with the transcript the notice promised. Before, the next chunk went to the ended engine session,
+    which refused it: the stream ended with an error `session_closed` and no transcript."""
+    server = ServerThread(engine)
+    sent = []
+
+    async def body():
+        yield (json.dumps({"model": server.state.model_id}) + "\n").encode()
+        while True:  # until the client stops sending: it has the answer
+            for begin in range(0, audio.size, PIECE):
+                piece = audio[begin:begin + PIECE]
+                yield (json.dumps({"payload": encode_pcm16_base64(piece)}) + "\n").encode()
+                sent.append(piece)
+                await asyncio.sleep(PIECE / SAMPLING_RATE / SPEEDUP)
+
+    try:
+        draining, raw = None, ""
+        async with aiohttp.ClientSession() as http, http.post(
+                server.url("/v1/audio/transcriptions", "http"), data=body(),
+                headers={"X-Streaming-Input": "true"}) as response:
+            async for line in response.content:
+                raw += line.decode()
+                if draining is None and "transcript.text.delta" in raw:
+                    draining = start_drain(server)
+        assert await draining is True
+    finally:
+        server.close()
+    events = [data for _, data in parse_sse(raw)]
+    kinds = [event if event == "[DONE]" else event["type"] for event in events]
+    assert kinds[-2:] == ["transcript.text.done", "[DONE]"] and kinds.count("error") == 1, kinds
+    notice, done = events[kinds.index("error")], events[-2]
+    assert notice["error"]["code"] == "server_draining", notice
+    seconds = done["usage"]["seconds"]
+    assert f"the first {seconds:.2f} s of audio" in notice["error"]["message"]
+    assert done["text"] and "".join(event["delta"] for event in events[:-2] if event["type"] != "error") == done["text"]
+    await check_covered(engine, sent, seconds, done["text"])
+
+
+async def test_mode_b_chunks_after_the_drain_ended_the_input_are_refused_as_after_its_end(engine, audio):
+    """A Mode B client that goes on sending chunks after the drain ended its input gets 409 `input_finished` for them
+    and the transcript the notice promised from its result and its events. One chunk's request applies the chunks
+    held for a gap: the drain ends the input while it waits for the engine to catch up, and its later chunks came
+    to the ended engine session, which answered `session_closed` for a session the client never saw."""
+    server = ServerThread(engine)
+    # 4 min: applying it takes the engine far longer than the drain waits before it ends the input (DRAIN_S / 2)
+    long = np.tile(audio, 55)
+    step = round(CHUNK_S * SAMPLING_RATE)
+    pieces = [long[begin:begin + step] for begin in range(0, long.size, step)]
+
+    def chunk(seq: int) -> dict:
+        return {"sequence_id": seq, "payload": encode_pcm16_base64(pieces[seq % len(pieces)])}
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            status, created = await call(http, server, "POST", SESSIONS,
+                                         json={"model": server.state.model_id, "stream": True})
+            assert status == 201, created
+            base = f"{SESSIONS}/{created['session_id']}"
+            session = server.app[STREAMING_INPUT].sessions[created["session_id"]]
+            for seq in [0, *range(2, len(pieces))]:  # 0 starts the engine session; the rest wait for 1
+                assert (await call(http, server, "POST", base + "/chunks", json=chunk(seq)))[0] == 202
+            gap = asyncio.create_task(call(http, server, "POST", base + "/chunks", json=chunk(1)))
+            async with asyncio.timeout(60):
+                while session.next_seq < 2:  # the held chunks are being applied
+                    await asyncio.sleep(0.05)
+            draining = start_drain(server)
+            gap_answer = await gap
+            late_answer = await call(http, server, "POST", base + "/chunks", json=chunk(len(pieces)))
+            result = await call(http, server, "GET", base + "/result")
+            async with http.get(server.url(base + "/events", "http")) as response:
+                raw = await response.text()
+            assert await draining is True
+    finally:
+        server.close()
+    for status, answer in [gap_answer, late_answer]:
+        assert (status, answer["error"]["code"]) == (409, "input_finished"), answer
+    for _, answer in [gap_answer, late_answer]:  # the drain ended the input, not the client
+        assert "The server is shutting down" in answer["error"]["message"], answer
+    events = [data for _, data in parse_sse(raw)]
+    kinds = [event if event == "[DONE]" else event["type"] for event in events]
+    assert kinds[-2:] == ["transcript.text.done", "[DONE]"] and kinds.count("error") == 1, kinds
+    notice, done = events[kinds.index("error")], events[-2]
+    seconds = done["usage"]["seconds"]
+    assert f"the first {seconds:.2f} s of audio" in notice["error"]["message"]
+    assert result[0] == 200 and result[1]["text"] == done["text"], result
+    # What the transcript covers is whole chunks, the two applied before the drain at least: the one refused came
+    # to the feed after the end and none of it reached the engine. (The transcript of that much audio is checked
+    # against the engine's by the tests above; here it would cost more than the rest of the test.)
+    assert seconds >= 2 * CHUNK_S and seconds % CHUNK_S == 0, seconds

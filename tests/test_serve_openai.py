@@ -500,11 +500,12 @@ async def test_drain_commits_the_open_item_and_closes(engine, model, speech, ref
         server.close()
 
 
-async def test_a_refusal_while_draining_is_the_servers_error(engine, model, speech):
+async def test_a_draining_server_drops_the_next_turns_audio_and_refuses_http_as_a_server_error(engine, model, speech):
     """A busy connection of a draining server commits its item and appends audio for the next turn: the server
-    starts no new transcription and says so with an error `draining`, typed as the HTTP routes type the same
-    refusal (a 503 `server_error`, asked here of the same server; http_errors.error_type) and as OpenAI types a
-    server that cannot serve (its 503 "overloaded" is a server_error). It was the client's `invalid_request_error`."""
+    starts no new transcription and drops that audio without an error per append (a client still streaming would
+    spend its error budget on them), finishes the committed item (whole: the client ended it, so it is not marked
+    truncated) and closes with 1001. The HTTP routes of the same server refuse with a 503 typed `server_error`, as
+    OpenAI types a server that cannot serve (its 503 "overloaded"; http_errors.error_type)."""
     import aiohttp
 
     from jaxstream.serving.app import drain
@@ -526,13 +527,20 @@ async def test_a_refusal_while_draining_is_the_servers_error(engine, model, spee
                 if response.status == 503:
                     break
                 await asyncio.sleep(0.05)
-        assert http_error[1]["code"] == "draining", http_error
+        assert (http_error[1]["code"], http_error[1]["type"]) == ("draining", "server_error"), http_error
         await client.send({"type": "input_audio_buffer.commit", "event_id": "c1"})
-        await client.send({"type": "input_audio_buffer.append", "audio": encode_pcm16_base64(one_second),
-                           "event_id": "a2"})
-        error = (await client.until("error"))[-1]["error"]
-        assert (error["code"], error["event_id"]) == ("draining", "a2"), error
-        assert error["type"] == http_error[1]["type"] == "server_error", (error, http_error)
+        for index in range(3):
+            await client.send({"type": "input_audio_buffer.append", "audio": encode_pcm16_base64(one_second),
+                               "event_id": f"a{index}"})
+        events = []
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            while True:
+                events.append(await client.event())
+        assert closed.value.rcvd.code == 1001, closed.value
+        assert [e for e in events if e["type"] == "error"] == []
+        done = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed"]
+        assert len(done) == 1 and done[0]["transcript"] and "truncated" not in done[0], events
+        assert not [e for e in events if e["type"] == "conversation.item.added"], events  # no new item opened
         assert await draining is True  # the committed item still finished
     finally:
         server.close()
