@@ -6,6 +6,7 @@ idle timeout, answering a body that breaks off. A body read before its request i
 a Mode A request's first line, every JSON body) must also keep arriving at a minimum average rate
 (`read_before_admission`). A 408 closes the connection, whichever route answers it."""
 import asyncio
+import base64
 import json
 
 from aiohttp import web
@@ -93,6 +94,7 @@ def error_response(status: int, code: str, message: str, param: str | None = Non
 
 
 _PATH_SHOWN = 200  # of a request's path, echoed in a routing error
+_HEADER_SHOWN = 40  # of a request header's value, echoed in a handshake refusal
 
 
 def routing_errors_middleware(websocket_routes: dict[str, str]):
@@ -100,19 +102,27 @@ def routing_errors_middleware(websocket_routes: dict[str, str]):
     unknown path (404 `unknown_url`, OpenAI's code for it) and a method its route does not take (405 with the
     Allow header), both raised by the router, and the rest (a handshake or body aiohttp refuses) with their
     status. `websocket_routes` maps each WebSocket route to what it is: a plain request to one is told so (426
-    Upgrade Required, RFC 9110 15.5.22), where the handshake's refusal said only `No WebSocket UPGRADE hdr`.
+    Upgrade Required, RFC 9110 15.5.22), where the handshake's refusal said only `No WebSocket UPGRADE hdr`, and
+    a handshake that aiohttp would refuse is told which header it lacks (`_handshake_fault`).
+
+    The 404, 405 and 426 are counted apart (`jaxstream_http_routing_errors`), not in `jaxstream_errors`, which
+    operators alert on: a scanner probing URLs is not the server failing.
 
     The app runs it after the auth middleware, as vLLM checks its key before routing: without a key, an unknown
     path is a 401 like any other, so the server tells nobody which routes it has before they authenticate."""
     @web.middleware
     async def answer_in_openai_shape(request: web.Request, handler):
         path = request.path[:_PATH_SHOWN]
-        if (request.path in websocket_routes and request.method in ("GET", "HEAD")
-                and request.headers.get("Upgrade", "").strip().lower() != "websocket"):
-            response = error_response(426, "upgrade_required", f"{path} is {websocket_routes[request.path]}: "
-                                      f"connect to it with a WebSocket client (ws:// or wss://)")
-            response.headers["Upgrade"] = "websocket"
-            return _counted(request, response, "upgrade_required")
+        if request.path in websocket_routes and request.method in ("GET", "HEAD"):
+            if request.headers.get("Upgrade", "").strip().lower() != "websocket":
+                response = error_response(426, "upgrade_required", f"{path} is {websocket_routes[request.path]}: "
+                                          f"connect to it with a WebSocket client (ws:// or wss://)")
+                response.headers["Upgrade"] = "websocket"
+                return _routing_refusal(request, response, "upgrade_required")
+            fault = _handshake_fault(request.headers)
+            if fault is not None:
+                server_state(request).metrics.errors.labels(code="invalid_request").inc()
+                return error_response(400, "invalid_request", f"The WebSocket handshake for {path} {fault}")
         try:
             return await handler(request)
         except web.HTTPMethodNotAllowed as exc:
@@ -120,24 +130,55 @@ def routing_errors_middleware(websocket_routes: dict[str, str]):
             response = error_response(405, "method_not_allowed", f"{request.method} is not allowed on {path}; "
                                       f"it takes {allowed}")
             response.headers["Allow"] = exc.headers["Allow"]
-            return _counted(request, response, "method_not_allowed")
+            return _routing_refusal(request, response, "method_not_allowed")
         except web.HTTPNotFound:
-            return _counted(request, error_response(404, "unknown_url", f"Unknown request URL: {request.method} "
-                                                    f"{path}. Please check the URL for typos"), "unknown_url")
+            return _routing_refusal(request, error_response(404, "unknown_url", f"Unknown request URL: "
+                                                            f"{request.method} {path}. Please check the URL for "
+                                                            "typos"), "unknown_url")
         except web.HTTPException as exc:
             if exc.status < 400:  # a redirect or 304 is an answer, not a refusal
                 raise
             code = "request_too_large" if exc.status == 413 else "invalid_request" if exc.status < 500 else \
                 "server_error"
             message = " ".join(exc.text.split()) if exc.text else exc.reason
-            return _counted(request, error_response(exc.status, code, message), code)
+            server_state(request).metrics.errors.labels(code=code).inc()
+            return error_response(exc.status, code, message)
 
     return answer_in_openai_shape
 
 
-def _counted(request: web.Request, response: web.Response, code: str) -> web.Response:
-    server_state(request).metrics.errors.labels(code=code).inc()
+def _routing_refusal(request: web.Request, response: web.Response, code: str) -> web.Response:
+    server_state(request).metrics.routing_errors.labels(status=str(response.status), code=code).inc()
     return response
+
+
+def _handshake_fault(headers) -> str | None:
+    """What a WebSocket handshake lacks (its Upgrade header aside, which the 426 answers), None when nothing: the
+    checks aiohttp's handshake makes (web_ws._handshake), in its order. aiohttp refuses each with a 400 whose text
+    is its own ("No CONNECTION upgrade hdr: None", "Handshake error: None"), and a key that is not ASCII with an
+    uncaught ValueError (a 500, logged as the server's failure); the 400 and a message naming the header, in
+    OpenAI's shape, go out before it runs."""
+    connection = headers.get("Connection")
+    if "upgrade" not in (token.strip().lower() for token in (connection or "").split(",")):
+        return (f"lacks the header `Connection: Upgrade` ({_header_shown('Connection', connection)}): connect with "
+                "a WebSocket client, through proxies that pass WebSocket upgrades on")
+    version = headers.get("Sec-WebSocket-Version")
+    if version not in ("13", "8", "7"):  # RFC 6455's 13, and the drafts aiohttp still takes
+        return (f"needs the header `Sec-WebSocket-Version: 13` ({_header_shown('Sec-WebSocket-Version', version)}): "
+                "connect with a WebSocket client that speaks RFC 6455")
+    key = headers.get("Sec-WebSocket-Key")
+    try:
+        valid = bool(key) and len(base64.b64decode(key)) == 16
+    except ValueError:  # binascii.Error, or a key that is not ASCII
+        valid = False
+    if not valid:
+        return (f"needs the header `Sec-WebSocket-Key`: 16 random bytes in base64, new for each connection "
+                f"({_header_shown('Sec-WebSocket-Key', key)})")
+    return None
+
+
+def _header_shown(name: str, value: str | None) -> str:
+    return f"it has no {name} header" if value is None else f"its {name} is {value[:_HEADER_SHOWN]!r}"
 
 
 def engine_request_error(exc: EngineError) -> RequestError:

@@ -8,11 +8,12 @@
     GET  /v1/streaming_input/sessions/{id}/result        waits for and returns the final result
     GET  /v1/streaming_input/sessions/{id}/events        SSE (sessions created with stream: true)
 
-`modality` is the served model's: audio (base64 PCM16 LE mono 16 kHz; a transcription, `params.delay_ms`)
-or text (base64 UTF-8; a completion whose `params` are /v1/completions' sampling fields, `max_tokens` per
-chunk). The engine takes streaming input natively (the RFC's "Option 2"): once the start policy holds
-(streaming_input.py) the engine session starts, and every later chunk is applied to it as it arrives, a
-text chunk as its own `StreamingInput` under the engine's cumulative-prompt rule.
+`modality` is the served model's: audio (base64 PCM16 LE mono 16 kHz; a transcription, `params.delay_ms`, and
+`params.language` checked as an upload's `language` is) or text (base64 UTF-8; a completion whose `params` are
+/v1/completions' sampling fields, `max_tokens` per chunk). The engine takes streaming input natively (the
+RFC's "Option 2"): once the start policy holds (streaming_input.py) the engine session starts, and every later
+chunk is applied to it as it arrives, a text chunk as its own `StreamingInput` under the engine's
+cumulative-prompt rule.
 
 Chunks are applied in `sequence_id` order: one that arrives early is held until the gap fills; a repeated
 `sequence_id` is acknowledged and ignored, or refused (409) when its content differs from what was received.
@@ -53,7 +54,7 @@ from jaxstream.serving.http_completions import TextInput, check_tokenizer, parse
 from jaxstream.serving.http_errors import (
     RETRYABLE_ENGINE_CODES, RequestError, check_kind, check_model, check_ready, engine_request_error, read_json,
 )
-from jaxstream.serving.http_transcriptions import AudioInput, parse_delay_ms, parse_include
+from jaxstream.serving.http_transcriptions import AudioInput, check_language, parse_delay_ms, parse_include
 from jaxstream.serving.limits import duration_breach
 
 logger = logging.getLogger(__name__)
@@ -222,8 +223,9 @@ class StreamingInputSessions:
                 # §7.2: a repeated end_of_input (or finish) has no further effect.
                 return session.acknowledgement(sequence_id=seq, duplicate=True)
             if session.input_ended or (session.end_seq is not None and seq > session.end_seq):
-                raise RequestError(409, "input_finished", f"The input ended; sequence_id {seq} comes after it",
-                                   "sequence_id")
+                # A drain that ended the input says so: the client did not end it (InputFeed.after_end).
+                why = session.feed.drained or "The input ended"
+                raise RequestError(409, "input_finished", f"{why}; sequence_id {seq} comes after it", "sequence_id")
             if end and session.end_seq is not None:
                 raise RequestError(409, "input_finished", f"sequence_id {session.end_seq} already ended the "
                                    "input", "sequence_id")
@@ -326,8 +328,9 @@ def _chunks_missing(session: InputSession) -> RequestError:
     count = last - session.next_seq + 1 - len(session.held)
     first = [seq for seq in range(session.next_seq, last) if seq not in session.held][:_MISSING_SHOWN]
     more = ", ..." if count > len(first) else ""
-    return RequestError(409, "chunks_missing", f"{count} chunks have not arrived (sequence_id "
-                        f"{', '.join(map(str, first))}{more}); send them before finishing")
+    chunks, them = ("chunk has", "it") if count == 1 else ("chunks have", "them")
+    return RequestError(409, "chunks_missing", f"{count} {chunks} not arrived (sequence_id "
+                        f"{', '.join(map(str, first))}{more}); send {them} before finishing")
 
 
 STREAMING_INPUT = web.AppKey("jaxstream_streaming_input", StreamingInputSessions)
@@ -353,6 +356,8 @@ def _new_session(body: dict, registry: StreamingInputSessions, key: str) -> tupl
         raise RequestError(422, exc.code, str(exc), exc.param) from None
     log = sse.EventLog() if stream else None
     if modality == "audio":
+        if params.get("language") is not None:  # not used by the model, and checked as the upload's is
+            check_language(params["language"], "params.language", 422)
         engine_input = AudioInput(state, parse_delay_ms(params, state, "params.delay_ms"), log,
                                   logprobs=parse_include(params, "params.include"))
     else:

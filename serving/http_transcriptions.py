@@ -3,10 +3,11 @@
 A multipart upload as OpenAI's SDK sends it: `file`, `model`, `response_format` (json | text | verbose_json
 | srt | vtt), `timestamp_granularities[]` (segment, word), `stream`, `include[]=logprobs` (json only, as
 OpenAI: each text token's `{token, logprob, bytes}` in the answer and the stream events), `language` (an
-ISO-639-1 code: verbose_json reports it by name, as OpenAI does), and fields the model neither needs nor uses,
-checked as OpenAI types them and otherwise ignored (`temperature`, a number from 0 to 1: the model decodes
-greedily; `chunking_strategy`, "auto" or a server_vad object: the audio streams through whole; `languages[]`,
-ISO-639-1 codes; `prompt` and the rest, any text). A field that does not parse is a 400, as OpenAI answers it.
+ISO-639-1 code, as vLLM takes one: of OpenAI's list, or another of Whisper's with a warning logged; languages.py;
+verbose_json reports it by name, as OpenAI does), and fields the model neither needs nor uses, checked as OpenAI
+types them and otherwise ignored (`temperature`, a number from 0 to 1: the model decodes greedily;
+`chunking_strategy`, "auto" or a server_vad object: the audio streams through whole; `languages[]`, codes as
+`language`'s; `prompt` and the rest, any text). A field that does not parse is a 400, as OpenAI answers it.
 An empty file is an `invalid_audio` 400; one that does not decode names its filename and the formats the decoder
 reads. The form is read before the request is admitted, so it must keep arriving at a minimum average rate after
 a grace period (`body_grace_s`, `body_min_rate`; a slower body is a 408 that closes the connection). Once the
@@ -16,8 +17,8 @@ answer is SSE: `transcript.text.delta` events then `transcript.text.done`, and t
 soon as the client goes away.
 
 With `X-Streaming-Input: true` the body is Mode A's NDJSON instead (streaming_input.py): an optional
-parameters line (`model`, `delay_ms`, `include: ["logprobs"]`, `start_policy`, ...), then chunks of base64
-PCM16 16 kHz audio; the answer is the same SSE stream, produced while the audio still arrives.
+parameters line (`model`, `delay_ms`, `include: ["logprobs"]`, `language`, `start_policy`, ...), then chunks
+of base64 PCM16 16 kHz audio; the answer is the same SSE stream, produced while the audio still arrives.
 
 `AudioInput` is the engine side of an audio stream for Mode A and Mode B (http_sessions.py) alike;
 `pump_transcription` turns an engine session's events into the OpenAI stream events.
@@ -40,6 +41,8 @@ from jaxstream.serving.http_errors import (
     RequestError, body_read, check_kind, check_model, check_ready, engine_request_error, error_response,
     read_before_admission, server_state,
 )
+from jaxstream.serving.languages import OTHER as OTHER_LANGUAGES
+from jaxstream.serving.languages import find_language, language_name
 from jaxstream.serving.limits import holds_stream
 
 logger = logging.getLogger(__name__)
@@ -57,16 +60,6 @@ _OBJECT_FIELDS = ("chunking_strategy[",)
 _LIST_FIELDS = ("timestamp_granularities", "include", "languages")
 _VAD_INTS = ("prefix_padding_ms", "silence_duration_ms")
 _SHOWN = 40  # characters of a refused value or a filename echoed in an error
-# OpenAI's transcription languages (its speech-to-text guide, as vLLM lists them for Whisper), ISO-639-1 code ->
-# the name its verbose_json reports.
-LANGUAGES = dict(pair.split(":") for pair in """
-    af:afrikaans ar:arabic hy:armenian az:azerbaijani be:belarusian bs:bosnian bg:bulgarian ca:catalan zh:chinese
-    hr:croatian cs:czech da:danish nl:dutch en:english et:estonian fi:finnish fr:french gl:galician de:german
-    el:greek he:hebrew hi:hindi hu:hungarian is:icelandic id:indonesian it:italian ja:japanese kn:kannada
-    kk:kazakh ko:korean lv:latvian lt:lithuanian mk:macedonian ms:malay mr:marathi mi:maori ne:nepali
-    no:norwegian fa:persian pl:polish pt:portuguese ro:romanian ru:russian sr:serbian sk:slovak sl:slovenian
-    es:spanish sw:swahili sv:swedish tl:tagalog ta:tamil th:thai tr:turkish uk:ukrainian ur:urdu vi:vietnamese
-    cy:welsh""".split())
 # What verbose_json reports when the request names no language. The models served here detect none and their
 # metadata names none; both transcribe English by default (the embedded tiny model was trained on English only),
 # as vLLM assumes `en` for its Whisper models when a request names none.
@@ -300,18 +293,19 @@ def _flag(fields: dict, name: str) -> bool:
     return value in ("true", "1")
 
 
-def _check_typed_fields(fields: dict, lists: dict[str, list[str]]) -> None:
+def _check_typed_fields(fields: dict, lists: dict[str, list[str]]) -> str | None:
     """RequestError 400 for a field OpenAI types that does not parse as its type (it was ignored, whatever it
-    held); an empty field is absent, as `stream`'s is."""
+    held); an empty field is absent, as `stream`'s is. Returns the code of the request's `language`, None when it
+    names none."""
     temperature = fields.get("temperature", "").strip()
     if temperature and not _number_in(temperature, 0, 1):
         raise RequestError(400, "invalid_request", f"temperature must be a number from 0 to 1, got "
                            f"{temperature[:_SHOWN]!r}", "temperature")
-    if fields.get("language", "").strip():
-        language_name(fields["language"], "language")
+    language = check_language(fields["language"], "language") if fields.get("language", "").strip() else None
     for value in lists["languages"]:
-        language_name(value, "languages[]")
+        check_language(value, "languages[]")
     _check_chunking_strategy(fields)
+    return language
 
 
 def _number_in(text: str, low: float, high: float, *, whole: bool = False) -> bool:
@@ -322,14 +316,21 @@ def _number_in(text: str, low: float, high: float, *, whole: bool = False) -> bo
     return low <= value <= high  # false for nan
 
 
-def language_name(value: str, param: str = "language") -> str:
-    """OpenAI's name of a language given as its ISO-639-1 code (or as that name): `en` -> `english`;
-    RequestError 400 for another value, as OpenAI refuses one."""
-    code = value.strip().lower()
-    if code in LANGUAGES or code in LANGUAGES.values():
-        return LANGUAGES.get(code, code)
-    raise RequestError(400, "invalid_request", f"Invalid language {value[:_SHOWN]!r}: give the audio's language in "
-                       "ISO-639-1 format, such as `en`", param)
+def check_language(value, param: str, status: int = 400) -> str:
+    """The code of the language a request names (languages.find_language: by its code or its name); RequestError
+    `status` for a value that names none, as OpenAI and vLLM refuse one. One outside OpenAI's list, which vLLM
+    takes with a warning, is taken with one logged."""
+    if not isinstance(value, str):  # a JSON parameter (Mode A, Mode B)
+        raise RequestError(status, "invalid_request", "language must be a string: the audio's language in ISO-639-1 "
+                           "format, such as `en`", param)
+    code = find_language(value)
+    if code is None:
+        raise RequestError(status, "invalid_request", f"Invalid language {value[:_SHOWN]!r}: give the audio's "
+                           "language in ISO-639-1 format, such as `en`", param)
+    if code in OTHER_LANGUAGES:
+        logger.warning("%s %r (%s) is not one of OpenAI's transcription languages: the transcript may be less "
+                       "accurate", param, code, language_name(code))
+    return code
 
 
 def _check_chunking_strategy(fields: dict) -> None:
@@ -416,7 +417,7 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
         audio, fields, lists = await _parse_form(request)
         granularities = lists["timestamp_granularities"]
         check_model(state, fields.get("model"), "realtime")
-        _check_typed_fields(fields, lists)
+        language = _check_typed_fields(fields, lists) or DEFAULT_LANGUAGE
         response_format = fields.get("response_format", "json")
         if response_format not in RESPONSE_FORMATS:
             raise RequestError(400, "invalid_request", f"response_format must be one of "
@@ -469,7 +470,7 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
             return engine_request_error(done).response()
         if done is None:
             return error_response(500, "aborted", "The transcription was aborted")
-        return _answer(done, response_format, granularities, fields,
+        return _answer(done, response_format, granularities, language,
                        token_logprobs(state.engine.tokenizer, done.token_ids, done.logprobs) if logprobs else None)
     finally:
         await asyncio.shield(streaming_input.end_request(state, handle, feeder))
@@ -486,6 +487,8 @@ async def _streaming_input(request: web.Request, state) -> web.StreamResponse:
         check_kind(state, "realtime")
     if streaming_input.parse_modality(params, "audio") != "audio":
         raise RequestError(422, "unsupported_modality", "/v1/audio/transcriptions takes audio", "modality")
+    if params.get("language") is not None:  # not used by the model, and checked as the form's is
+        check_language(params["language"], "language", 422)
     policy = streaming_input.parse_start_policy(params, "audio")
     audio_input = AudioInput(state, parse_delay_ms(params, state, "delay_ms"), sse.EventLog(),
                              logprobs=parse_include(params, "include"))
@@ -493,7 +496,7 @@ async def _streaming_input(request: web.Request, state) -> web.StreamResponse:
 
 
 # -- answers ----------------------------------------------------------------------------------------------
-def _answer(done, response_format: str, granularities: list[str], fields: dict,
+def _answer(done, response_format: str, granularities: list[str], language: str,
             logprobs: list[dict] | None) -> web.Response:
     if response_format == "text":
         return web.Response(text=done.text + "\n", content_type="text/plain")
@@ -505,7 +508,7 @@ def _answer(done, response_format: str, granularities: list[str], fields: dict,
         return web.Response(text=_subtitles(segments, ","), content_type="application/x-subrip")
     if response_format == "vtt":
         return web.Response(text="WEBVTT\n\n" + _subtitles(segments, "."), content_type="text/vtt")
-    body = {"task": "transcribe", "language": language_name(fields.get("language", "").strip() or DEFAULT_LANGUAGE),
+    body = {"task": "transcribe", "language": language_name(language),
             "duration": done.usage.audio_seconds, "text": done.text,
             "segments": segments if "segment" in granularities or "word" not in granularities else None,
             "usage": {"type": "duration", "seconds": done.usage.audio_seconds}}

@@ -29,6 +29,10 @@ class ServerMetrics:
         self.connections_closed = Counter("jaxstream_ws_connections_closed", "WebSocket connections closed, "
                                           "by outcome", ["route", "outcome"], registry=r)
         self.errors = Counter("jaxstream_errors", "Protocol error events sent, by code", ["code"], registry=r)
+        # Apart from jaxstream_errors, which operators alert on: a scanner probing URLs is not the server failing.
+        self.routing_errors = Counter("jaxstream_http_routing_errors", "Requests no route took, by status and code: "
+                                      "an unknown path (404), a method its route does not take (405), a WebSocket "
+                                      "route asked without an upgrade (426)", ["status", "code"], registry=r)
         self.utterances = Counter("jaxstream_utterances", "Utterances (engine transcription sessions) ended, "
                                   "by outcome", ["outcome"], registry=r)
         self.audio_seconds = Counter("jaxstream_audio_seconds", "Seconds of audio received", registry=r)

@@ -1,16 +1,19 @@
 """What `jaxstream serve` answers a request no route takes, driven over loopback by real clients (aiohttp, the
-openai SDK, `websockets`): an unknown path is a 404 and a method a route does not take a 405 with its Allow header,
-both in OpenAI's error shape as every other refusal (they were aiohttp's plain text "404: Not Found"), on every
-path, /v1/... and the demo page's alike; a WebSocket route asked without an upgrade is a 426 saying what the route
-is. With an API key, the key is checked first (as vLLM does, before routing): an unknown path is a 401 without
-one, a 404 with it."""
+openai SDK, `websockets`, a raw socket): an unknown path is a 404 and a method a route does not take a 405 with its
+Allow header, both in OpenAI's error shape as every other refusal (they were aiohttp's plain text "404: Not Found"),
+on every path, /v1/... and the demo page's alike; a WebSocket route asked without an upgrade is a 426 saying what
+the route is, and a handshake aiohttp refuses says which header it lacks. With an API key, the key is checked first
+(as vLLM does, before routing): an unknown path is a 401 without one, a 404 with it. Routing refusals are counted
+apart from the server's errors."""
 import asyncio
 import json
+from urllib.parse import urlsplit
 
 import aiohttp
 import openai
 import pytest
 import websockets
+from prometheus_client.parser import text_string_to_metric_families
 
 from jaxstream.serving.app import WEBSOCKET_ROUTES
 from jaxstream.serving.config import ServerConfig
@@ -62,11 +65,69 @@ async def test_a_websocket_route_asked_without_an_upgrade_says_what_it_is(server
     assert error["message"].startswith(f"{path} is {WEBSOCKET_ROUTES[path]}: connect to it with a WebSocket client")
 
 
-async def test_a_handshake_aiohttp_refuses_is_answered_in_openai_shape(server):
-    """An upgrade without `Connection: upgrade` is refused by aiohttp's handshake: its reason, in OpenAI's shape."""
-    status, _, error = await answer(server, "GET", "/v1/realtime", headers={"Upgrade": "websocket",
-                                                                            "Connection": "keep-alive"})
-    assert (status, error["code"]) == (400, "invalid_request") and "upgrade" in error["message"].lower()
+async def raw_get(server, path: str, headers: dict[str, str]) -> tuple[int, dict | None]:
+    """(status, the JSON body's `error`; None for 101 Switching Protocols) of a GET sent over a plain socket with
+    exactly `headers` (a client library adds its own, Connection among them); fails unless the body is OpenAI's
+    error shape."""
+    url = urlsplit(server.url(path, "http"))
+    reader, writer = await asyncio.open_connection(url.hostname, url.port)
+    try:
+        lines = [f"GET {path} HTTP/1.1", f"Host: {url.netloc}", *(f"{k}: {v}" for k, v in headers.items())]
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+        head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)).decode().split("\r\n")
+        status = int(head[0].split()[1])
+        if status == 101:
+            return status, None
+        fields = dict(line.split(": ", 1) for line in head[1:] if line)
+        body = json.loads(await reader.readexactly(int(fields["Content-Length"])))
+    finally:
+        writer.close()
+    assert fields["Content-Type"].startswith("application/json") and set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == error_type(error["code"]), error
+    return status, error
+
+
+KEY = "dGhlIHNhbXBsZSBub25jZQ=="  # RFC 6455's sample key: 16 bytes in base64
+UPGRADE = {"Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": "13", "Sec-WebSocket-Key": KEY}
+
+
+def handshake(*dropped: str, **changed: str) -> dict[str, str]:
+    """UPGRADE, a valid handshake's headers, less `dropped`, with `changed`."""
+    return {k: v for k, v in {**UPGRADE, **changed}.items() if k not in dropped}
+
+
+@pytest.mark.parametrize("headers, fault", [
+    (handshake("Connection"), "lacks the header `Connection: Upgrade` (it has no Connection header)"),
+    (handshake(Connection="keep-alive"), "lacks the header `Connection: Upgrade` (its Connection is 'keep-alive')"),
+    (handshake("Sec-WebSocket-Version"), "needs the header `Sec-WebSocket-Version: 13` (it has no "
+                                         "Sec-WebSocket-Version header)"),
+    (handshake(**{"Sec-WebSocket-Version": "12"}), "needs the header `Sec-WebSocket-Version: 13` (its "
+                                                   "Sec-WebSocket-Version is '12')"),
+    (handshake("Sec-WebSocket-Key"), "needs the header `Sec-WebSocket-Key`: 16 random bytes in base64, new for each "
+                                     "connection (it has no Sec-WebSocket-Key header)"),
+    (handshake(**{"Sec-WebSocket-Key": "c2hvcnQ="}), "needs the header `Sec-WebSocket-Key`: 16 random bytes in "
+                                                    "base64, new for each connection (its Sec-WebSocket-Key is "
+                                                    "'c2hvcnQ=')"),
+    (handshake(**{"Sec-WebSocket-Key": "clé"}), "needs the header `Sec-WebSocket-Key`: 16 random bytes in base64, "
+                                               "new for each connection (its Sec-WebSocket-Key is 'clé')"),
+])
+async def test_a_handshake_aiohttp_refuses_says_which_header_it_lacks(server, headers, fault):
+    """aiohttp refuses these handshakes with a 400 whose text was its own: "No CONNECTION upgrade hdr: None",
+    "Unsupported version: 12", "Handshake error: None"; a key that is not ASCII was a plain-text 500 and a traceback
+    logged as the server's failure. Each is a 400 whose message names the header (a person reads it, often behind
+    a proxy that dropped the Connection header)."""
+    status, error = await raw_get(server, "/v1/realtime", headers)
+    assert (status, error["code"]) == (400, "invalid_request")
+    assert error["message"].startswith(f"The WebSocket handshake for /v1/realtime {fault}"), error["message"]
+
+
+@pytest.mark.parametrize("path", sorted(WEBSOCKET_ROUTES))
+async def test_every_websocket_route_words_a_refused_handshake(server, path):
+    status, error = await raw_get(server, path, handshake("Connection"))
+    assert (status, error["code"]) == (400, "invalid_request")
+    assert error["message"].startswith(f"The WebSocket handshake for {path} lacks the header `Connection: Upgrade`")
+    assert (await raw_get(server, path, UPGRADE))[0] == 101  # with the header, the same handshake is taken
 
 
 async def test_websocket_routes_still_upgrade(server):
@@ -100,11 +161,30 @@ async def test_with_a_key_routing_errors_come_after_auth(engine):
         server.close()
 
 
-async def test_routing_errors_are_counted_by_code(server):
-    def count(code: str) -> float:
-        return server.state.metrics.errors.labels(code=code)._value.get()
+async def scrape(server) -> dict[tuple[str, tuple], float]:
+    """{(sample name, its labels): value} of the server's /metrics, read with prometheus_client's own parser."""
+    async with aiohttp.ClientSession() as http:
+        async with http.get(server.url("/metrics", "http")) as response:
+            assert response.status == 200
+            text = await response.text()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
 
-    before = count("unknown_url"), count("method_not_allowed")
+
+async def test_routing_errors_are_counted_apart_from_the_servers_errors(server):
+    """A 404, 405 or 426 is counted in jaxstream_http_routing_errors_total by status and code, and not in
+    jaxstream_errors_total, which operators alert on: a scanner probing URLs made it look like a failing server."""
+    def routing(status: str, code: str) -> tuple[str, tuple]:
+        return "jaxstream_http_routing_errors_total", (("code", code), ("status", status))
+
+    refusals = [("404", "unknown_url"), ("405", "method_not_allowed"), ("426", "upgrade_required")]
+    before = await scrape(server)
     await answer(server, "GET", "/v1/nothing")
+    await answer(server, "GET", "/wp-login.php")
     await answer(server, "PUT", "/v1/models")
-    assert (count("unknown_url"), count("method_not_allowed")) == (before[0] + 1, before[1] + 1)
+    await answer(server, "GET", "/ws")
+    after = await scrape(server)
+    counted = {refusal: after.get(routing(*refusal), 0) - before.get(routing(*refusal), 0) for refusal in refusals}
+    assert counted == {("404", "unknown_url"): 2, ("405", "method_not_allowed"): 1, ("426", "upgrade_required"): 1}
+    assert not [key for key in after if key[0] == "jaxstream_errors_total" and dict(key[1])["code"] in
+                dict(refusals).values()], after
