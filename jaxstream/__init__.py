@@ -1,5 +1,5 @@
 """jaxstream: a pure-JAX engine for realtime streaming-input inference."""
-import importlib
+from jaxstream.lazy_exports import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -20,16 +20,4 @@ _LAZY = {
 }
 
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'jaxstream' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

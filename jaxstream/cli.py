@@ -8,6 +8,7 @@ import contextlib
 import importlib
 import logging
 import os
+import signal
 import sys
 
 from threadpoolctl import threadpool_limits
@@ -98,6 +99,9 @@ def parse_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     """`parser.parse_args`, except that arguments no option takes are reported against the subcommand's usage
     (`jaxstream serve: error: ...`), not the top-level one, which shows no option of the command."""
     args, extras = parser.parse_known_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    if extras and words.index(extras[0]) < words.index(args.command):  # `jaxstream --bogus serve`: the top level's
+        parser.error(f"unrecognized arguments: {' '.join(extras)}")
     if extras:
         (action,) = [a for a in parser._actions if a.dest == "command"]  # noqa: SLF001 - no public lookup
         subparser = action.choices[args.command]
@@ -147,21 +151,26 @@ def _command_style_warnings(command: str, verbosity: int):
 
 
 def main(argv=None) -> int:
-    args = parse_args(build_parser(), argv)
-    if argv is None and args.command in PROGRAM_COMMANDS:  # the process's own command line, not a caller's
-        try:
-            xla_cache_enabled()  # checked before the re-execution, which would only repeat the mistake
-            allocator.reexecute_with_tcmalloc()
-        except ValueError as exc:
-            print(f"jaxstream {args.command}: error: {exc}", file=sys.stderr)
-            return 2
-        use_compilation_cache()
-    verbosity = getattr(args, "verbose", 0)
-    _configure_logging(verbosity)
-    logger = logging.getLogger("jaxstream")
-    if logger.isEnabledFor(logging.INFO):  # reading the process's mappings is for -v only
-        logger.info("memory allocator: %s", allocator.loaded_allocator())
+    args = None
     try:
+        with _interrupts_held():  # the commands' parsers import numpy and mistral-common
+            parser = build_parser()
+        args = parse_args(parser, argv)
+        if argv is None and args.command in PROGRAM_COMMANDS:  # the process's own command line, not a caller's
+            try:
+                xla_cache_enabled()  # checked before the re-execution, which would only repeat the mistake
+                allocator.reexecute_with_tcmalloc()
+            except ValueError as exc:
+                print(f"jaxstream {args.command}: error: {exc}", file=sys.stderr)
+                return 2
+            with _interrupts_held():
+                import jax  # noqa: F401 - jaxlib's native start-up
+            use_compilation_cache()
+        verbosity = getattr(args, "verbose", 0)
+        _configure_logging(verbosity)
+        logger = logging.getLogger("jaxstream")
+        if logger.isEnabledFor(logging.INFO):  # reading the process's mappings is for -v only
+            logger.info("memory allocator: %s", allocator.loaded_allocator())
         # numpy's BLAS only multiplies small matrices here (the mel filterbank, on the host). Its worker
         # threads wait for cores that XLA's threads hold: beside a training step the filterbank product took
         # 9.6 ms on two threads against 0.6 ms on one, and feature extraction was a quarter of a core.
@@ -171,8 +180,23 @@ def main(argv=None) -> int:
         print(f"jaxstream {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"jaxstream {args.command}: interrupted", file=sys.stderr)
+        print(f"jaxstream{f' {args.command}' if args else ''}: interrupted", file=sys.stderr)
         return 130
+
+
+@contextlib.contextmanager
+def _interrupts_held():
+    """Holds SIGINT back while native libraries initialise. A Ctrl-C that landed inside jaxlib's (or numpy's,
+    or pydantic-core's) start-up raised KeyboardInterrupt in the middle of it: the process died with SIGSEGV or
+    SIGABRT, or with "ImportError: Encountered an error while initializing the extension", or the exception fell
+    into the garbage-collection callback jaxlib installs, where Python drops it, and the command went on as if
+    never interrupted (0.15-0.2 s after start on the 2-core CPU). Held back, it is delivered after the import,
+    and the command stops as at any other moment ("interrupted", 130)."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 if __name__ == "__main__":

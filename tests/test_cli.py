@@ -269,6 +269,15 @@ def test_an_unknown_option_is_reported_with_the_commands_usage(argv, usage, mess
     assert f"\njaxstream {argv[0]}: error: {message}" in err, err
 
 
+def test_an_unknown_option_before_the_command_is_the_top_levels(capsys):
+    """`jaxstream --bogus serve` was reported against serve's usage, as though serve had been given it."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--bogus", "serve", "--bogus"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("usage: jaxstream [-h]"), err
+    assert err.endswith("\njaxstream: error: unrecognized arguments: --bogus --bogus\n"), err
+
+
 def test_the_compilation_cache_variable_takes_on_or_off(tmp_path):
     """`JAXSTREAM_XLA_CACHE=maybe` kept the cache on without a word; JAXSTREAM_ALLOCATOR=bogus is an error."""
     import os
