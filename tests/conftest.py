@@ -1,6 +1,7 @@
 """Test configuration: CPU only, float32 matmuls, 4 fake CPU devices for sharding tests, and one XLA
 compilation cache for the whole run."""
 import atexit
+import fcntl
 import os
 import re
 import shutil
@@ -10,23 +11,47 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+
+def _held(folder: Path) -> bool:
+    """Whether a live run holds `folder`'s lock. A folder with no lock yet (a run that has just made it) counts
+    as held unless its pid is gone (it was killed before it took the lock)."""
+    try:
+        with open(folder / ".lock") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            return False
+    except FileNotFoundError:
+        try:
+            os.kill(int(folder.name.split("-")[3]), 0)
+        except ProcessLookupError:
+            return False
+        except OSError:  # alive, another user's
+            pass
+        return True
+    except OSError:  # another user's folder: not ours to judge
+        return True
+
+
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # Most test modules build their own tiny engine, and every new engine compiles the same programs again
     # (JAX's in-memory cache is per jitted function object). On disk, a program compiled once is loaded by
     # every later engine, in this process, in the other xdist worker (workers start after this module is
     # imported in the controller and inherit the variable) and in the CLI subprocesses tests start. A fresh
     # folder per run keeps runs independent; the process that made it removes it at exit, and a run that was
-    # killed first leaves it to the next run, which removes the folders of runs no longer alive.
+    # killed first leaves it to the next run. A run holds a lock on its folder while it lives: a pid alone cannot
+    # tell (a run in another PID namespace sharing /tmp, a CI container's, has a pid that looks dead here).
     for folder in Path(tempfile.gettempdir()).glob("jaxstream-tests-xla-*"):
-        if (match := re.fullmatch(r"jaxstream-tests-xla-(\d+)-\w+", folder.name)):
-            try:
-                os.kill(int(match[1]), 0)
-            except ProcessLookupError:
-                shutil.rmtree(folder, ignore_errors=True)
-            except OSError:  # alive, another user's
-                pass
+        if re.fullmatch(r"jaxstream-tests-xla-(\d+)-\w+", folder.name) and not _held(folder):
+            shutil.rmtree(folder, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"jaxstream-tests-xla-{os.getpid()}-")
     os.environ["JAXSTREAM_TESTS_XLA_CACHE"] = "run"  # this run's own folder (the workers see it too)
+    # Locked before it takes its name, so that no other run finds it unlocked; held until the process ends.
+    _RUN_LOCK = open(os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], ".lock-new"), "w")
+    fcntl.flock(_RUN_LOCK, fcntl.LOCK_EX)
+    os.rename(_RUN_LOCK.name, os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], ".lock"))
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import jax  # noqa: E402
