@@ -245,7 +245,7 @@ class RingAttentionTestBase:
         whatever other queries of its block see); one that can is non-finite where the oracle is, except in
         the kernels that zero every non-finite value (`hides_visible_non_finite`)."""
         dtype = self.dtypes[0]
-        case = Case(lengths=(40, 9), num_new=(4, 3), chunk=4, window=16, page_size=8, group=group, head_dim=16,
+        case = Case(lengths=(40, 9), num_new=(4, 3), chunk=4, window=16, page_size=16, group=group, head_dim=16,
                     shuffled=False)
         args, history = build(case, dtype, seed=zlib.crc32(f"unseen/{group}".encode()))
         k_history, v_history = history["k_history"].copy(), history["v_history"].copy()
