@@ -16,7 +16,8 @@ jaxstream choices where OpenAI's behaviour does not carry over:
 - `transcription.delay` (gpt-realtime-whisper's names) -> the engine's transcription delay:
   minimal 160 ms, low 320 ms, medium 480 ms, high 960 ms, xhigh 2400 ms; absent or null: the engine's
   default. Longer delays see more right context and make fewer errors, at that much more latency.
-- `language`, `prompt` and `noise_reduction` are validated and echoed but do not condition the model
+- `language` (checked as the HTTP route checks it: serving/languages.py), `prompt` and `noise_reduction`
+  are validated and echoed but do not condition the model
   (Voxtral Realtime transcribes with a fixed prompt).
 - `include: ["item.input_audio_transcription.logprobs"]` adds `logprobs` to every `...transcription.delta`
   (the delta's tokens) and `.completed` (the whole transcript's): `[{token, logprob, bytes}]` per text token,
@@ -58,6 +59,7 @@ from jaxstream.models.audio import SLOT_SECONDS
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_g711_base64, decode_pcm16_base64
 from jaxstream.serving.engine_sessions import start_session, token_logprobs
 from jaxstream.serving.http_errors import error_type
+from jaxstream.serving.languages import find_language
 from jaxstream.serving.limits import drain_notice, drain_truncation
 from jaxstream.serving.vad import (TurnDetectionError, TurnSegmenter, parse_turn_detection, start_turn_segmenter,
                                    vad_config)
@@ -299,6 +301,9 @@ class OpenAiRealtime:
             if key in value:
                 if value[key] is not None and not isinstance(value[key], str):
                     raise ClientError("invalid_type", f"{key} must be a string", f"{param}.{key}")
+                if key == "language" and value[key] and find_language(value[key]) is None:  # as the HTTP route
+                    raise ClientError("invalid_value", f"Invalid language {_shown(value[key])}: give the audio's "
+                                      "language in ISO-639-1 format, such as `en`", f"{param}.language")
                 changes[key] = value[key]
         if "delay" in value:
             delay = value["delay"]

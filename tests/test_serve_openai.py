@@ -559,6 +559,7 @@ async def test_errors_echo_the_event_id_and_keep_the_socket(server, model, speec
         (ga_update(model, {"type": "audio/pcm", "rate": 16000}), "invalid_value",
          "session.audio.input.format.rate"),
         (ga_update(model, delay="instant"), "invalid_value", "session.audio.input.transcription.delay"),
+        (ga_update(model, language="klingon"), "invalid_value", "session.audio.input.transcription.language"),
         ({"type": "session.update", "session": {"type": "realtime"}}, "invalid_value", "session.type"),
         ({"type": "session.update", "session": {"include": ["item.input_audio_transcription.words"]}},
          "invalid_value", "session.include"),
