@@ -510,13 +510,18 @@ def load_audio(source: str | os.PathLike | bytes, max_seconds: float | None = No
     except AudioError:
         raise
     except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
-        # libsndfile's own message names its handle ("Error opening <_io.BytesIO object at 0x...>"): `name`
-        # says which audio, its error_string why.
-        reason = getattr(exc, "error_string", None) or str(exc)
-        if getattr(exc, "code", None) in _FORMAT_ERRORS:
-            reason = f"{reason.rstrip('.')}. {readable_formats()}"
-        raise AudioError(f"cannot decode audio {name}: {reason}") from exc
+        raise AudioError(f"cannot decode audio {name}: {decode_failure(exc)}") from exc
     return samples.take()
+
+
+def decode_failure(exc: Exception) -> str:
+    """Why libsndfile could not open or decode audio, and the formats it reads when it did not recognise the
+    file's. Its own message names its handle ("Error opening <_io.BytesIO object at 0x...>"): the caller says
+    which audio, its error_string why."""
+    reason = getattr(exc, "error_string", None) or str(exc)
+    if getattr(exc, "code", None) in _FORMAT_ERRORS:
+        reason = f"{reason.rstrip('.')}. {readable_formats()}"
+    return reason
 
 
 _FORMAT_ERRORS = (1, 4)  # libsndfile's SF_ERR_UNRECOGNISED_FORMAT, SF_ERR_UNSUPPORTED_ENCODING

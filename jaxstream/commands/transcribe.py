@@ -127,10 +127,12 @@ def _check_audio_file(path: str) -> None:
         raise UserError(f"audio file not found: {path}")
     if os.path.getsize(path) == 0:
         raise UserError(f"audio file {path} is empty (0 bytes)")
+    from jaxstream.models.audio import decode_failure
+
     try:
         info = soundfile.info(path)
     except (soundfile.LibsndfileError, RuntimeError) as exc:
-        raise UserError(f"unsupported or unreadable audio {path}: {exc}") from None
+        raise UserError(f"unsupported or unreadable audio {path}: {decode_failure(exc)}") from None
     if info.frames == 0:  # a header alone: the transcript would be an empty line, as if nothing were said
         raise UserError(f"audio file {path} holds no samples")
 
