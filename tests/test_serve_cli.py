@@ -349,6 +349,7 @@ def test_a_signal_while_the_model_loads_stops_the_server_without_tearing_down_th
         lines.wait_for("the load started", 60)
         process.send_signal(signal.SIGINT)
         assert process.wait(60) == 0
+        lines.wait_for("stopping: the model was still loading", 5)  # not a drain's "running utterances get ..."
         lines.wait_for("stopped", 5)
         with pytest.raises(AssertionError, match="exited before printing"):
             lines.wait_for("interpreter teardown", 5)

@@ -248,7 +248,10 @@ async def _serve(model: str, config, engine_config, key_source: str | None, load
             for line in _ready_lines(state.engine.kind, state.model_id, shown, port, key_source=key_source):
                 _say(line)
             await signal_wait
-        _say(f"draining: running utterances get up to {config.drain_timeout_s:g} s (signal again to stop now)")
+        if state.ready.is_set():
+            _say(f"draining: running utterances get up to {config.drain_timeout_s:g} s (signal again to stop now)")
+        else:  # nothing runs yet: the drain only closes the listener (and an early client's socket)
+            _say("stopping: the model was still loading")
         draining = asyncio.ensure_future(drain(app))
         second = asyncio.ensure_future(signals.get())
         await asyncio.wait({draining, second}, return_when=asyncio.FIRST_COMPLETED)
