@@ -52,7 +52,19 @@ class Programs:
                          **kwargs)
         self._compiled[key] = jitted.lower(self.param_leaves, self.cache.state, batch).compile()
         self._batch_shapes[key] = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), batch)
-        logger.debug("compiled program %s in %.2f s", key, time.perf_counter() - start)
+        if logger.isEnabledFor(logging.DEBUG):
+            memory, shown = self.memory(key), ""
+            if memory is not None:
+                gb = [size / 1e9 for size in (memory.argument_size_in_bytes, memory.alias_size_in_bytes,
+                                              memory.temp_size_in_bytes)]
+                shown = " (GB: arguments {:.3f}, aliased {:.3f}, temporaries {:.3f})".format(*gb)
+            logger.debug("compiled program %s in %.2f s%s", key, time.perf_counter() - start, shown)
+
+    def memory(self, key):
+        """XLA's account of program `key`'s device memory (argument, alias, temp sizes, ...), or None where the
+        backend gives none: the donated state should be aliased whole and the temporaries small (a copy of a
+        page pool shows as temporaries the pool's size)."""
+        return self._compiled[key].memory_analysis()
 
     @property
     def params(self):
