@@ -12,8 +12,8 @@ import threading
 
 import pytest
 from aiohttp import web
-from test_demo_page import API_KEY, idle, open_page, text_of, wait_for
-from test_demo_page import browser, engine, speech_wav  # noqa: F401 - pytest fixtures
+from demo_page_fixtures import API_KEY, idle, open_page, text_of, wait_for
+from demo_page_fixtures import browser, engine, speech_wav  # noqa: F401 - pytest fixtures
 
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.demo import add_demo_routes
