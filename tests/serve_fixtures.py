@@ -4,7 +4,7 @@ A module imports the ones it uses (pytest finds fixtures among a module's names)
 import pytest
 from hypothesis import strategies as st
 
-from jaxstream.serving.testing import ServerThread, sample_audio, shared_engine, wait_engine_baseline
+from jaxstream.serving.testing import RealtimeClient, ServerThread, sample_audio, shared_engine, wait_engine_baseline
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +44,20 @@ def fuzz_text(max_size: int):
 
 # What every dialect answers to an exception in its own code: a fuzzed frame must never get it.
 INTERNAL_ERRORS = ("Internal error while handling the event", "Internal error while handling the message")
+
+
+# -- realtime clients -----------------------------------------------------------------------------------------
+async def connected(server, model=None, **update):
+    client = await RealtimeClient.connect(server.url())
+    if model is not None:
+        await client.update(model, **update)
+        if not server.state.config.vllm_compat:
+            assert (await client.event())["type"] == "session.updated"
+    return client
+
+
+async def expect_error(client, code, contains=""):
+    event = await client.event()
+    assert event["type"] == "error" and event["code"] == code, event
+    assert contains in event["error"]
+    return event
