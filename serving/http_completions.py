@@ -42,7 +42,7 @@ from jaxstream.serving.http_errors import (
     RequestError, check_kind, check_model, check_ready, engine_request_error, error_response, read_json,
     server_state,
 )
-from jaxstream.serving.limits import holds_stream
+from jaxstream.serving.limits import drain_truncation, holds_stream
 
 logger = logging.getLogger(__name__)
 
@@ -245,15 +245,14 @@ class TextInput(streaming_input.EngineInput):
                 if completion.finish_reason is not None:
                     self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
                 finished = out.finished
-                # Ids that decode to no text yet (or a model without a tokenizer) still make a chunk for a client
-                # that asked for them.
-                if self.log is not None and (completion.text or finished
-                                             or (self.return_token_ids and completion.token_ids)):
-                    self.log.append(self.streamed_chunk(completion.text, self.finish_reason if finished else None,
-                                                        completion.token_ids))
+                if self.log is not None:
+                    if finished:
+                        self._log_end(completion.text, completion.token_ids, self.finish_reason)
+                    elif self._carries(completion.text, completion.token_ids):
+                        self.log.append(self.streamed_chunk(completion.text, None, completion.token_ids))
             if self.log is not None:
                 if not finished:  # the input closed while the session was parked: no final output came
-                    self.log.append(self.streamed_chunk("", self.finish_reason or "stop", []))
+                    self._log_end("", [], self.finish_reason or "stop")
                 if self.include_usage:
                     self.log.append({**self.chunk("", None), "choices": [], "usage": self.usage()})
         except (EngineError, ValueError, TypeError) as exc:  # generate re-raises a chunk's own error
@@ -263,6 +262,28 @@ class TextInput(streaming_input.EngineInput):
             if self.log is not None:
                 self.log.close()
             self._done.set()
+
+    def _carries(self, text: str, token_ids: list[int]) -> bool:
+        # Ids that decode to no text yet (or a model without a tokenizer) still make a chunk for a client that asked
+        # for them.
+        return bool(text or (self.return_token_ids and token_ids))
+
+    def _log_end(self, text: str, token_ids: list[int], finish_reason: str) -> None:
+        """The stream's final chunk, the one with the finish reason. When the drain ended the input, the drain's notice
+        goes right before it, after the last text (output that came with the finish goes out first, in a chunk of its
+        own), and the final chunk carries `truncated` and `truncation`, as a drained transcript's done does."""
+        fields = self.truncation()
+        if fields:
+            if self._carries(text, token_ids):
+                self.log.append(self.streamed_chunk(text, None, token_ids))
+                text, token_ids = "", []
+            sse.log_error(self.log, "server_draining", self.drained, self.state.metrics)
+        self.log.append({**self.streamed_chunk(text, finish_reason, token_ids), **fields})
+
+    def truncation(self) -> dict:
+        """`truncated` and `truncation` (the bytes of text received, as the notice counts them) when the drain ended
+        the input (`drained`), else nothing."""
+        return {} if self.drained is None else drain_truncation(self.drained, self.drained_at, "text")
 
     async def abort(self, reason: str) -> None:
         """Stops the generation: cancelling `generate`'s consumer aborts the engine request."""
@@ -317,7 +338,7 @@ class TextInput(streaming_input.EngineInput):
 
     def result(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "usage": self.usage()}
+                "usage": self.usage(), **self.truncation()}
 
 
 def _invalid_text(message: str) -> RequestError:

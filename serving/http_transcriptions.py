@@ -43,7 +43,7 @@ from jaxstream.serving.http_errors import (
 )
 from jaxstream.serving.languages import OTHER as OTHER_LANGUAGES
 from jaxstream.serving.languages import find_language, language_name
-from jaxstream.serving.limits import holds_stream
+from jaxstream.serving.limits import drain_notice, drain_truncation, holds_stream
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +78,11 @@ def text_usage(done) -> dict:
 
 
 async def pump_transcription(session, log: sse.EventLog | None, metrics, first_audio_at: float,
-                             tokenizer=None):
+                             tokenizer=None, truncation=lambda done: {}):
     """Iterates an engine session to its end, appending OpenAI stream events to `log` (when given), and
     returns the TranscriptionDone; EngineError when it failed, None when it was aborted. With `tokenizer`,
-    the events carry `logprobs`."""
+    the events carry `logprobs`. `truncation(done)` gives the fields of a done the drain cut short (AudioInput's):
+    its notice goes right before the done, after the last delta, as on the WebSocket protocols."""
 
     def logprobs(event):
         return None if tokenizer is None else token_logprobs(tokenizer, event.token_ids, event.logprobs)
@@ -98,8 +99,11 @@ async def pump_transcription(session, log: sse.EventLog | None, metrics, first_a
             elif isinstance(event, TranscriptionDone):
                 metrics.utterances.labels(outcome="done").inc()
                 if log is not None:
+                    fields = truncation(event)
+                    if fields:
+                        sse.log_error(log, "server_draining", fields["truncation"]["message"], metrics)
                     log.append({"type": "transcript.text.done", "text": event.text, "logprobs": logprobs(event),
-                                "usage": text_usage(event)})
+                                "usage": text_usage(event), **fields})
                 return event
     except EngineError as exc:
         metrics.utterances.labels(outcome="error").inc()
@@ -166,7 +170,8 @@ class AudioInput(streaming_input.EngineInput):
     async def _run_pump(self, started_at: float) -> None:
         try:
             self.outcome = await pump_transcription(self.session, self.log, self.state.metrics, started_at,
-                                                    self.state.engine.tokenizer if self.logprobs else None)
+                                                    self.state.engine.tokenizer if self.logprobs else None,
+                                                    self.truncation)
         except EngineError as exc:
             self.outcome = exc
         finally:
@@ -201,13 +206,22 @@ class AudioInput(streaming_input.EngineInput):
             self._pump.cancel()
             await asyncio.gather(self._pump, return_exceptions=True)
 
+    def truncation(self, done: TranscriptionDone) -> dict:
+        """`truncated` and `truncation` when the drain ended the input (`drained`), else nothing. The notice they
+        carry names the done's own seconds: what the drain counted as received is what the engine took, and the
+        done's figure is the one a client compares it with."""
+        if self.drained is None:
+            return {}
+        seconds = done.usage.audio_seconds
+        return drain_truncation(drain_notice(seconds), seconds)
+
     def result(self) -> dict:
         done = self.outcome
         result = {"text": done.text, "usage": text_usage(done),
                   "words": [{"word": w.word, "start": w.start, "end": w.end} for w in done.words]}
         if self.logprobs:
             result["logprobs"] = token_logprobs(self.state.engine.tokenizer, done.token_ids, done.logprobs)
-        return result
+        return {**result, **self.truncation(done)}
 
 
 # -- the request ------------------------------------------------------------------------------------------

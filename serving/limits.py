@@ -120,12 +120,12 @@ def drain_notice(received: float, modality: str = "audio") -> str:
             f"{amount} received")
 
 
-def drain_truncation(notice: str, audio_seconds: float) -> dict:
-    """The fields a done carries when the drain ended its utterance (`notice`: the `server_draining` message sent
-    before it), for a client that reads the done alone: vLLM's `transcription.done` and the OpenAI dialect's
-    `...transcription.completed` (jaxstream extensions; a done the client ended has neither field)."""
-    return {"truncated": True, "truncation": {"code": "server_draining", "message": notice,
-                                              "audio_seconds": audio_seconds}}
+def drain_truncation(notice: str, received: float, modality: str = "audio") -> dict:
+    """The fields a done carries when the drain ended its input (`notice`: the `server_draining` message sent
+    before it; `received`: seconds of audio, or bytes of text), for a client that reads the done alone (jaxstream
+    extensions; a done whose input the client ended has neither field)."""
+    amount = {"audio_seconds": received} if modality == "audio" else {"text_bytes": received}
+    return {"truncated": True, "truncation": {"code": "server_draining", "message": notice, **amount}}
 
 
 def duration_breach(limits: Limits, what: str = "connection") -> Breach:

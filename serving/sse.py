@@ -123,6 +123,14 @@ def close_with_error(log: EventLog | None, code: str, message: str, metrics) -> 
         log.close()
 
 
+def log_error(log: EventLog, code: str, message: str, metrics) -> None:
+    """An `error` event that does not end the stream (a drain's notice: the output's end follows it), counted as
+    every error event sent."""
+    if not log.closed:
+        metrics.errors.labels(code=code).inc()
+        log.append(error_payload(message, code))
+
+
 def last_event_id(request: web.Request) -> int:
     """The client's `Last-Event-ID` (0 when absent); ValueError when it is not a number."""
     raw = request.headers.get("Last-Event-ID", "").strip() or request.query.get("last_event_id", "")

@@ -12,6 +12,9 @@ An engine input is one of `http_transcriptions.AudioInput` (a transcription sess
     join(pieces) -> piece    the pieces buffered before the start, as one
     started, done            an engine session exists / it ended (its output is complete)
     succeeded, failure       it ended with a result / the EngineError it ended with
+    drained                  the notice of a drain that ended the input (`mark_drained`), or None: the output's
+                             end then says so (the notice right before the final event, which, like the result,
+                             carries `truncated` and `truncation`)
     async start(), append(piece), finish(), abort(reason), close(), wait(timeout), result() -> dict
     fail(code, message)      ends it with an `error` event typed by its code (a bad chunk in the middle of a
                              Mode A body is the client's invalid_request_error, a shutdown the server's
@@ -147,6 +150,14 @@ class EngineInput(abc.ABC):
         self.log = log
         self._pump: asyncio.Task | None = None
         self._done = asyncio.Event()
+        self.drained: str | None = None
+        self.drained_at = 0.0  # the input received when the drain ended it: seconds of audio, bytes of text
+
+    def mark_drained(self, received: float) -> str:
+        """Marks the output as cut short by the drain (DrainHandle.finish_for_drain), which ends the input after
+        `received` seconds of audio or bytes of text; returns the drain's notice."""
+        self.drained, self.drained_at = drain_notice(received, self.modality), received
+        return self.drained
 
     @property
     def done(self) -> bool:
@@ -211,6 +222,11 @@ class InputFeed:
         self.ended = False
         self.drained: str | None = None  # the notice of a drain that ended the input (DrainHandle.finish_for_drain)
         self._pending: list = []
+
+    @property
+    def buffered(self) -> bool:
+        """Whether the start policy holds input back from an engine session not started yet."""
+        return not self.ended and not self.stream.started and bool(self._pending)
 
     def count(self, payload_bytes: int) -> bool:
         """Adds received payload bytes; False once they exceed the cap."""
@@ -288,22 +304,18 @@ class DrainHandle:
         return self.stream.started and not self.stream.done
 
     async def finish_for_drain(self) -> None:
-        """Ends the input of a running stream, and says so on its output: an `error` `server_draining` naming the
-        input the output covers; the output then goes on to its done. The notice is logged before the input
-        ends: the engine input's pump logs the done as soon as the engine is through, and could otherwise come
-        first (so the output's last deltas may follow the notice, where the WebSocket protocols send it right
-        before their done). A stream whose engine session does not run (not started, or over) was stopped, or
-        has no output to cut short."""
+        """Ends the input of a running stream, marked drained with the drain's notice (naming the input the output
+        covers): the engine input's pump sends it as an `error` `server_draining` after the output's last delta and
+        right before its final event, as the WebSocket protocols send it before their done. A stream whose engine
+        session does not run (not started, or over) was stopped, or has no output to cut short."""
         feed = self.feed
         if feed is None or feed.ended or not self.busy():
             return
         stream = self.stream
         received = feed.audio_seconds if stream.modality == "audio" else feed.applied_bytes
-        notice = drain_notice(received, stream.modality)
-        if stream.log is not None:
-            stream.state.metrics.errors.labels(code="server_draining").inc()
-            stream.log.append(sse.error_payload(notice, "server_draining"))
-        feed.drained = notice  # before the end, which may wait for an append: a chunk that comes meanwhile is told why
+        # Marked before the end, which may wait for an append: a chunk that comes meanwhile is told why, and the pump,
+        # which logs the output's end as soon as the engine is through, knows that the drain cut it short.
+        feed.drained = stream.mark_drained(received)
         try:
             await feed.end()
         except RequestError as exc:
@@ -313,9 +325,24 @@ class DrainHandle:
         # The stream ends with the breach's own code before `on_stop` runs: the session closing that follows
         # adds no event, and a client sees the server shutting down, not a session closed as for its own fault.
         if not self.stream.done:
-            self.stream.fail(breach.error_code or "server_shutdown", breach.message or breach.outcome)
+            self.stream.fail(breach.error_code or "server_shutdown", self._stop_message(breach))
         if self.on_stop is not None:
             self.on_stop(breach)
+
+    def _stop_message(self, breach: Breach) -> str:
+        """The breach's message; for the drain's stop of a stream whose start policy still held its input back, why
+        nothing comes of that input. The drain cannot end such an input as it ends a running one: a draining
+        `jaxstream serve` has its engine refuse new sessions (AsyncEngine.drain) from the drain's start on."""
+        feed, stream = self.feed, self.stream
+        if breach.error_code is not None or not stream.state.draining or feed is None or not feed.buffered:
+            return breach.message or breach.outcome
+        if stream.modality == "audio":
+            amount, output = f"{feed.audio_seconds:.2f} s of audio", "transcription"
+        else:
+            amount, output = f"{feed.applied_bytes} bytes of text", "completion"
+        return (f"The server is shutting down and starts no new {output}: the {amount} received were held back by "
+                f"start_policy {feed.policy.name} and never reached the engine, so there is no {output}; send the "
+                "input again to another replica")
 
 
 def admit(state, handle: DrainHandle) -> None:

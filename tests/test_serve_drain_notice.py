@@ -1,13 +1,15 @@
 """A draining server (SIGTERM: app.drain) that ends a stream's input itself says so: an `error` `server_draining`,
-naming the seconds of audio the output covers, comes after the last delta and before the done (vLLM's protocol in
-strict mode, /ws) or before the output's end (HTTP streaming input); `--compat vllm` sends what vLLM would, the done
-only. Before, the done came as if the client had ended the audio: a transcript cut at 28.6 s of a 58.7 s file looked
-complete. The done (vLLM's protocol, the OpenAI dialect's completed transcript) says it too, for a client that reads
-it alone. Audio a client appends after the drain ended its utterance is dropped without an answer, not held for an
-utterance that will never start (held, it reached max_pending_seconds and was answered with audio_limit_exceeded) nor
-refused (the OpenAI dialect answered each append with an error); so are the chunks of a Mode A body, where a Mode B
-chunk gets a 409 `input_finished`. More drain tests of the OpenAI dialect and of Kyutai's protocol are in their own
-modules (test_serve_openai.py, test_serve_kyutai.py).
+naming the seconds of audio the output covers, comes after the last delta and right before the done (vLLM's protocol
+in strict mode, /ws, HTTP streaming input); `--compat vllm` sends what vLLM would, the done only. Before, the done
+came as if the client had ended the audio: a transcript cut at 28.6 s of a 58.7 s file looked complete. The done
+(vLLM's protocol, the OpenAI dialect's completed transcript, HTTP's `transcript.text.done` and Mode B's result) says
+it too, for a client that reads it alone. A Mode A input its start policy still holds back has no transcript to
+finish: it is stopped, saying why. Audio a client appends after the drain ended its utterance is dropped without an
+answer, not held for an utterance that will never start (held, it reached max_pending_seconds and was answered with
+audio_limit_exceeded) nor refused (the OpenAI dialect answered each append with an error); so are the chunks of a
+Mode A body, where a Mode B chunk gets a 409 `input_finished`. More drain tests of the OpenAI dialect and of
+Kyutai's protocol are in their own modules (test_serve_openai.py, test_serve_kyutai.py), those of text completions
+over HTTP in test_serve_drain_http_text.py.
 
 The oracle of a transcript is the engine's own for the audio the server says it received, as sent (PCM16); the
 OpenAI dialect's (24 kHz, which engine.transcribe does not take) and Mode B's are checked against their deltas."""
@@ -22,6 +24,7 @@ import soxr
 import websockets
 
 from jaxstream.models.audio import SAMPLING_RATE
+from jaxstream.serving import streaming_input
 from jaxstream.serving.app import drain
 from jaxstream.serving.audio_codecs import decode_pcm16_base64, encode_pcm16_base64
 from jaxstream.serving.config import ServerConfig
@@ -69,6 +72,23 @@ async def events_until_closed(receive) -> tuple[list, int]:
         while True:
             events.append(await receive())
     return events, closed.value.rcvd.code
+
+
+def drained_sse(events: list) -> tuple[dict, dict]:
+    """(the notice, the done) of a drained HTTP transcript stream, checked: the notice is its one error, after the
+    last delta and right before the done, which says it too (`truncated`, `truncation`), both naming the done's own
+    seconds. The notice was logged when the drain ended the input, so deltas of the audio the engine still had queued
+    came after it."""
+    kinds = [event if event == "[DONE]" else event["type"] for event in events]
+    assert kinds[-3:] == ["error", "transcript.text.done", "[DONE]"] and kinds.count("error") == 1, kinds
+    notice, done = events[-3]["error"], events[-2]
+    seconds = done["usage"]["seconds"]
+    assert (notice["code"], notice["type"]) == ("server_draining", "server_error"), notice
+    assert f"the first {seconds:.2f} s of audio" in notice["message"], notice
+    assert done["truncated"] is True, done
+    assert done["truncation"] == {"code": "server_draining", "message": notice["message"], "audio_seconds": seconds}
+    assert "".join(event["delta"] for event in events[:-3]) == done["text"]
+    return notice, done
 
 
 async def check_covered(engine, sent: list, seconds: float, text: str) -> None:
@@ -219,21 +239,12 @@ async def test_envelope_drain_notice_carries_the_utterances_ids_and_seconds(engi
 
 
 # -- HTTP streaming input -------------------------------------------------------------------------------------
-async def test_mode_a_drain_notice_precedes_the_transcripts_end(engine, audio):
-    """A Mode A request whose input never ends by itself: the drain ends it, and its stream says so before the
-    transcript's done, which covers the audio received."""
-    server = ServerThread(engine)
-    chunks = [{"modality": "audio", "payload": encode_pcm16_base64(audio[i:i + PIECE])}
-              for i in range(0, audio.size, PIECE)]
-
-    async def body():
-        yield "".join(json.dumps(line) + "\n" for line in [{"model": server.state.model_id}, *chunks]).encode()
-        await asyncio.sleep(60)  # the input stays open
-
+async def mode_a_through_a_drain(server, body) -> list:
+    """The SSE events of a Mode A request sending `body`, drained once its first delta came; closes `server`."""
     try:
         draining, raw = None, ""
         async with aiohttp.ClientSession() as http, http.post(
-                server.url("/v1/audio/transcriptions", "http"), data=body(),
+                server.url("/v1/audio/transcriptions", "http"), data=body,
                 headers={"X-Streaming-Input": "true"}) as response:
             async for line in response.content:
                 raw += line.decode()
@@ -242,13 +253,21 @@ async def test_mode_a_drain_notice_precedes_the_transcripts_end(engine, audio):
         assert await draining is True
     finally:
         server.close()
-    events = [data for _, data in parse_sse(raw)]
-    assert events[-1] == "[DONE]" and events[-2]["type"] == "transcript.text.done", events[-3:]
-    done = events[-2]
-    (notice,) = [event for event in events[:-2] if event["type"] == "error"]
-    assert (notice["error"]["code"], notice["error"]["type"]) == ("server_draining", "server_error")
-    assert f"the first {done['usage']['seconds']:.2f} s of audio" in notice["error"]["message"]
-    assert "".join(event["delta"] for event in events[:-2] if event["type"] != "error") == done["text"]
+    return [data for _, data in parse_sse(raw)]
+
+
+async def test_mode_a_drain_notice_precedes_the_transcripts_end(engine, audio):
+    """A Mode A request whose input never ends by itself: the drain ends it, and its stream says so right before the
+    transcript's done, which covers the audio received and says so too."""
+    server = ServerThread(engine)
+    chunks = [{"modality": "audio", "payload": encode_pcm16_base64(audio[i:i + PIECE])}
+              for i in range(0, audio.size, PIECE)]
+
+    async def body():
+        yield "".join(json.dumps(line) + "\n" for line in [{"model": server.state.model_id}, *chunks]).encode()
+        await asyncio.sleep(60)  # the input stays open
+
+    _, done = drained_sse(await mode_a_through_a_drain(server, body()))
     await check_covered(engine, [audio], done["usage"]["seconds"], done["text"])
 
 
@@ -268,34 +287,57 @@ async def test_mode_a_drain_drops_the_chunks_a_client_goes_on_sending(engine, au
                 sent.append(piece)
                 await asyncio.sleep(PIECE / SAMPLING_RATE / SPEEDUP)
 
+    _, done = drained_sse(await mode_a_through_a_drain(server, body()))
+    assert done["text"]
+    await check_covered(engine, sent, done["usage"]["seconds"], done["text"])
+
+
+async def test_mode_a_input_held_back_by_its_start_policy_is_not_transcribed_and_says_why(engine, audio):
+    """A Mode A input that start_policy on_end_only still holds back when the drain comes has no engine session, and
+    a draining `jaxstream serve` starts none (its engine refuses new sessions from the drain's start on): the stream
+    ends with `server_shutdown` at once, and its message says why nothing was transcribed of the audio received. It
+    said "server shutting down"."""
+    server = ServerThread(engine)
+    seconds = 2.0
+    lines = [{"model": server.state.model_id, "start_policy": "on_end_only"},
+             *({"payload": encode_pcm16_base64(audio[i:i + PIECE])} for i in range(0, round(seconds * SAMPLING_RATE),
+                                                                                 PIECE))]
+
+    async def body():
+        yield "".join(json.dumps(line) + "\n" for line in lines).encode()
+        await asyncio.sleep(60)  # the input stays open
+
+    def held() -> float:
+        handles = [conn for conn in server.state.connections if isinstance(conn, streaming_input.DrainHandle)]
+        return handles[0].feed.audio_seconds if handles else 0.0
+
     try:
-        draining, raw = None, ""
         async with aiohttp.ClientSession() as http, http.post(
                 server.url("/v1/audio/transcriptions", "http"), data=body(),
                 headers={"X-Streaming-Input": "true"}) as response:
-            async for line in response.content:
-                raw += line.decode()
-                if draining is None and "transcript.text.delta" in raw:
-                    draining = start_drain(server)
-        assert await draining is True
+            async with asyncio.timeout(30):
+                while held() < seconds:  # every chunk is in the feed, held back
+                    await asyncio.sleep(0.02)
+            draining = start_drain(server)
+            raw = await response.text()
+        assert await draining is True  # nothing was cut off: nothing ran
     finally:
         server.close()
     events = [data for _, data in parse_sse(raw)]
-    kinds = [event if event == "[DONE]" else event["type"] for event in events]
-    assert kinds[-2:] == ["transcript.text.done", "[DONE]"] and kinds.count("error") == 1, kinds
-    notice, done = events[kinds.index("error")], events[-2]
-    assert notice["error"]["code"] == "server_draining", notice
-    seconds = done["usage"]["seconds"]
-    assert f"the first {seconds:.2f} s of audio" in notice["error"]["message"]
-    assert done["text"] and "".join(event["delta"] for event in events[:-2] if event["type"] != "error") == done["text"]
-    await check_covered(engine, sent, seconds, done["text"])
+    assert [event if event == "[DONE]" else event["type"] for event in events] == ["error", "[DONE]"], events
+    error = events[0]["error"]
+    assert (error["code"], error["type"]) == ("server_shutdown", "server_error"), error
+    assert error["message"] == ("The server is shutting down and starts no new transcription: the 2.00 s of audio "
+                                "received were held back by start_policy on_end_only and never reached the engine, so "
+                                "there is no transcription; send the input again to another replica"), error
 
 
 async def test_mode_b_chunks_after_the_drain_ended_the_input_are_refused_as_after_its_end(engine, audio):
     """A Mode B client that goes on sending chunks after the drain ended its input gets 409 `input_finished` for them
     and the transcript the notice promised from its result and its events. One chunk's request applies the chunks
     held for a gap: the drain ends the input while it waits for the engine to catch up, and its later chunks came
-    to the ended engine session, which answered `session_closed` for a session the client never saw."""
+    to the ended engine session, which answered `session_closed` for a session the client never saw. The result says
+    that the drain cut the transcript short, as the stream's done does."""
     server = ServerThread(engine)
     # 4 min: applying it takes the engine far longer than the drain waits before it ends the input (DRAIN_S / 2)
     long = np.tile(audio, 55)
@@ -331,13 +373,10 @@ async def test_mode_b_chunks_after_the_drain_ended_the_input_are_refused_as_afte
         assert (status, answer["error"]["code"]) == (409, "input_finished"), answer
     for _, answer in [gap_answer, late_answer]:  # the drain ended the input, not the client
         assert "The server is shutting down" in answer["error"]["message"], answer
-    events = [data for _, data in parse_sse(raw)]
-    kinds = [event if event == "[DONE]" else event["type"] for event in events]
-    assert kinds[-2:] == ["transcript.text.done", "[DONE]"] and kinds.count("error") == 1, kinds
-    notice, done = events[kinds.index("error")], events[-2]
+    _, done = drained_sse([data for _, data in parse_sse(raw)])
     seconds = done["usage"]["seconds"]
-    assert f"the first {seconds:.2f} s of audio" in notice["error"]["message"]
     assert result[0] == 200 and result[1]["text"] == done["text"], result
+    assert result[1]["truncated"] is True and result[1]["truncation"] == done["truncation"], result
     # What the transcript covers is whole chunks, the two applied before the drain at least: the one refused came
     # to the feed after the end and none of it reached the engine. (The transcript of that much audio is checked
     # against the engine's by the tests above; here it would cost more than the rest of the test.)
