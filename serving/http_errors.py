@@ -158,7 +158,8 @@ def _handshake_fault(headers) -> str | None:
     is its own ("No CONNECTION upgrade hdr: None", "Handshake error: None"), and a key that is not ASCII with an
     uncaught ValueError (a 500, logged as the server's failure); the 400 and a message naming the header, in
     OpenAI's shape, go out before it runs."""
-    connection = headers.get("Connection")
+    # HTTP lets a header come as several lines (`Connection: keep-alive` then `Connection: Upgrade`): all count.
+    connection = ", ".join(headers.getall("Connection", [])) or None
     if "upgrade" not in (token.strip().lower() for token in (connection or "").split(",")):
         return (f"lacks the header `Connection: Upgrade` ({_header_shown('Connection', connection)}): connect with "
                 "a WebSocket client, through proxies that pass WebSocket upgrades on")

@@ -253,8 +253,14 @@ class StreamingInputSessions:
 
     async def _apply_ready(self, session: InputSession) -> None:
         """Applies the held chunks that continue the input, in order. One the engine refused for now (at
-        capacity: 503, Retry-After) stays held and unapplied, so that a retry of it, or of finish, applies it."""
+        capacity: 503, Retry-After) stays held and unapplied, so that a retry of it, or of finish, applies it.
+        Those still held when a drain ended the input are dropped, as a WebSocket client's audio after the drain
+        ended its utterance is: the request that applied the chunks before them succeeded, and the transcript says
+        what it covers (its `truncation`). Refusing the request named a chunk it did not send."""
         while session.next_seq in session.held:
+            if session.feed.drained is not None:
+                session.held.clear()
+                return
             seq = session.next_seq
             piece, end, digest = session.held[seq]
             retry = False
@@ -356,8 +362,7 @@ def _new_session(body: dict, registry: StreamingInputSessions, key: str) -> tupl
         raise RequestError(422, exc.code, str(exc), exc.param) from None
     log = sse.EventLog() if stream else None
     if modality == "audio":
-        if params.get("language") is not None:  # not used by the model, and checked as the upload's is
-            check_language(params["language"], "params.language", 422)
+        check_language(params.get("language"), "params.language", 422)  # unused by the model; checked as the upload's
         engine_input = AudioInput(state, parse_delay_ms(params, state, "params.delay_ms"), log,
                                   logprobs=parse_include(params, "params.include"))
     else:

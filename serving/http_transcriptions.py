@@ -315,7 +315,7 @@ def _check_typed_fields(fields: dict, lists: dict[str, list[str]]) -> str | None
     if temperature and not _number_in(temperature, 0, 1):
         raise RequestError(400, "invalid_request", f"temperature must be a number from 0 to 1, got "
                            f"{temperature[:_SHOWN]!r}", "temperature")
-    language = check_language(fields["language"], "language") if fields.get("language", "").strip() else None
+    language = check_language(fields.get("language"), "language")
     for value in lists["languages"]:
         check_language(value, "languages[]")
     _check_chunking_strategy(fields)
@@ -330,10 +330,13 @@ def _number_in(text: str, low: float, high: float, *, whole: bool = False) -> bo
     return low <= value <= high  # false for nan
 
 
-def check_language(value, param: str, status: int = 400) -> str:
-    """The code of the language a request names (languages.find_language: by its code or its name); RequestError
-    `status` for a value that names none, as OpenAI and vLLM refuse one. One outside OpenAI's list, which vLLM
-    takes with a warning, is taken with one logged."""
+def check_language(value, param: str, status: int = 400) -> str | None:
+    """The code of the language a request names (languages.find_language: by its code or its name), None when it
+    names none (absent, null or blank, as a form's empty field is absent); RequestError `status` for a value that
+    names no language, as OpenAI and vLLM refuse one. One outside OpenAI's list, which vLLM takes with a warning,
+    is taken with one logged."""
+    if value is None or isinstance(value, str) and not value.strip():
+        return None
     if not isinstance(value, str):  # a JSON parameter (Mode A, Mode B)
         raise RequestError(status, "invalid_request", "language must be a string: the audio's language in ISO-639-1 "
                            "format, such as `en`", param)
@@ -501,8 +504,7 @@ async def _streaming_input(request: web.Request, state) -> web.StreamResponse:
         check_kind(state, "realtime")
     if streaming_input.parse_modality(params, "audio") != "audio":
         raise RequestError(422, "unsupported_modality", "/v1/audio/transcriptions takes audio", "modality")
-    if params.get("language") is not None:  # not used by the model, and checked as the form's is
-        check_language(params["language"], "language", 422)
+    check_language(params.get("language"), "language", 422)  # not used by the model, and checked as the form's is
     policy = streaming_input.parse_start_policy(params, "audio")
     audio_input = AudioInput(state, parse_delay_ms(params, state, "delay_ms"), sse.EventLog(),
                              logprobs=parse_include(params, "include"))

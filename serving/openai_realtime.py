@@ -353,6 +353,8 @@ class OpenAiRealtime:
 
     async def _on_commit(self, event: dict) -> None:
         item = self.open
+        if item is None and self.server.draining:  # its audio was dropped (_on_append): not the client's mistake
+            raise DrainingError("The server is shutting down and starts no new transcription")
         if item is None or item.samples * 1000 < MIN_COMMIT_MS * self.rate:
             held = 0 if item is None else item.samples * 1000 // self.rate
             raise ClientError("input_audio_buffer_commit_empty", f"Error committing input audio buffer: buffer "

@@ -65,14 +65,15 @@ async def test_a_websocket_route_asked_without_an_upgrade_says_what_it_is(server
     assert error["message"].startswith(f"{path} is {WEBSOCKET_ROUTES[path]}: connect to it with a WebSocket client")
 
 
-async def raw_get(server, path: str, headers: dict[str, str]) -> tuple[int, dict | None]:
+async def raw_get(server, path: str, headers) -> tuple[int, dict | None]:
     """(status, the JSON body's `error`; None for 101 Switching Protocols) of a GET sent over a plain socket with
-    exactly `headers` (a client library adds its own, Connection among them); fails unless the body is OpenAI's
-    error shape."""
+    exactly `headers` (a dict, or (name, value) pairs where a name repeats; a client library adds its own,
+    Connection among them); fails unless the body is OpenAI's error shape."""
     url = urlsplit(server.url(path, "http"))
     reader, writer = await asyncio.open_connection(url.hostname, url.port)
+    pairs = headers.items() if isinstance(headers, dict) else headers
     try:
-        lines = [f"GET {path} HTTP/1.1", f"Host: {url.netloc}", *(f"{k}: {v}" for k, v in headers.items())]
+        lines = [f"GET {path} HTTP/1.1", f"Host: {url.netloc}", *(f"{k}: {v}" for k, v in pairs)]
         writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
         head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)).decode().split("\r\n")
         status = int(head[0].split()[1])
@@ -128,6 +129,13 @@ async def test_every_websocket_route_words_a_refused_handshake(server, path):
     assert (status, error["code"]) == (400, "invalid_request")
     assert error["message"].startswith(f"The WebSocket handshake for {path} lacks the header `Connection: Upgrade`")
     assert (await raw_get(server, path, UPGRADE))[0] == 101  # with the header, the same handshake is taken
+
+
+async def test_a_connection_header_split_over_lines_is_one_header(server):
+    """`Connection: keep-alive` and `Connection: Upgrade` on two lines is one header (RFC 9110 5.3), which aiohttp
+    takes: the handshake check read only the first line and refused it."""
+    pairs = [*handshake("Connection").items(), ("Connection", "keep-alive"), ("Connection", "Upgrade")]
+    assert (await raw_get(server, "/v1/realtime", pairs))[0] == 101
 
 
 async def test_websocket_routes_still_upgrade(server):

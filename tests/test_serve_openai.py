@@ -503,7 +503,7 @@ async def test_drain_commits_the_open_item_and_closes(engine, model, speech, ref
 async def test_a_draining_server_drops_the_next_turns_audio_and_refuses_http_as_a_server_error(engine, model, speech):
     """A busy connection of a draining server commits its item and appends audio for the next turn: the server
     starts no new transcription and drops that audio without an error per append (a client still streaming would
-    spend its error budget on them), finishes the committed item (whole: the client ended it, so it is not marked
+    spend its error budget on them), refuses its commit as the server's `draining`, finishes the committed item (whole: the client ended it, so it is not marked
     truncated) and closes with 1001. The HTTP routes of the same server refuse with a 503 typed `server_error`, as
     OpenAI types a server that cannot serve (its 503 "overloaded"; http_errors.error_type)."""
     import aiohttp
@@ -532,12 +532,16 @@ async def test_a_draining_server_drops_the_next_turns_audio_and_refuses_http_as_
         for index in range(3):
             await client.send({"type": "input_audio_buffer.append", "audio": encode_pcm16_base64(one_second),
                                "event_id": f"a{index}"})
+        # Their commit: no item holds them, and the refusal is the server's (it was the client's
+        # input_audio_buffer_commit_empty, "buffer only has 0ms of audio", for the 3 s it sent).
+        await client.send({"type": "input_audio_buffer.commit", "event_id": "c2"})
         events = []
         with pytest.raises(websockets.ConnectionClosed) as closed:
             while True:
                 events.append(await client.event())
         assert closed.value.rcvd.code == 1001, closed.value
-        assert [e for e in events if e["type"] == "error"] == []
+        errors = [e["error"] for e in events if e["type"] == "error"]
+        assert [(e["code"], e["type"], e["event_id"]) for e in errors] == [("draining", "server_error", "c2")], errors
         done = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed"]
         assert len(done) == 1 and done[0]["transcript"] and "truncated" not in done[0], events
         assert not [e for e in events if e["type"] == "conversation.item.added"], events  # no new item opened
