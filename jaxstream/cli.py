@@ -164,7 +164,7 @@ def main(argv=None) -> int:
                 print(f"jaxstream {args.command}: error: {exc}", file=sys.stderr)
                 return 2
             with _interrupts_held():
-                import jax  # noqa: F401 - jaxlib's native start-up
+                importlib.import_module("jax")  # jaxlib's native start-up
             use_compilation_cache()
         verbosity = getattr(args, "verbose", 0)
         _configure_logging(verbosity)

@@ -14,8 +14,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 
 def _held(folder: Path) -> bool:
-    """Whether a live run holds `folder`'s lock. A folder with no lock yet (a run that has just made it) counts
-    as held unless its pid is gone (it was killed before it took the lock)."""
+    """Whether a live run holds `folder`'s lock. A folder with no lock (made by a run before runs took locks)
+    counts as held unless its pid is gone."""
     try:
         with open(folder / ".lock") as lock:
             try:
@@ -46,12 +46,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     for folder in Path(tempfile.gettempdir()).glob("jaxstream-tests-xla-*"):
         if re.fullmatch(r"jaxstream-tests-xla-(\d+)-\w+", folder.name) and not _held(folder):
             shutil.rmtree(folder, ignore_errors=True)
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"jaxstream-tests-xla-{os.getpid()}-")
-    os.environ["JAXSTREAM_TESTS_XLA_CACHE"] = "run"  # this run's own folder (the workers see it too)
-    # Locked before it takes its name, so that no other run finds it unlocked; held until the process ends.
-    _RUN_LOCK = open(os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], ".lock-new"), "w")
+    # Made under a name the sweep passes over and locked before it takes its own, so that no other run finds it
+    # unlocked; the lock is held until the process ends.
+    _new = tempfile.mkdtemp(prefix="jaxstream-tests-xla-new-")
+    _RUN_LOCK = open(os.path.join(_new, ".lock"), "w")
     fcntl.flock(_RUN_LOCK, fcntl.LOCK_EX)
-    os.rename(_RUN_LOCK.name, os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], ".lock"))
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _new.replace("-xla-new-", f"-xla-{os.getpid()}-")
+    os.rename(_new, os.environ["JAX_COMPILATION_CACHE_DIR"])
+    os.environ["JAXSTREAM_TESTS_XLA_CACHE"] = "run"  # this run's own folder (the workers see it too)
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import jax  # noqa: E402
