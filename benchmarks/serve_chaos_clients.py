@@ -8,7 +8,9 @@ every answer and the close, to replay a failing run step by step.
         '{"type": "session.update", "model": "tiny"}' '{"type": "input_audio_buffer.commit"}' @frame.bin
 
 A behaviour is `async def name(c: Chaos, rng: random.Random)`, registered with @behaviour: it returns when the run
-ended as expected and raises Bad (or anything else) when not; serve_chaos.py adds the HTTP ones.
+ended as expected and raises Bad (or anything else) when not; serve_chaos_http.py adds the HTTP ones,
+serve_chaos_vad.py the server-VAD ones and serve_chaos_limits.py those that meet the server's limits, keys and
+routing refusals. One registered with `needs` runs only where `needs(c)` is None (else: what it would need).
 """
 import argparse
 import asyncio
@@ -35,6 +37,7 @@ PIECES = {"full": (0, None), "head": (0, 28000), "tail": (20000, None)}  # slice
 RATE_24K = 24000  # the OpenAI dialect's audio/pcm and Kyutai's float PCM
 KYUTAI_FRAME = 1920  # 80 ms at 24 kHz
 BEHAVIOURS = {}
+NEEDS = {}  # behaviour -> needs(c): None when it can run against this server, else what it lacks
 _SOCKETS = contextvars.ContextVar("sockets")  # the sockets the current run opened
 
 
@@ -42,9 +45,20 @@ class Bad(Exception):
     """A run that did not end as the protocol says: str() is the reason."""
 
 
-def behaviour(fn):
-    BEHAVIOURS[fn.__name__] = fn
-    return fn
+def behaviour(fn=None, *, needs=None):
+    """Registers `fn` (@behaviour, or @behaviour(needs=...) for one that runs only where `needs(c)` is None)."""
+    def register(fn):
+        BEHAVIOURS[fn.__name__] = fn
+        if needs is not None:
+            NEEDS[fn.__name__] = needs
+        return fn
+
+    return register(fn) if fn is not None else register
+
+
+def unavailable(c: "Chaos", name: str) -> str | None:
+    """Why the behaviour `name` cannot run against c's server (None: it can)."""
+    return NEEDS[name](c) if name in NEEDS else None
 
 
 def closed_reason(exc: websockets.ConnectionClosed) -> str:
@@ -67,8 +81,10 @@ class Socket:
         self.ws, self.packed = ws, packed
 
     @classmethod
-    async def open(cls, url: str, packed: bool = False) -> "Socket":
-        socket = cls(await websockets.connect(url, max_size=None, max_queue=None, open_timeout=WAIT_S), packed)
+    async def open(cls, url: str, packed: bool = False, **options) -> "Socket":
+        """`options`: more of websockets.connect's (headers, subprotocols, ...)."""
+        options = {"max_size": None, "max_queue": None, "open_timeout": WAIT_S, **options}
+        socket = cls(await websockets.connect(url, **options), packed)
         _SOCKETS.get().append(socket)
         return socket
 
@@ -129,11 +145,20 @@ class Socket:
         self.ws.transport.abort()
 
 
-class Chaos:
-    """What every behaviour shares: the server's URLs and model, the audio, the transcripts seen so far."""
+def auth_headers(key: str | None) -> dict:
+    """What carries the server's API key on every request (none for a server without keys)."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
-    def __init__(self, url: str, http: aiohttp.ClientSession, model: str, audio: np.ndarray):
+
+class Chaos:
+    """What every behaviour shares: the server's URLs, model, API key and limits, the audio, the transcripts seen so
+    far. `http` sends the key on every request (auth_headers); `open` does on every WebSocket. `limits`: what the
+    server was started with, when the soak was told (None: the defaults, LIMITS, and no behaviour waits for one)."""
+
+    def __init__(self, url: str, http: aiohttp.ClientSession, model: str, audio: np.ndarray, key: str | None = None,
+                 limits: Limits | None = None):
         self.url, self.ws_url, self.http, self.model = url, "ws" + url.removeprefix("http"), http, model
+        self.key, self.known_limits, self.limits = key, limits is not None, limits or LIMITS
         self.pcm = {name: audio[a:b] for name, (a, b) in PIECES.items()}
         self.wav = {name: wav_bytes(pcm) for name, pcm in self.pcm.items()}
         self.pcm24 = {name: soxr.resample(pcm, SAMPLING_RATE, RATE_24K).astype(np.float32)
@@ -147,9 +172,13 @@ class Chaos:
         if text != first:
             raise Bad(f"{key}: transcript {text[:80]!r} differs from an earlier run's {first[:80]!r}")
 
-    async def realtime(self, path: str = "/v1/realtime") -> Socket:
+    async def open(self, path: str, packed: bool = False, **options) -> Socket:
+        """A WebSocket to `path` that presents the server's key."""
+        return await Socket.open(self.ws_url + path, packed, additional_headers=auth_headers(self.key), **options)
+
+    async def realtime(self, path: str = "/v1/realtime", **options) -> Socket:
         """A vLLM-protocol socket, its model validated."""
-        ws = await Socket.open(self.ws_url + path)
+        ws = await self.open(path, **options)
         await ws.until("session.created")
         await ws.send({"type": "session.update", "model": self.model})
         await ws.until("session.updated")
@@ -294,7 +323,7 @@ async def realtime_oversized_frame(c, rng):
     """A frame over the message limit closes the socket with 1009 (perhaps while the frame is being sent)."""
     ws = await c.realtime()
     try:
-        await ws.ws.send(rng.choice(("x", " ")) * (LIMITS.max_message_bytes + 1))
+        await ws.ws.send(rng.choice(("x", " ")) * (c.limits.max_message_bytes + 1))
     except websockets.ConnectionClosed:
         pass  # closed_with reads why
     await ws.closed_with(1009)
@@ -303,7 +332,7 @@ async def realtime_oversized_frame(c, rng):
 @behaviour
 async def realtime_protocol_misuse(c, rng):
     """Events out of order, each refused with its error, until an update validates the model."""
-    ws = await Socket.open(c.ws_url + "/v1/realtime")
+    ws = await c.open("/v1/realtime")
     await ws.until("session.created")
     commit, final = {"type": "input_audio_buffer.commit"}, {"type": "input_audio_buffer.commit", "final": True}
     for event, answer in [(commit, "model_not_validated"), ({"type": "session.update"}, "invalid_event"),
@@ -321,10 +350,12 @@ async def realtime_protocol_misuse(c, rng):
 
 @behaviour
 async def realtime_idle(c, rng):
-    """Commits and sends nothing, or sends audio and never commits: the server sends nothing, keeps the socket."""
+    """Commits and sends nothing, or sends audio and never commits: the server sends nothing, keeps the socket
+    (for at most half its idle timeout)."""
     ws = await c.realtime()
     await ws.send({"type": "input_audio_buffer.commit"} if rng.random() < 0.5 else append(c.pcm["head"]))
-    await asyncio.sleep(rng.uniform(1.0, 8.0))
+    idle = c.limits.idle_timeout_s
+    await asyncio.sleep(rng.uniform(min(1.0, idle / 4), min(8.0, idle / 2)))
     await ws.send({"type": "probe"})
     await ws.error("unknown_event")  # the first event since session.updated
     await ws.close()
@@ -366,9 +397,9 @@ def openai_update(model: str, rate: int = RATE_24K) -> dict:
         "format": {"type": "audio/pcm", "rate": rate}, "turn_detection": None, "transcription": {"model": model}}}}}
 
 
-async def openai_socket(c: Chaos, rng: random.Random) -> Socket:
+async def openai_socket(c: Chaos, rng: random.Random, **options) -> Socket:
     """Asked for in the handshake, or (one time in two) switched to by an OpenAI-shaped first event."""
-    ws = await Socket.open(c.ws_url + rng.choice(("/v1/realtime?intent=transcription", "/v1/realtime")))
+    ws = await c.open(rng.choice(("/v1/realtime?intent=transcription", "/v1/realtime")), **options)
     await ws.until("session.created")
     await ws.send(openai_update(c.model))
     await ws.until("session.updated")
@@ -426,7 +457,7 @@ def kyutai_audio(pcm: np.ndarray) -> dict:
 async def kyutai_stream(c, rng):
     """Audio, a marker, 2 s of silence: the marker comes back after the words of the audio before it. (Only the
     pieces that end after a word: the word in progress at a marker may be cut anywhere.)"""
-    ws = await Socket.open(c.ws_url + "/api/asr-streaming", packed=True)
+    ws = await c.open("/api/asr-streaming", packed=True)
     await ws.until("Ready")
     piece, marker = rng.choice(("full", "tail")), rng.getrandbits(40)
     await feed(ws, pieces(c.pcm24[piece], rng, (KYUTAI_FRAME,)), kyutai_audio, rng, RATE_24K)
@@ -442,7 +473,7 @@ async def kyutai_stream(c, rng):
 @behaviour
 async def kyutai_bad_frames(c, rng):
     """Frames the protocol cannot use get an Error each, and the socket stays open."""
-    ws = await Socket.open(c.ws_url + "/api/asr-streaming", packed=True)
+    ws = await c.open("/api/asr-streaming", packed=True)
     await ws.until("Ready")
     bad = [{"type": "Nope"}, b"\xc1", [1, 2], "a text frame", kyutai_audio(np.array([np.nan])),
            {"type": "Marker", "id": "7"}, {"type": "OggOpus", "data": b"OggS"}, kyutai_audio(np.array([3.0]))]
@@ -455,7 +486,7 @@ async def kyutai_bad_frames(c, rng):
 
 # -- /ws, the JSON envelope (spec §5) ------------------------------------------------------------------------------
 async def envelope(c: Chaos) -> Socket:
-    ws = await Socket.open(c.ws_url + "/ws")
+    ws = await c.open("/ws")
     await ws.until("session.created")
     return ws
 

@@ -1,8 +1,10 @@
-"""benchmarks/serve_chaos.py and its client behaviours (benchmarks/serve_chaos_clients.py) against an in-process
-server, so that the soak cannot rot unnoticed: every behaviour, run once, ends as it expects (a protocol change that
-breaks one, or an expectation that drifted from the protocol, fails here rather than in a soak run now and then); an
-answer other than the expected one, or none, is reported with its reason; and a one-round soak counts its runs, the
-server's RSS and the tracebacks of a log, and exits 1 for a traceback."""
+"""benchmarks/serve_chaos.py and its client behaviours (benchmarks/serve_chaos_*.py) against in-process servers, so
+that the soak cannot rot unnoticed: every behaviour, run once, ends as it expects (a protocol change that breaks one,
+or an expectation that drifted from the protocol, fails here rather than in a soak run now and then), those that wait
+for a limit or need a key against a keyed server with short limits; an answer other than the expected one, or none,
+is reported with its reason; and a one-round soak counts its runs, the server's RSS and the tracebacks of a log,
+names the behaviours it could not run, and exits 1 for a traceback."""
+import asyncio
 import importlib
 import os
 import sys
@@ -11,12 +13,20 @@ from pathlib import Path
 import pytest
 
 from jaxstream.serving.config import ServerConfig
+from jaxstream.serving.limits import Limits
 from jaxstream.serving.testing import ServerThread
 from serve_fixtures import engine, engine_returns_to_baseline, server  # noqa: F401 - pytest fixtures
 
 pytestmark = pytest.mark.slow
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+KEY = "chaos-key"
+# Short enough that a behaviour waiting for each takes seconds; the idle timeout long enough that the slow reader's
+# wait for its first delta, under a loaded CI machine, is not taken for silence.
+LIMITS = Limits(idle_timeout_s=4.0, max_session_seconds=8.0, send_timeout_s=2.0)
+WAITS = {"limits_idle": "idle_timeout_s", "limits_max_duration": "max_session_seconds",
+         "limits_slow_reader": "send_timeout_s"}
+LANES = 4  # the default server's behaviours run in this many sequences side by side, as a soak's workers do
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +39,36 @@ def chaos():
         sys.path.remove(str(BENCHMARKS))
 
 
-async def test_every_behaviour_ends_as_it_expects(server, chaos):
+@pytest.fixture(scope="module")
+def limited_server(engine):
+    server = ServerThread(engine, ServerConfig(api_keys=(KEY,), limits=LIMITS))
+    yield server
+    server.close()
+
+
+async def test_every_behaviour_ends_as_it_expects(server, limited_server, chaos):
+    """The behaviours that wait for a limit or need a key against the keyed server with short limits (beside a few
+    others, which then present the key on every route), every other one against the default server. There the
+    former do not run, and say what they need."""
     soak, clients = chaos
-    routes = {"realtime", "sagemaker", "openai", "kyutai", "envelope", "http", "midway"}
+    routes = {"realtime", "sagemaker", "openai", "kyutai", "envelope", "http", "midway", "limits", "auth"}
     assert {name.split("_")[0] for name in clients.BEHAVIOURS} == routes
-    results = await soak.run_each(server.url("", "http"), list(clients.BEHAVIOURS), seed=1)
+    assert {"realtime_vad", "openai_vad", "http_session_resume", "http_sse_slow_reader",
+            "http_routing_refusals"} < set(clients.BEHAVIOURS)
+    assert set(clients.NEEDS) == {*WAITS, "auth_keys"}
+    plain = sorted(set(clients.BEHAVIOURS) - set(clients.NEEDS))
+    limited = [["limits_max_duration"], ["limits_idle", "auth_keys"],
+               ["limits_slow_reader", "realtime_utterances", "http_session", "kyutai_stream", "envelope_utterance"]]
+    runs = await asyncio.gather(
+        *(soak.run_each(server.url("", "http"), plain[lane::LANES], seed=1) for lane in range(LANES)),
+        *(soak.run_each(limited_server.url("", "http"), names, seed=1, key=KEY, limits=LIMITS) for names in limited))
+    results = {name: reason for ran, _ in runs for name, reason in ran.items()}
+    assert set(results) == set(clients.BEHAVIOURS)
     assert {name: reason for name, reason in results.items() if reason is not None} == {}
+    _, skipped = await soak.run_each(server.url("", "http"), sorted(clients.NEEDS), limits=Limits(send_timeout_s=90))
+    assert skipped == {"auth_keys": "a keyed server (--api-key)",
+                       **{name: f"{limit} <= 60 s (the server's is {getattr(Limits(send_timeout_s=90), limit):g} s)"
+                          for name, limit in WAITS.items()}}
 
 
 async def test_an_answer_other_than_the_expected_one_is_not_ok(server, engine, chaos, monkeypatch):
@@ -43,12 +77,15 @@ async def test_an_answer_other_than_the_expected_one_is_not_ok(server, engine, c
     soak, clients = chaos
     monkeypatch.setattr(clients, "BEHAVIOURS", dict(clients.BEHAVIOURS))
     clients.refused_input("wrong_expectation", ("{not json",), "unknown_event")
-    (reason,) = (await soak.run_each(server.url("", "http"), ["wrong_expectation"])).values()
+    (reason,) = (await soak.run_each(server.url("", "http"), ["wrong_expectation"]))[0].values()
     assert reason.startswith("expected error unknown_event, got") and "invalid_json" in reason
+    # Told a key that the server does not check: the key behaviour's refusals do not come.
+    (reason,) = (await soak.run_each(server.url("", "http"), ["auth_keys"], key=KEY))[0].values()
+    assert reason.startswith("GET /v1/models with no key: HTTP 200"), reason
     monkeypatch.setattr(clients, "WAIT_S", 1.0)
     vllm_server = ServerThread(engine, ServerConfig(compat="vllm"))
     try:
-        (reason,) = (await soak.run_each(vllm_server.url("", "http"), ["realtime_utterances"])).values()
+        (reason,) = (await soak.run_each(vllm_server.url("", "http"), ["realtime_utterances"]))[0].values()
     finally:
         vllm_server.close()
     assert reason == "no event within 1 s"
@@ -69,3 +106,6 @@ def test_a_soak_round_reports_its_runs_rss_and_log(server, chaos, tmp_path, caps
     runs = int(round_line.split()[2])
     assert runs >= 2 and f"{'all':32} {runs:6} {runs:6} {0:6}" in out
     assert "log: 2026-01-01 00:00:00,000 ERROR" in out
+    # Told neither the server's limits nor its key, the soak leaves out what needs them, and says so.
+    assert "not run: auth_keys (needs a keyed server (--api-key))" in out
+    assert "not run: limits_idle (needs the server's limits (--server-config))" in out
