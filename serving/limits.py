@@ -48,7 +48,7 @@ class Limits:
     max_pending_seconds: float = 30.0  # audio held while no utterance runs (before a commit)
     max_append_seconds: float = 60.0  # audio in one append event
     max_message_bytes: int = 4 << 20  # larger frames close the socket with 1009 (aiohttp)
-    send_timeout_s: float = 30.0  # one event not taken by the client within this: close 1008
+    send_timeout_s: float = 30.0  # one event not taken by the client within this: dropped (`slow_reader`)
     # A new connection's first request must be in (its headers complete) within this, or the connection is
     # closed (FirstRequestDeadline). aiohttp itself waits for it forever.
     first_request_timeout_s: float = 60.0

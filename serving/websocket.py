@@ -13,9 +13,11 @@ object with:
                               JSON text, or bytes sent as one binary frame)
 
 Sends are awaited one at a time (no unbounded outgoing queue): a client that stops reading stalls its own
-connection until `send_timeout_s`, then it is closed with 1008. Each frame read takes a loop turn of its
-own, so a client flooding frames shares the loop with the others instead of holding it, and a connection
-that provokes more than `max_errors_per_minute` errors is closed with 1008 too.
+connection until `send_timeout_s`, then it is dropped (outcome `slow_reader`: the 1008 close frame would queue
+behind what the client did not read, so the connection ends without one, and the log's close code is 1006).
+Each frame read takes a loop turn of its own, so a client flooding frames shares the loop with the others
+instead of holding it, and a connection that provokes more than `max_errors_per_minute` errors is closed with
+1008.
 """
 import asyncio
 import logging
