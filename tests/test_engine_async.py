@@ -278,7 +278,8 @@ def test_start_up_logs_what_it_compiled(caplog):
     with caplog.at_level(logging.DEBUG, logger="jaxstream"):
         AsyncEngine(ToyLM(CFG), config=EngineConfig(max_sessions=1, prefill_buckets=((1, 4),))).close()
     messages = [r.getMessage() for r in caplog.records]
-    assert any(re.fullmatch(r"compiled program \('text', 1, 4\) in \d+\.\d\d s", m) for m in messages)
+    assert any(re.fullmatch(r"compiled program \('text', 1, 4\) in \d+\.\d\d s \(GB: arguments \d+\.\d{3}, aliased "
+                            r"\d+\.\d{3}, temporaries \d+\.\d{3}\)", m) for m in messages), messages
     assert any(m.startswith("compiled and warmed 2 step programs in ") for m in messages)
 
 
