@@ -503,9 +503,10 @@ async def test_drain_commits_the_open_item_and_closes(engine, model, speech, ref
 async def test_a_draining_server_drops_the_next_turns_audio_and_refuses_http_as_a_server_error(engine, model, speech):
     """A busy connection of a draining server commits its item and appends audio for the next turn: the server
     starts no new transcription and drops that audio without an error per append (a client still streaming would
-    spend its error budget on them), refuses its commit as the server's `draining`, finishes the committed item (whole: the client ended it, so it is not marked
-    truncated) and closes with 1001. The HTTP routes of the same server refuse with a 503 typed `server_error`, as
-    OpenAI types a server that cannot serve (its 503 "overloaded"; http_errors.error_type)."""
+    spend its error budget on them), refuses its commit as the server's `draining`, finishes the committed item
+    (whole: the client ended it, so it is not marked truncated) and closes with 1001. The HTTP routes of the same
+    server refuse with a 503 typed `server_error`, as OpenAI types a server that cannot serve (its 503
+    "overloaded"; http_errors.error_type)."""
     import aiohttp
 
     from jaxstream.serving.app import drain
