@@ -153,11 +153,10 @@ class EngineInput(abc.ABC):
         self.drained: str | None = None
         self.drained_at = 0.0  # the input received when the drain ended it: seconds of audio, bytes of text
 
-    def mark_drained(self, received: float) -> str:
+    def mark_drained(self, received: float) -> None:
         """Marks the output as cut short by the drain (DrainHandle.finish_for_drain), which ends the input after
-        `received` seconds of audio or bytes of text; returns the drain's notice."""
+        `received` seconds of audio or bytes of text."""
         self.drained, self.drained_at = drain_notice(received, self.modality), received
-        return self.drained
 
     @property
     def done(self) -> bool:
@@ -220,8 +219,12 @@ class InputFeed:
         self.applied_bytes = 0  # in order, for the start policy
         self.audio_seconds = 0.0
         self.ended = False
-        self.drained: str | None = None  # the notice of a drain that ended the input (DrainHandle.finish_for_drain)
         self._pending: list = []
+
+    @property
+    def drained(self) -> str | None:
+        """The notice of a drain that ended the input (DrainHandle.finish_for_drain), or None."""
+        return self.stream.drained
 
     @property
     def buffered(self) -> bool:
@@ -315,7 +318,7 @@ class DrainHandle:
         received = feed.audio_seconds if stream.modality == "audio" else feed.applied_bytes
         # Marked before the end, which may wait for an append: a chunk that comes meanwhile is told why, and the pump,
         # which logs the output's end as soon as the engine is through, knows that the drain cut it short.
-        feed.drained = stream.mark_drained(received)
+        stream.mark_drained(received)
         try:
             await feed.end()
         except RequestError as exc:

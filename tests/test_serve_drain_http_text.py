@@ -117,7 +117,8 @@ async def test_text_that_comes_with_the_finish_goes_out_before_the_notice():
     stream = TextInput(state, SamplingParams(max_tokens=MAX_TOKENS), sse.EventLog())
     await stream.start()
     await stream.append(b"w5")
-    notice = stream.mark_drained(2)
+    stream.mark_drained(2)
+    notice = stream.drained
     await stream.finish()
     await stream.wait(10)
     events = [data for _, data in stream.log.after(0)]
