@@ -6,7 +6,8 @@ Memory per connection is bounded whatever the client does: a frame is at most `m
 outside an utterance at most `max_pending_seconds`; audio inside one is handed to the engine, whose
 `append` waits while too much is queued (and while it waits the connection reads nothing more, so TCP
 pushes back on the client); events to the client are sent one at a time and awaited, so a client that
-stops reading stalls its own connection, never the server's memory, until `send_timeout_s` closes it.
+stops reading stalls its own connection, never the server's memory, until `send_timeout_s` drops it (an
+HTTP stream's SSE answer alike: sse.py).
 Time on the event loop is bounded the same way for a client that sends nothing but bad events: past
 `max_errors_per_minute` errors its connection closes. An HTTP body read before its request is admitted
 must keep arriving at a minimum rate (`read_at_min_rate`); an admitted HTTP stream (a Mode A request, a Mode B
@@ -48,7 +49,7 @@ class Limits:
     max_pending_seconds: float = 30.0  # audio held while no utterance runs (before a commit)
     max_append_seconds: float = 60.0  # audio in one append event
     max_message_bytes: int = 4 << 20  # larger frames close the socket with 1009 (aiohttp)
-    send_timeout_s: float = 30.0  # one event not taken by the client within this: dropped (`slow_reader`)
+    send_timeout_s: float = 30.0  # one event not taken within this: dropped (`slow_reader`; WebSocket and SSE)
     # A new connection's first request must be in (its headers complete) within this, or the connection is
     # closed (FirstRequestDeadline). aiohttp itself waits for it forever.
     first_request_timeout_s: float = 60.0

@@ -12,6 +12,11 @@ connection open and a client that went away is noticed. A stream that produced n
 the server does it for them and frees the engine). An `error` event's OpenAI `type` follows from its code
 (`http_errors.error_type`), so that every stream types a failure as an HTTP answer and a WebSocket do. A producer
 that fails ends its log with `close_with_error`: the `error` event, then `[DONE]`.
+
+A client that stops reading fills the socket's buffers and then blocks the write of the next event: each write
+waits at most `send_timeout_s` (the WebSocket routes' limit), then the connection is dropped. Otherwise TCP keeps
+such a connection open as long as the client's kernel acknowledges the zero-window probes (for ever), and with it
+the handler, its socket and a Mode B session's listener count, which keeps the session from being reaped.
 """
 import asyncio
 import collections
@@ -98,11 +103,11 @@ def frame(event_id: int | None, data: dict | str) -> bytes:
     return f"{head}{body}\n".encode()
 
 
-async def _end_with_error(response: web.StreamResponse, after: int, error: dict) -> None:
+async def _end_with_error(writer: "_Writer", after: int, error: dict) -> None:
     """An error event and `[DONE]` outside the log. They repeat the last delivered id, so a client that
     reconnects with it still gets every logged event once."""
-    await response.write(frame(after, error))
-    await response.write(frame(after, DONE))
+    await writer.write(frame(after, error))
+    await writer.write(frame(after, DONE))
 
 
 def error_payload(message: str, code: str) -> dict:
@@ -146,22 +151,47 @@ def client_gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
-async def stream_log(request: web.Request, log: EventLog, *, after: int = 0, keepalive_s: float = KEEPALIVE_S,
-                     first_event_timeout_s: float | None = FIRST_EVENT_TIMEOUT_S,
+async def stream_log(request: web.Request, log: EventLog, *, send_timeout_s: float, after: int = 0,
+                     keepalive_s: float = KEEPALIVE_S, first_event_timeout_s: float | None = FIRST_EVENT_TIMEOUT_S,
                      progress: typing.Callable[[], int] | None = None) -> tuple[web.StreamResponse, bool]:
     """Writes `log`'s events above `after` to the client until `[DONE]`. Returns the response (for the
-    handler to return) and True when the client got the whole stream; False when it went away first or the
-    first-event timeout ended it (the caller then decides whether the producer is cancelled). A replay gap
-    is answered with an `error` event. `progress`, when given, counts the producer's work (a transcription's
-    computed audio): the first-event timeout then runs from its last change, so that a producer working
-    through input that yields nothing (an upload's silent lead) is not taken for a stuck one."""
+    handler to return) and True when the client got the whole stream; False when it went away first, read nothing
+    for `send_timeout_s` (its connection dropped), or the first-event timeout ended it (the caller then decides
+    whether the producer is cancelled). A replay gap is answered with an `error` event. `progress`, when given,
+    counts the producer's work (a transcription's computed audio): the first-event timeout then runs from its last
+    change, so that a producer working through input that yields nothing (an upload's silent lead) is not taken
+    for a stuck one."""
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
-    return response, await _write_events(request, response, log, after, keepalive_s, first_event_timeout_s,
-                                         progress or (lambda: 0))
+    writer = _Writer(response, send_timeout_s)
+    try:
+        return response, await _write_events(request, writer, log, after, keepalive_s, first_event_timeout_s,
+                                             progress or (lambda: 0))
+    except TimeoutError:
+        logger.info("SSE %s: the client read nothing for %g s, dropping its connection (slow_reader)", request.path,
+                    send_timeout_s)
+        if request.transport is not None:
+            request.transport.abort()  # `close` would wait to flush what the client does not read
+        return response, False
 
 
-async def _write_events(request, response, log, after, keepalive_s, first_event_timeout_s, progress) -> bool:
+class _Writer:
+    """The response's writes, each bounded by `send_timeout_s` (TimeoutError past it)."""
+
+    def __init__(self, response: web.StreamResponse, send_timeout_s: float):
+        self.response = response
+        self.send_timeout_s = send_timeout_s
+
+    async def write(self, data: bytes) -> None:
+        async with asyncio.timeout(self.send_timeout_s):
+            await self.response.write(data)
+
+    async def write_eof(self) -> None:
+        async with asyncio.timeout(self.send_timeout_s):
+            await self.response.write_eof()
+
+
+async def _write_events(request, writer: "_Writer", log, after, keepalive_s, first_event_timeout_s, progress) -> bool:
     loop = asyncio.get_running_loop()
     started = last_write = loop.time()
     sent_any, worked = False, progress()
@@ -170,17 +200,17 @@ async def _write_events(request, response, log, after, keepalive_s, first_event_
             try:
                 pending = log.after(after)
             except ReplayGone as exc:
-                await _end_with_error(response, min(after, log.last_id), error_payload(str(exc), exc.code))
+                await _end_with_error(writer, min(after, log.last_id), error_payload(str(exc), exc.code))
                 return False
             for event_id, data in pending:
-                await response.write(frame(event_id, data))
+                await writer.write(frame(event_id, data))
                 after, sent_any, last_write = event_id, True, loop.time()
                 if data == DONE:
-                    await response.write_eof()
+                    await writer.write_eof()
                     return True
             if log.closed and after == log.last_id:  # resumed after the end: it ends as every stream does
-                await response.write(frame(after, DONE))
-                await response.write_eof()
+                await writer.write(frame(after, DONE))
+                await writer.write_eof()
                 return True
             now = loop.time()
             if (done := progress()) != worked:
@@ -188,13 +218,13 @@ async def _write_events(request, response, log, after, keepalive_s, first_event_
             if not sent_any and first_event_timeout_s is not None and now - started >= first_event_timeout_s:
                 logger.info("SSE %s: nothing produced in %.0f s, ending the stream", request.path,
                             first_event_timeout_s)
-                await _end_with_error(response, after, error_payload(
+                await _end_with_error(writer, after, error_payload(
                     f"No output within {first_event_timeout_s:g} s", "first_token_timeout"))
                 return False
             if client_gone(request):
                 return False
             if now - last_write >= keepalive_s:
-                await response.write(b": keepalive\n\n")
+                await writer.write(b": keepalive\n\n")
                 last_write = now
             wait = min(_DISCONNECT_POLL_S, keepalive_s - (now - last_write))
             if not sent_any and first_event_timeout_s is not None:

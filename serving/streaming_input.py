@@ -193,7 +193,8 @@ class EngineInput(abc.ABC):
         speech starts, which may be minutes in, while the engine works through the silence before it."""
         if self.log is not None:
             response, complete = await sse.stream_log(
-                request, self.log, first_event_timeout_s=sse.FIRST_EVENT_TIMEOUT_S, progress=self.progress)
+                request, self.log, send_timeout_s=self.state.config.limits.send_timeout_s,
+                first_event_timeout_s=sse.FIRST_EVENT_TIMEOUT_S, progress=self.progress)
             if not complete:
                 await self.abort("client_disconnected")
             return response
@@ -436,7 +437,8 @@ async def serve_mode_a(request: web.Request, state, stream, policy: StartPolicy,
     expiry = asyncio.create_task(_expire(handle, limits))
     try:
         # No first-event timeout: the client paces the input, so a quiet stream is not a stuck engine.
-        response, complete = await sse.stream_log(request, stream.log, first_event_timeout_s=None)
+        response, complete = await sse.stream_log(request, stream.log, send_timeout_s=limits.send_timeout_s,
+                                                  first_event_timeout_s=None)
         if not complete:
             await stream.abort("client_disconnected")
         return response

@@ -409,8 +409,8 @@ async def test_the_first_event_timeout_runs_from_the_producers_last_progress():
     log, working, work = sse.EventLog(), True, itertools.count()
 
     async def handler(request):
-        response, _ = await sse.stream_log(request, log, after=sse.last_event_id(request), first_event_timeout_s=0.3,
-                                           progress=lambda: next(work) if working else -1)
+        response, _ = await sse.stream_log(request, log, send_timeout_s=30, after=sse.last_event_id(request),
+                                           first_event_timeout_s=0.3, progress=lambda: next(work) if working else -1)
         return response
 
     test_server = await _serve(handler)
@@ -434,8 +434,8 @@ async def test_stream_log_keepalive_first_event_timeout_and_replay_gap():
 
     async def handler(request):
         timeout = float(request.query.get("timeout", "0")) or None
-        response, _ = await sse.stream_log(request, log, after=sse.last_event_id(request), keepalive_s=0.1,
-                                           first_event_timeout_s=timeout)
+        response, _ = await sse.stream_log(request, log, send_timeout_s=30, after=sse.last_event_id(request),
+                                           keepalive_s=0.1, first_event_timeout_s=timeout)
         return response
 
     test_server = await _serve(handler)

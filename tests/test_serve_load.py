@@ -4,6 +4,7 @@ first delta arrives within delay + 300 ms, silence gaps, engine capacity, backpr
 that flood frames or errors, and the graceful drain."""
 import asyncio
 import functools
+import socket
 import time
 
 import aiohttp
@@ -11,9 +12,12 @@ import msgpack
 import numpy as np
 import pytest
 import websockets
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from jaxstream.engine.transcription_session import TranscriptionDelta
 from jaxstream.models.audio import SAMPLES_PER_SLOT, SAMPLING_RATE
+from jaxstream.serving import sse
 from jaxstream.serving.app import drain
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.limits import Limits
@@ -176,6 +180,47 @@ async def test_a_client_that_stops_reading_is_closed_not_buffered():
     assert time.monotonic() - started < 2 and conn.breach.outcome == "slow_reader" and conn.breach.close_code == 1008
     with pytest.raises(ConnectionClosed):  # nothing more is queued for it
         await conn.send({"type": "transcription.delta", "delta": "y"})
+
+
+async def test_a_client_that_stops_reading_an_sse_stream_is_dropped():
+    """Over real TCP: a client that reads nothing fills the socket's buffers, and the stream's next write waits.
+    After `send_timeout_s` the stream gives up and drops the connection; TCP alone would hold it (and the handler)
+    for as long as the client's kernel answers its zero-window probes."""
+    log = sse.EventLog(capacity=400)
+    for n in range(300):  # 9.8 MB of events: far more than the socket buffers hold
+        log.append({"n": n, "pad": "x" * 32768})
+    log.close()
+    complete = asyncio.get_running_loop().create_future()
+
+    async def handler(request):
+        # A small send buffer stands for a slow network: the writes block on a few buffered events, not megabytes.
+        request.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        response, whole = await sse.stream_log(request, log, send_timeout_s=0.5, first_event_timeout_s=None)
+        complete.set_result(whole)
+        return response
+
+    app = web.Application()
+    app.router.add_get("/", handler)
+    test_server = TestServer(app, host="127.0.0.1")
+    await test_server.start_server()
+    loop = asyncio.get_running_loop()
+    client = socket.socket()
+    try:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.setblocking(False)
+        await loop.sock_connect(client, ("127.0.0.1", test_server.port))
+        await loop.sock_sendall(client, b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert await asyncio.wait_for(complete, 60) is False
+        received = b""
+        try:  # what the server had sent, then the end of the connection (EOF, or a reset for the rest it dropped)
+            while chunk := await asyncio.wait_for(loop.sock_recv(client, 1 << 16), 10):
+                received += chunk
+        except ConnectionResetError:
+            pass
+        assert received.startswith(b"HTTP/1.1 200") and b"[DONE]" not in received
+    finally:
+        client.close()
+        await test_server.close()
 
 
 class _FloodingSocket:
