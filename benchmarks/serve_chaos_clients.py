@@ -1,24 +1,18 @@
 """WebSocket clients for serve_chaos.py: a socket that speaks each protocol of `jaxstream serve` and checks its
 answers, what every behaviour shares (`Chaos`), and the behaviours on the WebSocket routes, well-behaved and
 hostile, each checking that the server answers as specs/realtime_protocols.md says (strict mode, default limits).
-Run alone, it is a bare client that sends the frames given on its command line to a WebSocket route and prints
-every answer and the close, to replay a failing run step by step.
-
-    python benchmarks/serve_chaos_clients.py ws://127.0.0.1:8123/v1/realtime \\
-        '{"type": "session.update", "model": "tiny"}' '{"type": "input_audio_buffer.commit"}' @frame.bin
+serve_chaos_replay.py replays a failing run's frames step by step.
 
 A behaviour is `async def name(c: Chaos, rng: random.Random)`, registered with @behaviour: it returns when the run
 ended as expected and raises Bad (or anything else) when not; serve_chaos_http.py adds the HTTP ones,
 serve_chaos_vad.py the server-VAD ones and serve_chaos_limits.py those that meet the server's limits, keys and
 routing refusals. One registered with `needs` runs only where `needs(c)` is None (else: what it would need).
 """
-import argparse
 import asyncio
 import contextvars
 import io
 import json
 import random
-from pathlib import Path
 
 import aiohttp
 import msgpack
@@ -572,41 +566,3 @@ async def run_one(c: Chaos, name: str, rng: random.Random, timeout: float) -> st
         for socket in sockets:
             socket.drop()
     return None
-
-
-# -- the bare client --------------------------------------------------------------------------------------------------
-async def bare_client(url: str, frames: list[str], packed: bool, wait_s: float) -> None:
-    async with websockets.connect(url, max_size=None) as ws:
-        async def show():
-            async for frame in ws:
-                print("<", msgpack.unpackb(frame) if packed and isinstance(frame, bytes) else frame, flush=True)
-
-        reader = asyncio.create_task(show())
-        try:
-            for frame in frames:
-                data = Path(frame[1:]).read_bytes() if frame.startswith("@") else frame
-                print(">", frame[:200], flush=True)
-                await ws.send(msgpack.packb(json.loads(data)) if packed else data)
-                await asyncio.sleep(0.05)  # so that an answer prints after the frame it answers
-            await asyncio.wait([reader], timeout=wait_s)
-        except websockets.ConnectionClosed:
-            pass
-        reader.cancel()
-    print("closed:", ws.close_code, ws.close_reason)
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("url", help="a WebSocket route, e.g. ws://127.0.0.1:8123/v1/realtime")
-    parser.add_argument("frames", nargs="*", metavar="FRAME", help="sent in order as text frames; @FILE: the "
-                        "file's bytes as one binary frame")
-    parser.add_argument("--msgpack", action="store_true", help="frames are JSON sent packed, answers unpacked "
-                        "(Kyutai's route)")
-    parser.add_argument("--wait", type=float, default=3.0, help="seconds to read answers after the last frame "
-                        "(default 3)")
-    args = parser.parse_intermixed_args(argv)
-    asyncio.run(bare_client(args.url, args.frames, args.msgpack, args.wait))
-
-
-if __name__ == "__main__":
-    main()

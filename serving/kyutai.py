@@ -47,6 +47,7 @@ import numpy as np
 
 from jaxstream.errors import CapacityError, DrainingError, EngineError, InvalidAudioError
 from jaxstream.models.audio import MAX_SAMPLE_MAGNITUDE, SLOT_SECONDS, n_delay_from_ms, prompt_length
+from jaxstream.serving import wire_json
 from jaxstream.serving.engine_sessions import start_session
 from jaxstream.serving.limits import CLOSE_CAPACITY, CLOSE_GOING_AWAY, CLOSE_INTERNAL_ERROR, Breach, drain_notice
 from jaxstream.serving.vad import SpeechDetector, VadConfig
@@ -248,8 +249,8 @@ class KyutaiAsr:
             raise KyutaiError("unsupported_format", "OggOpus is not supported: send Audio with float PCM, "
                               "mono, 24 kHz")
         else:
-            raise KyutaiError("unknown_message", f"Unknown message type: {_shown(kind)} (expected Audio, "
-                              "Marker or Init)")
+            raise KyutaiError("unknown_message", f"Unknown message type: {wire_json.shown(repr(kind))} "
+                              "(expected Audio, Marker or Init)")
 
     async def _on_audio(self, pcm) -> None:
         if not isinstance(pcm, list):
@@ -280,7 +281,8 @@ class KyutaiAsr:
 
     def _on_marker(self, marker_id) -> None:
         if type(marker_id) is not int or not -2**63 <= marker_id < 2**63:
-            raise KyutaiError("invalid_marker", f"Marker.id must be a 64-bit integer, got {_shown(marker_id)}")
+            raise KyutaiError("invalid_marker",
+                              f"Marker.id must be a 64-bit integer, got {wire_json.shown(repr(marker_id))}")
         if self.ended:  # every word is out already
             self._put({"type": "Marker", "id": marker_id})
             return
@@ -402,9 +404,3 @@ class KyutaiAsr:
 
 
 _CLOSE = object()  # in the outbox: everything before it is sent; close for the drain
-
-
-def _shown(value, limit: int = 64) -> str:
-    """A client's value echoed in an error message, cut short."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."

@@ -1,7 +1,8 @@
 """OpenAI's realtime transcription dialect on `GET /v1/realtime` (specs/realtime_protocols.md §4), GA shape
 (`session.update` with `session.type: "transcription"`) and beta shape (`transcription_session.update`).
 
-Which connections speak it: realtime_dialects.py.
+Which connections speak it: realtime_dialects.py. What a `session.update` may set, and its checks:
+openai_session_config.py.
 
 Turns: the audio between two commits is one item, and each item is its own engine session (fresh
 context, like one vLLM utterance). An item opens with the first audio after the previous commit, so its
@@ -56,34 +57,20 @@ import numpy as np
 from jaxstream.engine.transcription_session import TranscriptionDelta, TranscriptionDone
 from jaxstream.errors import DrainingError, EngineError
 from jaxstream.models.audio import SLOT_SECONDS
+from jaxstream.serving import wire_json
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_g711_base64, decode_pcm16_base64
 from jaxstream.serving.engine_sessions import start_session, token_logprobs
 from jaxstream.serving.http_errors import error_type
-from jaxstream.serving.languages import find_language
 from jaxstream.serving.limits import drain_notice, drain_truncation
-from jaxstream.serving.vad import (TurnDetectionError, TurnSegmenter, parse_turn_detection, start_turn_segmenter,
-                                   vad_config)
+from jaxstream.serving.openai_session_config import (BETA_FORMATS, DELAY_MS, FORMAT_RATES, LOGPROBS, ClientError,
+                                                     parse_session_update)
+from jaxstream.serving.vad import TurnSegmenter, start_turn_segmenter, vad_config
 from jaxstream.serving.websocket import ConnectionClosed
 
 logger = logging.getLogger(__name__)
 
-DELAY_MS = {"minimal": 160, "low": 320, "medium": 480, "high": 960, "xhigh": 2400}
 MIN_COMMIT_MS = 100  # OpenAI's minimum committed buffer
-FORMAT_RATES = {"audio/pcm": 24000, "audio/pcmu": 8000, "audio/pcma": 8000}
 CLOCK_RATE = math.lcm(*FORMAT_RATES.values())  # ticks per second of the VAD's clock: a whole number per sample
-BETA_FORMATS = {"pcm16": "audio/pcm", "g711_ulaw": "audio/pcmu", "g711_alaw": "audio/pcma"}
-NOISE_REDUCTION = ("near_field", "far_field")
-LOGPROBS = "item.input_audio_transcription.logprobs"
-INCLUDABLE = (LOGPROBS,)  # what `session.include` may name
-
-
-class ClientError(Exception):
-    """A client mistake answered with an `error` event, the socket kept; its code is one of the client's
-    (http_errors.ERROR_STATUS: invalid_request_error)."""
-
-    def __init__(self, code: str, message: str, param: str | None = None):
-        super().__init__(message)
-        self.code, self.message, self.param = code, message, param
 
 
 class _Item:
@@ -206,7 +193,7 @@ class OpenAiRealtime:
                 raise ClientError("invalid_event", "Missing required field: type", "type")
             handler = self._handlers.get(kind)
             if handler is None:
-                raise ClientError("unsupported_event", f"{_shown(kind)} is not supported in a transcription "
+                raise ClientError("unsupported_event", f"{wire_json.shown(kind)} is not supported in a transcription "
                                   "session", "type")
             await handler(event)
         except (ClientError, EngineError) as exc:
@@ -219,37 +206,8 @@ class OpenAiRealtime:
 
     async def _on_update(self, event: dict) -> None:
         beta = event["type"] == "transcription_session.update"
-        session = event.get("session")
-        if not isinstance(session, dict):
-            raise ClientError("invalid_event", "Missing required field: session", "session")
-        if beta:
-            fields = {"format": ("input_audio_format", session),
-                      "transcription": ("input_audio_transcription", session),
-                      "turn_detection": ("turn_detection", session),
-                      "noise_reduction": ("input_audio_noise_reduction", session)}
-        else:
-            if session.get("type", "transcription") != "transcription":
-                raise ClientError("invalid_value", "Only session.type \"transcription\" is served here",
-                                  "session.type")
-            audio = _object(session, "audio", "session.audio")
-            audio_in = _object(audio, "input", "session.audio.input")
-            fields = {name: (name, audio_in) for name in ("format", "transcription", "turn_detection",
-                                                          "noise_reduction")}
         # Everything is checked before anything changes: a rejected update leaves the session as it was.
-        changes = {}
-        for name, (key, holder) in fields.items():
-            if key in holder:
-                param = f"session.{key}" if beta else f"session.audio.input.{key}"
-                changes[name] = getattr(self, f"_parse_{name}")(holder[key], param, beta)
-        if "include" in session:
-            include = session["include"] or []
-            if not (isinstance(include, list) and all(isinstance(x, str) for x in include)):
-                raise ClientError("invalid_type", "include must be a list of strings", "session.include")
-            unknown = [x for x in include if x not in INCLUDABLE]
-            if unknown:
-                raise ClientError("invalid_value", f"include: unknown value {_shown(unknown[0])}; supported: "
-                                  + ", ".join(INCLUDABLE), "session.include")
-            changes["include"] = list(dict.fromkeys(include))
+        changes = parse_session_update(event.get("session"), beta, self.server)
         # The format and the VAD decide where audio goes: they change only between items.
         moved = [name for name in ("format", "turn_detection") if changes.get(name, getattr(self, name))
                  != getattr(self, name)]
@@ -270,60 +228,6 @@ class OpenAiRealtime:
         await self._send("transcription_session.updated" if beta else "session.updated",
                          session=self._session_object(beta))
         await self._send_rate_limits()
-
-    def _parse_format(self, value, param: str, beta: bool) -> str:
-        if beta:
-            if not isinstance(value, str) or value not in BETA_FORMATS:
-                raise ClientError("invalid_value", f"input_audio_format must be one of {', '.join(BETA_FORMATS)}",
-                                  param)
-            return BETA_FORMATS[value]
-        if not isinstance(value, dict) or not isinstance(value.get("type"), str) or value["type"] not in FORMAT_RATES:
-            raise ClientError("invalid_value", f"format.type must be one of {', '.join(FORMAT_RATES)}", param)
-        rate = value.get("rate", FORMAT_RATES[value["type"]])
-        if rate != FORMAT_RATES[value["type"]] or isinstance(rate, bool):
-            raise ClientError("invalid_value", f"{value['type']} is served at {FORMAT_RATES[value['type']]} Hz "
-                              f"only, got {_shown(rate)}", f"{param}.rate")
-        return value["type"]
-
-    def _parse_transcription(self, value, param: str, beta: bool) -> dict:
-        if value is None:
-            return {"model": self.server.model_id, "language": None, "prompt": "", "delay": None}
-        if not isinstance(value, dict):
-            raise ClientError("invalid_type", "transcription must be an object", param)
-        changes = {}
-        if "model" in value:
-            model = value["model"]
-            if not isinstance(model, str) or not self.server.serves_model(model, allow_empty=False):
-                raise ClientError("model_not_found", f"The model `{_shown(model)}` does not exist; this server "
-                                  f"serves `{self.server.model_id}`", f"{param}.model")
-            changes["model"] = model
-        for key in ("language", "prompt"):
-            if key in value:
-                if value[key] is not None and not isinstance(value[key], str):
-                    raise ClientError("invalid_type", f"{key} must be a string", f"{param}.{key}")
-                if key == "language" and value[key] and find_language(value[key]) is None:  # as the HTTP route
-                    raise ClientError("invalid_value", f"Invalid language {_shown(value[key])}: give the audio's "
-                                      "language in ISO-639-1 format, such as `en`", f"{param}.language")
-                changes[key] = value[key]
-        if "delay" in value:
-            delay = value["delay"]
-            if delay is not None and (not isinstance(delay, str) or delay not in DELAY_MS):
-                raise ClientError("invalid_value", f"delay must be one of {', '.join(DELAY_MS)}", f"{param}.delay")
-            changes["delay"] = delay
-        return changes
-
-    def _parse_turn_detection(self, value, param: str, beta: bool) -> dict | None:
-        try:
-            return parse_turn_detection(value)
-        except TurnDetectionError as exc:
-            raise ClientError("invalid_value", str(exc), f"{param}.{exc.field}" if exc.field else param) from None
-
-    def _parse_noise_reduction(self, value, param: str, beta: bool) -> str | None:
-        if value is None:
-            return None
-        if not isinstance(value, dict) or value.get("type") not in NOISE_REDUCTION:
-            raise ClientError("invalid_value", "noise_reduction.type must be near_field or far_field", param)
-        return value["type"]
 
     async def _on_append(self, event: dict) -> None:
         audio = event.get("audio")
@@ -585,22 +489,9 @@ class OpenAiRealtime:
         await self.conn.send(self.error_event(code, message, param=param, event_id=event_id))
 
 
-def _object(holder: dict, key: str, param: str) -> dict:
-    value = holder.get(key, {})
-    if not isinstance(value, dict):
-        raise ClientError("invalid_type", f"{param} must be an object", param)
-    return value
-
-
 def _event_id() -> str:
     return f"event_{secrets.token_hex(12)}"
 
 
 def _item_id() -> str:
     return f"item_{secrets.token_hex(12)}"
-
-
-def _shown(value, limit: int = 64) -> str:
-    """A client's value echoed in an error message, cut short (a frame may hold megabytes)."""
-    text = str(value)
-    return text if len(text) <= limit else text[:limit] + "..."

@@ -67,6 +67,7 @@ import numpy as np
 from jaxstream.engine.transcription_session import TranscriptionDelta, TranscriptionDone
 from jaxstream.errors import EngineError
 from jaxstream.models.audio import SAMPLING_RATE  # the protocol's audio rate, never negotiated
+from jaxstream.serving import wire_json
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_pcm16_base64
 from jaxstream.serving.engine_sessions import failure_of, start_session
 from jaxstream.serving.limits import CLOSE_UNSUPPORTED_DATA, Breach, drain_notice, drain_truncation
@@ -212,7 +213,7 @@ class VllmRealtime:
             kind = event.get("type")
             handler = self._handlers.get(kind) if isinstance(kind, str) else None
             if handler is None:
-                raise ProtocolError("unknown_event", f"Unknown event type: {_shown(kind)}")
+                raise ProtocolError("unknown_event", f"Unknown event type: {wire_json.shown(kind)}")
             await handler(event)
         except ProtocolError as exc:
             await self._error(exc.code, exc.message)
@@ -229,13 +230,13 @@ class VllmRealtime:
         if model is None:
             raise ProtocolError("invalid_event", "Missing required field: model")
         if not isinstance(model, str) or not self.server.serves_model(model, allow_empty=self.compat):
-            raise ProtocolError("model_not_found", f"The model `{_shown(model)}` does not exist.")
+            raise ProtocolError("model_not_found", f"The model `{wire_json.shown(model)}` does not exist.")
         delay = event.get("transcription_delay_ms")
         if delay is not None:
             allowed = self.server.allowed_delays_ms
             if isinstance(delay, bool) or not isinstance(delay, int) or delay not in allowed:
                 raise ProtocolError("invalid_request", f"transcription_delay_ms must be one of "
-                                    f"{', '.join(map(str, allowed))}, got {_shown(delay)}")
+                                    f"{', '.join(map(str, allowed))}, got {wire_json.shown(delay)}")
         vad_asked = "turn_detection" in event and not self.compat  # vLLM ignores unknown fields
         turn_detection = self._parse_turn_detection(event["turn_detection"]) if vad_asked else self.turn_detection
         vad_moves = turn_detection != self.turn_detection
@@ -350,7 +351,7 @@ class VllmRealtime:
             raise ProtocolError("model_not_validated", MODEL_NOT_VALIDATED)
         final = event.get("final", False)
         if not isinstance(final, bool):
-            raise ProtocolError("processing_error", f"Field final must be a boolean, got {_shown(final)}")
+            raise ProtocolError("processing_error", f"Field final must be a boolean, got {wire_json.shown(final)}")
         if self.segmenter is not None:  # VAD: the server commits; final ends the turn in progress
             if final:
                 self.segmenter.restart()
@@ -511,9 +512,3 @@ class VllmRealtime:
         """`budget`: whether it counts against the connection's error budget (the client's conduct)."""
         self.conn.count_error(code, budget=budget)
         await self.conn.send(self.error_event(code, message))
-
-
-def _shown(value, limit: int = 64) -> str:
-    """A client's value echoed in an error message, cut short (a frame may hold megabytes)."""
-    text = str(value)
-    return text if len(text) <= limit else text[:limit] + "..."

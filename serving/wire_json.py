@@ -3,7 +3,8 @@
 Compact, with non-ASCII characters as UTF-8, as pydantic's `model_dump_json` (vLLM) writes it. A client's
 own string can come back in an event (an unknown type, a model name, an id) and may hold a lone UTF-16
 surrogate: `"\\ud800"` is valid JSON, but such a string has no UTF-8 form, so the frame could not be sent
-and the connection died. Such a text is written with ASCII escapes instead, as the client wrote it.
+and the connection died. Such a text is written with ASCII escapes instead, as the client wrote it. A client's
+value echoed in an error message is cut short (`shown`): a frame may hold megabytes.
 """
 import json
 
@@ -16,3 +17,9 @@ def dumps(data) -> str:
         except UnicodeEncodeError:
             return json.dumps(data, separators=(",", ":"))
     return text
+
+
+def shown(value, limit: int = 64) -> str:
+    """`value` as an error message echoes it, cut to `limit` characters."""
+    text = str(value)
+    return text if len(text) <= limit else text[:limit] + "..."

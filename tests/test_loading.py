@@ -1,19 +1,15 @@
 """Checkpoint loading: Mistral-native == Hugging Face (names, q/k RoPE rows), the real 4B native name map,
-Orbax conversion and sharded restore, validation errors, dtype and streaming memory.
+Orbax conversion and sharded restore, dtype and streaming memory, and the one-line errors of missing or broken weights
+and configs. Tokenizers, declared token ids and Orbax metadata: test_loading_metadata.py.
 
-Native checkpoints are built here from the transformers fixtures with an independent reverse name map and
-the inverse q/k permutation of spec voxtral_realtime.md §5.5; logits are anchored to the transformers
-reference outputs (tests/make_reference_fixtures.py).
+Native checkpoints are built from the transformers fixtures by loading_fixtures.write_native, with an independent
+reverse name map and the inverse q/k permutation of spec voxtral_realtime.md §5.5; logits are anchored to the
+transformers reference outputs (tests/make_reference_fixtures.py).
 """
 import json
-import logging
 import math
 import shutil
-import subprocess
-import sys
-import tempfile
 import tracemalloc
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,121 +22,14 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from jaxstream import cli
-from jaxstream.errors import UserError
 from jaxstream.models import VOXTRAL_MINI_4B, TextConfig, hf_name_map, num_parameters
-from jaxstream.models import loading, orbax_writer
+from jaxstream.models import loading
 from jaxstream.models.layers import contiguous_page_table, init_kv_cache
 from jaxstream.models.native_weights import native_tensor_shapes, native_to_hf_name, rope_permutation_heads
+from loading_fixtures import (FIXTURES, MISTRAL_DIR, VOXTRAL_DIR, P, copy_fixture, flat_params, one_line_error,
+                              write_native)
 
-FIXTURES = Path(__file__).parent / "fixtures"
-VOXTRAL_DIR = FIXTURES / "voxtral_tiny"
-MISTRAL_DIR = FIXTURES / "mistral_tiny"
 NUM_TOKENS = 40  # a causal prefix of the reference sequence keeps the forward passes short
-P = "mm_streams_embeddings.embedding_module."
-
-# ------------------------------------------------------------------- HF -> native (the test's oracle)
-
-_DECODER_LAYER = {"input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
-                  "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
-                  "self_attn.v_proj": "attention.wv", "self_attn.o_proj": "attention.wo",
-                  "mlp.gate_proj": "feed_forward.w1", "mlp.down_proj": "feed_forward.w2",
-                  "mlp.up_proj": "feed_forward.w3", "ada_rms_norm.linear1": "ada_rms_norm_t_cond.0",
-                  "ada_rms_norm.linear2": "ada_rms_norm_t_cond.2"}
-_ENCODER_LAYER = {**_DECODER_LAYER, "self_attn_layer_norm": "attention_norm", "final_layer_norm": "ffn_norm"}
-
-
-def native_name(hf: str, voxtral: bool) -> str:
-    """Spec §5.4 read right to left."""
-    decoder = "language_model.model." if voxtral else "model."
-    fixed = {decoder + "embed_tokens.weight": (P if voxtral else "") + "tok_embeddings.weight",
-             decoder + "norm.weight": "norm.weight", "lm_head.weight": "output.weight",
-             "audio_tower.embedder.conv1.weight": P + "whisper_encoder.conv_layers.0.conv.weight",
-             "audio_tower.embedder.conv1.bias": P + "whisper_encoder.conv_layers.0.conv.bias",
-             "audio_tower.embedder.conv2.weight": P + "whisper_encoder.conv_layers.1.conv.weight",
-             "audio_tower.embedder.conv2.bias": P + "whisper_encoder.conv_layers.1.conv.bias",
-             "audio_tower.norm.weight": P + "whisper_encoder.transformer.norm.weight",
-             "multi_modal_projector.linear_1.weight": P + "audio_language_projection.0.weight",
-             "multi_modal_projector.linear_2.weight": P + "audio_language_projection.2.weight"}
-    if hf in fixed:
-        return fixed[hf]
-    for prefix, native_prefix, table in ((decoder + "layers.", "layers.", _DECODER_LAYER),
-                                         ("audio_tower.layers.", P + "whisper_encoder.transformer.layers.",
-                                          _ENCODER_LAYER)):
-        if hf.startswith(prefix):
-            index, rest = hf[len(prefix):].split(".", 1)
-            module, leaf = rest.rsplit(".", 1)
-            return f"{native_prefix}{index}.{table[module]}.{leaf}"
-    raise AssertionError(f"no native name for {hf}")
-
-
-def interleave_rows(tensor: np.ndarray, num_heads: int) -> np.ndarray:
-    """HF half-split q/k rows -> native interleaved pairs: native[h, 2i + j] = hf[h, j * hd/2 + i]."""
-    rows = tensor.shape[0]
-    return tensor.reshape(num_heads, 2, rows // num_heads // 2, *tensor.shape[1:]).swapaxes(1, 2).reshape(
-        tensor.shape)
-
-
-def voxtral_params_json(hf: dict) -> dict:
-    audio, text = hf["audio_config"], hf["text_config"]
-    return {
-        "dim": text["hidden_size"], "n_layers": text["num_hidden_layers"], "head_dim": text["head_dim"],
-        "hidden_dim": text["intermediate_size"], "n_heads": text["num_attention_heads"],
-        "n_kv_heads": text["num_key_value_heads"], "use_biases": False, "causal": True,
-        "rope_theta": text["rope_parameters"]["rope_theta"], "norm_eps": text["rms_norm_eps"],
-        "vocab_size": text["vocab_size"], "tied_embeddings": True, "sliding_window": text["sliding_window"],
-        "model_max_length": text["max_position_embeddings"], "ada_rms_norm_t_cond": True,
-        "ada_rms_norm_t_cond_dim": 32,
-        "multimodal": {"whisper_model_args": {
-            "encoder_args": {
-                "audio_encoding_args": {"sampling_rate": 16000, "frame_rate": 12.5,
-                                        "num_mel_bins": audio["num_mel_bins"], "hop_length": 160,
-                                        "window_size": 400, "chunk_length_s": None, "global_log_mel_max": 1.5,
-                                        "transcription_format": "streaming"},
-                "dim": audio["hidden_size"], "n_layers": audio["num_hidden_layers"], "head_dim": audio["head_dim"],
-                "hidden_dim": audio["intermediate_size"], "n_heads": audio["num_attention_heads"],
-                "n_kv_heads": audio["num_attention_heads"], "vocab_size": 131072, "use_biases": True,
-                "use_cache": False, "rope_theta": audio["rope_parameters"]["rope_theta"], "causal": True,
-                "norm_eps": audio["rms_norm_eps"], "pos_embed": "rope", "max_source_positions": None,
-                "ffn_type": "swiglu", "norm_type": "rms_norm", "sliding_window": audio["sliding_window"]},
-            "downsample_args": {"downsample_factor": hf["downsample_factor"]}}},
-    }
-
-
-def text_params_json(hf: dict) -> dict:
-    return {"dim": hf["hidden_size"], "n_layers": hf["num_hidden_layers"], "head_dim": hf["head_dim"],
-            "hidden_dim": hf["intermediate_size"], "n_heads": hf["num_attention_heads"],
-            "n_kv_heads": hf["num_key_value_heads"], "rope_theta": hf["rope_parameters"]["rope_theta"],
-            "norm_eps": hf["rms_norm_eps"], "vocab_size": hf["vocab_size"], "sliding_window": hf["sliding_window"],
-            "model_max_length": hf["max_position_embeddings"], "tied_embeddings": hf["tie_word_embeddings"]}
-
-
-def write_native(hf_dir: Path, out: Path) -> Path:
-    """A Mistral-native checkpoint with the same weights as the HF checkpoint `hf_dir`."""
-    hf = json.loads((hf_dir / "config.json").read_text())
-    voxtral = hf["model_type"] == "voxtral_realtime"
-    text = hf["text_config"] if voxtral else hf
-    heads = {"q": text["num_attention_heads"], "k": text["num_key_value_heads"]}
-    native = {}
-    for name, tensor in load_file(hf_dir / "model.safetensors").items():
-        parts = name.split(".")
-        if parts[-2] in ("q_proj", "k_proj"):  # weights of both towers and the encoder's q bias
-            tower_heads = hf["audio_config"]["num_attention_heads"] if name.startswith("audio_tower.") else None
-            tensor = interleave_rows(tensor, tower_heads or heads[parts[-2][0]])
-        native[native_name(name, voxtral)] = tensor
-    out.mkdir(parents=True)
-    save_file(native, out / "consolidated.safetensors")
-    (out / "params.json").write_text(json.dumps(voxtral_params_json(hf) if voxtral else text_params_json(hf)))
-    if (hf_dir / "tekken.json").exists():
-        shutil.copy(hf_dir / "tekken.json", out / "tekken.json")
-    return out
-
-
-# ------------------------------------------------------------------------------------------ helpers
-
-
-def flat_params(model) -> dict:
-    return {path: np.asarray(value) for path, value in
-            traverse_util.flatten_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
 
 
 def assert_same_params(a, b):
@@ -174,9 +63,6 @@ def text_logits(model, ids: np.ndarray) -> np.ndarray:
 def voxtral_hf(voxtral_reference):
     loaded = loading.load_model(VOXTRAL_DIR)
     return loaded, voxtral_logits(loaded.model, voxtral_reference)
-
-
-# ------------------------------------------------------------------------------------------- tests
 
 
 def test_hf_voxtral_matches_transformers(voxtral_hf, voxtral_reference):
@@ -328,70 +214,7 @@ def test_convert_bfloat16_and_overwrite(voxtral_hf, tmp_path, capsys):
     assert (precious / "notes.txt").read_text() == "keep me"
 
 
-def copy_fixture(src: Path, dst: Path, edit=None) -> Path:
-    """`src` copied to `dst`, its tensors passed through `edit(dict) -> dict`."""
-    shutil.copytree(src, dst)
-    if edit is not None:
-        save_file(edit(load_file(src / "model.safetensors")), dst / "model.safetensors")
-    return dst
-
-
-def one_line_error(source) -> str:
-    with pytest.raises(UserError) as err:
-        loading.load_model(source)
-    assert "\n" not in str(err.value)
-    return str(err.value)
-
-
-def test_declared_token_ids_prefer_generation_config(tmp_path):
-    def declared(**files):
-        directory = Path(tempfile.mkdtemp(dir=tmp_path))
-        for name, content in files.items():
-            (directory / f"{name}.json").write_text(json.dumps(content))
-        return loading.declared_token_ids(directory)
-
-    # generation_config.json first (transformers' generate reads it), field by field, then config.json.
-    assert declared(generation_config={"eos_token_id": [128001, 128009]},
-                    config={"bos_token_id": 1, "eos_token_id": 2}) == (1, (128001, 128009))
-    assert declared(generation_config={"bos_token_id": 5, "eos_token_id": None},
-                    config={"bos_token_id": 1, "eos_token_id": 2}) == (5, (2,))
-    assert declared(config={"eos_token_id": 2}) == (None, (2,))
-    assert declared() == (None, ())
-    with pytest.raises(UserError, match="generation_config.json: eos_token_id must be a token id or a list"):
-        declared(generation_config={"eos_token_id": "</s>"})
-    with pytest.raises(UserError, match="config.json: bos_token_id must be a token id"):
-        declared(config={"bos_token_id": [1, 2]})
-
-
-def test_hf_checkpoint_tokenizer_json_wins_over_tokenizer_model(tmp_path):
-    from tokenizers import Tokenizer, models
-
-    directory = copy_fixture(FIXTURES / "llama_tiny", tmp_path / "llama")
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
-    tokenizer.save(str(directory / "tokenizer.json"))
-    generation = json.loads((directory / "generation_config.json").read_text())
-    (directory / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": [2, 3]}))
-    # Hub repos of Llama/Mistral ship their original sentencepiece model too; its ids are not the checkpoint's
-    # in our Voxtral-layout SentencePieceTokenizer, so it must not be picked (never read: not a real model).
-    (directory / "tokenizer.model").write_bytes(b"the original sentencepiece model")
-
-    loaded = loading.load_model(directory)
-    assert loaded.tokenizer_path == directory / "tokenizer.json"
-    tokenizer = loading.load_checkpoint_tokenizer(directory, loaded.tokenizer_path)
-    assert (tokenizer.bos_id, tokenizer.eos_id) == (1, 2)  # the checkpoint's ids (the first EOS)
-    assert tokenizer.encode("hello") == [3]
-    assert loading.load_checkpoint_tokenizer(directory, None) is None
-
-    # `convert` keeps what the source declared: the engine stops at the same EOS ids after conversion.
-    converted = tmp_path / "converted"
-    assert cli.main(["convert", str(directory), str(converted)]) == 0
-    assert loading.declared_token_ids(converted) == loading.declared_token_ids(directory) == (1, (2, 3))
-    restored = loading.load_checkpoint_tokenizer(converted, loading.load_model(converted).tokenizer_path)
-    assert (restored.bos_id, restored.eos_id) == (1, 2)
-
-
+# -- missing and broken weights and configs: one-line errors --------------------------------------------------------
 def test_missing_files(tmp_path):
     (tmp_path / "empty").mkdir()
     assert "no params.json" in one_line_error(tmp_path / "empty")
@@ -475,40 +298,6 @@ def test_bfloat16_load_streams_tensors(tmp_path):
     del whole
 
 
-# ------------------------------------------------------------------ tokenizers, metadata and broken files
-
-
-def word_level_tokenizer_json(path: Path):
-    """A tokenizer.json with the checkpoint's own ids (`hello` is 3); returns the `tokenizers` object."""
-    from tokenizers import Tokenizer, models
-
-    tokenizer = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3}, unk_token="<unk>"))
-    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
-    tokenizer.save(str(path))
-    return tokenizer
-
-
-def test_text_models_never_read_tokenizer_model_in_the_voxtral_layout(tmp_path, caplog):
-    """A native (params.json) directory takes tokenizer.json over the original sentencepiece model too, and a
-    text model whose only tokenizer is a tokenizer.model loads without one instead of with ids off by 1000."""
-    native = write_native(MISTRAL_DIR, tmp_path / "native")
-    oracle = word_level_tokenizer_json(native / "tokenizer.json")
-    shutil.copy(loading.BUILTIN_MODELS["tiny"] / "tokenizer.model", native / "tokenizer.model")
-    loaded = loading.load_model(native)
-    assert loaded.tokenizer_path == native / "tokenizer.json"
-    tokenizer = loading.load_checkpoint_tokenizer(native, loaded.tokenizer_path)
-    assert tokenizer.encode("hello") == oracle.encode("hello", add_special_tokens=False).ids == [3]
-
-    (native / "tokenizer.json").unlink()
-    hf = copy_fixture(MISTRAL_DIR, tmp_path / "hf")
-    shutil.copy(native / "tokenizer.model", hf / "tokenizer.model")
-    for directory in (native, hf):
-        with caplog.at_level("WARNING", logger="jaxstream.models.loading"):
-            assert loading.load_model(directory).tokenizer_path is None
-        assert "tokenizer.model not used" in caplog.text
-        caplog.clear()
-
-
 def test_convert_dtype_auto_broken_and_mixed_checkpoints(tmp_path, capsys):
     def convert_error(source) -> str:
         assert cli.main(["convert", str(source), str(tmp_path / "out")]) == 2
@@ -534,127 +323,6 @@ def test_convert_dtype_auto_broken_and_mixed_checkpoints(tmp_path, capsys):
     assert loading.checkpoint_dtype(loading.inspect_checkpoint(mixed)) == jnp.bfloat16
 
 
-@pytest.fixture(scope="module")
-def voxtral_orbax(tmp_path_factory):
-    out = tmp_path_factory.mktemp("orbax") / "voxtral"
-    assert cli.main(["convert", str(VOXTRAL_DIR), str(out)]) == 0
-    return out
-
-
-def broken_orbax(source: Path, destination: Path, metadata_edit=None) -> Path:
-    shutil.copytree(source, destination)
-    if metadata_edit is not None:
-        metadata = json.loads((destination / "jaxstream.json").read_text())
-        metadata_edit(metadata)
-        (destination / "jaxstream.json").write_text(json.dumps(metadata))
-    return destination
-
-
-def test_orbax_metadata_and_state_errors_are_one_line(voxtral_orbax, tmp_path):
-    no_tokenizer = broken_orbax(voxtral_orbax, tmp_path / "no_tokenizer")
-    (no_tokenizer / "tekken.json").unlink()
-    assert "lacks tekken.json, the tokenizer jaxstream.json names" in one_line_error(no_tokenizer)
-    outside = broken_orbax(voxtral_orbax, tmp_path / "outside", lambda m: m.update(tokenizer="../x/tekken.json"))
-    assert "tokenizer must be the name of a file beside it" in one_line_error(outside)
-    version = broken_orbax(voxtral_orbax, tmp_path / "version", lambda m: m.update(format_version="1"))
-    assert "format_version must be an integer, got '1'" in one_line_error(version)
-    no_dtype = broken_orbax(voxtral_orbax, tmp_path / "no_dtype", lambda m: m.pop("param_dtype"))
-    assert "param_dtype must be one of" in one_line_error(no_dtype)
-    with pytest.raises(UserError, match="param_dtype"):
-        loading.checkpoint_dtype(loading.CheckpointInfo("orbax", no_dtype, VOXTRAL_MINI_4B, (), None))
-    no_data = broken_orbax(voxtral_orbax, tmp_path / "no_data")
-    shutil.rmtree(no_data / "state" / "ocdbt.process_0")
-    # In a process of its own: after the first failed read Orbax abandons its other reads, whose failures
-    # surface later as "Exception ignored in ..." tracebacks (after the CLI's error line, or in a later test).
-    result = subprocess.run([sys.executable, "-m", "jaxstream", "convert", str(no_data), str(tmp_path / "out")],
-                            capture_output=True, text=True, timeout=300)
-    [message] = [line for line in result.stderr.splitlines() if line.startswith("jaxstream convert: error:")]
-    assert result.returncode == 2 and len(message) < 300 + 2 * len(str(no_data))  # it names the folder twice
-    assert message.startswith(f"jaxstream convert: error: cannot restore {no_data / 'state'}")
-    # TensorStore's own status names the array and what is wrong with its file, not Orbax's wrapper (which
-    # printed the store's spec: "See full TensorStore details: <bound method pybind11_detail_function_...").
-    assert 'Error reading "' in message and "TensorStore details" not in message, message
-    assert "Task exception was never retrieved" not in result.stderr
-
-
-def test_orbax_reads_abandoned_after_a_failed_restore_are_not_logged(voxtral_orbax, tmp_path):
-    """After the first failed read Orbax abandons the others; asyncio logs each that failed as it is collected
-    (when is up to the garbage collector: at exit, in about one CLI run of seven), with TensorStore's whole spec.
-    Those records are dropped once a restore has failed; asyncio's other errors are not."""
-    no_data = broken_orbax(voxtral_orbax, tmp_path / "no_data")
-    shutil.rmtree(no_data / "state" / "ocdbt.process_0")
-    asyncio_logger = logging.getLogger("asyncio")
-    abandoned = ("Task exception was never retrieved\nfuture: <Task finished name='Task-241' coro=<async_deserialize() "
-                 "done, defined at /site-packages/orbax/checkpoint/_src/serialization/serialization.py:394> "
-                 "exception=Exception('Encountered error while reading array index: (slice(0, 256, 1),)')>")
-    other = "Task exception was never retrieved\nfuture: <Task finished name='Task-7' coro=<handler() done>>"
-    with pytest.raises(UserError, match="cannot restore"):
-        loading.load_model(no_data)
-    assert not asyncio_logger.filter(asyncio_logger.makeRecord("asyncio", logging.ERROR, __file__, 0, abandoned, (),
-                                                               None))
-    assert asyncio_logger.filter(asyncio_logger.makeRecord("asyncio", logging.ERROR, __file__, 0, other, (), None))
-
-
-def test_tokenizer_file_errors_are_one_line(voxtral_orbax, tmp_path):
-    def tokenizer_error(directory: Path) -> str:
-        with pytest.raises(UserError) as err:
-            loading.load_checkpoint_tokenizer(directory, loading.load_model(directory).tokenizer_path)
-        assert "\n" not in str(err.value)
-        return str(err.value)
-
-    no_tekken = copy_fixture(VOXTRAL_DIR, tmp_path / "no_tekken")
-    (no_tekken / "tekken.json").unlink()
-    assert "Voxtral Realtime needs its tokenizer" in one_line_error(no_tekken)
-    orbax_without = broken_orbax(voxtral_orbax, tmp_path / "orbax_without", lambda m: m.update(tokenizer=None))
-    (orbax_without / "tekken.json").unlink()
-    assert "Voxtral Realtime needs its tokenizer" in one_line_error(orbax_without)
-
-    malformed = copy_fixture(VOXTRAL_DIR, tmp_path / "malformed")
-    (malformed / "tekken.json").write_text('{"not": "tekken"')
-    assert f"cannot read tokenizer {malformed / 'tekken.json'}" in tokenizer_error(malformed)
-    specials = copy_fixture(VOXTRAL_DIR, tmp_path / "specials")
-    tekken = json.loads((specials / "tekken.json").read_text())
-    tekken["config"].update(default_num_special_tokens=1001, default_vocab_size=1101)
-    (specials / "tekken.json").write_text(json.dumps(tekken))
-    assert "expected 1000 special tokens" in tokenizer_error(specials)
-
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        directory = copy_fixture(FIXTURES / "llama_tiny", tmp_path / name)
-        word_level_tokenizer_json(directory / "tokenizer.json")
-        (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-        (directory / name).write_text("{bad")
-        assert f"cannot read tokenizer {directory / name}" in tokenizer_error(directory)
-
-
-def test_failed_convert_leaves_the_destination_as_it_was(voxtral_orbax, tmp_path):
-    loaded = loading.load_model(VOXTRAL_DIR)
-    before = flat_params(loading.load_model(voxtral_orbax).model)
-    lost = loaded._replace(tokenizer_path=tmp_path / "gone" / "tekken.json")  # fails after state/ is written
-    for destination in (voxtral_orbax, tmp_path / "fresh"):
-        with pytest.raises(FileNotFoundError):
-            orbax_writer.save_checkpoint(lost, destination, overwrite=True)
-        assert sorted(path.name for path in destination.parent.iterdir() if path.name.startswith(".")) == []
-    assert not (tmp_path / "fresh").exists()
-    after = flat_params(loading.load_model(voxtral_orbax).model)
-    assert before.keys() == after.keys() and all(np.array_equal(before[path], after[path]) for path in before)
-    assert orbax_writer.check_destination(voxtral_orbax, overwrite=True) == voxtral_orbax
-    assert orbax_writer.save_checkpoint(loaded, voxtral_orbax, overwrite=True) == voxtral_orbax
-    assert loading.load_model(voxtral_orbax).tokenizer_path == voxtral_orbax / "tekken.json"
-
-
-def test_convert_keeps_bos_eos_named_only_in_tokenizer_config(tmp_path):
-    source = copy_fixture(FIXTURES / "llama_tiny", tmp_path / "source")
-    config = json.loads((source / "config.json").read_text())
-    (source / "config.json").write_text(json.dumps({k: v for k, v in config.items() if not k.endswith("token_id")}))
-    (source / "generation_config.json").unlink()
-    word_level_tokenizer_json(source / "tokenizer.json")
-    (source / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    assert cli.main(["convert", str(source), str(tmp_path / "converted")]) == 0
-    for directory in (source, tmp_path / "converted"):
-        tokenizer = loading.load_checkpoint_tokenizer(directory, loading.load_model(directory).tokenizer_path)
-        assert (tokenizer.bos_id, tokenizer.eos_id) == (1, 2)
-
-
 @pytest.mark.parametrize("edit, field", [
     ({"num_hidden_layers": "2"}, "num_layers must be a positive integer, got '2'"),
     ({"hidden_size": 64.0}, "hidden_size must be a positive integer, got 64.0"),
@@ -669,3 +337,4 @@ def test_malformed_config_values_are_one_line_errors(tmp_path, edit, field):
     (broken / "config.json").write_text(json.dumps({**config, **edit}))
     message = one_line_error(broken)
     assert "config.json" in message and field in message
+

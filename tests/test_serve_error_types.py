@@ -252,10 +252,10 @@ async def test_the_openai_dialects_refusals_are_typed_as_http_answers_them():
     invalid_request_error; the engine's refusal of an event, and its failure of a transcription
     (`...transcription.failed`), are typed as the HTTP routes answer the same engine error."""
     codes, _ = source_codes()
-    tree = ast.parse((SOURCE / "openai_realtime.py").read_text())
-    client_codes = {node.args[0].value for node in ast.walk(tree) if isinstance(node, ast.Call)
+    trees = [ast.parse((SOURCE / name).read_text()) for name in ("openai_realtime.py", "openai_session_config.py")]
+    client_codes = {node.args[0].value for tree in trees for node in ast.walk(tree) if isinstance(node, ast.Call)
                     and getattr(node.func, "id", None) == "ClientError" and isinstance(node.args[0], ast.Constant)}
-    assert "input_audio_buffer_commit_empty" in client_codes and client_codes <= codes
+    assert {"input_audio_buffer_commit_empty", "model_not_found"} <= client_codes <= codes
     for code in sorted(client_codes):
         protocol = openai_dialect()
         await protocol._report(ClientError(code, "refused"), "event_1")

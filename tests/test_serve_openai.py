@@ -1,13 +1,13 @@
 """OpenAI's realtime transcription dialect on `/v1/realtime` (specs/realtime_protocols.md §4), driven over
 loopback by the official `openai` SDK (GA shape) and by a plain `websockets` client (beta shape, G.711,
-errors, fuzz): manual turns, server VAD, input formats, errors echoing the client's event_id."""
+errors, fuzz): manual turns, input formats, switching dialect by the first event, drain, errors echoing the
+client's event_id. Server VAD: test_serve_openai_vad.py."""
 import asyncio
 import base64
 import json
 import re
 import warnings
 
-import jiwer
 import numpy as np
 import pytest
 import soxr
@@ -20,31 +20,13 @@ from jaxstream.serving.audio_codecs import G711_TABLES, encode_pcm16_base64
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.limits import Limits
 from jaxstream.serving.openai_realtime import LOGPROBS
-from jaxstream.serving.testing import ServerThread, sample_audio, wait_engine_baseline
+from jaxstream.serving.testing import ServerThread, wait_engine_baseline
 from serve_fixtures import INTERNAL_ERRORS, fuzz_text
 from serve_fixtures import engine, engine_returns_to_baseline, model, server  # noqa: F401 - pytest fixtures
+from serve_openai_fixtures import CHUNK_S, Client, at_24k, ga_update, pcm_base64, transcripts, wer
+from serve_openai_fixtures import reference, speech  # noqa: F401 - pytest fixtures
 
 pytestmark = pytest.mark.slow
-
-CHUNK_S = 0.32  # seconds of audio per append
-
-
-@pytest.fixture(scope="module")
-def speech():
-    """The bundled sample cut to its speech (with 50 ms either side), 16 kHz."""
-    audio = sample_audio()
-    loud = np.flatnonzero(np.convolve(np.abs(audio), np.ones(160) / 160, "same") > 0.02)
-    return audio[max(0, loud[0] - 800):loud[-1] + 800]
-
-
-@pytest.fixture(scope="module")
-def reference(engine, speech):
-    """engine.transcribe's text of the speech at 16 kHz (the vLLM dialect's input)."""
-    return asyncio.run(engine.transcribe(speech)).text
-
-
-def at_24k(pcm16k: np.ndarray) -> np.ndarray:
-    return soxr.resample(pcm16k, 16000, 24000).astype(np.float32)
 
 
 def g711_base64(pcm16k: np.ndarray, law: str) -> list[str]:
@@ -57,51 +39,6 @@ def g711_base64(pcm16k: np.ndarray, law: str) -> list[str]:
     codes = order[np.where(nearer_low, pos - 1, pos)].astype(np.uint8)
     step = int(CHUNK_S * 8000)
     return [base64.b64encode(codes[i:i + step].tobytes()).decode() for i in range(0, codes.size, step)]
-
-
-def pcm_base64(pcm: np.ndarray, rate: int) -> list[str]:
-    step = int(CHUNK_S * rate)
-    return [encode_pcm16_base64(pcm[i:i + step]) for i in range(0, pcm.size, step)]
-
-
-def wer(reference: str, hypothesis: str) -> float:
-    return jiwer.wer(reference.lower(), hypothesis.lower())
-
-
-class Client:
-    """A raw-JSON client of the OpenAI dialect over `websockets`."""
-
-    def __init__(self, ws):
-        self.ws = ws
-
-    @classmethod
-    async def connect(cls, server, query="?intent=transcription", **kwargs):
-        return cls(await websockets.connect(server.url() + query, max_size=None, **kwargs))
-
-    async def send(self, event: dict) -> None:
-        await self.ws.send(json.dumps(event))
-
-    async def event(self, timeout: float = 60.0) -> dict:
-        event = json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
-        assert event["event_id"].startswith("event_")
-        return event
-
-    async def until(self, kind: str) -> list[dict]:
-        events = []
-        while not events or events[-1]["type"] != kind:
-            events.append(await self.event())
-        return events
-
-
-def ga_update(model, fmt=None, turn_detection=None, **transcription):
-    return {"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
-        "format": fmt or {"type": "audio/pcm", "rate": 24000}, "turn_detection": turn_detection,
-        "transcription": {"model": model, **transcription}}}}}
-
-
-def transcripts(events: list[dict]) -> dict[str, str]:
-    return {e["item_id"]: e["transcript"] for e in events
-            if e["type"] == "conversation.item.input_audio_transcription.completed"}
 
 
 # -- GA, through the official SDK -----------------------------------------------------------------------
@@ -233,71 +170,7 @@ async def test_beta_shape(server, model, speech, reference):
     assert [lp.token for lp in completed.logprobs] and all(lp.logprob <= 0 for lp in completed.logprobs)
 
 
-# -- server VAD -----------------------------------------------------------------------------------------
-async def test_server_vad_splits_two_sentences(server, model, speech, reference):
-    """Two sentences with 1.5 s of silence between them in one stream, through the SDK: two items committed by
-    the server, speech_started/stopped within 150 ms of where the speech really starts and stops."""
-    silence = lambda s: np.zeros(int(s * 16000), np.float32)  # noqa: E731
-    stream = np.concatenate([silence(0.6), speech, silence(1.5), speech, silence(1.2)])
-    loud = np.convolve(np.abs(speech), np.ones(160) / 160, "same") > 0.02
-    first, last = np.flatnonzero(loud)[[0, -1]] / 16000
-    starts = [0.6 + first, 0.6 + speech.size / 16000 + 1.5 + first]
-    stops = [0.6 + last, 0.6 + speech.size / 16000 + 1.5 + last]
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(api_key="unused", websocket_base_url=server.url("/v1"))
-    async with client.realtime.connect(model=model) as conn:
-        await conn.session.update(session=ga_update(model, turn_detection={
-            "type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 800})["session"])
-        while (updated := await conn.recv()).type != "session.updated":
-            pass
-        assert updated.session.audio.input.turn_detection.silence_duration_ms == 800
-        for chunk in pcm_base64(at_24k(stream), 24000):
-            await conn.input_audio_buffer.append(audio=chunk)
-        events = []
-        while sum(e.type == "conversation.item.done" for e in events) < 2:
-            events.append(await asyncio.wait_for(conn.recv(), 60))
-    await client.close()
-    started = [e for e in events if e.type == "input_audio_buffer.speech_started"]
-    stopped = [e for e in events if e.type == "input_audio_buffer.speech_stopped"]
-    arrived = [(e.type, getattr(e, "item_id", None) or getattr(getattr(e, "item", None), "id", None),
-                getattr(getattr(e, "item", None), "status", None) or getattr(e, "error", None)) for e in events]
-    assert len(started) == len(stopped) == 2, arrived
-    for event, expected in zip(started, starts):
-        assert abs(event.audio_start_ms / 1000 - expected) <= 0.15, (event, expected)
-    for event, expected in zip(stopped, stops):
-        assert abs(event.audio_end_ms / 1000 - expected) <= 0.15, (event, expected)
-    texts = {e.item_id: e.transcript for e in events
-             if e.type == "conversation.item.input_audio_transcription.completed"}
-    # The two items are transcribed at once (the second turn streams while the first is finishing), so their
-    # transcripts may complete in either order (under the full suite's load the second came first).
-    assert [e.item_id for e in started] == [e.item_id for e in stopped], arrived
-    assert sorted(texts) == sorted(e.item_id for e in started), arrived
-    for text in texts.values():
-        # Each item also holds 300 ms of prefix padding and the silence up to the stop's detection: a
-        # different context than the bare speech, which may move the tiny model's last word.
-        assert wer(reference, text) <= 0.2, (reference, text)
-
-
-async def test_idle_timeout_and_semantic_vad(server, model):
-    """No speech for idle_timeout_ms: timeout_triggered, and the silent buffer is committed as an item.
-    semantic_vad is accepted (served as server VAD, its eagerness picking the silence duration)."""
-    client = await Client.connect(server)
-    await client.until("session.created")
-    await client.send(ga_update(model, turn_detection={"type": "server_vad", "idle_timeout_ms": 5000}))
-    await client.until("session.updated")
-    for chunk in pcm_base64(np.zeros(int(5.3 * 24000), np.float32), 24000):
-        await client.send({"type": "input_audio_buffer.append", "audio": chunk})
-    events = await client.until("conversation.item.done")
-    (timeout,) = [e for e in events if e["type"] == "input_audio_buffer.timeout_triggered"]
-    assert timeout["audio_start_ms"] == 0 and 5000 <= timeout["audio_end_ms"] <= 5400
-    assert [e["item_id"] for e in events if e["type"] == "input_audio_buffer.committed"] == [timeout["item_id"]]
-    await client.send(ga_update(model, turn_detection={"type": "semantic_vad", "eagerness": "high"}))
-    updated = (await client.until("session.updated"))[-1]
-    assert updated["session"]["audio"]["input"]["turn_detection"] == {"type": "semantic_vad", "eagerness": "high"}
-    await client.ws.close()
-
-
+# -- the first event picks the dialect; drain ------------------------------------------------------------
 async def test_an_openai_first_event_switches_the_dialect(server, model, speech, reference):
     """No OpenAI handshake: vLLM's session.created at connect, then an OpenAI-shaped session.update makes
     the connection OpenAI's: its session.created and session.updated follow, and turns work."""
@@ -331,140 +204,6 @@ async def test_a_beta_first_event_switches_to_the_beta_dialect(server, model, sp
     kinds = {e["type"] for e in events}
     assert "conversation.item.created" in kinds and not kinds & {"conversation.item.added", "conversation.item.done"}
     assert list(transcripts(events).values()) == [reference]
-    await client.ws.close()
-
-
-async def test_vad_times_stay_on_the_connection_clock_across_a_format_change(server, model, speech):
-    """2 s of G.711 (8 kHz), cleared; then 24 kHz PCM with server VAD: speech_started/stopped count those 2 s
-    as 2 s, within 150 ms of where the speech really starts and stops."""
-    client = await Client.connect(server)
-    await client.until("session.created")
-    await client.send(ga_update(model, fmt={"type": "audio/pcmu"}))
-    await client.until("session.updated")
-    await client.send({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\xff" * 16000).decode()})
-    await client.send({"type": "input_audio_buffer.clear"})
-    await client.until("input_audio_buffer.cleared")
-    await client.send(ga_update(model, turn_detection={"type": "server_vad", "silence_duration_ms": 800}))
-    await client.until("session.updated")
-    lead = 2.0 + 1.0  # the G.711 audio, then the silence before the speech
-    stream = np.concatenate([np.zeros(16000, np.float32), speech, np.zeros(int(1.2 * 16000), np.float32)])
-    for chunk in pcm_base64(at_24k(stream), 24000):
-        await client.send({"type": "input_audio_buffer.append", "audio": chunk})
-    events = await client.until("conversation.item.done")
-    await client.ws.close()
-    loud = np.convolve(np.abs(speech), np.ones(160) / 160, "same") > 0.02
-    first, last = np.flatnonzero(loud)[[0, -1]] / 16000
-    (started,) = [e for e in events if e["type"] == "input_audio_buffer.speech_started"]
-    (stopped,) = [e for e in events if e["type"] == "input_audio_buffer.speech_stopped"]
-    assert abs(started["audio_start_ms"] / 1000 - (lead + first)) <= 0.15, (started, lead + first)
-    assert abs(stopped["audio_end_ms"] / 1000 - (lead + last)) <= 0.15, (stopped, lead + last)
-
-
-async def test_null_vad_settings_take_their_defaults(server, model, speech):
-    """threshold, prefix_padding_ms and silence_duration_ms null in server_vad count as absent ("null clears",
-    spec §4.3): the session says OpenAI's defaults, as for a bare server_vad, and the VAD turns speech into an
-    item."""
-    client = await Client.connect(server)
-    await client.until("session.created")
-    await client.send(ga_update(model, turn_detection={"type": "server_vad"}))
-    bare = (await client.until("session.updated"))[-1]["session"]["audio"]["input"]["turn_detection"]
-    await client.send(ga_update(model, turn_detection=None))
-    await client.until("session.updated")
-    await client.send(ga_update(model, turn_detection={"type": "server_vad", "threshold": None,
-                                                       "prefix_padding_ms": None, "silence_duration_ms": None,
-                                                       "idle_timeout_ms": None}))
-    updated = (await client.until("session.updated"))[-1]["session"]["audio"]["input"]["turn_detection"]
-    assert updated == bare == {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
-                               "silence_duration_ms": 500, "idle_timeout_ms": None}
-    stream = np.concatenate([np.zeros(8000, np.float32), speech, np.zeros(16000, np.float32)])
-    for chunk in pcm_base64(at_24k(stream), 24000):
-        await client.send({"type": "input_audio_buffer.append", "audio": chunk})
-    events = await client.until("conversation.item.done")
-    await client.ws.close()
-    assert "error" not in {e["type"] for e in events}, events
-    assert [e["type"] for e in events if e["type"].startswith("input_audio_buffer.")] == [
-        "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped", "input_audio_buffer.committed"]
-
-
-async def vad_turn_with_items_refused(server, model, speech, monkeypatch, refuse):
-    """(a client in server-VAD mode whose items' engine sessions `refuse` opens, one turn of speech at 24 kHz)."""
-    import jaxstream.serving.openai_realtime as openai_realtime
-
-    client = await Client.connect(server)
-    await client.until("session.created")
-    await client.send(ga_update(model, turn_detection={"type": "server_vad"}))
-    await client.until("session.updated")
-    monkeypatch.setattr(openai_realtime, "start_session", refuse)
-    return client, at_24k(np.concatenate([np.zeros(8000, np.float32), speech, np.zeros(16000, np.float32)]))
-
-
-async def test_a_turn_whose_item_cannot_open_still_stops(server, model, speech, monkeypatch):
-    """The engine refuses the item of a VAD turn (at capacity): the client gets the error, then the turn's
-    speech_stopped all the same (one append held the whole turn: its stop used to be skipped with the rest of
-    the append's turn events), and the next turn is an item as usual."""
-    import jaxstream.serving.openai_realtime as openai_realtime
-    from jaxstream.errors import CapacityError
-
-    start_session = openai_realtime.start_session
-
-    async def refused_once(*args, **kwargs):
-        monkeypatch.setattr(openai_realtime, "start_session", start_session)
-        raise CapacityError("the engine holds 64 sessions, its limit; try again later")
-
-    client, stream = await vad_turn_with_items_refused(server, model, speech, monkeypatch, refused_once)
-    await client.send({"type": "input_audio_buffer.append", "audio": encode_pcm16_base64(stream)})
-    events = [e for e in await client.until("input_audio_buffer.speech_stopped")
-              if e["type"] != "rate_limits.updated"]
-    assert [e["type"] for e in events] == ["input_audio_buffer.speech_started", "error",
-                                           "input_audio_buffer.speech_stopped"], events
-    assert events[1]["error"]["code"] == "capacity" and events[2]["item_id"] is None
-    await client.send({"type": "input_audio_buffer.append", "audio": encode_pcm16_base64(stream)})
-    events = await client.until("conversation.item.done")
-    await client.ws.close()
-    assert "error" not in {e["type"] for e in events}, events
-
-
-async def test_a_turn_at_capacity_is_one_error_however_many_appends_it_spans(server, model, speech, monkeypatch):
-    """The engine is at capacity for a whole VAD turn streamed in 320 ms appends: one error for the turn, not
-    one per append (each speech push used to try to open an item again: a 12 s turn at 50 appends a second
-    is the 600 errors a minute that close the connection), then its speech_stopped."""
-    from jaxstream.errors import CapacityError
-
-    async def refused(*args, **kwargs):
-        raise CapacityError("the engine holds 64 sessions, its limit; try again later")
-
-    client, stream = await vad_turn_with_items_refused(server, model, speech, monkeypatch, refused)
-    for chunk in pcm_base64(stream, 24000):
-        await client.send({"type": "input_audio_buffer.append", "audio": chunk})
-    events = [e for e in await client.until("input_audio_buffer.speech_stopped")
-              if e["type"] != "rate_limits.updated"]
-    await client.ws.close()
-    assert [e["type"] for e in events] == ["input_audio_buffer.speech_started", "error",
-                                           "input_audio_buffer.speech_stopped"], [e["type"] for e in events]
-
-
-async def test_an_update_whose_vad_fails_to_start_changes_nothing(server, model, speech, reference, monkeypatch):
-    """A segmenter that cannot be built fails the update as a whole: the session stays as it was (format and
-    manual turns), as the spec's "session.updated: the effective configuration" must then say."""
-    import jaxstream.serving.openai_realtime as openai_realtime
-
-    async def broken(*args, **kwargs):
-        raise RuntimeError("no VAD model")
-
-    client = await Client.connect(server)
-    await client.until("session.created")
-    monkeypatch.setattr(openai_realtime, "start_turn_segmenter", broken)
-    await client.send(ga_update(model, fmt={"type": "audio/pcmu"}, turn_detection={"type": "server_vad"}))
-    error = (await client.until("error"))[-1]
-    assert error["error"]["code"] == "processing_error", error
-    monkeypatch.undo()
-    await client.send({"type": "session.update", "session": {"type": "transcription"}})
-    session = (await client.until("session.updated"))[-1]["session"]["audio"]["input"]
-    assert session["turn_detection"] is None and session["format"] == {"type": "audio/pcm", "rate": 24000}
-    for chunk in pcm_base64(at_24k(speech), 24000):  # manual turns at 24 kHz, as before the update
-        await client.send({"type": "input_audio_buffer.append", "audio": chunk})
-    await client.send({"type": "input_audio_buffer.commit"})
-    assert list(transcripts(await client.until("conversation.item.done")).values()) == [reference]
     await client.ws.close()
 
 
@@ -604,16 +343,24 @@ async def test_errors_echo_the_event_id_and_keep_the_socket(server, model, speec
 _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | fuzz_text(12),
                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(fuzz_text(8), inner,
                                                                                  max_size=3), max_leaves=8)
+
+
 _types = st.sampled_from(["session.update", "transcription_session.update", "input_audio_buffer.append",
                           "input_audio_buffer.commit", "input_audio_buffer.clear", "response.create", "", "\ud800"])
+
+
 # The session's enumerated fields, each a right value or any JSON (a list where a name is expected, ...).
 _turn_detection = st.one_of(_json, st.fixed_dictionaries(
     {"type": st.sampled_from(["server_vad", "semantic_vad"])}, optional={"eagerness": _json, "threshold": _json}))
+
+
 _input = st.fixed_dictionaries({}, optional={
     "format": st.one_of(_json, st.fixed_dictionaries({"type": st.one_of(st.just("audio/pcm"), _json)})),
     "transcription": st.one_of(_json, st.fixed_dictionaries({}, optional={
         "delay": st.one_of(st.just("low"), _json), "model": _json, "language": _json})),
     "noise_reduction": st.one_of(_json, st.fixed_dictionaries({"type": _json})), "turn_detection": _turn_detection})
+
+
 _events = st.fixed_dictionaries({"type": _types}, optional={
     "event_id": _json, "audio": st.one_of(_json, st.binary(max_size=40).map(lambda b: base64.b64encode(b).decode())),
     "session": st.one_of(_json, st.fixed_dictionaries({}, optional={
@@ -621,6 +368,8 @@ _events = st.fixed_dictionaries({"type": _types}, optional={
         "input_audio_transcription": st.one_of(_json, st.fixed_dictionaries({}, optional={"delay": _json})),
         "turn_detection": _turn_detection, "include": _json,
         "audio": st.fixed_dictionaries({}, optional={"input": st.one_of(_input, _json)})}))})
+
+
 _frames = st.one_of(_events.map(json.dumps), _json.map(json.dumps), st.text(max_size=40))
 
 
@@ -674,3 +423,4 @@ async def test_the_connections_end_for_its_own_conduct_is_the_clients_error(engi
         await client.ws.close()
     finally:
         server.close()
+
