@@ -119,8 +119,10 @@ class Connection:
                     code = getattr(message.data, "code", None) or code
                     outcome = "message_too_big" if code == 1009 else "client_disconnected"
                     logger.debug("%s: socket error %s", self.id, message.data)
-                else:
+                elif message.type is WSMsgType.CLOSE:  # the client's close frame
                     outcome = "client_closed"
+                else:  # CLOSED: the TCP connection ended without a close frame
+                    outcome = "client_disconnected"
                 self.stop(Breach(outcome, code or CLOSE_NORMAL))
                 return
 
@@ -146,6 +148,12 @@ async def run_websocket(request: web.Request, server, route: str, make_protocol,
             conn.stop(refusal)
         else:
             await _serve(conn)
+    except asyncio.CancelledError:
+        # aiohttp cancels the handler when the TCP connection is lost: the client vanished without a close frame
+        # (a shutdown's cancel finds the drain's reason already given).
+        if request.transport is None or request.transport.is_closing():
+            conn.stop(Breach("client_disconnected", CLOSE_NORMAL))
+        raise
     finally:
         try:
             # Shielded: a cancelled handler (server shutdown) must still free its engine sessions.

@@ -4,6 +4,7 @@ per-dialect driver to every protocol point, then cut with a closing handshake or
 connection (vLLM #34532). After each cut the engine holds no session and no page, the server no
 connection, and it still transcribes."""
 import asyncio
+import collections
 import json
 
 import msgpack
@@ -152,13 +153,25 @@ _CASES = [(dialect, point) for dialect, driver in _DRIVERS.items() for point in 
 @pytest.mark.parametrize("dialect, point", _CASES, ids=[f"{d}-{p}" for d, p in _CASES])
 async def test_disconnect_frees_the_engine(server, model, engine, audio, dialect, point, how):
     ws = await _DRIVERS[dialect](server, model, engine, audio).reach(point)
+    before = _closed_outcomes(server)
     if how == "close":
         await ws.close()
     else:  # abnormal: the TCP connection vanishes without a closing handshake
         ws.transport.abort()
     await wait_engine_baseline(engine, timeout=5)
-    await wait_until(lambda: not server.state.connections)
+    await wait_until(lambda: not server.state.connections and _closed_outcomes(server) != before)
     assert engine.healthy
+    # The metric and the log tell a client that said goodbye from one that vanished.
+    assert _closed_outcomes(server) - before == {"client_closed" if how == "close" else "client_disconnected": 1}
+
+
+def _closed_outcomes(server) -> collections.Counter:
+    """Connections closed so far, by outcome (summed over the routes)."""
+    outcomes = collections.Counter()
+    for sample in server.state.metrics.connections_closed.collect()[0].samples:
+        if sample.name.endswith("_total"):
+            outcomes[sample.labels["outcome"]] += int(sample.value)
+    return outcomes
 
 
 async def test_the_engine_serves_after_the_disconnects(server, model, engine, audio):
