@@ -139,6 +139,56 @@ async def test_input_generator_error_reaches_the_caller(engine):
             pass
 
 
+@pytest.mark.parametrize("chunks_before", [0, 1])
+async def test_an_input_cancelled_by_another_task_ends_the_stream(engine, chunks_before):
+    """The input's own CancelledError (a future it waits for was cancelled elsewhere, such as a client
+    connection's next message) is an input error like any other: generate() re-raises it and the session ends. It
+    was taken for the feeder's own cancel: the feeder died quietly and generate() waited for good on a parked
+    session that held its slot and pages."""
+    elsewhere = asyncio.get_running_loop().create_future()
+
+    async def inputs():
+        for _ in range(chunks_before):
+            yield StreamingInput([3, 4], greedy(1))
+        await elsewhere
+        yield StreamingInput([5], greedy(1))
+
+    async def consume():
+        async for _ in engine.generate(inputs(), request_id=f"cancelled{chunks_before}"):
+            elsewhere.cancel()
+
+    if not chunks_before:
+        asyncio.get_running_loop().call_later(0.1, elsewhere.cancel)
+    with pytest.raises(asyncio.CancelledError):
+        async with asyncio.timeout(30):  # a hang fails as a TimeoutError, not as this CancelledError
+            await consume()
+    assert f"cancelled{chunks_before}" not in engine.core.sessions
+
+
+async def test_abort_before_the_first_chunk_ends_the_stream_and_nothing_reaches_the_engine(engine):
+    """abort() while a streaming request waits for its first chunk ends the stream at once with the final `abort`
+    output, and the input is not asked for that chunk (the abort found no session in the engine: it was lost, and
+    the first chunk then started a session that ran to the end)."""
+    gate, asked = asyncio.Event(), []
+
+    async def inputs():
+        await gate.wait()
+        asked.append("first")
+        yield StreamingInput([5, 6], greedy(3))
+
+    async def consume():
+        return [out async for out in engine.generate(inputs(), request_id="early")]
+
+    stream = asyncio.create_task(consume())
+    await asyncio.sleep(0.05)  # generate() is waiting for the first chunk
+    await engine.abort("early")
+    outputs = await asyncio.wait_for(stream, 30)
+    gate.set()
+    assert [(o.finished, o.outputs[0].finish_reason, o.outputs[0].token_ids) for o in outputs] == [(True, "abort", [])]
+    await asyncio.sleep(0.05)
+    assert not asked and "early" not in engine.core.sessions
+
+
 @pytest.mark.parametrize("params, chunk", [
     (SamplingParams(n=2), None),
     (SamplingParams(stop=["x"]), None),

@@ -167,6 +167,25 @@ async def test_an_append_refused_for_backlog_is_refused_whole(engine):
     assert [event async for event in session][-1].token_ids == expected
 
 
+async def test_a_session_id_taken_again_after_an_abort_stays_registered(engine):
+    """A session aborted, then its id started again at once (the engine thread behind): the old session's last
+    event, which arrives after the new one registered, must not unregister the new one. It did: the engine then
+    admitted a duplicate id, and counted one live session too few for `max_live_sessions` and `drain`."""
+    expected = (await engine.transcribe(SAMPLE)).text
+    gate = hold_engine_thread(engine)
+    try:
+        old = await engine.start_transcription(session_id="reused")
+        await old.abort()
+        new = await engine.start_transcription(session_id="reused")
+    finally:
+        gate.set()
+    await engine.wait_until_idle()
+    await asyncio.sleep(0.1)  # the old session's events reach the event loop
+    with pytest.raises(InvalidRequestError, match="already running"):
+        await engine.start_transcription(session_id="reused")
+    assert (await transcribe(new, SAMPLE)).text == expected
+
+
 async def test_capacity_and_drain_answer_at_once():
     engine = tiny_engine(max_live_sessions=1)
     try:

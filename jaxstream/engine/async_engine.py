@@ -29,9 +29,10 @@ import numpy as np
 from jaxstream.engine import metrics as engine_metrics
 from jaxstream.engine.audio_front_end import FrontEndWorker
 from jaxstream.engine.config import EngineConfig
+from jaxstream.engine.loop_delivery import ResolveOnPut, post_to_loops
 from jaxstream.engine.requests import RequestOutputKind, SamplingParams
 from jaxstream.engine.residency import END_OF_STREAM
-from jaxstream.engine.text_generation import checked_chunk, merge_pending, prompt_token_ids
+from jaxstream.engine.text_generation import aborted_before_start, checked_chunk, merge_pending, prompt_token_ids
 from jaxstream.engine.transcription_session import (
     TranscriptAssembler, TranscriptionDone, TranscriptionSession, transcription_prompt,
 )
@@ -91,6 +92,9 @@ class AsyncEngine:
         # remove entries; the engine thread reads them once, when it stops, to end every stream.
         self._live: dict[str, tuple] = {}
         self._live_lock = threading.Lock()
+        # Streaming requests whose first chunk has not been sent: nothing of them is in the engine, so `abort` ends
+        # them here (an abort command would find no session, and the first chunk would then start one).
+        self._unsent: set[str] = set()
         self._metrics = engine_metrics.snapshot(self.core)
         self._metrics_time = 0.0
         self._thread = threading.Thread(target=self._run, name="jaxstream-engine", daemon=True)
@@ -208,7 +212,7 @@ class AsyncEngine:
         with self._live_lock:
             waiters = self._idle_waiters or []
             self._idle_waiters = None if last else []
-        return [(loop, _Resolve(future), None) for loop, future in waiters]
+        return [(loop, ResolveOnPut(future), None) for loop, future in waiters]
 
     def _drain_commands(self) -> None:
         appends = []  # consecutive audio appends, applied together (one per stream per 80 ms in steady state)
@@ -275,9 +279,12 @@ class AsyncEngine:
                 raise _rejected(InvalidRequestError(f"request id {request_id!r} is already running"))
             self._live[request_id] = (loop, target)
 
-    def _unregister(self, request_id: str) -> None:
+    def _unregister(self, request_id: str, target) -> None:
+        """Forgets `request_id` if `target` still holds it: the late events of an aborted session must not forget
+        a newer one that took its id."""
         with self._live_lock:
-            self._live.pop(request_id, None)
+            if self._live.get(request_id, (None, None))[1] is target:
+                del self._live[request_id]
 
     def _check_admitting(self) -> None:
         self._check_alive()
@@ -296,7 +303,7 @@ class AsyncEngine:
     def _flush_outbox(self) -> None:
         if self._outbox:
             items, self._outbox = self._outbox, []
-            _post(items)
+            post_to_loops(items)
 
     def _abandon(self, error: ProcessGroupError) -> None:
         """A multi-host engine lost a process (called from the leader's watchdog thread). The engine thread
@@ -305,7 +312,7 @@ class AsyncEngine:
         self.dead_reason = error
         with self._live_lock:
             live = list(self._live.values())
-        _post([(loop, target, error) for loop, target in live] + self._take_idle_waiters(last=True))
+        post_to_loops([(loop, target, error) for loop, target in live] + self._take_idle_waiters(last=True))
 
     # -- text generation ------------------------------------------------------------------------------
     async def generate(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None):
@@ -329,6 +336,7 @@ class AsyncEngine:
         ended = False
         try:  # from here the id is registered: whatever happens, the `finally` below lets go of it
             if streaming:
+                self._unsent.add(request_id)
                 feeder = asyncio.create_task(self._feed(prompt, request_id, params, sink, outputs))
             else:
                 self._send(lambda: self.core.add_chunk(request_id, ids, params, first=True, resumable=False,
@@ -350,7 +358,8 @@ class AsyncEngine:
                 if ended:
                     return
         finally:
-            self._unregister(request_id)
+            self._unregister(request_id, outputs)
+            self._unsent.discard(request_id)
             if not ended:  # the consumer stopped early (cancel / aclose / break)
                 self._send_quietly(lambda: self.core.abort(request_id), request_id)
             if feeder is not None and not feeder.done():
@@ -366,6 +375,7 @@ class AsyncEngine:
                 ids = prompt_token_ids(self.tokenizer, prompt, first=first)
                 if request_id not in self._live:  # read on the event loop, which alone changes it
                     return  # the session ended: nothing more is sent
+                self._unsent.discard(request_id)
                 is_first = first
                 self._send(lambda ids=ids, params=params, is_first=is_first: self.core.add_chunk(
                     request_id, ids, params, first=is_first, resumable=True, sink=sink), request_id, sink)
@@ -374,13 +384,18 @@ class AsyncEngine:
                 outputs.put_nowait(END_OF_STREAM)  # zero chunks: no engine request at all
             elif request_id in self._live:
                 self._send(lambda: self.core.end_input(request_id), request_id)
-        except asyncio.CancelledError:
-            raise
+        except asyncio.CancelledError as exc:
+            if asyncio.current_task().cancelling():
+                raise  # generate() ends its feeder
+            self._input_failed(exc, first, request_id, sink, outputs)  # the input's own (a future it awaited)
         except Exception as exc:  # noqa: BLE001 - the caller gets the original exception from generate()
-            if first:
-                outputs.put_nowait(exc)
-            else:
-                self._send_quietly(lambda error=exc: self._fail_request(request_id, error, sink), request_id, sink)
+            self._input_failed(exc, first, request_id, sink, outputs)
+
+    def _input_failed(self, exc: BaseException, first: bool, request_id, sink, outputs) -> None:
+        if first:
+            outputs.put_nowait(exc)
+        else:
+            self._send_quietly(lambda: self._fail_request(request_id, exc, sink), request_id, sink)
 
     def _fail_request(self, request_id, exc, sink) -> None:
         session = self.core.sessions.get(request_id)
@@ -396,6 +411,13 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         """Ends a request or session now: a final output with finish_reason 'abort'; queued chunks dropped."""
+        entry = self._live.get(request_id) if request_id in self._unsent else None
+        if entry is not None:  # its feeder checks `_live` before it sends: nothing will reach the engine
+            self._unsent.discard(request_id)
+            loop, outputs = entry
+            self._unregister(request_id, outputs)
+            post_to_loops([(loop, outputs, aborted_before_start(request_id))])
+            return
         self._send(lambda: self.core.abort(request_id), request_id)
 
     # -- transcription --------------------------------------------------------------------------------
@@ -442,12 +464,13 @@ class AsyncEngine:
                                            sample_rate)
         prompt = transcription_prompt(cfg, n_delay)
         transcript = TranscriptAssembler(self.tokenizer, delay_ms=int(delay_ms), prompt_len=len(prompt))
-        session = TranscriptionSession(_SessionLink(self, session_id), session_id, int(delay_ms), front_end,
+        link = _SessionLink(self, session_id)
+        session = TranscriptionSession(link, session_id, int(delay_ms), front_end,
                                        transcript, sample_rate=sample_rate, max_queued_slots=max_slots,
                                        max_audio_seconds=max_audio_seconds)
         stream_slots = None if max_audio_seconds is None else stream_slot_bound(
             max_audio_seconds, n_delay, cfg.n_left_pad_tokens)
-        events = _SessionEvents(session, self)
+        link.events = events = _SessionEvents(session, self)
         self._register(session_id, events)
         sink = self._sink(events)
         try:
@@ -455,7 +478,7 @@ class AsyncEngine:
                                                      backlog=session.backlog, max_slots=stream_slots),
                        session_id, sink)
         except EngineError:
-            self._unregister(session_id)
+            self._unregister(session_id, events)
             raise
         return session
 
@@ -529,32 +552,6 @@ def _rejected(error: EngineError) -> EngineError:
     return error
 
 
-def _post(items) -> None:
-    """Hands (loop, target, item) triples to their event loops, one callback per loop."""
-    by_loop: dict = {}
-    for loop, target, item in items:
-        by_loop.setdefault(loop, []).append((target, item))
-    for loop, batch in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, batch)
-        except RuntimeError:
-            pass  # that event loop is closed: nobody is listening any more
-
-
-def _put_all(batch) -> None:
-    for target, item in batch:
-        target.put_nowait(item)
-
-
-class _Resolve:
-    def __init__(self, future):
-        self._future = future
-
-    def put_nowait(self, _) -> None:
-        if not self._future.done():
-            self._future.set_result(None)
-
-
 class _Append(typing.NamedTuple):
     """An audio append command; the engine thread applies consecutive ones with one `add_audio_many`."""
 
@@ -570,13 +567,14 @@ class _SessionLink:
     def __init__(self, engine: AsyncEngine, session_id: str):
         self._engine = engine
         self._session_id = session_id
+        self.events: _SessionEvents | None = None  # the session's registry entry, set once it exists
 
     def send_audio(self, mel_slots, samples: float, total_slots: int | None = None) -> None:
         self._engine._send(_Append(self._session_id, mel_slots, samples, total_slots), self._session_id)
 
     def abort(self, reason: str) -> None:
         engine, session_id = self._engine, self._session_id
-        engine._unregister(session_id)
+        engine._unregister(session_id, self.events)
         logger.debug("transcription session %s aborted: %s", session_id, reason)
         engine._send_quietly(lambda: engine.core.abort(session_id), session_id)
 
@@ -591,4 +589,4 @@ class _SessionEvents:
     def put_nowait(self, event) -> None:
         self._session._put(event)
         if self._session.outcome is not None:  # done, failed or aborted: the engine holds it no more
-            self._engine._unregister(self._session.session_id)
+            self._engine._unregister(self._session.session_id, self)

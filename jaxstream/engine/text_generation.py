@@ -1,10 +1,11 @@
 """The rules of vLLM's `generate` that need no engine state, which `AsyncEngine.generate` applies on the event
 loop (specs/streaming_semantics.md): a prompt's token ids, a streaming-input chunk checked against its
-session, and a slow consumer's queued outputs merged into one."""
+session, a slow consumer's queued outputs merged into one, and the abort of a session whose first chunk never
+came."""
 import asyncio
 import dataclasses
 
-from jaxstream.engine.requests import RequestOutput, SamplingParams, StreamingInput
+from jaxstream.engine.requests import CompletionOutput, RequestOutput, SamplingParams, StreamingInput
 from jaxstream.errors import InvalidRequestError
 
 
@@ -59,3 +60,10 @@ def _merged(first: RequestOutput, second: RequestOutput) -> RequestOutput:
     completion = dataclasses.replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
                                      logprobs=logprobs)
     return dataclasses.replace(second, outputs=[completion])
+
+
+def aborted_before_start(request_id: str) -> RequestOutput:
+    """The final output of a streaming request aborted before its first chunk: nothing was prompted or generated."""
+    aborted = CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
+                               finish_reason="abort")
+    return RequestOutput(request_id, [], [aborted], finished=True)
