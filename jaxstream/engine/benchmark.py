@@ -113,7 +113,7 @@ class BenchResult:
     host_ms_mean: float | None
     host_ms_p50: float | None
     host_ms_p99: float | None
-    host_cpu_ms_p50: float | None  # the engine thread's CPU time per tick, its work between ticks included (robust to load)
+    host_cpu_ms_p50: float | None  # the engine thread's CPU per tick, its work between ticks included (robust to load)
     host_cpu_ms_p99: float | None
     # Of the engine thread's CPU per tick: inside the device's calls (dispatch, reading results; on CPU
     # partly the programs' own first operations), and the rest, the engine's own host work.
