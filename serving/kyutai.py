@@ -235,7 +235,9 @@ class KyutaiAsr:
         try:
             message = msgpack.unpackb(data, raw=False)
         except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
-            raise KyutaiError("invalid_msgpack", f"The frame is not one msgpack message: {exc}") from None
+            # msgpack's FormatError (a byte no message starts with) has no text of its own.
+            reason = str(exc) or f"{type(exc).__name__}: byte {data[:1].hex()} starts no msgpack value"
+            raise KyutaiError("invalid_msgpack", f"The frame is not one msgpack message: {reason}") from None
         if not isinstance(message, dict):
             raise KyutaiError("invalid_message", "Each message must be a msgpack map with a `type` key")
         kind = message.get("type")

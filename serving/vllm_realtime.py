@@ -235,8 +235,10 @@ class VllmRealtime:
         if delay is not None:
             allowed = self.server.allowed_delays_ms
             if isinstance(delay, bool) or not isinstance(delay, int) or delay not in allowed:
-                raise ProtocolError("invalid_request", f"transcription_delay_ms must be one of "
-                                    f"{', '.join(map(str, allowed))}, got {wire_json.shown(delay)}")
+                # Shown as JSON would write it: a string "480" must not read as the number it holds.
+                got = json.dumps(wire_json.shown(delay)) if isinstance(delay, str) else wire_json.shown(delay)
+                raise ProtocolError("invalid_request", f"transcription_delay_ms must be an integer, one of "
+                                    f"{', '.join(map(str, allowed))}; got {got}")
         vad_asked = "turn_detection" in event and not self.compat  # vLLM ignores unknown fields
         turn_detection = self._parse_turn_detection(event["turn_detection"]) if vad_asked else self.turn_detection
         vad_moves = turn_detection != self.turn_detection

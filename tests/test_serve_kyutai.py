@@ -292,7 +292,7 @@ async def still_usable(client):
 
 
 _MALFORMED = {
-    "not msgpack": (b"\xc1", "not one msgpack message"),  # a byte msgpack never uses
+    "not msgpack": (b"\xc1", "not one msgpack message: FormatError: byte c1"),  # a byte msgpack never uses
     "two messages": (packed({"type": "Audio"}) + b"\x00", "not one msgpack message"),
     "not a map": (packed([1, 2]), "msgpack map"),
     "no type": (packed({"pcm": []}), "Unknown message type: None"),

@@ -78,6 +78,9 @@ async def test_update_is_acknowledged_in_strict_mode_and_silent_in_vllm_mode(ser
     ({"model": 7}, "model_not_found", "`7`"),
     ({"model": "MODEL", "transcription_delay_ms": 100}, "invalid_request", "transcription_delay_ms"),
     ({"model": "MODEL", "transcription_delay_ms": True}, "invalid_request", "transcription_delay_ms"),
+    # A string that holds an allowed number is shown as the string it is, not as the number.
+    ({"model": "MODEL", "transcription_delay_ms": "480"}, "invalid_request", 'an integer, one of 80, '),
+    ({"model": "MODEL", "transcription_delay_ms": "480"}, "invalid_request", '; got "480"'),
 ])
 async def test_bad_session_update(server, model, update, code, contains):
     client = await RealtimeClient.connect(server.url())
