@@ -16,6 +16,7 @@ Routes (specs/realtime_protocols.md §0):
     GET /metrics                           Prometheus text (no auth, as vLLM)
     anything else                          404 `unknown_url` / 405 with Allow, in OpenAI's error shape; a WebSocket
                                            route asked without an upgrade: 426 (http_errors.routing_errors_middleware)
+    OPTIONS (CORS preflight), any path     answered before auth, as vLLM does (cors.py)
 
 The engine is either given (tests, embedding: the caller owns it) or built by `engine_factory` on a daemon
 thread after the app starts, so /health answers 503 while every bucket compiles; the app then owns it:
@@ -42,8 +43,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from jaxstream.serving import demo, envelope, kyutai, openai_realtime, realtime_dialects
 from jaxstream.serving.auth import OPEN_PATHS, auth_middleware, is_authorized
 from jaxstream.serving.config import ServerConfig
+from jaxstream.serving.cors import Cors
 from jaxstream.serving.http_completions import add_completion_routes
 from jaxstream.serving.http_errors import error_response, routing_errors_middleware
+from jaxstream.serving.http_log import quiet_malformed_requests
 from jaxstream.serving.http_sessions import add_streaming_input_routes
 from jaxstream.serving.http_transcriptions import add_transcription_routes
 from jaxstream.serving.limits import (
@@ -182,12 +185,17 @@ def create_app(config: ServerConfig | None = None, *, engine=None, engine_factor
     open_paths = OPEN_PATHS | demo.PUBLIC_PATHS
     # /ws checks its key itself: its protocol answers a bad one after the upgrade (error, close 4001).
     # Routing's refusals are answered last, inside auth and the key's limits: they apply to any path.
-    app = web.Application(middlewares=[state.first_request.middleware(),
+    # CORS preflights are answered before auth (a browser sends them without the key) and on any path, as
+    # Starlette's middleware does in vLLM; every other answer gets its CORS headers as it is prepared.
+    quiet_malformed_requests()  # aiohttp's ERROR and traceback for each request it cannot parse: one WARNING line
+    cors = Cors.from_config(config)
+    app = web.Application(middlewares=[state.first_request.middleware(), cors.middleware(),
                                        auth_middleware(config.api_keys, open_paths | {envelope.ROUTE}),
                                        key_limits_middleware(state.key_limits, open_paths),
                                        routing_errors_middleware(WEBSOCKET_ROUTES)],
                           client_max_size=64 << 10)
     app[SERVER] = state
+    app.on_response_prepare.append(cors.on_response_prepare)
     app.router.add_get("/v1/realtime", _realtime)
     app.router.add_get("/invocations-bidirectional-stream", _sagemaker)
     app.router.add_get(envelope.ROUTE, _envelope)

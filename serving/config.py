@@ -3,7 +3,8 @@
 The TOML has up to four tables, each optional; command-line flags override it:
 
     model = "tiny"            # top level: what to serve
-    [server]   host, port, compat, served_model_name, drain_timeout_s, the /ws rate limits (ws_*)
+    [server]   host, port, compat, served_model_name, drain_timeout_s, the /ws rate limits (ws_*), CORS
+               (allowed_origins, allowed_methods, allowed_headers, allow_credentials)
     [limits]   any field of serving.limits.Limits
     [engine]   any EngineConfig field with a plain value (max_sessions, default_delay_ms, buckets, ...)
 
@@ -15,9 +16,11 @@ import tomllib
 from pathlib import Path
 
 from jaxstream.errors import UserError
+from jaxstream.serving.cors import check_origins
 from jaxstream.serving.limits import Limits
 
 COMPAT_MODES = ("strict", "vllm")
+CORS_LISTS = ("allowed_origins", "allowed_methods", "allowed_headers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +40,13 @@ class ServerConfig:
     ws_message_window_s: float = 60.0
     ws_max_cancels_per_window: int = 50
     ws_cancel_window_s: float = 60.0
+    # CORS (serving/cors.py), as vLLM's flags and defaults: the origins browser pages may call the API from, the
+    # methods and request headers their preflights may ask for ("*": any), and whether their requests may carry
+    # credentials. Any sequence of strings; kept as a tuple.
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
     limits: Limits = dataclasses.field(default_factory=Limits)
 
     def __post_init__(self):
@@ -55,6 +65,15 @@ class ServerConfig:
             value, whole = getattr(self, name), name.startswith("ws_max_")
             if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive {'whole ' if whole else ''}number, got {value!r}")
+        for name in CORS_LISTS:
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(
+                    isinstance(item, str) and item for item in value):
+                raise ValueError(f"{name} must be a list of non-empty strings, got {value!r}")
+            object.__setattr__(self, name, tuple(value))  # a TOML array or a flag's JSON list
+        check_origins(self.allowed_origins)
+        if not isinstance(self.allow_credentials, bool):
+            raise ValueError(f"allow_credentials must be true or false, got {self.allow_credentials!r}")
 
     @property
     def vllm_compat(self) -> bool:
@@ -99,7 +118,8 @@ def load_server_file(name: str) -> ServerFile:
 
     server = _table(data, "server", {"host", "port", "compat", "served_model_name", "drain_timeout_s",
                                      "ws_max_messages_per_window", "ws_message_window_s",
-                                     "ws_max_cancels_per_window", "ws_cancel_window_s"}, source)
+                                     "ws_max_cancels_per_window", "ws_cancel_window_s", *CORS_LISTS,
+                                     "allow_credentials"}, source)
     limits = _table(data, "limits", {f.name for f in dataclasses.fields(Limits)}, source)
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"mesh", "compat"}
     engine = {key: _tuples(value) for key, value in _table(data, "engine", engine_fields, source).items()}

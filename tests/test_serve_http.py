@@ -7,6 +7,7 @@ import asyncio
 import io
 import itertools
 import json
+import logging
 import os
 import socket
 import types
@@ -21,7 +22,7 @@ from aiohttp.test_utils import TestServer
 from jaxstream.serving import sse
 from jaxstream.serving.audio_codecs import encode_pcm16_base64
 from jaxstream.serving.http_sessions import REPLICA_HEADER, STREAMING_INPUT
-from jaxstream.serving.testing import wait_engine_baseline, wait_engine_sessions
+from jaxstream.serving.testing import wait_engine_baseline, wait_engine_sessions, wait_until
 from serve_fixtures import audio, engine, engine_returns_to_baseline, model, server  # noqa: F401 - pytest fixtures
 
 pytestmark = pytest.mark.slow
@@ -148,6 +149,29 @@ async def test_stream_log_keepalive_first_event_timeout_and_replay_gap():
             assert events[0][1]["error"]["code"] == "invalid_last_event_id"
     finally:
         await test_server.close()
+
+
+@pytest.mark.parametrize("head", [
+    b"Content-Length: abc\r\n",  # not a number
+    b"Transfer-Encoding: chunked\r\n\r\nZZ\r\n",  # a chunk size that is not hex
+    b"X-Long: " + b"x" * 20_000 + b"\r\n",  # a header line over aiohttp's 8190 bytes
+], ids=["content_length", "chunk_size", "long_header"])
+async def test_a_malformed_request_is_one_warning_line_not_an_error_with_a_traceback(server, head, caplog):
+    """aiohttp answers a request it cannot parse with a 400 and logged it at ERROR with the parser's traceback: a
+    scanner could fill the log and set off alerts that key on ERROR."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.server.port)
+    try:
+        with caplog.at_level(logging.INFO, logger="aiohttp.server"):
+            writer.write(b"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n")
+            await writer.drain()
+            status = await asyncio.wait_for(reader.readline(), 10)
+            await wait_until(lambda: any(r.name == "aiohttp.server" for r in caplog.records))
+    finally:
+        writer.close()
+    assert status.split()[1] == b"400", status
+    (record,) = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert record.levelno == logging.WARNING and record.exc_info is None and "\n" not in record.getMessage()
+    assert "malformed request answered 400: " in record.getMessage(), record.getMessage()
 
 
 async def test_client_disconnect_aborts_the_engine_session(server, model, audio):

@@ -4,7 +4,8 @@ HTTP streaming-input sessions, a browser microphone demo at `/`, health, models 
 
     jaxstream serve [MODEL] [--host H] [--port P] [--api-key K | --api-key-file F] [--max-sessions N]
                     [--delay-ms MS] [--max-session-seconds S] [--idle-timeout S] [--compat vllm]
-                    [--config server.toml]
+                    [--allowed-origins JSON] [--allowed-methods JSON] [--allowed-headers JSON]
+                    [--allow-credentials] [--config server.toml]
 
 The server listens first, then loads the model and compiles every bucket before it reports ready (GET /health
 answers 503 until then); a host or port it cannot listen on fails at once, before any loading. SIGTERM or
@@ -16,6 +17,8 @@ runs the same command and one engine spans all their devices, tensor parallel. P
 follow its dispatches (`jaxstream/engine/multihost.py`), ignore SIGTERM and SIGINT (the leader's drain still
 needs them) and exit when the leader stops.
 """
+import argparse
+import json
 import os
 import signal
 import sys
@@ -72,12 +75,35 @@ def register(subparsers) -> None:
                              "(default strict)")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="model id clients name in session.update (default: MODEL as given)")
+    # CORS, with vLLM's flag names, JSON lists and defaults (serving/cors.py).
+    parser.add_argument("--allowed-origins", type=_json_list, default=None, metavar="JSON",
+                        help='origins browser pages may call the API from, a JSON list such as '
+                             '\'["https://app.example.com"]\' (default \'["*"]\': any)')
+    parser.add_argument("--allowed-methods", type=_json_list, default=None, metavar="JSON",
+                        help="methods cross-origin requests may use, a JSON list (default '[\"*\"]': any)")
+    parser.add_argument("--allowed-headers", type=_json_list, default=None, metavar="JSON",
+                        help="request headers cross-origin requests may send, a JSON list (default '[\"*\"]': any)")
+    parser.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=None,
+                        help="let cross-origin requests carry credentials (cookies, HTTP auth; default off)")
     parser.add_argument("--config", default=None, metavar="TOML",
                         help="server TOML (path or preset name, e.g. 'server'); flags override it")
     parser.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"),
                         help="jaxstream's log level (default info: one line per connection; -vv: debug)")
     distributed.add_arguments(parser)
     parser.set_defaults(func=run)
+
+
+def _json_list(text: str) -> list:
+    """A flag's JSON list of strings, as vLLM's CORS flags take them (json.loads), refused when not a list: vLLM
+    would take the string '"https://a.com"' and match origins against its characters."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as '[\"https://app.example.com\"]', "
+                                         f"got {text[:80]!r}")
+    return value
 
 
 def run(args) -> int:
@@ -105,7 +131,9 @@ def _run(args) -> int:
     limits = dict(file.limits) if file else {}
     engine = dict(file.engine) if file else {}
     _override(server, host=args.host, port=args.port, compat=args.compat, drain_timeout_s=args.drain_timeout,
-              served_model_name=args.served_model_name)
+              served_model_name=args.served_model_name, allowed_origins=args.allowed_origins,
+              allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
+              allow_credentials=args.allow_credentials)
     _override(limits, max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
               max_session_seconds=args.max_session_seconds, max_audio_seconds=args.max_audio_seconds,
               max_payload_per_session=args.max_payload_per_session, max_streams_per_key=args.max_streams_per_key,
