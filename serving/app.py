@@ -8,6 +8,7 @@ Routes (specs/realtime_protocols.md §0):
     GET /ws                                WebSocket, the JSON-envelope protocol (envelope.py; checks its own key)
     GET /api/asr-streaming                 WebSocket, Kyutai's STT protocol: msgpack binary frames (kyutai.py)
     GET /v1/models                         OpenAI's model list: the id session.update accepts
+    GET /v1/models/{model}                 that model's entry (OpenAI's models.retrieve); 404 for another id
     POST /v1/audio/transcriptions          OpenAI's transcription upload, or Mode A streaming input
                                            (http_transcriptions.py)
     POST /v1/completions                   OpenAI's completions for a served text LM, or Mode A (http_completions.py)
@@ -40,7 +41,7 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from jaxstream.serving import demo, envelope, kyutai, openai_realtime, realtime_dialects
+from jaxstream.serving import demo, envelope, kyutai, openai_realtime, realtime_dialects, wire_json
 from jaxstream.serving.auth import OPEN_PATHS, auth_middleware, is_authorized
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.cors import Cors
@@ -201,6 +202,7 @@ def create_app(config: ServerConfig | None = None, *, engine=None, engine_factor
     app.router.add_get(envelope.ROUTE, _envelope)
     app.router.add_get(kyutai.ROUTE, _kyutai)
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model:.+}", _model)
     for path in HEALTH_PATHS:
         app.router.add_get(path, _health)
     app.router.add_get("/metrics", _metrics)
@@ -376,9 +378,24 @@ async def _models(request: web.Request) -> web.Response:
     state = request.app[SERVER]
     if state.engine is None:
         return error_response(503, "not_ready", "The model is still loading")
-    return web.json_response({"object": "list", "data": [{
-        "id": state.model_id, "object": "model", "created": state.created, "owned_by": "jaxstream",
-        "root": str(state.engine.model_name), "parent": None}]})
+    return web.json_response({"object": "list", "data": [_model_object(state)]})
+
+
+async def _model(request: web.Request) -> web.Response:
+    """OpenAI's `GET /v1/models/{model}` (the SDK's `models.retrieve`); the id may hold slashes (a hub name)."""
+    state = request.app[SERVER]
+    if state.engine is None:
+        return error_response(503, "not_ready", "The model is still loading")
+    model = request.match_info["model"]
+    if model != state.model_id:
+        return error_response(404, "model_not_found", f"The model `{wire_json.shown(model)}` does not exist; this "
+                              f"server serves `{state.model_id}`")
+    return web.json_response(_model_object(state))
+
+
+def _model_object(state: ServerState) -> dict:
+    return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "jaxstream",
+            "root": str(state.engine.model_name), "parent": None}
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -196,3 +196,17 @@ async def test_routing_errors_are_counted_apart_from_the_servers_errors(server):
     assert counted == {("404", "unknown_url"): 2, ("405", "method_not_allowed"): 1, ("426", "upgrade_required"): 1}
     assert not [key for key in after if key[0] == "jaxstream_errors_total" and dict(key[1])["code"] in
                 dict(refusals).values()], after
+
+
+async def test_the_sdk_retrieves_the_served_model_and_is_told_of_another(server):
+    """OpenAI's `GET /v1/models/{model}` (the SDK's `models.retrieve`, which clients call to check a model): the
+    served model's entry, as /v1/models lists it; another id is a 404 `model_not_found` naming the served one."""
+    client = openai.AsyncOpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0)
+    model_id = server.state.model_id
+    (listed,) = (await client.models.list()).data
+    assert (await client.models.retrieve(model_id)).model_dump() == listed.model_dump()
+    with pytest.raises(openai.NotFoundError) as refused:
+        await client.models.retrieve("org/other-model")
+    error = refused.value.body
+    assert error["code"] == "model_not_found" and "`org/other-model`" in error["message"], error
+    assert model_id in error["message"], error
