@@ -1,13 +1,14 @@
 """OpenAI's `POST /v1/audio/transcriptions` over the realtime engine (specs/realtime_protocols.md §7.1, §8).
 
 A multipart upload as OpenAI's SDK sends it: `file`, `model`, `response_format` (json | text | verbose_json
-| srt | vtt), `timestamp_granularities[]` (segment, word), `stream`, `include[]=logprobs` (json only, as
-OpenAI: each text token's `{token, logprob, bytes}` in the answer and the stream events), `language` (an
-ISO-639-1 code, as vLLM takes one: of OpenAI's list, or another of Whisper's with a warning logged; languages.py;
-verbose_json reports it by name, as OpenAI does), and fields the model neither needs nor uses, checked as OpenAI
-types them and otherwise ignored (`temperature`, a number from 0 to 1: the model decodes greedily;
-`chunking_strategy`, "auto" or a server_vad object: the audio streams through whole; `languages[]`, codes as
-`language`'s; `prompt` and the rest, any text). A field that does not parse is a 400, as OpenAI answers it.
+| srt | vtt), `timestamp_granularities[]` (segment, word; verbose_json only, as OpenAI), `stream`,
+`include[]=logprobs` (json only, as OpenAI: each text token's `{token, logprob, bytes}` in the answer and the stream
+events), `language` (an ISO-639-1 code, as vLLM takes one: of OpenAI's list, or another of Whisper's with a warning
+logged; languages.py; verbose_json reports it by name, as OpenAI does), and fields the model neither needs nor
+uses, checked as OpenAI types them and otherwise ignored (`temperature`, a number from 0 to 1: the model decodes
+greedily; `chunking_strategy`, "auto" or a server_vad object: the audio streams through whole; `languages[]`, codes
+as `language`'s; `prompt`, any text up to 1 MiB; the rest, short text). A field that does not parse is a 400, as
+OpenAI answers it.
 An empty file is an `invalid_audio` 400; one that does not decode names its filename and the formats the decoder
 reads. The form is read before the request is admitted, so it must keep arriving at a minimum average rate after
 a grace period (`body_grace_s`, `body_min_rate`; a slower body is a 408 that closes the connection). Once the
@@ -17,11 +18,13 @@ answer is SSE: `transcript.text.delta` events then `transcript.text.done`, and t
 soon as the client goes away.
 
 With `X-Streaming-Input: true` the body is Mode A's NDJSON instead (streaming_input.py): an optional
-parameters line (`model`, `delay_ms`, `include: ["logprobs"]`, `language`, `start_policy`, ...), then chunks
-of base64 PCM16 16 kHz audio; the answer is the same SSE stream, produced while the audio still arrives.
+parameters line (`model`, `delay_ms`, `include: ["logprobs"]`, `language`, `start_policy`, `response_format` json
+or text, ...), then chunks of base64 PCM16 16 kHz audio; the answer is the same SSE stream, produced while the
+audio still arrives (a parameter asking for another answer, `stream: false` or srt, is refused as the upload's is).
 
 `AudioInput` is the engine side of an audio stream for Mode A and Mode B (http_sessions.py) alike;
-`pump_transcription` turns an engine session's events into the OpenAI stream events.
+`pump_transcription` turns an engine session's events into the OpenAI stream events; transcript_formats.py writes
+an upload's answer in its response_format.
 """
 import asyncio
 import logging
@@ -34,7 +37,7 @@ from aiohttp import BodyPartReader, web
 from jaxstream.engine.transcription_session import TranscriptionDelta, TranscriptionDone
 from jaxstream.errors import EngineError
 from jaxstream.models.audio import SAMPLING_RATE, AudioError, AudioTooLongError, load_audio
-from jaxstream.serving import sse, streaming_input
+from jaxstream.serving import sse, streaming_input, wire_json
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_pcm16_base64
 from jaxstream.serving.engine_sessions import start_session, token_logprobs
 from jaxstream.serving.http_errors import (
@@ -44,14 +47,18 @@ from jaxstream.serving.http_errors import (
 from jaxstream.serving.languages import OTHER as OTHER_LANGUAGES
 from jaxstream.serving.languages import find_language, language_name
 from jaxstream.serving.limits import drain_notice, drain_truncation, holds_stream
+from jaxstream.serving.transcript_formats import RESPONSE_FORMATS, STREAM_FORMATS, answer
 
 logger = logging.getLogger(__name__)
 
 MAX_FILE_BYTES = 25 << 20  # OpenAI's upload limit
 _FIELD_BYTES = 4 << 10  # a form field that is not the file
-# The whole form: the file and some fields. OpenAI's SDK sends a dozen parts at most; without these caps a
-# body of endless small fields (or a gzip body inflating to them) was read whole, each field kept.
-_FORM_BYTES = MAX_FILE_BYTES + (1 << 20)
+# `prompt`: OpenAI takes a long one (its model reads the last 224 tokens of it) and vLLM any up to Starlette's
+# 1 MiB a form part, which its Voxtral ignores, as this server's models do: it is counted, never kept.
+_PROMPT_BYTES = 1 << 20
+# The whole form: the file, a prompt and some fields. OpenAI's SDK sends a dozen parts at most; without these caps
+# a body of endless small fields (or a gzip body inflating to them) was read whole, each field kept.
+_FORM_BYTES = MAX_FILE_BYTES + _PROMPT_BYTES + (1 << 20)
 _MAX_PARTS = 64
 # The fields the route reads or checks; others are skipped. chunking_strategy's server_vad object comes as
 # `chunking_strategy[type]`, ... (the SDK's bracketed form), read as fields too.
@@ -64,10 +71,6 @@ _SHOWN = 40  # characters of a refused value or a filename echoed in an error
 # metadata names none; both transcribe English by default (the embedded tiny model was trained on English only),
 # as vLLM assumes `en` for its Whisper models when a request names none.
 DEFAULT_LANGUAGE = "en"
-RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
-_STREAM_FORMATS = ("json", "text")  # as OpenAI: a stream carries text events, not subtitles
-_SEGMENT_GAP_S = 1.0  # a pause this long between words starts a new segment
-_SEGMENT_MAX_S = 30.0
 _PUMP_END_S = 5.0
 
 
@@ -254,7 +257,8 @@ async def _parse_form(request: web.Request) -> tuple[bytes, dict, dict[str, list
     directly: the app's body limit is sized for small JSON, not uploads. The form is read before the request is
     admitted, so at the body's minimum rate."""
     if not request.content_type.startswith("multipart/form-data"):
-        raise RequestError(400, "invalid_request", "Send the audio as multipart/form-data with a `file` field")
+        raise RequestError(400, "invalid_request", "Send the audio as multipart/form-data with a `file` field, or "
+                           "as NDJSON chunks with the header `X-Streaming-Input: true`")
     return await read_before_admission(request, _read_form(request))
 
 
@@ -277,7 +281,8 @@ async def _read_form(request: web.Request) -> tuple[bytes, dict, dict[str, list[
         else:
             base = name.removesuffix("[]")
             read = name in _FIELDS or name.startswith(_OBJECT_FIELDS)
-            value, size = await _read_part(part, _FIELD_BYTES, name, limits, room, keep=read or base in lists)
+            cap = _PROMPT_BYTES if name == "prompt" else _FIELD_BYTES
+            value, size = await _read_part(part, cap, name, limits, room, keep=read or base in lists)
             if base in lists:
                 lists[base].append(value.decode("utf-8", "replace"))
             elif read:
@@ -409,6 +414,30 @@ async def _feed(stream: AudioInput, pcm) -> None:
         logger.debug("feeding the upload stopped: %s", exc)
 
 
+def check_answer(response_format, granularities: bool, logprobs: bool, stream: bool, *, status: int = 400,
+                 lists: str = "[]") -> None:
+    """RequestError `status` for an answer the route cannot give: a response_format it does not know, one that
+    does not carry what the request asks for (timestamp granularities, logprobs), or a stream of subtitles. The
+    upload's parameters and Mode A's (always a stream; JSON, so its list parameters are named without the form's
+    `[]`: `lists`)."""
+    if response_format not in RESPONSE_FORMATS:
+        raise RequestError(status, "invalid_request", f"response_format must be one of {', '.join(RESPONSE_FORMATS)}"
+                           f", got {wire_json.shown(repr(response_format), _SHOWN)}", "response_format")
+    if granularities and response_format != "verbose_json":
+        # OpenAI's refusal, in its words. vLLM documents the same rule and does not check it: the granularities were
+        # ignored, and a client asking for word timings got a 200 without them.
+        raise RequestError(status, "invalid_request", "`response_format` must be `verbose_json` if "
+                           "`timestamp_granularities[]` is provided", f"timestamp_granularities{lists}")
+    if logprobs and response_format != "json":
+        raise RequestError(status, "invalid_request", "include[]=logprobs needs response_format json",
+                           f"include{lists}")
+    if stream and response_format not in STREAM_FORMATS:
+        shown = wire_json.shown(repr(response_format), _SHOWN)
+        raise RequestError(status, "invalid_request", f"response_format {shown} cannot be "
+                           "streamed; use json or text", "response_format")
+
+
+
 def parse_include(params: dict, param: str) -> bool:
     """Whether a streaming-input request's `include` (a list, as OpenAI's `include[]`) asks for logprobs."""
     include = params.get("include") or []
@@ -436,9 +465,6 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
         check_model(state, fields.get("model"), "realtime")
         language = _check_typed_fields(fields, lists) or DEFAULT_LANGUAGE
         response_format = fields.get("response_format", "json")
-        if response_format not in RESPONSE_FORMATS:
-            raise RequestError(400, "invalid_request", f"response_format must be one of "
-                               f"{', '.join(RESPONSE_FORMATS)}, got {response_format!r}", "response_format")
         unknown = set(granularities) - {"word", "segment"}
         if unknown:
             raise RequestError(400, "invalid_request", f"Unknown timestamp granularity {sorted(unknown)[0]!r}; "
@@ -448,13 +474,8 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
             raise RequestError(400, "invalid_request", f"Unknown include value {sorted(unknown)[0]!r}; use logprobs",
                                "include[]")
         logprobs = "logprobs" in lists["include"]
-        if logprobs and response_format != "json":
-            raise RequestError(400, "invalid_request", "include[]=logprobs needs response_format json",
-                               "include[]")
         stream = _flag(fields, "stream")
-        if stream and response_format not in _STREAM_FORMATS:
-            raise RequestError(400, "invalid_request", f"response_format {response_format!r} cannot be "
-                               "streamed; use json or text", "response_format")
+        check_answer(response_format, bool(granularities), logprobs, stream)
         audio_input = AudioInput(state, log=sse.EventLog() if stream else None, logprobs=logprobs)
         handle = streaming_input.DrainHandle(audio_input)
         streaming_input.admit(state, handle)  # before the decoding: the connection limit bounds the decodes
@@ -487,8 +508,8 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
             return engine_request_error(done).response()
         if done is None:
             return error_response(500, "aborted", "The transcription was aborted")
-        return _answer(done, response_format, granularities, language,
-                       token_logprobs(state.engine.tokenizer, done.token_ids, done.logprobs) if logprobs else None)
+        return answer(done, response_format, granularities, language,
+                      token_logprobs(state.engine.tokenizer, done.token_ids, done.logprobs) if logprobs else None)
     finally:
         await asyncio.shield(streaming_input.end_request(state, handle, feeder))
 
@@ -505,69 +526,20 @@ async def _streaming_input(request: web.Request, state) -> web.StreamResponse:
     if streaming_input.parse_modality(params, "audio") != "audio":
         raise RequestError(422, "unsupported_modality", "/v1/audio/transcriptions takes audio", "modality")
     check_language(params.get("language"), "language", 422)  # not used by the model, and checked as the form's is
+    logprobs = parse_include(params, "include")
+    # The answer is a stream whatever the line says: a value asking for another answer is refused, as the upload
+    # refuses it (the line's response_format, stream and timestamp_granularities were ignored).
+    stream = params.get("stream")
+    if stream is not None and stream is not True:
+        shown = wire_json.shown(repr(stream), _SHOWN)
+        raise RequestError(422, "invalid_request", f"stream must be true or absent, got {shown}: with "
+                           "X-Streaming-Input the answer is an SSE stream", "stream")
+    response_format = params.get("response_format")
+    check_answer("json" if response_format is None else response_format,
+                 bool(params.get("timestamp_granularities")), logprobs, True, status=422, lists="")
     policy = streaming_input.parse_start_policy(params, "audio")
-    audio_input = AudioInput(state, parse_delay_ms(params, state, "delay_ms"), sse.EventLog(),
-                             logprobs=parse_include(params, "include"))
+    audio_input = AudioInput(state, parse_delay_ms(params, state, "delay_ms"), sse.EventLog(), logprobs=logprobs)
     return await streaming_input.serve_mode_a(request, state, audio_input, policy, objects, first_chunk)
-
-
-# -- answers ----------------------------------------------------------------------------------------------
-def _answer(done, response_format: str, granularities: list[str], language: str,
-            logprobs: list[dict] | None) -> web.Response:
-    if response_format == "text":
-        return web.Response(text=done.text + "\n", content_type="text/plain")
-    if response_format == "json":
-        body = {"text": done.text, "usage": {"type": "duration", "seconds": done.usage.audio_seconds}}
-        return web.json_response(body if logprobs is None else {**body, "logprobs": logprobs})
-    segments = _segments(done.words)
-    if response_format == "srt":
-        return web.Response(text=_subtitles(segments, ","), content_type="application/x-subrip")
-    if response_format == "vtt":
-        return web.Response(text="WEBVTT\n\n" + _subtitles(segments, "."), content_type="text/vtt")
-    body = {"task": "transcribe", "language": language_name(language),
-            "duration": done.usage.audio_seconds, "text": done.text,
-            "segments": segments if "segment" in granularities or "word" not in granularities else None,
-            "usage": {"type": "duration", "seconds": done.usage.audio_seconds}}
-    if "word" in granularities:
-        body["words"] = [{"word": w.word, "start": w.start, "end": w.end} for w in done.words]
-    if body["segments"] is None:
-        del body["segments"]
-    return web.json_response(body)
-
-
-def _segments(words) -> list[dict]:
-    """Words grouped into segments at sentence ends, pauses and every 30 s (the model emits no segments of
-    its own); fields as Whisper's, with the statistics we do not compute left at neutral values."""
-    groups, current = [], []
-    for word in words:
-        if current and (word.start - current[-1].end > _SEGMENT_GAP_S
-                        or word.end - current[0].start > _SEGMENT_MAX_S):
-            groups.append(current)
-            current = []
-        current.append(word)
-        if word.word.endswith((".", "?", "!")):
-            groups.append(current)
-            current = []
-    if current:
-        groups.append(current)
-    return [{"id": i, "seek": 0, "start": group[0].start, "end": group[-1].end,
-             "text": " ".join(w.word for w in group), "tokens": [], "temperature": 0.0, "avg_logprob": 0.0,
-             "compression_ratio": 0.0, "no_speech_prob": 0.0} for i, group in enumerate(groups)]
-
-
-def _timestamp(seconds: float, separator: str) -> str:
-    ms = round(seconds * 1000)
-    return f"{ms // 3600000:02d}:{ms // 60000 % 60:02d}:{ms // 1000 % 60:02d}{separator}{ms % 1000:03d}"
-
-
-def _subtitles(segments: list[dict], separator: str) -> str:
-    """SRT cues (numbered, `,` before milliseconds) or WebVTT cues (`.`), one per segment."""
-    cues = []
-    for segment in segments:
-        number = f"{segment['id'] + 1}\n" if separator == "," else ""
-        cues.append(f"{number}{_timestamp(segment['start'], separator)} --> "
-                    f"{_timestamp(segment['end'], separator)}\n{segment['text']}\n")
-    return "\n".join(cues)
 
 
 def add_transcription_routes(app: web.Application) -> None:

@@ -371,9 +371,19 @@ async def end_request(state, handle: DrainHandle, *tasks: asyncio.Task) -> None:
 
 
 # -- Mode A: one chunked request with an NDJSON body ---------------------------------------------------------
+_HEADER_FLAGS = {"true": True, "1": True, "false": False, "0": False, "": False}  # as the form's boolean fields
+
+
 def is_streaming_input(request: web.Request) -> bool:
-    return (request.headers.get("X-Streaming-Input", "").strip().lower() == "true"
-            or request.content_type == "application/x-multipart-streaming")
+    """Whether a request is Mode A: the header `X-Streaming-Input` true (the RFC's value; also 1, in any case, as
+    the server's boolean form fields take), or the RFC's content type. RequestError 400 for a header value that is
+    neither true nor false: `yes` was read as false, and its client was told to send a multipart form."""
+    value = request.headers.get("X-Streaming-Input", "").strip()
+    flag = _HEADER_FLAGS.get(value.lower())
+    if flag is None:
+        raise RequestError(400, "invalid_request", f"X-Streaming-Input must be true or false, got {value[:40]!r}: "
+                           "`X-Streaming-Input: true` streams the input as NDJSON chunks", "X-Streaming-Input")
+    return flag or request.content_type == "application/x-multipart-streaming"
 
 
 async def ndjson_objects(request: web.Request, limits):

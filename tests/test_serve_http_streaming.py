@@ -83,6 +83,51 @@ def test_curl_mode_a_without_a_parameters_line(server, audio, reference, tmp_pat
     assert transcript(events) == reference.text
 
 
+async def post_mode_a(server, body: bytes, value: str = "true") -> tuple[int, str]:
+    """(status, body text) of a Mode A request with the header `X-Streaming-Input: <value>`."""
+    async with aiohttp.ClientSession() as http:
+        async with http.post(server.url("/v1/audio/transcriptions", "http"), data=body,
+                             headers={"X-Streaming-Input": value}) as response:
+            return response.status, await response.text()
+
+
+async def test_mode_a_takes_the_header_as_the_form_takes_a_flag(server, model, audio, reference):
+    """Only `X-Streaming-Input: true` switched Mode A on: `1` or `True ` was taken for an upload, and answered "Send
+    the audio as multipart/form-data", without a word of the header. The header takes the values the form's boolean
+    fields take (true, false, 1, 0, in any case), and another value is refused naming it."""
+    body = b"".join(ndjson(model, audio))
+    for value in ("1", "True "):
+        status, text = await post_mode_a(server, body, value)
+        assert status == 200 and transcript(parse_sse(text)) == reference.text, value
+    for value in ("yes", "0"):
+        status, text = await post_mode_a(server, body, value)
+        error = json.loads(text)["error"]
+        assert (status, error["code"]) == (400, "invalid_request") and "`X-Streaming-Input: true`" in error["message"]
+
+
+@pytest.mark.parametrize("params, param, words", [
+    ({"response_format": "srt"}, "response_format", "response_format 'srt' cannot be streamed; use json or text"),
+    ({"response_format": "verbose_json", "timestamp_granularities": ["word"]}, "response_format",
+     "cannot be streamed"),
+    ({"response_format": "xml"}, "response_format", "response_format must be one of"),
+    ({"stream": False}, "stream", "stream must be true or absent, got False"),
+    ({"timestamp_granularities": ["word"]}, "timestamp_granularities", "must be `verbose_json` if"),
+    ({"response_format": "text", "include": ["logprobs"]}, "include", "logprobs needs response_format json"),
+], ids=["srt", "verbose_json", "unknown format", "stream false", "granularities", "text with logprobs"])
+async def test_mode_a_refuses_parameters_asking_for_another_answer(server, model, audio, params, param, words):
+    """Mode A's parameters line may hold the upload's fields (spec §7.1), and its answer is always the stream:
+    `response_format: srt`, `stream: false` and the like were ignored, a 200 stream in place of what was asked.
+    They are refused with the upload's wording, at the 422 of Mode A's other parameters."""
+    status, text = await post_mode_a(server, b"".join(ndjson(model, audio[:CHUNK], **params)))
+    error = json.loads(text)["error"]
+    assert (status, error["code"], error["param"]) == (422, "invalid_request", param) and words in error["message"]
+
+
+async def test_mode_a_takes_the_parameters_it_honours(server, model, audio, reference):
+    status, text = await post_mode_a(server, b"".join(ndjson(model, audio, response_format="text", stream=True)))
+    assert status == 200 and transcript(parse_sse(text)) == reference.text
+
+
 @pytest.mark.parametrize("policy, started", [
     ({"start_policy": "on_min_length", "min_audio_seconds": 1.0}, [False, True, True]),
     ({"start_policy": "on_min_length", "min_bytes": 3 * 2 * CHUNK}, [False, False, True]),

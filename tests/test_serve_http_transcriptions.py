@@ -88,6 +88,35 @@ def test_sdk_errors_in_openai_shape(client, model, wav, kwargs, error, code):
     assert raised.value.body["code"] == code and raised.value.body["message"]
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"response_format": "json"}, {"response_format": "text"},
+                                    {"response_format": "srt"}, {"response_format": "vtt"},
+                                    {"response_format": "json", "stream": True}],
+                         ids=["default", "json", "text", "srt", "vtt", "stream"])
+def test_timestamp_granularities_need_verbose_json(client, model, wav, kwargs):
+    """OpenAI refuses timestamp granularities with a response_format other than verbose_json, the one that carries
+    them (and vLLM documents the same rule). They were ignored: a 200 without the word timings asked for."""
+    granularities = ["segment"] if kwargs.get("stream") else ["word"]
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.audio.transcriptions.create(model=model, file=("sample.wav", wav), timestamp_granularities=granularities,
+                                           **kwargs)
+    body = raised.value.body
+    assert (body["code"], body["param"]) == ("invalid_request", "timestamp_granularities[]")
+    assert body["message"] == "`response_format` must be `verbose_json` if `timestamp_granularities[]` is provided"
+
+
+def test_a_long_prompt_is_taken_and_the_other_fields_stay_bounded(client, model, wav, reference):
+    """A prompt over 4 KiB was a 413 `field_too_large`. OpenAI takes a long prompt (its model reads the end of it),
+    vLLM any form part up to Starlette's 1 MiB, and its Voxtral ignores the prompt, as the models served here do: the
+    transcript is the prompt-free one. Past 1 MiB the prompt, and past 4 KiB any other field, is still a 413."""
+    result = client.audio.transcriptions.create(model=model, file=("sample.wav", wav), prompt="Lorem ipsum. " * 5000)
+    assert result.text == reference.text
+    for kwargs, param in (({"prompt": "x" * ((1 << 20) + 1)}, "prompt"), ({"language": "e" * 5000}, "language")):
+        with pytest.raises(openai.APIStatusError) as raised:
+            client.audio.transcriptions.create(model=model, file=("sample.wav", wav), **kwargs)
+        body = raised.value.body
+        assert (raised.value.status_code, body["code"], body["param"]) == (413, "field_too_large", param), body
+
+
 async def test_an_empty_stream_field_is_false(server, model, wav, reference):
     """OpenAI documents `stream` as boolean or null, and a form field has no null: empty is false, as absent
     (it was a 400)."""
