@@ -437,7 +437,6 @@ def check_answer(response_format, granularities: bool, logprobs: bool, stream: b
                            "streamed; use json or text", "response_format")
 
 
-
 def parse_include(params: dict, param: str) -> bool:
     """Whether a streaming-input request's `include` (a list, as OpenAI's `include[]`) asks for logprobs."""
     include = params.get("include") or []

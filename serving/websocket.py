@@ -149,8 +149,9 @@ async def run_websocket(request: web.Request, server, route: str, make_protocol,
         else:
             await _serve(conn)
     except asyncio.CancelledError:
-        # aiohttp cancels the handler when the TCP connection is lost: the client vanished without a close frame
-        # (a shutdown's cancel finds the drain's reason already given).
+        # With handler cancellation on (aiohttp's test server; `jaxstream serve` leaves it off, and `frames` reads the
+        # lost connection as CLOSED), aiohttp cancels the handler when the TCP connection is lost: the client vanished
+        # without a close frame. A shutdown's cancel finds the drain's reason already given.
         if request.transport is None or request.transport.is_closing():
             conn.stop(Breach("client_disconnected", CLOSE_NORMAL))
         raise

@@ -11,6 +11,7 @@ from jaxstream.engine.async_engine import AsyncEngine
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.requests import RequestOutputKind, SamplingParams, StreamingInput
 from jaxstream.engine.testing import ToyLM, toy_config, toy_next_token
+from jaxstream.errors import EngineError
 
 CFG = toy_config(vocab_size=97, window=16)
 
@@ -142,9 +143,9 @@ async def test_input_generator_error_reaches_the_caller(engine):
 @pytest.mark.parametrize("chunks_before", [0, 1])
 async def test_an_input_cancelled_by_another_task_ends_the_stream(engine, chunks_before):
     """The input's own CancelledError (a future it waits for was cancelled elsewhere, such as a client
-    connection's next message) is an input error like any other: generate() re-raises it and the session ends. It
-    was taken for the feeder's own cancel: the feeder died quietly and generate() waited for good on a parked
-    session that held its slot and pages."""
+    connection's next message) is an input error: the session ends and generate() raises it as an EngineError (a
+    CancelledError would read as the caller's own cancellation). It was taken for the feeder's own cancel: the
+    feeder died quietly and generate() waited for good on a parked session that held its slot and pages."""
     elsewhere = asyncio.get_running_loop().create_future()
 
     async def inputs():
@@ -159,9 +160,10 @@ async def test_an_input_cancelled_by_another_task_ends_the_stream(engine, chunks
 
     if not chunks_before:
         asyncio.get_running_loop().call_later(0.1, elsewhere.cancel)
-    with pytest.raises(asyncio.CancelledError):
-        async with asyncio.timeout(30):  # a hang fails as a TimeoutError, not as this CancelledError
+    with pytest.raises(EngineError, match="the streaming input was cancelled") as raised:
+        async with asyncio.timeout(30):  # a hang fails as a TimeoutError
             await consume()
+    assert isinstance(raised.value.__cause__, asyncio.CancelledError)
     assert f"cancelled{chunks_before}" not in engine.core.sessions
 
 
@@ -187,6 +189,34 @@ async def test_abort_before_the_first_chunk_ends_the_stream_and_nothing_reaches_
     assert [(o.finished, o.outputs[0].finish_reason, o.outputs[0].token_ids) for o in outputs] == [(True, "abort", [])]
     await asyncio.sleep(0.05)
     assert not asked and "early" not in engine.core.sessions
+
+
+async def test_an_id_taken_again_at_once_after_an_early_abort_belongs_to_the_new_request(engine):
+    """A streaming request aborted before its first chunk, and its id taken by a new request before the first has
+    read its abort output: the first's end must leave the new request's state alone (it removed the new request's
+    mark, and the new request's own early abort was then lost: it waited for good)."""
+    gates = [asyncio.Event(), asyncio.Event()]
+
+    async def consume(gate):
+        async def inputs():
+            await gate.wait()
+            yield StreamingInput([5, 6], greedy(3))
+
+        return [(o.finished, o.outputs[0].finish_reason, o.outputs[0].token_ids)
+                async for o in engine.generate(inputs(), request_id="again")]
+
+    first = asyncio.create_task(consume(gates[0]))
+    await asyncio.sleep(0.05)
+    await engine.abort("again")
+    second = asyncio.create_task(consume(gates[1]))  # registers before the first reads its abort output
+    await asyncio.sleep(0.05)
+    await engine.abort("again")  # the second's, before its first chunk
+    ended = await asyncio.wait_for(asyncio.gather(first, second), 30)
+    for gate in gates:
+        gate.set()
+    assert ended == [[(True, "abort", [])]] * 2
+    await asyncio.sleep(0.05)
+    assert "again" not in engine.core.sessions
 
 
 @pytest.mark.parametrize("params, chunk", [

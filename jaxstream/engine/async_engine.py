@@ -92,9 +92,9 @@ class AsyncEngine:
         # remove entries; the engine thread reads them once, when it stops, to end every stream.
         self._live: dict[str, tuple] = {}
         self._live_lock = threading.Lock()
-        # Streaming requests whose first chunk has not been sent: nothing of them is in the engine, so `abort` ends
-        # them here (an abort command would find no session, and the first chunk would then start one).
-        self._unsent: set[str] = set()
+        # Streaming requests whose first chunk is unsent -> their outputs: `abort` ends them here (the core would find
+        # no session, and the first chunk would then start one). Only the request that made an entry removes it.
+        self._unsent: dict[str, asyncio.Queue] = {}
         self._metrics = engine_metrics.snapshot(self.core)
         self._metrics_time = 0.0
         self._thread = threading.Thread(target=self._run, name="jaxstream-engine", daemon=True)
@@ -333,11 +333,11 @@ class AsyncEngine:
         sink = self._sink(outputs)
         feeder = None
         self._register(request_id, outputs)
-        ended = False
+        ended, sent = False, [not streaming]  # `sent`: whether any of the request reached the engine (the feeder's)
         try:  # from here the id is registered: whatever happens, the `finally` below lets go of it
             if streaming:
-                self._unsent.add(request_id)
-                feeder = asyncio.create_task(self._feed(prompt, request_id, params, sink, outputs))
+                self._unsent[request_id] = outputs
+                feeder = asyncio.create_task(self._feed(prompt, request_id, params, sink, outputs, sent))
             else:
                 self._send(lambda: self.core.add_chunk(request_id, ids, params, first=True, resumable=False,
                                                        sink=sink), request_id, sink)
@@ -359,43 +359,53 @@ class AsyncEngine:
                     return
         finally:
             self._unregister(request_id, outputs)
-            self._unsent.discard(request_id)
-            if not ended:  # the consumer stopped early (cancel / aclose / break)
+            if self._unsent.get(request_id) is outputs:
+                del self._unsent[request_id]
+            if not ended and sent[0]:  # the consumer stopped early (cancel / aclose / break)
                 self._send_quietly(lambda: self.core.abort(request_id), request_id)
             if feeder is not None and not feeder.done():
                 feeder.cancel()
                 await asyncio.gather(feeder, return_exceptions=True)
 
-    async def _feed(self, stream, request_id, default_params, sink, outputs) -> None:
+    async def _feed(self, stream, request_id, default_params, sink, outputs, sent: list) -> None:
         """Forwards a session's input chunks; closes the input at exhaustion; fails the session on error."""
         first = True
         try:
             async for chunk in stream:
                 prompt, params = checked_chunk(chunk, default_params)
                 ids = prompt_token_ids(self.tokenizer, prompt, first=first)
-                if request_id not in self._live:  # read on the event loop, which alone changes it
+                if not self._holds(request_id, outputs):  # read on the event loop, which alone changes it
                     return  # the session ended: nothing more is sent
-                self._unsent.discard(request_id)
+                if first:
+                    sent[0] = True
+                    del self._unsent[request_id]
                 is_first = first
                 self._send(lambda ids=ids, params=params, is_first=is_first: self.core.add_chunk(
                     request_id, ids, params, first=is_first, resumable=True, sink=sink), request_id, sink)
                 first = False
             if first:
                 outputs.put_nowait(END_OF_STREAM)  # zero chunks: no engine request at all
-            elif request_id in self._live:
+            elif self._holds(request_id, outputs):
                 self._send(lambda: self.core.end_input(request_id), request_id)
         except asyncio.CancelledError as exc:
             if asyncio.current_task().cancelling():
                 raise  # generate() ends its feeder
-            self._input_failed(exc, first, request_id, sink, outputs)  # the input's own (a future it awaited)
+            # The input's own (a future it awaited was cancelled elsewhere): raised as it is, the caller would take
+            # it for its own cancellation (a TaskGroup drops a child that ends so).
+            error = EngineError("the streaming input was cancelled")
+            error.__cause__ = exc
         except Exception as exc:  # noqa: BLE001 - the caller gets the original exception from generate()
-            self._input_failed(exc, first, request_id, sink, outputs)
-
-    def _input_failed(self, exc: BaseException, first: bool, request_id, sink, outputs) -> None:
-        if first:
-            outputs.put_nowait(exc)
+            error = exc
         else:
-            self._send_quietly(lambda: self._fail_request(request_id, exc, sink), request_id, sink)
+            return
+        if first:
+            outputs.put_nowait(error)
+        else:
+            self._send_quietly(lambda: self._fail_request(request_id, error, sink), request_id, sink)
+
+    def _holds(self, request_id: str, outputs: asyncio.Queue) -> bool:
+        """Whether the request with these outputs still holds its id (not ended, not aborted)."""
+        return self._live.get(request_id, (None, None))[1] is outputs
 
     def _fail_request(self, request_id, exc, sink) -> None:
         session = self.core.sessions.get(request_id)
@@ -411,12 +421,11 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         """Ends a request or session now: a final output with finish_reason 'abort'; queued chunks dropped."""
-        entry = self._live.get(request_id) if request_id in self._unsent else None
-        if entry is not None:  # its feeder checks `_live` before it sends: nothing will reach the engine
-            self._unsent.discard(request_id)
-            loop, outputs = entry
+        outputs, entry = self._unsent.get(request_id), self._live.get(request_id)
+        if outputs is not None and entry is not None and entry[1] is outputs:
+            del self._unsent[request_id]  # its feeder checks that it holds the id before it sends: it sends nothing
             self._unregister(request_id, outputs)
-            post_to_loops([(loop, outputs, aborted_before_start(request_id))])
+            post_to_loops([(entry[0], outputs, aborted_before_start(request_id))])
             return
         self._send(lambda: self.core.abort(request_id), request_id)
 
