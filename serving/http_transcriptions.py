@@ -306,10 +306,12 @@ def _upload_name(fields: dict) -> str:
 def _flag(fields: dict, name: str) -> bool:
     """A boolean field; empty is false, as absent: OpenAI documents the flags as boolean or null, and a form
     field has no null."""
-    value = fields.get(name, "").strip().lower()
-    if value not in ("true", "false", "1", "0", ""):
-        raise RequestError(400, "invalid_request", f"`{name}` must be true or false, got {value!r}", name)
-    return value in ("true", "1")
+    value = fields.get(name, "")
+    flag = streaming_input.text_flag(value)
+    if flag is None:
+        raise RequestError(400, "invalid_request", f"`{name}` must be true or false, got "
+                           f"{wire_json.shown(repr(value.strip().lower()), _SHOWN)}", name)
+    return flag
 
 
 def _check_typed_fields(fields: dict, lists: dict[str, list[str]]) -> str | None:

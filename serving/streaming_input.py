@@ -371,15 +371,21 @@ async def end_request(state, handle: DrainHandle, *tasks: asyncio.Task) -> None:
 
 
 # -- Mode A: one chunked request with an NDJSON body ---------------------------------------------------------
-_HEADER_FLAGS = {"true": True, "1": True, "false": False, "0": False, "": False}  # as the form's boolean fields
+_TEXT_FLAGS = {"true": True, "1": True, "false": False, "0": False, "": False}
+
+
+def text_flag(text: str) -> bool | None:
+    """A boolean as a form field or a header writes it: true, false, 1 or 0 in any case, empty as false (a form
+    field has no null); None for any other text."""
+    return _TEXT_FLAGS.get(text.strip().lower())
 
 
 def is_streaming_input(request: web.Request) -> bool:
     """Whether a request is Mode A: the header `X-Streaming-Input` true (the RFC's value; also 1, in any case, as
     the server's boolean form fields take), or the RFC's content type. RequestError 400 for a header value that is
     neither true nor false: `yes` was read as false, and its client was told to send a multipart form."""
-    value = request.headers.get("X-Streaming-Input", "").strip()
-    flag = _HEADER_FLAGS.get(value.lower())
+    value = request.headers.get("X-Streaming-Input", "")
+    flag = text_flag(value)
     if flag is None:
         raise RequestError(400, "invalid_request", f"X-Streaming-Input must be true or false, got {value[:40]!r}: "
                            "`X-Streaming-Input: true` streams the input as NDJSON chunks", "X-Streaming-Input")
