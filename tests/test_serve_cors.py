@@ -4,6 +4,7 @@ API key (a preflight needs none), and vLLM's flags and the [server] TOML keys th
 wraps the shared engine, so no model is compiled for this module."""
 import io
 import json
+import logging
 
 import aiohttp
 import pytest
@@ -179,7 +180,9 @@ async def test_preflights_do_not_count_against_a_keys_request_rate(engine):
 # -- flags and TOML ----------------------------------------------------------------------------------------------
 @pytest.fixture
 def served_config(monkeypatch):
-    """The ServerConfig `jaxstream serve` would serve with, captured instead of serving."""
+    """The ServerConfig `jaxstream serve` would serve with, captured instead of serving. `serve` sets the
+    process's `jaxstream` logger to INFO, as a server logs: put back, since later tests in this worker read
+    what the commands they run print."""
     seen = []
 
     async def capture(model, config, *_):
@@ -187,7 +190,10 @@ def served_config(monkeypatch):
         return 0
 
     monkeypatch.setattr(serve, "_serve", capture)
-    return seen
+    logger = logging.getLogger("jaxstream")
+    level = logger.level
+    yield seen
+    logger.setLevel(level)
 
 
 def test_the_defaults_are_vllms(served_config):
