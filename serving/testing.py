@@ -88,6 +88,13 @@ class ServerThread:
         """Runs `coro` on the server's loop and returns its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def start_drain(self, timeout: float | None = None) -> asyncio.Future:
+        """The app's drain (what SIGTERM runs), started on the server's loop; await it from the caller's loop for
+        drain's answer (True when nothing was cut off)."""
+        from jaxstream.serving.app import drain
+
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(drain(self.app, timeout), self.loop))
+
     def url(self, path: str = "/v1/realtime", scheme: str = "ws") -> str:
         return f"{scheme}://127.0.0.1:{self.server.port}{path}"
 

@@ -16,7 +16,6 @@ import pytest
 
 from jaxstream.engine.requests import CompletionOutput, RequestOutput, SamplingParams
 from jaxstream.serving import sse
-from jaxstream.serving.app import drain
 from jaxstream.serving.http_completions import TextInput
 from jaxstream.serving.metrics import ServerMetrics
 from jaxstream.serving.testing import ServerThread
@@ -88,8 +87,7 @@ async def test_drained_text_streams_end_with_the_notice_then_a_truncated_final_c
                 async for line in response.content:
                     raw += line.decode()
                     if draining is None and "text_completion" in raw:
-                        draining = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
-                            drain(server.app, DRAIN_S), server.loop))
+                        draining = server.start_drain(DRAIN_S)
             status, result = await call(http, server, "GET", base + "/result")
             async with http.get(server.url(base + "/events", "http")) as response:
                 session_raw = await response.text()

@@ -25,7 +25,6 @@ import websockets
 
 from jaxstream.models.audio import SAMPLING_RATE
 from jaxstream.serving import streaming_input
-from jaxstream.serving.app import drain
 from jaxstream.serving.audio_codecs import decode_pcm16_base64, encode_pcm16_base64
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.http_sessions import STREAMING_INPUT
@@ -48,10 +47,6 @@ DRAIN_S = 8.0  # the drain ends running inputs itself half-way (app.drain keeps 
 
 def as_sent(pcm: np.ndarray) -> np.ndarray:
     return decode_pcm16_base64(encode_pcm16_base64(pcm), max_samples=pcm.size)
-
-
-def start_drain(server, timeout: float = DRAIN_S):
-    return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(drain(server.app, timeout), server.loop))
 
 
 async def send_until_closed(send, audio: np.ndarray, sent: list) -> None:
@@ -120,7 +115,7 @@ async def test_vllm_drain_notice_comes_between_the_last_delta_and_the_done(engin
         sender = asyncio.create_task(send_until_closed(client.append, audio, sent))
         first = await client.event()
         assert first["type"] == "transcription.delta", first  # the utterance runs: the drain waits for it
-        draining = start_drain(server)
+        draining = server.start_drain(DRAIN_S)
         events, code = await events_until_closed(client.event)
         await sender
         events.insert(0, first)
@@ -148,7 +143,7 @@ async def test_vllm_compat_drain_sends_only_what_vllm_sends(engine, audio):
         await client.append(audio[:2 * SAMPLING_RATE])
         first = await client.event()
         assert first["type"] == "transcription.delta", first
-        draining = start_drain(server)
+        draining = server.start_drain(DRAIN_S)
         events, code = await events_until_closed(client.event)
         assert code == 1001 and await draining is True
         kinds = [event["type"] for event in [first, *events]]
@@ -178,7 +173,7 @@ async def test_openai_drain_drops_appends_and_marks_the_transcript_truncated(eng
         sender = asyncio.create_task(send_until_closed(append, pcm, []))
         while (first := await receive())["type"] != "conversation.item.input_audio_transcription.delta":
             pass
-        draining = start_drain(server)
+        draining = server.start_drain(DRAIN_S)
         events, code = await events_until_closed(receive)
         await sender
         assert code == 1001 and await draining is True
@@ -218,7 +213,7 @@ async def test_envelope_drain_notice_carries_the_utterances_ids_and_seconds(engi
             lambda pcm: send("input_audio_buffer.append", {"audio": encode_pcm16_base64(pcm)}), audio, sent))
         first = await receive()
         assert first["type"] == "transcription.delta", first
-        draining = start_drain(server)
+        draining = server.start_drain(DRAIN_S)
         events, code = await events_until_closed(receive)
         await sender
         assert code == 1001 and await draining is True
@@ -249,7 +244,7 @@ async def mode_a_through_a_drain(server, body) -> list:
             async for line in response.content:
                 raw += line.decode()
                 if draining is None and "transcript.text.delta" in raw:
-                    draining = start_drain(server)
+                    draining = server.start_drain(DRAIN_S)
         assert await draining is True
     finally:
         server.close()
@@ -318,7 +313,7 @@ async def test_mode_a_input_held_back_by_its_start_policy_is_not_transcribed_and
             async with asyncio.timeout(30):
                 while held() < seconds:  # every chunk is in the feed, held back
                     await asyncio.sleep(0.02)
-            draining = start_drain(server)
+            draining = server.start_drain(DRAIN_S)
             raw = await response.text()
         assert await draining is True  # nothing was cut off: nothing ran
     finally:
@@ -360,7 +355,7 @@ async def test_mode_b_chunks_held_or_sent_after_the_drain_ended_the_input_are_no
             async with asyncio.timeout(60):
                 while session.next_seq < 2:  # the held chunks are being applied
                     await asyncio.sleep(0.05)
-            draining = start_drain(server)
+            draining = server.start_drain(DRAIN_S)
             gap_answer = await gap
             late_answer = await call(http, server, "POST", base + "/chunks", json=chunk(len(pieces)))
             result = await call(http, server, "GET", base + "/result")

@@ -341,7 +341,6 @@ async def test_audio_is_held_again_once_vad_went_on_and_off_after_an_early_end(s
 async def test_drain_finishes_the_running_utterance_then_closes_1001(engine, audio):
     """A draining server ends the utterance still taking audio itself, sends its done, then closes 1001.
     (8 s: half of it waits for the utterance to end on its own, half is left for its flush, on a busy CI box.)"""
-    from jaxstream.serving.app import drain
 
     piece = audio[:2 * SAMPLING_RATE]
     expected = (await engine.transcribe(piece)).text
@@ -351,7 +350,7 @@ async def test_drain_finishes_the_running_utterance_then_closes_1001(engine, aud
         await client.send("input_audio_buffer.commit", {"final": False}, request_id="u")
         await client.append(piece, request_id="u")
         events = await client.until("transcription.delta")  # it runs: the drain must wait for it
-        draining = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(drain(server.app, 8.0), server.loop))
+        draining = server.start_drain(8.0)
         events += await client.until("transcription.done")
         assert transcript(events, "u") == (expected, events[-1])
         await client.closed_with(1001)

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from jaxstream.errors import CapacityError, DrainingError, EngineDeadError
-from jaxstream.serving.app import drain
 from jaxstream.serving.audio_codecs import encode_pcm16_base64
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.http_completions import TextInput
@@ -235,7 +234,7 @@ async def test_a_shutdown_is_the_servers(modality, served):
                                  headers={"X-Streaming-Input": "true"}) as mode_a, \
                     http.get(server.url(f"{SESSIONS}/{created['session_id']}/events", "http")) as mode_b:
                 # Both answers have begun: both streams are among the server's connections.
-                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(drain(server.app, timeout=0), server.loop))
+                await server.start_drain(0)
                 errors = [await stream_error(mode_a), await stream_error(mode_b)]
     finally:
         server.close()

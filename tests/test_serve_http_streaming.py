@@ -15,7 +15,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxstream.errors import CapacityError
 from jaxstream.serving import sse, streaming_input
-from jaxstream.serving.app import drain
 from jaxstream.serving.audio_codecs import encode_pcm16_base64
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.http_sessions import STREAMING_INPUT
@@ -373,8 +372,7 @@ async def test_drain_ends_the_input_of_http_streams_and_waits_for_them(engine, a
                 async for line in response.content:
                     raw += line.decode()
                     if drained is None and "transcript.text.delta" in raw:
-                        drained = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(
-                            drain(server.app, timeout=6.0), server.loop))
+                        drained = server.start_drain(6.0)
             assert await drained  # nothing was cut off
             assert (await call(http, server, "POST", f"{SESSIONS}/{idle['session_id']}/finish"))[0] == 410
         events = parse_sse(raw)

@@ -182,7 +182,6 @@ async def test_the_drain_sends_the_last_words_then_closes(engine, speech):
     word closed) go out as the engine's own API gives them, then an `Error` says that the server ended the
     stream and how much audio the words cover (nothing said so: the words just stopped), then the socket closes
     with 1001."""
-    from jaxstream.serving.app import drain
 
     talk = speech[:-2 * INPUT_RATE]
     session = await engine.start_transcription(sample_rate=INPUT_RATE)
@@ -194,7 +193,7 @@ async def test_the_drain_sends_the_last_words_then_closes(engine, speech):
         client = await KyutaiClient.connect(server)
         await client.message()
         await client.audio(talk)
-        draining = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(drain(server.app, 8.0), server.loop))
+        draining = server.start_drain(8.0)
         messages = []
         with pytest.raises(websockets.ConnectionClosed) as closed:
             while True:

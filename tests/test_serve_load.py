@@ -18,7 +18,6 @@ from aiohttp.test_utils import TestServer
 from jaxstream.engine.transcription_session import TranscriptionDelta
 from jaxstream.models.audio import SAMPLES_PER_SLOT, SAMPLING_RATE
 from jaxstream.serving import sse
-from jaxstream.serving.app import drain
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.limits import Limits
 from jaxstream.serving.testing import RealtimeClient, ServerThread, stream_utterance, wait_until
@@ -330,10 +329,6 @@ async def test_a_connection_without_a_request_is_closed_when_due_and_the_others_
 
 
 # -- drain ----------------------------------------------------------------------------------------------------
-def start_drain(server, timeout):
-    return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(drain(server.app, timeout), server.loop))
-
-
 async def closed_code(client, timeout=10):
     with pytest.raises(websockets.ConnectionClosed) as closed:
         while True:
@@ -350,7 +345,7 @@ async def test_drain_closes_idle_sockets_refuses_new_ones_and_lets_utterances_fi
         await busy.commit()
         await busy.append(audio[:20000])
         await wait_for(lambda: sum(conn.protocol.busy() for conn in list(server.state.connections)) == 1)
-        draining = start_drain(server, 8.0)
+        draining = server.start_drain(8.0)
         assert await closed_code(idle) == (1001, "server shutting down")
         async with aiohttp.ClientSession() as http, http.get(server.url("/health", "http")) as response:
             assert response.status == 503 and (await response.json())["status"] == "draining"
@@ -374,7 +369,7 @@ async def test_drain_deadline_finishes_running_utterances_itself(engine, audio, 
         await client.append(audio)  # ... and never sends final
         await wait_for(lambda: any(conn.protocol.busy() for conn in list(server.state.connections)))
         started = time.monotonic()
-        draining = start_drain(server, 3.0)
+        draining = server.start_drain(3.0)
         # The server ended the audio, not the client: its done comes after a notice saying so.
         assert (await client.until("error"))[-1]["code"] == "server_draining"
         done = (await client.until("transcription.done"))[-1]
@@ -392,7 +387,7 @@ async def test_drain_deadline_cuts_off_what_is_still_running(engine, audio):
         await client.commit()
         await client.append(audio[:8000])
         await wait_for(lambda: any(conn.protocol.busy() for conn in list(server.state.connections)))
-        assert await start_drain(server, 0.0) is False  # no time at all: the utterance is cut off
+        assert await server.start_drain(0.0) is False  # no time at all: the utterance is cut off
         event = await client.event(10)
         assert event["type"] == "error" and event["code"] == "server_shutdown"
         assert (await closed_code(client))[0] == 1001

@@ -211,7 +211,6 @@ async def test_drain_commits_the_open_item_and_closes(engine, model, speech, ref
     """A draining server commits the item still open, sends its transcript, then closes with 1001. Between the
     item's last delta and its transcript an `error` `server_draining` says the transcript covers only the audio
     received (the server, not the client, ended the item; nothing said so)."""
-    from jaxstream.serving.app import drain
 
     server = ServerThread(engine)
     try:
@@ -220,7 +219,7 @@ async def test_drain_commits_the_open_item_and_closes(engine, model, speech, ref
         for chunk in pcm_base64(at_24k(speech), 24000):
             await client.send({"type": "input_audio_buffer.append", "audio": chunk})
         await client.until("conversation.item.added")
-        draining = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(drain(server.app, 3.0), server.loop))
+        draining = server.start_drain(3.0)
         events = await client.until("conversation.item.done")
         kinds = [e["type"] for e in events]
         committed, completed = (kinds.index("input_audio_buffer.committed"),
@@ -248,7 +247,6 @@ async def test_a_draining_server_drops_the_next_turns_audio_and_refuses_http_as_
     "overloaded"; http_errors.error_type)."""
     import aiohttp
 
-    from jaxstream.serving.app import drain
 
     server = ServerThread(engine)
     try:
@@ -259,7 +257,7 @@ async def test_a_draining_server_drops_the_next_turns_audio_and_refuses_http_as_
         one_second = at_24k(speech[:16000])
         await client.send({"type": "input_audio_buffer.append", "audio": encode_pcm16_base64(one_second)})
         await client.until("conversation.item.added")  # an item with audio: drain waits for the connection
-        draining = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(drain(server.app, 30.0), server.loop))
+        draining = server.start_drain(30.0)
         async with aiohttp.ClientSession() as http, asyncio.timeout(30):
             while True:  # until the server drains: the HTTP routes then refuse as they do
                 async with http.post(server.url("/v1/audio/transcriptions", "http"), data=b"") as response:
