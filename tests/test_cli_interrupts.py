@@ -2,6 +2,7 @@
 initialise (cli._interrupts_held) and, for `serve`, until its event loop takes the signal. Before, a SIGINT in
 jaxlib's start-up killed the process with SIGSEGV/SIGABRT, and one that fell into jaxlib's garbage-collection
 callback was dropped by Python: the server went on to serve (found by sending SIGINT 0.1-2 s after start)."""
+import signal
 import subprocess
 import sys
 import textwrap
@@ -10,7 +11,10 @@ import pytest
 
 
 def run_script(body: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(body)], capture_output=True, text=True, timeout=120)
+    """Runs `body` with SIGINT at its default, as a terminal's Ctrl-C finds it: a suite started as a background job
+    of a non-interactive shell has SIGINT ignored, every child inherits that, and no interrupt would arrive."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(body)], capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def test_a_sigint_during_the_parsers_imports_stops_the_command_after_them():
