@@ -267,6 +267,12 @@ def test_word_timings_follow_markers_minus_the_delay():
     # Without markers, a space-led text token starts a new word at its own time.
     plain = word_timings([*first, *second], tokenizer, audio_seconds=10.0)
     np.testing.assert_allclose([(w.start, w.end) for w in plain], [(0.08, 4 * 0.08), (4 * 0.08, 7 * 0.08)])
+    # A marker inside a word (before a piece without a space) does not split it: the words are the text's,
+    # "HIOK" here, and the marker times nothing.
+    joined = [pad, word, *first, pad, word, *second[1:], pad]
+    assert tokenizer.decode(joined) == " HIOK"
+    assert [(w.word, w.start, w.end) for w in word_timings(joined, tokenizer, audio_seconds=10.0)] == [
+        ("HIOK", 0.16, 0.8)]
 
 
 async def test_tensor_parallel_over_four_devices_gives_identical_tokens(reference):

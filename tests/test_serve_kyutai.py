@@ -98,7 +98,7 @@ def reference_words(engine, speech):
 
 async def test_word_stream_gives_the_engine_words_whatever_the_deltas(engine):
     """`WordStream` over any split of any id sequence into deltas gives exactly `word_timings` of the whole
-    sequence: the engine's words."""
+    sequence: the engine's words, which are the words of the text."""
     tokenizer = engine.tokenizer
     spaced = [i for i in range(1000, tokenizer.vocab_size) if tokenizer.token_bytes(i)[:1] == b" "
               and tokenizer.token_bytes(i)[1:2].isalpha()][:3]
@@ -118,6 +118,8 @@ async def test_word_stream_gives_the_engine_words_whatever_the_deltas(engine):
             start = max(start, cut)
         words += stream.flush(tokens[start:], audio)
         assert words == word_timings(tokens, tokenizer, audio)
+        # and they are the text's words: a marker inside a word does not split it
+        assert [w.word for w in words] == tokenizer.decode(tokens).split()
 
     check()
 

@@ -6,7 +6,9 @@ audio slot `n_delay` slots late, so the i-th generated token (0-based) describes
 `(i + 1) * 80 ms`: its decoder slot is `prompt_len + i = 33 + n_delay + i`, minus the 32 padding slots
 and the delay. Word timings use that mapping: a word starts at its `[STREAMING_WORD]` marker (or at its
 first text token when no marker precedes it) and ends 80 ms after its last text token, clamped to the
-audio received. Every time in the events is rounded to the millisecond.
+audio received. Every time in the events is rounded to the millisecond. The words are the text's own: a word ends
+where the text has a space, so a marker between two pieces of one word (which a small model can emit: the text
+reads "overhead", not "over head") does not split it.
 """
 import asyncio
 import dataclasses
@@ -118,18 +120,15 @@ def word_timings(token_ids, tokenizer, audio_seconds: float, first_index: int = 
 
     for index, token in enumerate(token_ids):
         if token == tokenizer.streaming_word_id:
-            if current:
-                close()
             marker = token_time(first_index + index)
             continue
         if tokenizer.is_control(token):
             continue
-        piece = tokenizer.token_bytes(token)
-        if current and piece[:1].isspace() and marker is None:
+        if current and tokenizer.token_bytes(token)[:1].isspace():
             close()
         if not current:
             start = marker if marker is not None else token_time(first_index + index)
-            marker = None
+        marker = None  # used by the word it opens, or inside a word, where it marks nothing
         current.append(token)
         last_time = token_time(first_index + index)
     if current:
