@@ -162,6 +162,16 @@ def test_per_chunk_budget_and_fifo_chunks_never_coalesce(core):
     expected, _ = reference(chunks)
     assert sink.chunks() == expected
     assert [len(c) for c in sink.chunks()] == [10, 4, 3, 2]  # the running chunk was not cut short
+    # Each output reports the chunk prompts up to its own chunk, as they were then: later chunks do not
+    # change what an earlier output holds.
+    prompts_then, seen = [], []
+    for item in (i for i in sink.items if i is not END_OF_STREAM):
+        prompts_then.append(item.prompt_token_ids)
+        if item.outputs[0].finish_reason:
+            seen.append(prompts_then)
+            prompts_then = []
+    assert [{tuple(p) for p in group} for group in seen] == [
+        {tuple(sum((c[0] for c in chunks[:k + 1]), []))} for k in range(len(chunks))]
     finals = [i for i in sink.items if i.outputs[0].finish_reason]
     assert [f.finished for f in finals] == [False, False, False, True]  # closed while busy: last is final
 

@@ -116,7 +116,9 @@ class CompletionOutput:
 @dataclasses.dataclass
 class RequestOutput:
     request_id: str
-    prompt_token_ids: list[int]  # the chunk prompts so far (as vLLM reports it, not the engine context)
+    # The chunk prompts so far (as vLLM reports it, not the engine context); the outputs of one chunk share
+    # one list, so read it, don't change it.
+    prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
     prompt: str | None = None

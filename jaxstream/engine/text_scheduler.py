@@ -49,7 +49,9 @@ class TextSession(SessionBase):
         self.max_tokens = 0
         self.seed = 0
         self.queue: collections.deque = collections.deque()
-        self.chunk_prompts: list[int] = []  # what vLLM reports as prompt_token_ids: chunk prompts only
+        # What vLLM reports as prompt_token_ids: chunk prompts only. A new list per chunk, shared by that chunk's
+        # outputs (as vLLM shares its request's list): copying it into every output cost O(prompt) a token.
+        self.chunk_prompts: list[int] = []
         self.streamed: list[int] = []  # every sampled token, for CUMULATIVE outputs
         self.streamed_logprobs: list[float] = []
         self.text = ""
@@ -192,7 +194,7 @@ class TextScheduler(Residency):
         session.prompt_ids += session.outputs[:-1]
         session.outputs = []
         session.prompt_ids += update.prompt_ids
-        session.chunk_prompts += update.prompt_ids
+        session.chunk_prompts = [*session.chunk_prompts, *update.prompt_ids]  # outputs hold the old list
         session.params = update.params
         session.stop_text = StopStringText(update.params) if update.params.stop else None
         # A set: looked up at every token on the engine thread, for a list as long as the request made it.
@@ -440,7 +442,7 @@ class TextScheduler(Residency):
             cumulative_logprob=session.cumulative_logprob if params.logprobs is not None else None,
             logprobs=lps if params.logprobs is not None else None,
             finish_reason=reason, stop_reason=stop_reason)
-        return RequestOutput(session.request_id, list(session.chunk_prompts), [completion], finished)
+        return RequestOutput(session.request_id, session.chunk_prompts, [completion], finished)
 
 
 def _text_step(attention_impl):
