@@ -377,7 +377,12 @@ class VllmRealtime:
             self.next_final = len(self.pending)
         elif self.discarding:
             self.discarding = False  # the engine had already ended this utterance and sent its done
-        elif not self.compat:
+        elif self.compat:
+            return
+        elif utterance is not None:  # a second final: the code says no generation takes audio; the words why
+            raise ProtocolError("no_active_generation", "The running transcription's audio has already ended "
+                                "(final was sent): wait for its transcription.done")
+        else:
             raise ProtocolError("no_active_generation", "No transcription is running: send "
                                 "input_audio_buffer.commit without final to start one")
 

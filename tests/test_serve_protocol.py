@@ -326,7 +326,18 @@ async def test_stray_final_is_an_error_and_does_not_poison_the_next_utterance(se
     await expect_error(client, "no_active_generation")
     assert (await stream_utterance(client, audio))["done"]["text"] == reference["full"]
     await client.commit(final=True)  # a duplicate final after done
-    await expect_error(client, "no_active_generation")
+    await expect_error(client, "no_active_generation", "No transcription is running")
+    await client.commit()
+    await client.append(audio)
+    await client.commit(final=True)
+    await client.commit(final=True)  # a duplicate final before done: the error says why, the done still comes
+    events = []
+    while not events or events[-1]["type"] != "transcription.done":
+        events.append(await client.event())
+    errors = [e for e in events if e["type"] == "error"]
+    assert [e["code"] for e in errors] == ["no_active_generation"], errors
+    assert "already ended (final was sent): wait for its transcription.done" in errors[0]["error"]
+    assert events[-1]["text"] == reference["full"]
     await client.close()
     client = await connected(vllm_server, model)
     await client.commit(final=True)  # vLLM: silent; jaxstream does not reproduce the poisoning
