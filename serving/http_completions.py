@@ -23,7 +23,8 @@ gets its output.
 With `X-Streaming-Input: true` the body is Mode A's NDJSON (streaming_input.py): an optional parameters
 line, then chunks of base64 UTF-8 text; each chunk applied after the start is one `StreamingInput` of the
 engine's session, so the engine's cumulative-prompt rule (every output but the last sampled token of a
-chunk joins the context before the next chunk) applies chunk by chunk, and `max_tokens` is per chunk.
+chunk joins the context before the next chunk) applies chunk by chunk, and `max_tokens` is per chunk. The
+answer is an SSE stream (`stream: false` in the line is refused, 422).
 
 `TextInput` is the engine side of a text stream for plain requests, Mode A and Mode B (http_sessions.py).
 """
@@ -397,6 +398,7 @@ async def _streaming_input(request: web.Request, state) -> web.StreamResponse:
         raise RequestError(422, "invalid_request", "With streaming input the prompt comes as chunks", "prompt")
     check_tokenizer(state)
     policy = streaming_input.parse_start_policy(params, "text")
+    streaming_input.check_streamed(params)
     _, include_usage = parse_stream(params, implied=True)
     text_input = TextInput(state, sampling_params(params), sse.EventLog(), include_usage=include_usage,
                            return_token_ids=parse_flag(params, "return_token_ids"))

@@ -54,7 +54,7 @@ from jaxstream.serving.http_completions import TextInput, check_tokenizer, parse
 from jaxstream.serving.http_errors import (
     RETRYABLE_ENGINE_CODES, RequestError, check_kind, check_model, check_ready, engine_request_error, read_json,
 )
-from jaxstream.serving.http_transcriptions import AudioInput, check_language, parse_delay_ms, parse_include
+from jaxstream.serving.http_transcriptions import AudioInput, check_json_params, parse_delay_ms, parse_include
 from jaxstream.serving.limits import duration_breach
 
 logger = logging.getLogger(__name__)
@@ -362,7 +362,7 @@ def _new_session(body: dict, registry: StreamingInputSessions, key: str) -> tupl
         raise RequestError(422, exc.code, str(exc), exc.param) from None
     log = sse.EventLog() if stream else None
     if modality == "audio":
-        check_language(params.get("language"), "params.language", 422)  # unused by the model; checked as the upload's
+        check_json_params(params, "params.")  # unused by the model; checked as the upload's
         engine_input = AudioInput(state, parse_delay_ms(params, state, "params.delay_ms"), log,
                                   logprobs=parse_include(params, "params.include"))
     else:

@@ -66,6 +66,8 @@ _FIELDS = ("model", "response_format", "stream", "language", "temperature", "chu
 _OBJECT_FIELDS = ("chunking_strategy[",)
 _LIST_FIELDS = ("timestamp_granularities", "include", "languages")
 _VAD_INTS = ("prefix_padding_ms", "silence_duration_ms")
+_CHUNKING_STRATEGY = ('chunking_strategy must be "auto" or a server_vad object: type=server_vad, '
+                      f"{' and '.join(_VAD_INTS)} (whole milliseconds), threshold (from 0 to 1)")
 _SHOWN = 40  # characters of a refused value or a filename echoed in an error
 # What verbose_json reports when the request names no language. The models served here detect none and their
 # metadata names none; both transcribe English by default (the embedded tiny model was trained on English only),
@@ -329,6 +331,31 @@ def _check_typed_fields(fields: dict, lists: dict[str, list[str]]) -> str | None
     return language
 
 
+def check_json_params(params: dict, prefix: str = "") -> None:
+    """The upload's typed fields in a streaming-input request's JSON parameters (Mode A's line, Mode B's
+    `params`; `prefix` names where): RequestError 422 for a `language`, `temperature` or `chunking_strategy`
+    the form would refuse. None is absent, as a form's empty field is. None of them changes the transcript."""
+    check_language(params.get("language"), f"{prefix}language", 422)
+    temperature = params.get("temperature")
+    if temperature is not None and not _json_number_in(temperature, 0, 1):
+        raise RequestError(422, "invalid_request", f"temperature must be a number from 0 to 1, got "
+                           f"{wire_json.shown(repr(temperature), _SHOWN)}", f"{prefix}temperature")
+    strategy = params.get("chunking_strategy")
+    if strategy is None or strategy == "auto":
+        return
+    if not (isinstance(strategy, dict) and strategy.get("type") == "server_vad"
+            and set(strategy) <= {"type", "threshold", *_VAD_INTS}
+            and all(_json_number_in(strategy.get(key, 0), 0, math.inf, whole=True) for key in _VAD_INTS)
+            and _json_number_in(strategy.get("threshold", 0), 0, 1)):
+        raise RequestError(422, "invalid_request", _CHUNKING_STRATEGY, f"{prefix}chunking_strategy")
+
+
+def _json_number_in(value, low: float, high: float, *, whole: bool = False) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
+        return False
+    return low <= value <= high  # false for nan
+
+
 def _number_in(text: str, low: float, high: float, *, whole: bool = False) -> bool:
     try:
         value = int(text) if whole else float(text)
@@ -369,9 +396,7 @@ def _check_chunking_strategy(fields: dict) -> None:
     if (plain or members.get("type") != "server_vad" or not set(members) <= {"type", "threshold", *_VAD_INTS}
             or not all(_number_in(members.get(key, "0"), 0, math.inf, whole=True) for key in _VAD_INTS)
             or not _number_in(members.get("threshold", "0"), 0, 1)):
-        raise RequestError(400, "invalid_request", 'chunking_strategy must be "auto" or a server_vad object: '
-                           f"type=server_vad, {' and '.join(_VAD_INTS)} (whole milliseconds), threshold (from 0 "
-                           "to 1)", "chunking_strategy")
+        raise RequestError(400, "invalid_request", _CHUNKING_STRATEGY, "chunking_strategy")
 
 
 async def _decode(audio: bytes, name: str, state, handle: streaming_input.DrainHandle) -> np.ndarray:
@@ -526,15 +551,11 @@ async def _streaming_input(request: web.Request, state) -> web.StreamResponse:
         check_kind(state, "realtime")
     if streaming_input.parse_modality(params, "audio") != "audio":
         raise RequestError(422, "unsupported_modality", "/v1/audio/transcriptions takes audio", "modality")
-    check_language(params.get("language"), "language", 422)  # not used by the model, and checked as the form's is
     logprobs = parse_include(params, "include")
+    check_json_params(params)
     # The answer is a stream whatever the line says: a value asking for another answer is refused, as the upload
     # refuses it (the line's response_format, stream and timestamp_granularities were ignored).
-    stream = params.get("stream")
-    if stream is not None and stream is not True:
-        shown = wire_json.shown(repr(stream), _SHOWN)
-        raise RequestError(422, "invalid_request", f"stream must be true or absent, got {shown}: with "
-                           "X-Streaming-Input the answer is an SSE stream", "stream")
+    streaming_input.check_streamed(params)
     response_format = params.get("response_format")
     check_answer("json" if response_format is None else response_format,
                  bool(params.get("timestamp_granularities")), logprobs, True, status=422, lists="")

@@ -37,7 +37,7 @@ import logging
 from aiohttp import web
 
 from jaxstream.errors import EngineError
-from jaxstream.serving import sse
+from jaxstream.serving import sse, wire_json
 from jaxstream.serving.http_errors import (
     RequestError, body_read, engine_request_error, parse_json_object, read_before_admission,
 )
@@ -90,6 +90,16 @@ def parse_modality(body: dict, default: str) -> str:
         raise RequestError(422, "unsupported_modality", f"modality must be one of {', '.join(MODALITIES)}, "
                            f"got {modality!r}", "modality")
     return modality
+
+
+def check_streamed(params: dict) -> None:
+    """Mode A answers with an SSE stream whatever its parameters line says: a `stream` other than true (which
+    was ignored) is refused, as a request for another answer."""
+    stream = params.get("stream")
+    if stream is not None and stream is not True:
+        raise RequestError(422, "invalid_request", f"stream must be true or absent, got "
+                           f"{wire_json.shown(repr(stream), 40)}: with X-Streaming-Input the answer is an SSE stream",
+                           "stream")
 
 
 @dataclasses.dataclass(frozen=True)

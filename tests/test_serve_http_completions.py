@@ -363,6 +363,24 @@ def test_curl_mode_a(server, model, streamed, tmp_path):
     assert "".join(e["choices"][0]["text"] for _, e in events[:-1]) == streamed[1]
 
 
+async def test_mode_a_refuses_stream_false(server, model, streamed):
+    """Mode A answers with a stream whatever its parameters line says: `stream: false` was ignored (a 200 stream
+    in place of the JSON asked for); it is refused as the audio route refuses it. `stream: true` is taken."""
+    async with aiohttp.ClientSession() as http:
+        for stream, status in ((False, 422), (True, 200)):
+            async with http.post(server.url("/v1/completions", "http"), headers={"X-Streaming-Input": "true"},
+                                 data=b"".join(ndjson_lines(model, CHUNKS, stream=stream))) as response:
+                text = await response.text()
+            assert response.status == status, text
+            if stream:
+                events = parse_sse(text)
+                assert "".join(e["choices"][0]["text"] for _, e in events[:-1]) == streamed[1]
+            else:
+                error = json.loads(text)["error"]
+                assert (error["code"], error["param"]) == ("invalid_request", "stream")
+                assert "stream must be true or absent, got False" in error["message"]
+
+
 async def test_mode_a_client_disconnect_frees_the_session(engine, server, model):
     """A session parked between chunks holds its pages; the client going away aborts it and frees them."""
     lines = ndjson_lines(model, CHUNKS)

@@ -112,19 +112,45 @@ async def test_mode_a_takes_the_header_as_the_form_takes_a_flag(server, model, a
     ({"stream": False}, "stream", "stream must be true or absent, got False"),
     ({"timestamp_granularities": ["word"]}, "timestamp_granularities", "must be `verbose_json` if"),
     ({"response_format": "text", "include": ["logprobs"]}, "include", "logprobs needs response_format json"),
-], ids=["srt", "verbose_json", "unknown format", "stream false", "granularities", "text with logprobs"])
+    ({"temperature": "hot"}, "temperature", "temperature must be a number from 0 to 1, got 'hot'"),
+    ({"temperature": 1.5}, "temperature", "got 1.5"),
+    ({"chunking_strategy": "manual"}, "chunking_strategy", 'chunking_strategy must be "auto" or a server_vad'),
+    ({"chunking_strategy": {"type": "server_vad", "silence_duration_ms": -5}}, "chunking_strategy", "server_vad"),
+], ids=["srt", "verbose_json", "unknown format", "stream false", "granularities", "text with logprobs",
+        "temperature text", "temperature over 1", "chunking_strategy text", "negative silence"])
 async def test_mode_a_refuses_parameters_asking_for_another_answer(server, model, audio, params, param, words):
     """Mode A's parameters line may hold the upload's fields (spec §7.1), and its answer is always the stream:
     `response_format: srt`, `stream: false` and the like were ignored, a 200 stream in place of what was asked.
-    They are refused with the upload's wording, at the 422 of Mode A's other parameters."""
+    They are refused with the upload's wording, at the 422 of Mode A's other parameters; so are the upload's typed
+    fields (temperature, chunking_strategy) that the upload refuses, which Mode A took unchecked."""
     status, text = await post_mode_a(server, b"".join(ndjson(model, audio[:CHUNK], **params)))
     error = json.loads(text)["error"]
     assert (status, error["code"], error["param"]) == (422, "invalid_request", param) and words in error["message"]
 
 
 async def test_mode_a_takes_the_parameters_it_honours(server, model, audio, reference):
-    status, text = await post_mode_a(server, b"".join(ndjson(model, audio, response_format="text", stream=True)))
+    vad = {"type": "server_vad", "threshold": 0.5, "silence_duration_ms": 500}
+    status, text = await post_mode_a(server, b"".join(ndjson(model, audio, response_format="text", stream=True,
+                                                            temperature=0, chunking_strategy=vad)))
     assert status == 200 and transcript(parse_sse(text)) == reference.text
+
+
+@pytest.mark.parametrize("params, param", [({"temperature": True}, "params.temperature"),
+                                           ({"chunking_strategy": {"type": "semantic"}}, "params.chunking_strategy"),
+                                           ({"temperature": 0.3, "chunking_strategy": "auto"}, None)])
+async def test_mode_b_checks_the_uploads_typed_fields(server, model, audio, params, param):
+    """Mode B's audio `params` took any temperature or chunking_strategy; they are checked as the upload's
+    fields are, and refused at Mode B's 422."""
+    chunk = {"sequence_id": 0, "payload": encode_pcm16_base64(audio[:CHUNK]), "end_of_input": True}
+    async with aiohttp.ClientSession() as http:
+        status, created = await call(http, server, "POST", SESSIONS,
+                                     json={"model": model, "params": params, "chunk": chunk})
+        if param is None:
+            assert status == 201, created
+            status, result = await call(http, server, "GET", f"{SESSIONS}/{created['session_id']}/result")
+            assert status == 200 and "text" in result, result
+            return
+    assert (status, created["error"]["code"], created["error"]["param"]) == (422, "invalid_request", param)
 
 
 @pytest.mark.parametrize("policy, started", [
