@@ -63,6 +63,7 @@ import numpy as np
 from jaxstream.engine.transcription_session import TranscriptionDelta, TranscriptionDone
 from jaxstream.errors import EngineError
 from jaxstream.models.audio import SAMPLING_RATE  # the protocol's audio rate, never negotiated
+from jaxstream.serving import wire_json
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_pcm16_base64
 from jaxstream.serving.engine_sessions import failure_of, start_session
 from jaxstream.serving.limits import (
@@ -202,7 +203,7 @@ class EnvelopeProtocol:
                 raise EnvelopeError("invalid_request", "invalid_envelope", "payload must be a JSON object")
             handler = self._handlers.get(kind) if isinstance(kind, str) else None
             if handler is None:
-                raise EnvelopeError("unknown_event", "unknown_event", f"Unknown message type: {str(kind)[:64]}")
+                raise EnvelopeError("unknown_event", "unknown_event", f"Unknown message type: {wire_json.shown(kind)}")
             await handler(session_id, request_id, payload)
         except EnvelopeError as exc:
             await self._error(session_id, request_id, exc.code, exc.reason_code, exc.message, exc.details)
@@ -265,7 +266,7 @@ class EnvelopeProtocol:
             model = payload["model"]
             if not isinstance(model, str) or not self.server.serves_model(model, allow_empty=False):
                 raise EnvelopeError("invalid_request", "model_not_allowed", f"Only the configured model "
-                                    f"`{model_id}` is served here, got `{str(model)[:64]}`", {"model": model_id})
+                                    f"`{model_id}` is served here, got `{wire_json.shown(model)}`", {"model": model_id})
         # Everything is checked before anything changes: a refused update leaves the session as it was.
         delay = payload.get("transcription_delay_ms", self.delay_ms)
         allowed = self.server.allowed_delays_ms

@@ -25,7 +25,8 @@ from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.http_errors import RequestError, check_ready, engine_request_error
 from jaxstream.serving.limits import Limits
 from jaxstream.serving.metrics import ServerMetrics
-from jaxstream.serving.openai_realtime import ClientError, OpenAiRealtime, _Item
+from jaxstream.serving.openai_realtime import OpenAiRealtime, _Item
+from jaxstream.serving.openai_session_config import ClientError
 from jaxstream.serving.testing import ServerThread
 from serve_fixtures import engine  # noqa: F401 - pytest fixture
 

@@ -19,7 +19,7 @@ from websockets.sync.client import connect as sync_connect
 from jaxstream.serving.audio_codecs import G711_TABLES, encode_pcm16_base64
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.limits import Limits
-from jaxstream.serving.openai_realtime import LOGPROBS
+from jaxstream.serving.openai_session_config import LOGPROBS
 from jaxstream.serving.testing import ServerThread, wait_engine_baseline
 from serve_fixtures import INTERNAL_ERRORS, fuzz_text
 from serve_fixtures import engine, engine_returns_to_baseline, model, server  # noqa: F401 - pytest fixtures
