@@ -52,3 +52,23 @@ def test_train_out_that_cannot_be_a_run_directory(tmp_path, corpus, capsys):
                          (unmakeable, f"cannot create --out {unmakeable}: No such file or directory")]:
         assert cli.main(["train", "--corpus", str(corpus), "--out", str(out)]) == 2
         assert capsys.readouterr().err == f"jaxstream train: error: {message}\n"
+
+
+def test_transcribe_refuses_a_text_model_before_loading_it(capsys, monkeypatch):
+    """A text LM given to `transcribe` was loaded and compiled, then ended in a 22-line traceback
+    (InvalidRequestError: transcription needs a Voxtral Realtime model); `eval` already said it in a line."""
+    from pathlib import Path
+
+    from jaxstream.engine import async_engine
+
+    fixtures = Path(__file__).parent / "fixtures"
+    sample = Path(__file__).parents[1] / "models" / "assets" / "samples" / "sample.wav"
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(async_engine.AsyncEngine, "from_pretrained", no_loading)
+    model = str(fixtures / "llama_tiny")
+    assert cli.main(["transcribe", "--model", model, str(sample)]) == 2
+    assert capsys.readouterr().err == (f"jaxstream transcribe: error: model {model!r} is a text model; jaxstream "
+                                       "transcribe needs a speech-to-text (Voxtral Realtime) model\n")

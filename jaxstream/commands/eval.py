@@ -19,7 +19,7 @@ import logging
 import sys
 
 from jaxstream import distributed
-from jaxstream.commands.transcribe import checked_delay_ms, model_source
+from jaxstream.commands.transcribe import checked_delay_ms, model_source, speech_model_config
 from jaxstream.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -291,14 +291,7 @@ def _parse_delays(text: str | None) -> list[int]:
 def _default_delay_ms(model: str) -> int:
     """The delay the engine uses for `model` when none is asked for, from the checkpoint's configuration
     (no weights read), so that reports and tables name the delay used instead of "default"."""
-    from jaxstream.models import loading
-    from jaxstream.models.config import VoxtralConfig
-
-    config = loading.inspect_checkpoint(loading.resolve_model_dir(model)).config
-    if not isinstance(config, VoxtralConfig):
-        raise UserError(f"model {model!r} is a text model; jaxstream eval needs a speech-to-text (Voxtral "
-                        "Realtime) model")
-    return config.default_delay_ms
+    return speech_model_config(model, "eval").default_delay_ms
 
 
 def _positive_int(text: str) -> int:

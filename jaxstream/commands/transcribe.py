@@ -41,6 +41,7 @@ def run(args) -> int:
     checked_delay_ms(args.delay_ms)
     for path in args.audio:
         _check_audio_file(path)  # before loading the model, so a typo fails in a second
+    speech_model_config(model_source(args.model), "transcribe")
     from jaxstream.models.audio_checks import engine_narrowband_warnings_muted
 
     with engine_narrowband_warnings_muted():  # each file's band is judged here, where its name is known
@@ -102,6 +103,19 @@ def model_source(model: str | None) -> str:
     except ImportError:
         raise UserError("this installation has no built-in default model; pass --model DIR_OR_HUB_ID") from None
     return DEFAULT_MODEL
+
+
+def speech_model_config(model: str, command: str):
+    """The checkpoint's VoxtralConfig, read without its weights; UserError for a text model, before anything
+    loads or compiles."""
+    from jaxstream.models import loading
+    from jaxstream.models.config import VoxtralConfig
+
+    config = loading.inspect_checkpoint(loading.resolve_model_dir(model)).config
+    if not isinstance(config, VoxtralConfig):
+        raise UserError(f"model {model!r} is a text model; jaxstream {command} needs a speech-to-text (Voxtral "
+                        "Realtime) model")
+    return config
 
 
 def _print_result(path: str, num_samples: int, done, as_json: bool, several: bool) -> None:
