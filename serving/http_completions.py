@@ -5,7 +5,9 @@ A JSON body as OpenAI's SDK sends it: `model`, `prompt` (a string, or token ids;
 each up to 1,000 characters), `n` (1), `stream`, `stream_options.include_usage`, and vLLM's `top_k`,
 `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `return_token_ids`. `stream: true`
 answers with SSE `text_completion` chunks and `data: [DONE]`; `stream_options` without it is refused, as vLLM
-refuses it.
+refuses it. A field it cannot honour (OpenAI's `echo`, `logprobs`, penalties, ...; vLLM's `min_p`,
+`repetition_penalty`, `truncate_prompt_tokens`, ...) is refused, 400 `unsupported_parameter`, unless it holds its
+"not used" value: served and ignored, it would give other output than the client asked for.
 
 A plain request is one engine request (`generate` over its prompt), so stop strings work as in vLLM: the text
 ends before the first one generated (or after it with `include_stop_str_in_output`), the choice says
@@ -49,9 +51,16 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _END = object()  # ends a TextInput's chunk queue
-# OpenAI fields jaxstream cannot honour, with the value that means "not used".
+# Fields jaxstream cannot honour, OpenAI's and then vLLM's sampling extras, with the value that means "not used"
+# (an empty list or object is not used either). vLLM honours them all: taking one and ignoring it would give a
+# client other output than it asked for, without a word.
 _NEUTRAL = {"echo": False, "suffix": None, "best_of": 1, "logprobs": None, "presence_penalty": 0,
-            "frequency_penalty": 0, "logit_bias": None}
+            "frequency_penalty": 0, "logit_bias": None,
+            "min_p": 0, "repetition_penalty": 1, "length_penalty": 1, "use_beam_search": False,
+            "allowed_token_ids": None, "bad_words": None, "prompt_logprobs": None, "truncate_prompt_tokens": None,
+            "add_special_tokens": True, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+            "response_format": None, "structured_outputs": None, "guided_json": None, "guided_regex": None,
+            "guided_choice": None, "guided_grammar": None, "logits_processors": None}
 
 
 def sampling_params(body: dict, *, streaming: bool = True) -> SamplingParams:
@@ -59,19 +68,26 @@ def sampling_params(body: dict, *, streaming: bool = True) -> SamplingParams:
     one-shot request (`streaming=False`: stop strings allowed); RequestError 400 when invalid."""
     for name, neutral in _NEUTRAL.items():
         value = body.get(name)
-        if value is not None and value != neutral and not (name == "logit_bias" and value == {}):
+        if value is not None and value != neutral and value not in ({}, []):
             raise RequestError(400, "unsupported_parameter", f"`{name}` is not supported by this server", name)
     fields = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_tokens": 0, "ignore_eos": False,
               "include_stop_str_in_output": False}
     fields.update({name: body[name] for name in (*fields, "seed", "stop", "stop_token_ids")
                    if body.get(name) is not None})
-    fields["max_tokens"] = body.get("max_tokens", DEFAULT_MAX_TOKENS)
+    # null is the default too, as in vLLM: OpenAI's SDK sends null for an argument given as None.
+    fields["max_tokens"] = DEFAULT_MAX_TOKENS if body.get("max_tokens") is None else body["max_tokens"]
     try:
         params = SamplingParams(**fields)
         params.check_supported(streaming=streaming)
     except InvalidRequestError as exc:
-        raise RequestError(400, "invalid_request", str(exc)) from None
+        raise RequestError(400, "invalid_request", str(exc), _field_named(str(exc), fields)) from None
     return params
+
+
+def _field_named(message: str, fields: dict) -> str | None:
+    """The field an engine refusal is about (its messages start with the name), for the error's `param`."""
+    name = message.split(" ", 1)[0].split("=", 1)[0]
+    return name if name in fields else None
 
 
 def parse_prompt(body: dict, state):
@@ -79,15 +95,15 @@ def parse_prompt(body: dict, state):
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) and prompt:
         check_tokenizer(state)
         return prompt
     vocab = state.engine.model_config.vocab_size
     if (isinstance(prompt, list) and prompt
             and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt)):
         return prompt
-    raise RequestError(400, "invalid_request", f"prompt must be a string or a non-empty list of token ids "
-                       f"below {vocab} (one prompt per request)", "prompt")
+    raise RequestError(400, "invalid_request", f"prompt must be a non-empty string or a non-empty list of token "
+                       f"ids below {vocab} (one prompt per request)", "prompt")
 
 
 def prompt_ids(prompt, state) -> list[int]:
@@ -108,8 +124,8 @@ def check_context_length(ids: list[int], params: SamplingParams, state) -> None:
                    f"tokens in the prompt. Please reduce the length of the prompt.")
     elif params.max_tokens is not None and len(ids) + params.max_tokens > limit:
         message = (f"This model's maximum context length is {limit} tokens. However, you requested "
-                   f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the messages, {params.max_tokens} in "
-                   f"the completion). Please reduce the length of the messages or completion.")
+                   f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} in "
+                   f"the completion). Please reduce the length of the prompt or completion.")
     else:
         return
     raise RequestError(400, "context_length_exceeded", message, "prompt")
@@ -142,6 +158,9 @@ def parse_stream(body: dict, *, implied: bool = False) -> tuple[bool, bool]:
     if not isinstance(options, dict) or not isinstance(options.get("include_usage"), bool | None):
         raise RequestError(400, "invalid_request", "stream_options must be {\"include_usage\": bool}",
                            "stream_options")
+    if options.get("continuous_usage_stats"):  # vLLM's usage in every chunk
+        raise RequestError(400, "unsupported_parameter", "`stream_options.continuous_usage_stats` is not supported "
+                           "by this server", "stream_options")
     return stream, bool(options.get("include_usage"))
 
 

@@ -367,6 +367,9 @@ def _new_session(body: dict, registry: StreamingInputSessions, key: str) -> tupl
                                   logprobs=parse_include(params, "params.include"))
     else:
         check_tokenizer(state)
+        if "prompt" in params:
+            raise RequestError(422, "invalid_request", "With streaming input the prompt comes as chunks",
+                               "params.prompt")
         try:
             engine_input = TextInput(state, sampling_params(params), log,
                                      return_token_ids=parse_flag(params, "return_token_ids"))

@@ -332,6 +332,9 @@ async def test_rejected_requests_and_evictions_are_logged(engine, caplog):
     with pytest.raises(ValueError):
         await _drain(engine.generate([1], SamplingParams(n=2), request_id="two"))
     assert any("request rejected (invalid_request): n > 1" in r.getMessage() for r in caplog.records)
+    # The detokenizers always skip special tokens: asking to keep them is refused (it was taken and ignored).
+    with pytest.raises(ValueError, match="skip_special_tokens=False is not supported"):
+        await _drain(engine.generate([1], SamplingParams(skip_special_tokens=False), request_id="specials"))
 
     # Five sessions parked with their KV on an engine of four slots: admitting the fifth evicts one.
     release, parked = asyncio.Event(), asyncio.Queue()

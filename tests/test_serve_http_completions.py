@@ -125,6 +125,39 @@ def test_sdk_errors_in_openai_shape(server, model, kwargs, error, code):
     assert raised.value.body["code"] == code and raised.value.body["message"]
 
 
+@pytest.mark.parametrize("extra, code, param", [
+    ({"min_p": 0.1}, "unsupported_parameter", "min_p"),
+    ({"repetition_penalty": 1.2}, "unsupported_parameter", "repetition_penalty"),
+    ({"add_special_tokens": False}, "unsupported_parameter", "add_special_tokens"),
+    ({"truncate_prompt_tokens": 3}, "unsupported_parameter", "truncate_prompt_tokens"),
+    ({"response_format": {"type": "json_object"}}, "unsupported_parameter", "response_format"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "unsupported_parameter", "stream_options"),
+    ({"temperature": -1}, "invalid_request", "temperature"),
+    ({"top_p": 0}, "invalid_request", "top_p"),
+    ({"max_tokens": 0}, "invalid_request", "max_tokens"),
+    ({"n": 2}, "invalid_request", "n"),
+    ({"prompt": ""}, "invalid_request", "prompt"),
+])
+def test_fields_it_cannot_honour_and_bad_values_are_400s_naming_the_field(server, model, extra, code, param):
+    """vLLM's sampling extras (min_p, repetition_penalty, ...) were taken and ignored: a 200 with other output
+    than asked for. They are refused as OpenAI's unsupported fields are; a bad value names its field (`param`
+    was null), and an empty prompt is refused as vLLM refuses it (it was a BOS-only completion)."""
+    client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=model, prompt="w5", max_tokens=2, extra_body=extra)
+    assert (raised.value.body["code"], raised.value.body["param"]) == (code, param), raised.value.body
+
+
+def test_neutral_extras_are_taken_and_a_null_max_tokens_is_the_default(engine, server, model):
+    """The extras at their "not used" values are served; `max_tokens: null` (the SDK's None) is OpenAI's default
+    of 16, as in vLLM: it generated up to the end of the context."""
+    client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
+    neutral = {"min_p": 0, "repetition_penalty": 1, "add_special_tokens": True, "bad_words": [],
+               "skip_special_tokens": True, "ignore_eos": True}
+    result = client.completions.create(model=model, prompt="w5", max_tokens=None, temperature=0, extra_body=neutral)
+    assert result.usage.completion_tokens == 16 and result.choices[0].finish_reason == "length"
+
+
 def test_sdk_context_length_exceeded(engine, server, model):
     """vLLM answers 400 when a one-shot prompt, or prompt + max_tokens, is over max_model_len (it was a 200
     with empty text and finish_reason 'length'); a request that just fits is served."""
@@ -269,6 +302,15 @@ async def test_speech_routes_refuse_a_text_model(server, model):
 
 
 # -- Mode B text sessions ---------------------------------------------------------------------------------------
+async def test_text_session_refuses_a_prompt_in_its_params(server, model):
+    """A Mode B text session's `params.prompt` was taken and ignored (Mode A's line refuses it): the prompt comes
+    as chunks."""
+    async with aiohttp.ClientSession() as http:
+        status, created = await call(http, server, "POST", SESSIONS, json={
+            "model": model, "modality": "text", "params": {"prompt": "w5 w17", "max_tokens": MAX_TOKENS}})
+    assert (status, created["error"]["code"], created["error"]["param"]) == (422, "invalid_request", "params.prompt")
+
+
 async def test_text_session_gives_the_engine_streaming_input_tokens(server, model, streamed):
     chunks = [{"sequence_id": n, "modality": "text", "payload": b64(c), "end_of_input": n == len(CHUNKS) - 1}
               for n, c in enumerate(CHUNKS)]

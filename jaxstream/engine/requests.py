@@ -87,6 +87,8 @@ class SamplingParams:
         input)."""
         if self.n != 1:
             raise InvalidRequestError("n > 1 is not supported")
+        if not self.skip_special_tokens:  # the detokenizers always skip them: refused, not silently ignored
+            raise InvalidRequestError("skip_special_tokens=False is not supported")
         if streaming and self.stop:
             raise InvalidRequestError("stop strings are not supported with streaming input; use stop_token_ids")
         if streaming and self.output_kind is RequestOutputKind.FINAL_ONLY:
