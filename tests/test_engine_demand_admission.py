@@ -195,6 +195,40 @@ async def test_an_older_stream_in_host_memory_comes_back_when_a_newer_one_holds_
         engine.close()
 
 
+async def test_an_older_stream_prefilling_in_pieces_displaces_a_newer_decoding_one():
+    """A (2.4 s delay: its prompt is prefilled in pieces of 8 slots) starts first; B (480 ms) is decoding when
+    the encoder pool runs out mid-prompt. A tick places its decoding streams, then its prefilling ones: B found
+    no page and could not displace the older A, and A then waited "behind" the starved B without trying, though
+    it may move B to host memory. Neither ever advanced (found by a scheduler fuzz). Both now finish with the
+    tokens of their audio run alone."""
+    model, tokenizer = long_window_tiny_voxtral(encoder_window=512, decoder_window=256)
+    engine = AsyncEngine(model, tokenizer=tokenizer, config=EngineConfig(
+        max_sessions=2, batch_buckets=(2,), realtime_step_buckets=(1,), realtime_prefill_buckets=((2, 8),),
+        page_size=16, encoder_page_size=32, encoder_num_pages=1 + 16, num_pages=1 + 40, realtime_admission="demand"))
+    audio = np.concatenate([SAMPLE, SAMPLE])
+    try:
+        solo = {delay: (await engine.transcribe(audio[:length], delay_ms=delay)).token_ids
+                for delay, length in ((2400, 48_000), (480, 80_000))}
+        a = await engine.start_transcription(2400, session_id="A")
+        b = await engine.start_transcription(480, session_id="B")
+        await b.append(audio[:48_000])
+        await engine.wait_until_idle()
+        await b.append(audio[48_000:80_000])  # B goes on talking as A's long prompt fills
+        await a.append(audio[:48_000])
+        await a.finish()
+        await b.finish()
+
+        async def last(session):
+            return [event async for event in session][-1].token_ids
+
+        ends = await asyncio.wait_for(asyncio.gather(last(a), last(b)), timeout=120)
+        assert ends == [solo[2400], solo[480]]
+        await engine.wait_until_idle()
+        assert engine.core.at_baseline()
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 async def test_random_clients_in_short_pools_get_solo_tokens_and_leave_nothing_behind(seed):
     """Six streams in pools of one window (16 pages each; a 4.4 s stream needs 12 encoder pages): random

@@ -156,14 +156,14 @@ class RealtimeAdmission(Residency):
             session = rows.sessions[row]
             if row in self._preempted:
                 continue  # moved off the device by an older stream this tick
-            if hold and self._starved and self._host_full:
+            if hold and self._host_full and self._older_starved(row):
                 # An older stream has waited STARVED_SECONDS with nowhere to move its victims: the newer ones
                 # stop, so that the newest of them can end (`end_starvation`) without a batch that holds it.
                 self._held_newer = True
                 continue
             if session.resident and not missing[i]:
                 placed[i] = True
-            elif self._starved:
+            elif self._older_starved(row):
                 # An older stream found no page and none of the streams it may displace could move: nor can
                 # they for this newer one (its victims are a subset), so it waits without trying.
                 if session.resident:
@@ -184,6 +184,14 @@ class RealtimeAdmission(Residency):
                 self._placed[row] = True  # at once: the streams after it must not displace it
                 session.status = Status.RUNNING
         return placed
+
+    def _older_starved(self, row: int) -> bool:
+        """Whether a stream that arrived before `row` found no page this tick. Each call places its candidates
+        in arrival order, but a tick places the decoding streams and then the prefilling ones in two calls: a
+        newer decoding stream that starved must not stop an older prefilling one, which may displace it (the
+        two then waited for each other for ever)."""
+        arrival = self.rows.arrival
+        return any(arrival[starved] < arrival[row] for starved in self._starved)
 
     def end_starvation(self, busy: bool, dispatched: bool) -> None:
         """Demand admission, after each tick's placement: when streams found no page (or no way back from
