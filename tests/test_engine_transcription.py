@@ -10,7 +10,8 @@ import pytest
 
 from jaxstream.engine.async_engine import AsyncEngine
 from jaxstream.engine.config import EngineConfig
-from jaxstream.engine.transcription_session import TranscriptionDelta, TranscriptionDone, word_timings
+from jaxstream.engine.transcription_session import (
+    GeneratedIds, TranscriptAssembler, TranscriptionDelta, TranscriptionDone, word_timings)
 from jaxstream.errors import EngineError, SessionClosedError
 from jaxstream.models.audio import (
     ALLOWED_DELAYS_MS, MAX_SAMPLE_MAGNITUDE, n_delay_from_ms, prompt_length, resample_to_16k,
@@ -273,6 +274,21 @@ def test_word_timings_follow_markers_minus_the_delay():
     assert tokenizer.decode(joined) == " HIOK"
     assert [(w.word, w.start, w.end) for w in word_timings(joined, tokenizer, audio_seconds=10.0)] == [
         ("HIOK", 0.16, 0.8)]
+
+
+def test_delta_times_never_pass_the_end_of_the_audio():
+    """A delta's time is its newest token's, at most the audio received, in milliseconds within it: for a
+    recording of 47,948 samples (2.99675 s) the deltas said 2.997 (rounded to the nearest), after the recording,
+    while its words end at 2.996."""
+    tokenizer = load_tokenizer(FIXTURES / "voxtral_tiny" / "tekken.json")
+    pad, word = tokenizer.streaming_pad_id, tokenizer.streaming_word_id
+    ids = [pad] * 40 + [word] + [1000 + b for b in b" HI"]  # the text describes audio past 2.99675 s
+    assembler = TranscriptAssembler(tokenizer, delay_ms=480, prompt_len=39)
+    events = assembler.events(GeneratedIds(ids[:-1], [0.0] * (len(ids) - 1), 47948, False))
+    events += assembler.events(GeneratedIds(ids[-1:], [0.0], 47948, True))
+    deltas, done = events[:-1], events[-1]
+    assert [d.text for d in deltas] == [" H", "I"] and done.words[-1].end == 2.996
+    assert [d.audio_seconds for d in deltas] == [2.996, 2.996]
 
 
 async def test_tensor_parallel_over_four_devices_gives_identical_tokens(reference):

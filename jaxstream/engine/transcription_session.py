@@ -157,13 +157,14 @@ class TranscriptAssembler:
         self._undelivered += len(out.ids)
         events = []
         audio_seconds = out.samples / SAMPLING_RATE
+        received = to_ms_at_most(audio_seconds)  # a time within the audio, as the words' (rounding went past it)
         text = self._decoder.push_many(out.ids)
         if text:
-            events.append(self._delta(text, min(token_time(len(self._generated) - 1), audio_seconds)))
+            events.append(self._delta(text, min(token_time(len(self._generated) - 1), received)))
         if out.ended:
             tail = self._decoder.flush()
             if tail:
-                events.append(self._delta(tail, audio_seconds))
+                events.append(self._delta(tail, received))
             usage = TranscriptionUsage(audio_seconds, self._prompt_len, len(self._generated))
             words = word_timings(self._generated, self._tokenizer, audio_seconds)
             events.append(TranscriptionDone(self._decoder.text, list(self._generated), words, usage, self._delay_ms,
@@ -173,7 +174,7 @@ class TranscriptAssembler:
     def _delta(self, text: str, audio_seconds: float) -> TranscriptionDelta:
         first = len(self._generated) - self._undelivered
         self._undelivered = 0
-        return TranscriptionDelta(text, self._generated[first:], to_ms(audio_seconds), self._logprobs[first:])
+        return TranscriptionDelta(text, self._generated[first:], audio_seconds, self._logprobs[first:])
 
 
 def transcript_sink(target, tokenizer, *, delay_ms: int, prompt_len: int):
