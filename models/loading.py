@@ -6,7 +6,8 @@
   (a) a Mistral-native checkpoint: `params.json` + `consolidated*.safetensors` (+ `tekken.json`),
   (b) a Hugging Face checkpoint: `config.json` + `model.safetensors` or a sharded
       `model.safetensors.index.json` (legacy on-disk and modern transformers names both accepted)
-      (+ `tokenizer.json`, + `generation_config.json`: `load_checkpoint_tokenizer`, `declared_token_ids`),
+      (+ `tokenizer.json`, + `generation_config.json`: `load_checkpoint_tokenizer`, `declared_token_ids`,
+      `declared_sampling_defaults`),
   (c) a jaxstream Orbax checkpoint written by `jaxstream convert` or `jaxstream train` (orbax_writer.py):
       `jaxstream.json` (format, config, parameter dtype, tokenizer file) + `state/` (Orbax) + tokenizer
       (+ the tokenizer_config.json of a tokenizer.json),
@@ -145,6 +146,47 @@ def declared_token_ids(directory: Path) -> tuple[int | None, tuple[int, ...]]:
         if not eos_ids and data.get("eos_token_id") is not None:
             eos_ids = _token_ids(data["eos_token_id"], directory / name, "eos_token_id", several=True)
     return bos_id, eos_ids
+
+
+# generation_config.json's sampling keys vLLM reads (`ModelConfig.get_diff_sampling_param`) -> (vLLM's name, the
+# default of transformers 4.x's GenerationConfig). vLLM takes the file's diff against those (`to_diff_dict`), so a
+# key stated at its default is not applied: `top_k: 50` leaves vLLM's 0 (no top-k). (Under transformers 5, whose
+# defaults are all None, vLLM applies such keys too; this follows vLLM on transformers 4.x.)
+_SAMPLING_KEYS = {"repetition_penalty": ("repetition_penalty", 1.0), "temperature": ("temperature", 1.0),
+                  "top_k": ("top_k", 50), "top_p": ("top_p", 1.0), "min_p": ("min_p", None),
+                  "max_new_tokens": ("max_tokens", None)}
+# vLLM's name -> (an integer, lowest, highest, lowest excluded): what vLLM's SamplingParams accepts.
+_SAMPLING_RANGES = {"repetition_penalty": (False, 0, None, True), "temperature": (False, 0, None, False),
+                    "top_k": (True, -1, 2**31 - 1, False), "top_p": (False, 0, 1, True),
+                    "min_p": (False, 0, 1, False), "max_tokens": (True, 1, 2**31 - 1, False)}
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def declared_sampling_defaults(directory: Path) -> dict[str, int | float]:
+    """The sampling defaults a checkpoint declares, keyed by vLLM's names (temperature, top_p, top_k, min_p,
+    repetition_penalty, max_tokens), as vLLM's `--generation-config auto` takes them: generation_config.json's
+    values that differ from transformers' defaults (`_SAMPLING_KEYS`; max_new_tokens is max_tokens). A jaxstream
+    checkpoint: those of the source it was converted from (`orbax_writer`). A bad value raises a one-line
+    `UserError` naming the file and the key."""
+    if (directory / ORBAX_METADATA).is_file():
+        return dict(_orbax_metadata(directory).sampling_defaults)
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return {}
+    data = _read_json(path)
+    return {name: data[key] for key, (name, default) in _SAMPLING_KEYS.items()
+            if data.get(key) is not None and _sampling_value(data[key], path, key, name) != default}
+
+
+def _sampling_value(value, path: Path, key: str, name: str) -> int | float:
+    integer, low, high, low_excluded = _SAMPLING_RANGES[name]
+    valid = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
+    valid = valid and math.isfinite(value) and abs(value) <= _FLOAT32_MAX and (high is None or value <= high)
+    if not valid or value < low or (low_excluded and value == low):
+        bound = (f"in {'(' if low_excluded else '['}{low}, {high}]" if high is not None
+                 else f"{'>' if low_excluded else '>='} {low}")
+        raise UserError(f"{path}: {key} must be {'an integer' if integer else 'a number'} {bound}, got {value!r}")
+    return value
 
 
 def _token_ids(value, path: Path, key: str, *, several: bool) -> tuple[int, ...]:
@@ -481,6 +523,7 @@ class _OrbaxMetadata(NamedTuple):
     param_dtype: jnp.dtype
     tokenizer: str | None  # a file beside jaxstream.json
     declared_ids: tuple[int | None, tuple[int, ...]]  # see `declared_token_ids`
+    sampling_defaults: dict[str, int | float]  # see `declared_sampling_defaults`
 
 
 def _orbax_metadata(directory: Path) -> _OrbaxMetadata:
@@ -509,7 +552,13 @@ def _orbax_metadata(directory: Path) -> _OrbaxMetadata:
     bos_id = metadata.get("bos_token_id")
     declared = (None if bos_id is None else _token_ids(bos_id, path, "bos_token_id", several=False)[0],
                 _token_ids(metadata.get("eos_token_ids") or [], path, "eos_token_ids", several=True))
-    return _OrbaxMetadata(config, jnp.dtype(param_dtype), tokenizer, declared)
+    defaults = metadata.get("sampling_defaults", {})  # absent in checkpoints written before it was kept
+    if not isinstance(defaults, dict) or not set(defaults) <= set(_SAMPLING_RANGES):
+        raise UserError(f"{path}: sampling_defaults must map some of {', '.join(_SAMPLING_RANGES)} to values, "
+                        f"got {defaults!r}")
+    defaults = {name: _sampling_value(value, path, f"sampling_defaults.{name}", name)
+                for name, value in defaults.items()}
+    return _OrbaxMetadata(config, jnp.dtype(param_dtype), tokenizer, declared, defaults)
 
 
 def _restore_orbax(directory: Path, abstract: nnx.State, param_dtype, shardings: dict) -> dict:

@@ -48,11 +48,13 @@ def _existing_ancestor(path: Path) -> Path:
 
 
 def save_checkpoint(loaded: LoadedModel, destination: str | os.PathLike, *, overwrite: bool = False,
-                    declared_ids: tuple[int | None, tuple[int, ...]] = (None, ())) -> Path:
+                    declared_ids: tuple[int | None, tuple[int, ...]] = (None, ()),
+                    sampling_defaults: dict[str, int | float] | None = None) -> Path:
     """Writes `loaded` as a jaxstream Orbax checkpoint (state, `jaxstream.json`, tokenizer file) and returns
     its directory (see `check_destination`). `declared_ids` are the source's (BOS id, EOS ids) as
     `declared_token_ids` read them, and a tokenizer.json takes its tokenizer_config.json along (`HFTokenizer`'s
-    BOS / EOS fallback): the converted checkpoint stops where its source did.
+    BOS / EOS fallback): the converted checkpoint stops where its source did. `sampling_defaults` are the
+    source's as `declared_sampling_defaults` read them: it samples as its source did too.
 
     Everything is written into a hidden sibling directory that is renamed into place at the end, so a failed or
     interrupted write leaves the destination as it was (an overwritten checkpoint is removed only then)."""
@@ -76,7 +78,8 @@ def save_checkpoint(loaded: LoadedModel, destination: str | os.PathLike, *, over
                 shutil.copyfile(tokenizer_config, staging / tokenizer_config.name)
         metadata = {"format": ORBAX_FORMAT, "format_version": ORBAX_FORMAT_VERSION,
                     "config": config_to_dict(loaded.config), "param_dtype": str(jax.tree.leaves(params)[0].dtype),
-                    "tokenizer": tokenizer, "bos_token_id": declared_ids[0], "eos_token_ids": list(declared_ids[1])}
+                    "tokenizer": tokenizer, "bos_token_id": declared_ids[0], "eos_token_ids": list(declared_ids[1]),
+                    "sampling_defaults": dict(sampling_defaults or {})}
         (staging / ORBAX_METADATA).write_text(json.dumps(metadata, indent=2) + "\n")
         if directory.exists():  # an empty directory, or the checkpoint `overwrite` replaces
             replaced = directory.with_name(f".{directory.name}.replaced")

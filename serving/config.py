@@ -3,8 +3,8 @@
 The TOML has up to four tables, each optional; command-line flags override it:
 
     model = "tiny"            # top level: what to serve
-    [server]   host, port, compat, served_model_name, drain_timeout_s, the /ws rate limits (ws_*), CORS
-               (allowed_origins, allowed_methods, allowed_headers, allow_credentials)
+    [server]   host, port, compat, served_model_name, generation_config, drain_timeout_s, the /ws rate limits
+               (ws_*), CORS (allowed_origins, allowed_methods, allowed_headers, allow_credentials)
     [limits]   any field of serving.limits.Limits
     [engine]   any EngineConfig field with a plain value (max_sessions, default_delay_ms, buckets, ...)
 
@@ -20,6 +20,7 @@ from jaxstream.serving.cors import check_origins
 from jaxstream.serving.limits import Limits
 
 COMPAT_MODES = ("strict", "vllm")
+GENERATION_CONFIGS = ("auto", "vllm")  # the engine's (builders.py), restated: importing it here would import jax
 CORS_LISTS = ("allowed_origins", "allowed_methods", "allowed_headers")
 
 
@@ -33,6 +34,9 @@ class ServerConfig:
     # "strict": the protocol fixes of specs/realtime_protocols.md [B]; "vllm": vLLM 0.33's behaviour where a
     # fix would change what a client sees.
     compat: str = "strict"
+    # vLLM's --generation-config: "auto" serves the sampling defaults the checkpoint's generation_config.json declares
+    # to completions that omit those fields; "vllm" ignores the file.
+    generation_config: str = "auto"
     drain_timeout_s: float = 30.0  # SIGTERM: time running utterances get before their sockets close
     # The /ws envelope's rolling-window rate limits per connection (specs/realtime_protocols.md §5.6; the
     # guide's WS_* settings): messages but ping/pong/end, and cancels. 80 ms audio chunks alone are 750/min.
@@ -58,6 +62,9 @@ class ServerConfig:
             raise ValueError(f"served_model_name must be a string, got {self.served_model_name!r}")
         if self.compat not in COMPAT_MODES:
             raise ValueError(f"compat must be one of {', '.join(COMPAT_MODES)}, got {self.compat!r}")
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIGS)}, "
+                             f"got {self.generation_config!r}")
         if not self.drain_timeout_s > 0:
             raise ValueError("drain_timeout_s must be positive")
         for name in ("ws_max_messages_per_window", "ws_message_window_s", "ws_max_cancels_per_window",
@@ -116,8 +123,8 @@ def load_server_file(name: str) -> ServerFile:
                         "[limits], [engine]")
     from jaxstream.engine.config import EngineConfig
 
-    server = _table(data, "server", {"host", "port", "compat", "served_model_name", "drain_timeout_s",
-                                     "ws_max_messages_per_window", "ws_message_window_s",
+    server = _table(data, "server", {"host", "port", "compat", "served_model_name", "generation_config",
+                                     "drain_timeout_s", "ws_max_messages_per_window", "ws_message_window_s",
                                      "ws_max_cancels_per_window", "ws_cancel_window_s", *CORS_LISTS,
                                      "allow_credentials"}, source)
     limits = _table(data, "limits", {f.name for f in dataclasses.fields(Limits)}, source)

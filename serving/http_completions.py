@@ -50,6 +50,10 @@ from jaxstream.serving.limits import drain_truncation, holds_stream
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# The fields a request that leaves them out takes from the model's sampling defaults. Not max_tokens: vLLM's
+# CompletionRequest makes an omitted or null one 16 before any default applies (a generation config's
+# max_new_tokens caps completions only under a --generation-config folder, which jaxstream does not take).
+DEFAULTED = ("temperature", "top_p", "top_k")
 _END = object()  # ends a TextInput's chunk queue
 # Fields jaxstream cannot honour, OpenAI's and then vLLM's sampling extras, with the value that means "not used"
 # (an empty list or object is not used either). vLLM honours them all: taking one and ignoring it would give a
@@ -63,14 +67,16 @@ _NEUTRAL = {"echo": False, "suffix": None, "best_of": 1, "logprobs": None, "pres
             "guided_choice": None, "guided_grammar": None, "logits_processors": None}
 
 
-def sampling_params(body: dict, *, streaming: bool = True) -> SamplingParams:
+def sampling_params(body: dict, defaults: SamplingParams, *, streaming: bool = True) -> SamplingParams:
     """SamplingParams from OpenAI completion fields (and vLLM's extras) for a streaming-input session, or a
-    one-shot request (`streaming=False`: stop strings allowed); RequestError 400 when invalid."""
+    one-shot request (`streaming=False`: stop strings allowed); RequestError 400 when invalid. A field of
+    `DEFAULTED` the body omits or sends as null takes its value in `defaults` (the engine's
+    `default_sampling_params()`), as vLLM's `to_sampling_params` merges the model's generation config."""
     for name, neutral in _NEUTRAL.items():
         value = body.get(name)
         if value is not None and value != neutral and value not in ({}, []):
             raise RequestError(400, "unsupported_parameter", f"`{name}` is not supported by this server", name)
-    fields = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_tokens": 0, "ignore_eos": False,
+    fields = {"n": 1, **{name: getattr(defaults, name) for name in DEFAULTED}, "min_tokens": 0, "ignore_eos": False,
               "include_stop_str_in_output": False}
     fields.update({name: body[name] for name in (*fields, "seed", "stop", "stop_token_ids")
                    if body.get(name) is not None})
@@ -374,7 +380,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
         check_model(state, body.get("model"), "text")
         prompt = prompt_ids(parse_prompt(body, state), state)
-        params = sampling_params(body, streaming=False)
+        params = sampling_params(body, state.engine.default_sampling_params(), streaming=False)
         if params.stop:
             check_tokenizer(state, "stop", "stop strings need one; use stop_token_ids")
         check_context_length(prompt, params, state)
@@ -419,8 +425,8 @@ async def _streaming_input(request: web.Request, state) -> web.StreamResponse:
     policy = streaming_input.parse_start_policy(params, "text")
     streaming_input.check_streamed(params)
     _, include_usage = parse_stream(params, implied=True)
-    text_input = TextInput(state, sampling_params(params), sse.EventLog(), include_usage=include_usage,
-                           return_token_ids=parse_flag(params, "return_token_ids"))
+    text_input = TextInput(state, sampling_params(params, state.engine.default_sampling_params()), sse.EventLog(),
+                           include_usage=include_usage, return_token_ids=parse_flag(params, "return_token_ids"))
     return await streaming_input.serve_mode_a(request, state, text_input, policy, objects, first_chunk)
 
 

@@ -198,6 +198,7 @@ def test_a_fractional_count_in_a_server_toml_is_a_one_line_mistake(tmp_path, cap
     ("[server]\nhost = 5\n", "host must be a string, got 5"),
     ("[server]\nserved_model_name = 7\n", "served_model_name must be a string, got 7"),  # no request matched
     ('[engine]\ndefault_delay_ms = "480"\n', "default_delay_ms must be a whole number of milliseconds, got '480'"),
+    ('[server]\ngeneration_config = "configs/"\n', "generation_config must be one of auto, vllm, got 'configs/'"),
     # Was "cannot load ..." after a server had started listening and loaded the model.
     ('[server]\nhost = "127.0.0.1"\nport = 0\n[engine]\nattention_impl = "pallas_tpu"\n',
      "bad server configuration: EngineConfig.attention_impl 'pallas_tpu' cannot run here"),
@@ -312,6 +313,34 @@ def test_a_port_in_use_fails_before_the_model_starts_loading(monkeypatch, capsys
     assert loads == []
     assert capsys.readouterr().err == f"jaxstream serve: error: cannot listen on 127.0.0.1:{port}: " \
                                       "Address already in use\n"
+
+
+@pytest.mark.parametrize("toml, flags, expected", [
+    ("", [], "auto"),  # vLLM's default
+    ('[server]\ngeneration_config = "vllm"\n', [], "vllm"),
+    ('[server]\ngeneration_config = "vllm"\n', ["--generation-config", "auto"], "auto"),  # the flag wins
+])
+def test_generation_config_reaches_the_engine_from_the_flag_or_the_server_toml(monkeypatch, tmp_path, toml, flags,
+                                                                               expected):
+    import logging
+
+    from jaxstream.engine.async_engine import AsyncEngine
+
+    loads = []
+
+    def from_pretrained(model, **kwargs):
+        loads.append(kwargs["generation_config"])
+        raise RuntimeError("this test loads no model")
+
+    monkeypatch.setattr(AsyncEngine, "from_pretrained", from_pretrained)
+    path = tmp_path / "s.toml"
+    path.write_text(toml)
+    level = logging.getLogger("jaxstream").level  # serve sets its own
+    try:
+        assert main(["serve", "--host", "127.0.0.1", "--port", "0", "--config", str(path), *flags]) == 2
+    finally:
+        logging.getLogger("jaxstream").setLevel(level)
+    assert loads == [expected]
 
 
 # `jaxstream serve` whose model load is still going when the signal comes (it never ends), and which says when

@@ -39,9 +39,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("SRC and DST are the same directory")
     info = loading.inspect_checkpoint(source)
     dtype = loading.checkpoint_dtype(info) if args.dtype == "auto" else jnp.dtype(args.dtype)
+    # Read (and checked) before the weights: a bad generation_config.json fails at once.
+    declared_ids, sampling_defaults = loading.declared_token_ids(source), loading.declared_sampling_defaults(source)
     loaded = loading.load_model(source, dtype=dtype)
-    written = orbax_writer.save_checkpoint(loaded, destination, overwrite=args.overwrite,
-                                           declared_ids=loading.declared_token_ids(source))
+    written = orbax_writer.save_checkpoint(loaded, destination, overwrite=args.overwrite, declared_ids=declared_ids,
+                                           sampling_defaults=sampling_defaults)
     source_kind = _SOURCE_KINDS.get(info.kind, f"a {info.kind}")
     print(f"wrote {written} ({num_parameters(loaded.model):,} {dtype.name} parameters from {source_kind} checkpoint)")
     return 0

@@ -4,6 +4,7 @@ HTTP streaming-input sessions, a browser microphone demo at `/`, health, models 
 
     jaxstream serve [MODEL] [--host H] [--port P] [--api-key K | --api-key-file F] [--max-sessions N]
                     [--delay-ms MS] [--max-session-seconds S] [--idle-timeout S] [--compat vllm]
+                    [--generation-config {auto,vllm}]
                     [--allowed-origins JSON] [--allowed-methods JSON] [--allowed-headers JSON]
                     [--allow-credentials] [--config server.toml]
 
@@ -19,6 +20,7 @@ needs them) and exit when the leader stops.
 """
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -26,6 +28,8 @@ import threading
 
 from jaxstream import distributed
 from jaxstream.errors import ProcessGroupError, UserError
+
+logger = logging.getLogger(__name__)
 
 # The engine's own default lets one session queue 10 minutes of audio; a server with many sessions keeps
 # far less per client in memory (the client is pushed back instead).
@@ -73,6 +77,10 @@ def register(subparsers) -> None:
     parser.add_argument("--compat", choices=("strict", "vllm"), default=None,
                         help="'vllm': behave exactly like vLLM 0.33 where the protocol fixes would differ "
                              "(default strict)")
+    parser.add_argument("--generation-config", choices=("auto", "vllm"), default=None,
+                        help="'auto': completions that omit temperature, top_p or top_k take the defaults the "
+                             "checkpoint's generation_config.json declares, as vLLM does; 'vllm': ignore them "
+                             "(default auto)")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="model id clients name in session.update (default: MODEL as given)")
     # CORS, with vLLM's flag names, JSON lists and defaults (serving/cors.py).
@@ -119,7 +127,6 @@ def run(args) -> int:
 
 def _run(args) -> int:
     import asyncio
-    import logging
 
     from jaxstream.commands.transcribe import checked_delay_ms, model_source
     from jaxstream.serving.auth import load_api_keys
@@ -131,9 +138,9 @@ def _run(args) -> int:
     limits = dict(file.limits) if file else {}
     engine = dict(file.engine) if file else {}
     _override(server, host=args.host, port=args.port, compat=args.compat, drain_timeout_s=args.drain_timeout,
-              served_model_name=args.served_model_name, allowed_origins=args.allowed_origins,
-              allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
-              allow_credentials=args.allow_credentials)
+              served_model_name=args.served_model_name, generation_config=args.generation_config,
+              allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+              allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     _override(limits, max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
               max_session_seconds=args.max_session_seconds, max_audio_seconds=args.max_audio_seconds,
               max_payload_per_session=args.max_payload_per_session, max_streams_per_key=args.max_streams_per_key,
@@ -236,7 +243,9 @@ async def _serve(model: str, config, engine_config, key_source: str | None, load
             raise RuntimeError("the server stopped before it listened")  # nobody waits for this any more
         loading.set()
         try:
-            engine = AsyncEngine.from_pretrained(model, config=engine_config)
+            engine = AsyncEngine.from_pretrained(model, config=engine_config,
+                                                 generation_config=config.generation_config)
+            log_sampling_defaults(engine)
             freeze_startup_heap()  # full garbage collections would stop the server for ~150 ms each
         finally:
             loading.clear()
@@ -298,6 +307,19 @@ async def _serve(model: str, config, engine_config, key_source: str | None, load
             loop.remove_signal_handler(signum)
     _say("stopped")
     return 0
+
+
+def log_sampling_defaults(engine) -> None:
+    """One INFO line naming the checkpoint's sampling defaults completions take, when there are any (vLLM's
+    "Using default completion sampling params from model")."""
+    from jaxstream.engine.requests import SamplingParams
+    from jaxstream.serving.http_completions import DEFAULTED
+
+    defaults, unset = engine.default_sampling_params(), SamplingParams()
+    applied = {name: getattr(defaults, name) for name in DEFAULTED if getattr(defaults, name) != getattr(unset, name)}
+    if applied:
+        logger.info("completions that omit them sample with the model's defaults %s (its generation config; "
+                    "--generation-config vllm ignores it)", ", ".join(f"{k}={v}" for k, v in applied.items()))
 
 
 # The routes each kind of model is served on besides the first (serving/app.py's table).

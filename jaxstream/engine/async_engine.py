@@ -52,7 +52,7 @@ class AsyncEngine:
     """Serves one model: a text LM through `generate`, or Voxtral Realtime through transcription sessions."""
 
     def __init__(self, model, *, config: EngineConfig | None = None, tokenizer=None, eos_token_id=None,
-                 model_name: str = "jaxstream"):
+                 model_name: str = "jaxstream", default_sampling_params: SamplingParams | None = None):
         from jaxstream.engine import builders, multihost
         from jaxstream.models.config import VoxtralConfig
 
@@ -60,6 +60,7 @@ class AsyncEngine:
         self.model_name = model_name
         self.model_config = builders.model_config(model)
         self.tokenizer = tokenizer
+        self._default_sampling_params = default_sampling_params or SamplingParams()
         # Over a mesh spanning processes this engine leads: other processes run `multihost.follow`.
         spans = multihost.spans_processes(self.config.mesh)
         if spans and jax.process_index() != 0:
@@ -101,9 +102,11 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    def from_pretrained(cls, model_source, config: EngineConfig | None = None, *, dtype=None) -> "AsyncEngine":
+    def from_pretrained(cls, model_source, config: EngineConfig | None = None, *, dtype=None,
+                        generation_config: str = "auto") -> "AsyncEngine":
         """Loads a model (built-in name, local directory or hub id; models/loading.py) and starts an engine
-        that stops text generation at the EOS ids the checkpoint declares (else its tokenizer's).
+        that stops text generation at the EOS ids the checkpoint declares (else its tokenizer's), with the
+        `default_sampling_params()` it declares (`generation_config` "auto", as vLLM's; "vllm": none).
 
         Returns once every program is compiled. The default `EngineConfig` serves 64 sessions and compiles
         17 programs (about 20 s for the tiny model on a 2-core CPU); `EngineConfig(max_sessions=1)`
@@ -112,9 +115,8 @@ class AsyncEngine:
         from jaxstream.engine import builders
 
         config = config or EngineConfig()
-        model, tokenizer, eos_ids = builders.load_pretrained(model_source, config, dtype=dtype)
-        # No declared EOS: the engine takes the tokenizer's.
-        return cls(model, config=config, tokenizer=tokenizer, eos_token_id=eos_ids, model_name=str(model_source))
+        loaded = builders.load_for_engine(model_source, config, dtype=dtype, generation_config=generation_config)
+        return cls(config=config, model_name=str(model_source), **loaded._asdict())
 
     # -- state other threads read ---------------------------------------------------------------------
     @property
@@ -132,6 +134,10 @@ class AsyncEngine:
         if self.kind != "realtime":
             return None
         return int(self.config.default_delay_ms or self.model_config.default_delay_ms)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """vLLM's `get_default_sampling_params()`: what omitted completion fields take; `generate` applies none."""
+        return self._default_sampling_params
 
     def metrics(self) -> engine_metrics.EngineMetrics:
         """What the engine holds, as of its latest snapshot (at most ~50 ms old while busy; current when

@@ -3,16 +3,26 @@ import dataclasses
 import gc
 import logging
 import time
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxstream.engine import kv_cache, sharding, steps
 from jaxstream.engine.config import EngineConfig
+from jaxstream.engine.requests import SamplingParams
 from jaxstream.engine.text_scheduler import STACK, TextScheduler
 from jaxstream.models.config import TextConfig, VoxtralConfig
 
 logger = logging.getLogger(__name__)
+
+# vLLM's `--generation-config` values jaxstream takes ("auto": the checkpoint's defaults; "vllm": none), not its
+# third form, a folder holding another generation_config.json.
+GENERATION_CONFIGS = ("auto", "vllm")
+# The declared defaults jaxstream samples with. vLLM applies min_p and repetition_penalty too; jaxstream has no
+# sampler for them, so they are ignored with a warning unless neutral (jaxstream's sampling is then vLLM's).
+_SAMPLED_DEFAULTS = ("temperature", "top_p", "top_k", "max_tokens")
+_NEUTRAL_DEFAULTS = {"min_p": 0, "repetition_penalty": 1}
 
 
 def model_config(model) -> TextConfig | VoxtralConfig:
@@ -40,6 +50,44 @@ def load_pretrained(model_source, engine_cfg: EngineConfig, *, dtype=None):
     tokenizer = loading.load_checkpoint_tokenizer(directory, loaded.tokenizer_path)
     _, eos_ids = loading.declared_token_ids(directory)
     return loaded.model, tokenizer, eos_ids or None
+
+
+class Pretrained(NamedTuple):
+    """What `AsyncEngine.from_pretrained` builds its engine from (its keyword arguments)."""
+
+    model: Any
+    tokenizer: Any
+    eos_token_id: tuple[int, ...] | None  # the declared EOS ids; None: the tokenizer's
+    default_sampling_params: SamplingParams
+
+
+def load_for_engine(model_source, engine_cfg: EngineConfig, *, dtype=None, generation_config: str = "auto"):
+    """`load_pretrained`, with the checkpoint's sampling defaults (`checkpoint_sampling_params`)."""
+    from jaxstream.models import loading
+
+    directory = loading.resolve_model_dir(model_source)  # once: a hub id is not looked up twice
+    model, tokenizer, eos_ids = load_pretrained(directory, engine_cfg, dtype=dtype)
+    return Pretrained(model, tokenizer, eos_ids, checkpoint_sampling_params(model, directory, generation_config))
+
+
+def checkpoint_sampling_params(model, directory, generation_config: str = "auto") -> SamplingParams:
+    """vLLM's `LLM.get_default_sampling_params()` for `model`'s checkpoint `directory`: with `generation_config`
+    "auto", the sampling defaults it declares (`loading.declared_sampling_defaults`); with "vllm", none. Voxtral
+    Realtime transcribes greedily: none either."""
+    from jaxstream.models import loading
+
+    if generation_config not in GENERATION_CONFIGS:
+        raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIGS)}, "
+                         f"got {generation_config!r}")
+    if generation_config == "vllm" or isinstance(model_config(model), VoxtralConfig):
+        return SamplingParams()
+    declared = loading.declared_sampling_defaults(directory)
+    ignored = {name: value for name, value in declared.items()
+               if name not in _SAMPLED_DEFAULTS and value != _NEUTRAL_DEFAULTS[name]}
+    if ignored:
+        logger.warning("%s declares sampling defaults jaxstream cannot apply, ignored (vLLM would sample with "
+                       "them): %s", directory, ", ".join(f"{name}={value}" for name, value in ignored.items()))
+    return SamplingParams(**{name: value for name, value in declared.items() if name in _SAMPLED_DEFAULTS})
 
 
 def build_core(model, engine_cfg: EngineConfig, *, tokenizer=None, eos_token_id=None):
