@@ -349,3 +349,25 @@ async def test_collected_slots_count_only_once_their_ids_are_posted_to_the_event
         core._advance = checked  # noqa: SLF001 - on the engine thread, right after each count
         done = await engine.transcribe(sample)
     assert done.text and not unposted
+
+
+async def test_transcribe_appends_a_long_recording_in_pieces_of_the_backlog_bound():
+    """`AsyncEngine.transcribe` appended a whole recording at once (a lone append passes the backlog bound), so
+    the engine's shared mel slab grew to hold all of it and kept that size for the engine's lifetime (2,048 blocks
+    for 90 s here; about 512 MiB for a 2-hour file). It appends pieces of `max_queued_audio_seconds`: the slab
+    keeps its 1,024 blocks, and the tokens are those of the recording appended whole."""
+    audio = (0.1 * np.random.default_rng(0).standard_normal(16_000 * 90)).astype(np.float32)
+    config = EngineConfig(**SMALL, max_queued_audio_seconds=5.0)
+    engines = [AsyncEngine.from_pretrained(FIXTURES / "voxtral_tiny", config=config, dtype="float32")
+               for _ in range(2)]
+    try:
+        whole = await engines[1].start_transcription()
+        await whole.append(audio)
+        await whole.finish()
+        expected = [event async for event in whole][-1].token_ids
+        done = await engines[0].transcribe(audio)
+        assert done.token_ids == expected and done.usage.audio_seconds == 90.0
+        assert len(engines[0].core.rows.mel.data) == 1024 < len(engines[1].core.rows.mel.data)
+    finally:
+        for engine in engines:
+            engine.close()

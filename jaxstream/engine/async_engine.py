@@ -502,7 +502,10 @@ class AsyncEngine:
         session = await self.start_transcription(delay_ms)
         done = None
         try:
-            await session.append(pcm)
+            # Pieces of the backlog bound: one append of it all grew the engine's mel buffers to it, for good.
+            pcm, step = np.asarray(pcm), max(1, int(self.config.max_queued_audio_seconds * SAMPLING_RATE))
+            for piece in np.split(pcm, range(step, len(pcm), step)) if pcm.ndim == 1 else [pcm]:
+                await session.append(piece)
             await session.finish()
             async for event in session:
                 if isinstance(event, TranscriptionDone):
