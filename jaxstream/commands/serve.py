@@ -78,7 +78,7 @@ def register(subparsers) -> None:
                         help="'vllm': behave exactly like vLLM 0.33 where the protocol fixes would differ "
                              "(default strict)")
     parser.add_argument("--generation-config", choices=("auto", "vllm"), default=None,
-                        help="'auto': completions that omit temperature, top_p or top_k take the defaults the "
+                        help="'auto': completions that omit temperature, top_p or top_k take the values the "
                              "checkpoint's generation_config.json declares, as vLLM does; 'vllm': ignore them "
                              "(default auto)")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
