@@ -276,6 +276,32 @@ def test_word_timings_follow_markers_minus_the_delay():
         ("HIOK", 0.16, 0.8)]
 
 
+def test_markers_are_the_word_boundaries_of_text_without_spaces():
+    """Chinese and Japanese text has no spaces: its [STREAMING_WORD] markers are its word boundaries, as the
+    spec's marker is (a marker inside a word of ASCII letters joins it, above). A byte-level stub tokenizer."""
+
+    class Bytes:
+        streaming_word_id, streaming_pad_id = 33, 32
+
+        def is_control(self, token):
+            return token < 1000
+
+        def token_bytes(self, token):
+            return bytes([token - 1000])
+
+        def decode(self, ids):
+            return b"".join(self.token_bytes(t) for t in ids if t >= 1000).decode()
+
+    def ids(text):
+        return [1000 + b for b in text.encode()]
+
+    word = Bytes.streaming_word_id
+    stream = [word, *ids("今天"), word, *ids("天气"), word, *ids("很好"), 32, word, *ids(" ok"), word, *ids("ay")]
+    words = word_timings(stream, Bytes(), audio_seconds=10.0)
+    assert [(w.word, w.start, w.end) for w in words] == [
+        ("今天", 0.08, 0.64), ("天气", 0.64, 1.2), ("很好", 1.2, 1.76), ("okay", 1.84, 2.4)]
+
+
 def test_delta_times_never_pass_the_end_of_the_audio():
     """A delta's time is its newest token's, at most the audio received, in milliseconds within it: for a
     recording of 47,948 samples (2.99675 s) the deltas said 2.997 (rounded to the nearest), after the recording,

@@ -6,9 +6,10 @@ audio slot `n_delay` slots late, so the i-th generated token (0-based) describes
 `(i + 1) * 80 ms`: its decoder slot is `prompt_len + i = 33 + n_delay + i`, minus the 32 padding slots
 and the delay. Word timings use that mapping: a word starts at its `[STREAMING_WORD]` marker (or at its
 first text token when no marker precedes it) and ends 80 ms after its last text token, clamped to the
-audio received. Every time in the events is rounded to the millisecond. The words are the text's own: a word ends
-where the text has a space, so a marker between two pieces of one word (which a small model can emit: the text
-reads "overhead", not "over head") does not split it.
+audio received. Every time in the events is rounded to the millisecond. The words are the text's own: a marker
+between two ASCII letters or digits (which a small model can emit inside a word: the text reads "overhead", not
+"over head") does not split the word; elsewhere a marker does, as a space does (Chinese and Japanese text has no
+spaces: its markers are its word boundaries).
 """
 import asyncio
 import dataclasses
@@ -118,18 +119,24 @@ def word_timings(token_ids, tokenizer, audio_seconds: float, first_index: int = 
             words.append(WordTiming(text, min(to_ms(start), end), end))
         current, start = [], None
 
+    tail = b""  # the last text piece of the word being built
     for index, token in enumerate(token_ids):
         if token == tokenizer.streaming_word_id:
             marker = token_time(first_index + index)
             continue
         if tokenizer.is_control(token):
             continue
-        if current and tokenizer.token_bytes(token)[:1].isspace():
+        piece = tokenizer.token_bytes(token)
+        # A marker ends the word unless it falls between two ASCII letters or digits, inside a word of a script
+        # written with spaces: Chinese or Japanese text has no spaces, and its markers are its word boundaries.
+        if current and (piece[:1].isspace() or marker is not None and not (tail[-1:].isalnum()
+                                                                              and piece[:1].isalnum())):
             close()
         if not current:
             start = marker if marker is not None else token_time(first_index + index)
         marker = None  # used by the word it opens, or inside a word, where it marks nothing
         current.append(token)
+        tail = piece
         last_time = token_time(first_index + index)
     if current:
         close()
