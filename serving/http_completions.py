@@ -5,9 +5,10 @@ A JSON body as OpenAI's SDK sends it: `model`, `prompt` (a string, or token ids;
 each up to 1,000 characters), `n` (1), `stream`, `stream_options.include_usage`, and vLLM's `top_k`,
 `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `return_token_ids`. `stream: true`
 answers with SSE `text_completion` chunks and `data: [DONE]`; `stream_options` without it is refused, as vLLM
-refuses it. A field it cannot honour (OpenAI's `echo`, `logprobs`, penalties, ...; vLLM's `min_p`,
-`repetition_penalty`, `truncate_prompt_tokens`, ...) is refused, 400 `unsupported_parameter`, unless it holds its
-"not used" value: served and ignored, it would give other output than the client asked for.
+refuses it. OpenAI's fields it cannot honour (`echo`, `logprobs`, penalties, ...) and vLLM's sampling extras
+(`min_p`, `repetition_penalty`, `truncate_prompt_tokens`, guided decoding, ...: `_NEUTRAL`) are refused, 400
+`unsupported_parameter`, unless they hold their "not used" value: served and ignored, they would give other output
+than the client asked for. Other unknown fields are ignored, as vLLM ignores them.
 
 A plain request is one engine request (`generate` over its prompt), so stop strings work as in vLLM: the text
 ends before the first one generated (or after it with `include_stop_str_in_output`), the choice says
@@ -63,7 +64,7 @@ _NEUTRAL = {"echo": False, "suffix": None, "best_of": 1, "logprobs": None, "pres
             "min_p": 0, "repetition_penalty": 1, "length_penalty": 1, "use_beam_search": False,
             "allowed_token_ids": None, "bad_words": None, "prompt_logprobs": None, "truncate_prompt_tokens": None,
             "add_special_tokens": True, "skip_special_tokens": True, "spaces_between_special_tokens": True,
-            "response_format": None, "structured_outputs": None, "guided_json": None, "guided_regex": None,
+            "response_format": {"type": "text"}, "structured_outputs": None, "guided_json": None, "guided_regex": None,
             "guided_choice": None, "guided_grammar": None, "logits_processors": None}
 
 

@@ -172,6 +172,8 @@ def test_per_chunk_budget_and_fifo_chunks_never_coalesce(core):
             prompts_then = []
     assert [{tuple(p) for p in group} for group in seen] == [
         {tuple(sum((c[0] for c in chunks[:k + 1]), []))} for k in range(len(chunks))]
+    # ... and they share one list a chunk (a copy in every output cost O(prompt) a token).
+    assert all(len({id(p) for p in group}) == 1 for group in seen)
     finals = [i for i in sink.items if i.outputs[0].finish_reason]
     assert [f.finished for f in finals] == [False, False, False, True]  # closed while busy: last is final
 

@@ -178,6 +178,10 @@ async def test_errors_have_the_schema_and_keep_the_socket(server, model, audio):
         await client.expect_error(code, reason_code, request_id)
     await client.ws.send(b"\x00binary")
     await client.expect_error("invalid_frame", "binary_frame")
+    # A long value echoed in an error is cut, and says so.
+    await client.ws.send(json.dumps({"type": "t" * 100, "request_id": "long"}))
+    error = await client.expect_error("unknown_event", "unknown_event", "long")
+    assert error["payload"]["message"] == f"Unknown message type: {'t' * 64}...", error
     # An utterance with no audio cannot be finalised, and nothing of it is left running.
     await client.send("input_audio_buffer.commit", {"final": False}, request_id="u")
     await client.send("input_audio_buffer.commit", {"final": True}, request_id="u")

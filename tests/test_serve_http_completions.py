@@ -153,6 +153,7 @@ def test_neutral_extras_are_taken_and_a_null_max_tokens_is_the_default(engine, s
     of 16, as in vLLM: it generated up to the end of the context."""
     client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
     neutral = {"min_p": 0, "repetition_penalty": 1, "add_special_tokens": True, "bad_words": [],
+               "response_format": {"type": "text"},
                "skip_special_tokens": True, "ignore_eos": True}
     result = client.completions.create(model=model, prompt="w5", max_tokens=None, temperature=0, extra_body=neutral)
     assert result.usage.completion_tokens == 16 and result.choices[0].finish_reason == "length"
