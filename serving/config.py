@@ -15,12 +15,12 @@ import importlib.resources
 import tomllib
 from pathlib import Path
 
+from jaxstream.engine.requests import GENERATION_CONFIGS
 from jaxstream.errors import UserError
 from jaxstream.serving.cors import check_origins
 from jaxstream.serving.limits import Limits
 
 COMPAT_MODES = ("strict", "vllm")
-GENERATION_CONFIGS = ("auto", "vllm")  # the engine's (builders.py), restated: importing it here would import jax
 CORS_LISTS = ("allowed_origins", "allowed_methods", "allowed_headers")
 
 

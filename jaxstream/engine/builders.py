@@ -10,15 +10,12 @@ import jax.numpy as jnp
 
 from jaxstream.engine import kv_cache, sharding, steps
 from jaxstream.engine.config import EngineConfig
-from jaxstream.engine.requests import SamplingParams
+from jaxstream.engine.requests import GENERATION_CONFIGS, SamplingParams
 from jaxstream.engine.text_scheduler import STACK, TextScheduler
 from jaxstream.models.config import TextConfig, VoxtralConfig
 
 logger = logging.getLogger(__name__)
 
-# vLLM's `--generation-config` values jaxstream takes ("auto": the checkpoint's defaults; "vllm": none), not its
-# third form, a folder holding another generation_config.json.
-GENERATION_CONFIGS = ("auto", "vllm")
 # The declared defaults jaxstream samples with. vLLM applies min_p and repetition_penalty too; jaxstream has no
 # sampler for them, so they are ignored with a warning unless neutral (jaxstream's sampling is then vLLM's).
 _SAMPLED_DEFAULTS = ("temperature", "top_p", "top_k", "max_tokens")

@@ -18,6 +18,9 @@ MAX_STOP_STRING_CHARS = 1000
 # Seeds take any 64-bit value, signed or not (torch's `manual_seed` range, as vLLM); the engine reduces
 # them to the 32 bits its PRNG keys hold.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+# vLLM's `--generation-config` values jaxstream takes ("auto": the checkpoint's sampling defaults; "vllm": none), not
+# its third form, a folder holding another generation_config.json. Here, without jax, so the server's config reads it.
+GENERATION_CONFIGS = ("auto", "vllm")
 
 
 class RequestOutputKind(enum.Enum):
