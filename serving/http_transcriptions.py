@@ -321,7 +321,7 @@ def _check_typed_fields(fields: dict, lists: dict[str, list[str]]) -> str | None
     held); an empty field is absent, as `stream`'s is. Returns the code of the request's `language`, None when it
     names none."""
     temperature = fields.get("temperature", "").strip()
-    if temperature and not _number_in(temperature, 0, 1):
+    if temperature and not _number_in(_form_number(temperature), 0, 1):
         raise RequestError(400, "invalid_request", f"temperature must be a number from 0 to 1, got "
                            f"{temperature[:_SHOWN]!r}", "temperature")
     language = check_language(fields.get("language"), "language")
@@ -337,31 +337,36 @@ def check_json_params(params: dict, prefix: str = "") -> None:
     the form would refuse. None is absent, as a form's empty field is. None of them changes the transcript."""
     check_language(params.get("language"), f"{prefix}language", 422)
     temperature = params.get("temperature")
-    if temperature is not None and not _json_number_in(temperature, 0, 1):
+    if temperature is not None and not _number_in(temperature, 0, 1):
         raise RequestError(422, "invalid_request", f"temperature must be a number from 0 to 1, got "
                            f"{wire_json.shown(repr(temperature), _SHOWN)}", f"{prefix}temperature")
     strategy = params.get("chunking_strategy")
     if strategy is None or strategy == "auto":
         return
-    if not (isinstance(strategy, dict) and strategy.get("type") == "server_vad"
-            and set(strategy) <= {"type", "threshold", *_VAD_INTS}
-            and all(_json_number_in(strategy.get(key, 0), 0, math.inf, whole=True) for key in _VAD_INTS)
-            and _json_number_in(strategy.get("threshold", 0), 0, 1)):
+    if not (isinstance(strategy, dict) and _is_server_vad(strategy)):
         raise RequestError(422, "invalid_request", _CHUNKING_STRATEGY, f"{prefix}chunking_strategy")
 
 
-def _json_number_in(value, low: float, high: float, *, whole: bool = False) -> bool:
+def _is_server_vad(members: dict) -> bool:
+    """Whether `members` (numbers: a JSON object's, or a form's parsed by `_form_number`) are a server_vad
+    chunking_strategy's."""
+    return (members.get("type") == "server_vad" and set(members) <= {"type", "threshold", *_VAD_INTS}
+            and all(_number_in(members.get(key, 0), 0, math.inf, whole=True) for key in _VAD_INTS)
+            and _number_in(members.get("threshold", 0), 0, 1))
+
+
+def _number_in(value, low: float, high: float, *, whole: bool = False) -> bool:
     if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
         return False
     return low <= value <= high  # false for nan
 
 
-def _number_in(text: str, low: float, high: float, *, whole: bool = False) -> bool:
+def _form_number(text: str, *, whole: bool = False):
+    """A form field's number (an int with `whole`), or the text itself where it is none (`_number_in` refuses it)."""
     try:
-        value = int(text) if whole else float(text)
+        return int(text) if whole else float(text)
     except ValueError:
-        return False
-    return low <= value <= high  # false for nan
+        return text
 
 
 def check_language(value, param: str, status: int = 400) -> str | None:
@@ -393,9 +398,9 @@ def _check_chunking_strategy(fields: dict) -> None:
                if name.startswith(prefix)}
     if not members and plain in ("", "auto"):
         return
-    if (plain or members.get("type") != "server_vad" or not set(members) <= {"type", "threshold", *_VAD_INTS}
-            or not all(_number_in(members.get(key, "0"), 0, math.inf, whole=True) for key in _VAD_INTS)
-            or not _number_in(members.get("threshold", "0"), 0, 1)):
+    parsed = {name: value if name == "type" else _form_number(value, whole=name in _VAD_INTS)
+              for name, value in members.items()}
+    if plain or not _is_server_vad(parsed):
         raise RequestError(400, "invalid_request", _CHUNKING_STRATEGY, "chunking_strategy")
 
 
