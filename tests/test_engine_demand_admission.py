@@ -6,6 +6,7 @@ back with the same tokens, and the oldest stream is never the one that moves.
 import asyncio
 import itertools
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -268,3 +269,65 @@ async def test_random_clients_in_short_pools_get_solo_tokens_and_leave_nothing_b
         assert engine.core.at_baseline()
     finally:
         engine.close()
+
+
+
+def test_a_tick_that_holds_its_decoding_streams_back_ends_no_stream_for_starvation(monkeypatch):
+    """Host memory full (0 bytes): B (2.4 s delay) arrives after A and before C (480 ms, both decoding) and finds
+    no page for its long prompt's next piece; it may displace C, but host memory refuses C. A tick that holds its
+    decoding streams back to batch them with paced ones (`_hold`, here forced on two ticks in a row) dispatches
+    nothing, yet they advance a moment later: such a tick used to read as "no stream can advance" and end C at
+    once. C now ends only on the starvation rule's own terms, after the held ticks."""
+    from jaxstream.engine.builders import build_realtime_core
+    from jaxstream.engine.transcription_session import AudioBacklog, transcription_prompt
+    from jaxstream.models.audio import n_delay_from_ms
+
+    model, tokenizer = long_window_tiny_voxtral(encoder_window=256, decoder_window=128)
+    core = build_realtime_core(model, EngineConfig(
+        max_sessions=3, batch_buckets=(3,), realtime_step_buckets=(1,), realtime_prefill_buckets=((3, 8),),
+        page_size=16, encoder_page_size=32, encoder_num_pages=1 + 18, num_pages=1 + 16, realtime_admission="demand",
+        host_offload_bytes=0), tokenizer)
+    cfg, rng = model.cfg, np.random.default_rng(0)
+    delays = {"A": 480, "B": 2400, "C": 480}
+    prompts = {name: transcription_prompt(cfg, n_delay_from_ms(delay)) for name, delay in delays.items()}
+    events = {name: [] for name in delays}
+
+    def add(name, slots):
+        core.add_audio(name, rng.standard_normal((slots, cfg.mel_frames_per_token, cfg.encoder.num_mel_bins),
+                                                 dtype=np.float32), 0.0)
+
+    for name, delay in delays.items():
+        core.add_session(name, n_delay=n_delay_from_ms(delay), prompt_ids=prompts[name], sink=events[name].append,
+                         backlog=AudioBacklog())
+    add("A", len(prompts["A"]))
+    add("C", len(prompts["C"]))
+    while core.has_work():
+        core.step()
+    add("B", len(prompts["B"]))
+    unheld, held_ticks = core._hold, []
+
+    def hold_twice(decode, ready, resident):
+        if core._starved_since is not None and len(held_ticks) < 2:  # B starved on an earlier tick
+            held_ticks.append(core.tick)
+            core.held_until = time.perf_counter() + 0.01
+            return True
+        return unheld(decode, ready, resident)
+
+    monkeypatch.setattr(core, "_hold", hold_twice)
+    ended = {}
+    for tick in range(60):  # A and C stream at real time: a slot every other tick
+        if tick % 2 == 0:
+            add("A", 1)
+            add("C", 1)
+        core.step()
+        ended.update({name: core.tick for name, items in events.items()
+                      if name not in ended and items and isinstance(items[-1], BaseException)})
+    assert held_ticks == [held_ticks[0], held_ticks[0] + 1], held_ticks
+    assert list(ended) == ["C"] and isinstance(events["C"][-1], CapacityError), events
+    assert ended["C"] > held_ticks[-1], (ended, held_ticks)
+    assert core.sessions["B"].fed == len(prompts["B"])  # its prompt is in: it got C's pages
+    for name in ("A", "B"):
+        core.abort(name)
+    while core.has_work():
+        core.step()
+    assert core.at_baseline()

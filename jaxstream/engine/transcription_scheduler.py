@@ -266,7 +266,10 @@ class RealtimeScheduler(RealtimeAdmission):
         except BaseException:  # e.g. an eviction's host copy failed: nothing booked may stay held
             self._drop_in_flight(scheduled)
             raise
-        self.end_starvation(busy=bool(self._in_flight), dispatched=bool(scheduled))
+        # A tick that held its decoding streams back for a batch (`_hold`) dispatched nothing, but they advance
+        # in a moment: not a tick where no stream can advance.
+        self.end_starvation(busy=bool(self._in_flight) or self.held_until is not None,
+                            dispatched=bool(scheduled))
         dispatched, self._device_call_cpu = [], 0.0
         try:
             for dispatch in scheduled:
