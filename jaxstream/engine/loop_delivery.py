@@ -1,6 +1,9 @@
 """Items the engine thread hands to the event loops that wait for them: a stream's outputs, an idle waiter's
 wake-up, the error that ends every stream when the engine stops. Each loop gets one callback per batch, so a tick
 that produced outputs for many streams costs each loop one wake-up."""
+import logging
+
+logger = logging.getLogger(__name__)
 
 
 def post_to_loops(items) -> None:
@@ -17,7 +20,10 @@ def post_to_loops(items) -> None:
 
 def _put_all(batch) -> None:
     for target, item in batch:
-        target.put_nowait(item)
+        try:
+            target.put_nowait(item)
+        except Exception:  # noqa: BLE001 - one stream's failure must not lose the other streams' items
+            logger.exception("delivering an engine output to its stream failed")
 
 
 class ResolveOnPut:
