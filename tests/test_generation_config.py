@@ -219,6 +219,20 @@ def test_the_startup_line_names_the_defaults_applied(sampling, greedy, caplog):
 
 
 @pytest.mark.slow
+def test_generate_without_sampling_params_samples_with_the_checkpoints_defaults(greedy):
+    """`AsyncEngine.generate(prompt)` takes `default_sampling_params()`, as vLLM's `LLM.generate` does: a
+    checkpoint declaring temperature 0 is greedy there too (it sampled at 1.0)."""
+    engine, _ = greedy
+
+    async def tokens(params):
+        return [t async for out in engine.generate(PROMPT, params) for t in out.outputs[0].token_ids]
+
+    expected = asyncio.run(tokens(SamplingParams(temperature=0)))
+    assert len(expected) > 8 and asyncio.run(tokens(None)) == expected
+    asyncio.run(wait_engine_baseline(engine))
+
+
+@pytest.mark.slow
 def test_a_declared_temperature_of_0_is_greedy_on_every_text_route(greedy):
     """One-shot, Mode A (NDJSON body) and Mode B (sessions) completions without a temperature give the engine's
     greedy tokens."""

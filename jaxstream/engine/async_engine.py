@@ -136,7 +136,8 @@ class AsyncEngine:
         return int(self.config.default_delay_ms or self.model_config.default_delay_ms)
 
     def default_sampling_params(self) -> SamplingParams:
-        """vLLM's `get_default_sampling_params()`: what omitted completion fields take; `generate` applies none."""
+        """vLLM's `get_default_sampling_params()`: what omitted completion fields take, and what `generate`
+        samples with when it is given no `SamplingParams`."""
         return self._default_sampling_params
 
     def metrics(self) -> engine_metrics.EngineMetrics:
@@ -323,11 +324,12 @@ class AsyncEngine:
     # -- text generation ------------------------------------------------------------------------------
     async def generate(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None):
         """vLLM's `generate`: `prompt` is a prompt (token ids, text, {"prompt_token_ids": ...}) or an async
-        iterator of `StreamingInput` chunks (one session). Yields `RequestOutput`s."""
+        iterator of `StreamingInput` chunks (one session). Yields `RequestOutput`s. Without `sampling_params`
+        it samples with `default_sampling_params()`, the checkpoint's, as vLLM's `LLM.generate` does."""
         if self.kind != "text":
             raise ValueError("generate() serves text models; use start_transcription() for Voxtral Realtime")
         request_id = request_id or uuid.uuid4().hex
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self._default_sampling_params
         streaming = hasattr(prompt, "__aiter__")
         try:
             params.check_supported(streaming=streaming)
