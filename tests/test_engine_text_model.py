@@ -262,3 +262,23 @@ async def test_engine_text_continues_the_prompt(tmp_path, make_tokenizer):
         generated = [t for out in outputs for t in out.outputs[0].token_ids]
         text = "".join(out.outputs[0].text for out in outputs)
         assert tokenizer.decode([1, 5, 17]) + text == tokenizer.decode([1, 5, 17] + generated)
+
+
+async def test_top_logprobs_are_transformers_most_likely_tokens(engine, reference):
+    """`logprobs=N` (vLLM's): each generated token comes with the N most likely ids of its step and their
+    logprobs, most likely first, equal to those of transformers' logits; the sampled one's stays in `logprobs`."""
+    prompt = reference["prompt_ids"][0].tolist()
+    expected = reference["generate"][0, len(prompt):].tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=len(expected), logprobs=5)
+    outputs = [out async for out in engine.generate(prompt, params)]
+    tops = [top for out in outputs for top in out.outputs[0].top_logprobs]
+    hf = reference["generate_logits"].astype(np.float64)
+    hf_logprobs = hf - hf.max(-1, keepdims=True)
+    hf_logprobs -= np.log(np.exp(hf_logprobs).sum(-1, keepdims=True))
+    assert len(tops) == len(expected)
+    for step, top in enumerate(tops):
+        order = np.argsort(-hf_logprobs[step], kind="stable")[:5]
+        assert list(top) == order.tolist() and list(top)[0] == expected[step]
+        np.testing.assert_allclose(list(top.values()), hf_logprobs[step, order], atol=1e-4)
+    plain = [out async for out in engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2))]
+    assert all(out.outputs[0].top_logprobs is None for out in plain)

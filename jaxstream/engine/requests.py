@@ -14,6 +14,9 @@ _INT32_MAX = 2**31 - 1
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 # Stop strings per request, and characters per stop string (OpenAI takes up to 4 strings; vLLM sets no bound).
 MAX_STOP_STRINGS = 64
+# The most likely tokens a request may ask the logprobs of at each step (vLLM's default `max_logprobs`): the text
+# programs always compute this many, so no request compiles a program.
+MAX_LOGPROBS = 20
 MAX_STOP_STRING_CHARS = 1000
 # Seeds take any 64-bit value, signed or not (torch's `manual_seed` range, as vLLM); the engine reduces
 # them to the 32 bits its PRNG keys hold.
@@ -51,7 +54,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False  # keep a matched stop string at the end of the text
-    logprobs: int | None = None  # when set, outputs carry the sampled token's logprob
+    # When set, outputs carry the sampled token's logprob and (`top_logprobs`) the `logprobs` most likely ones'.
+    logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
 
@@ -67,7 +71,7 @@ class SamplingParams:
             "seed": None if self.seed is None else _int("seed", self.seed, _SEED_MIN, _SEED_MAX),
             "max_tokens": None if self.max_tokens is None else _int("max_tokens", self.max_tokens, 1),
             "min_tokens": _int("min_tokens", self.min_tokens, 0),
-            "logprobs": None if self.logprobs is None else _int("logprobs", self.logprobs, 0),
+            "logprobs": None if self.logprobs is None else _int("logprobs", self.logprobs, 0, MAX_LOGPROBS),
             "stop": _stop_strings(self.stop),
             "stop_token_ids": _stop_token_ids(self.stop_token_ids),
         }
@@ -116,6 +120,9 @@ class CompletionOutput:
     logprobs: list[float] | None
     finish_reason: str | None = None  # "stop", "length", "abort", or None while a chunk runs
     stop_reason: int | str | None = None  # the stop token id or stop string that ended the chunk, if any
+    # Per token of `token_ids`, the `SamplingParams.logprobs` most likely ids and their logprobs, most likely first
+    # (the sampled id's is in `logprobs`), as vLLM's; None when the request asked for no logprobs.
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclasses.dataclass

@@ -16,6 +16,7 @@ from flax import nnx
 
 from jaxstream.engine import sampling
 from jaxstream.engine.kv_cache import NULL_PAGE
+from jaxstream.engine.requests import MAX_LOGPROBS
 from jaxstream.models.voxtral import ConvState
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ def text_batch(rows: int, chunk: int, pages_per_window: int) -> dict[str, np.nda
         "seed": np.zeros(rows, np.uint32),
         "position": np.zeros(rows, np.int32),
         "banned_ids": np.full((rows, sampling.MAX_BANNED_IDS), -1, np.int32),
+        "num_top": np.zeros(rows, np.int32),  # how many most likely ids a row's request asks the logprobs of
     }
 
 
@@ -127,8 +129,18 @@ def text_step(model, state, batch, *, stack, attention_impl):
                           logits_at=logits_at, attention_impl=attention_impl)
     tokens, logprobs = sampling.sample(logits, batch["temperature"], batch["top_k"], batch["top_p"],
                                        batch["seed"], batch["position"], batch["banned_ids"])
+    top = min(MAX_LOGPROBS, logits.shape[-1])
+
+    def most_likely(_):
+        return tuple(jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), top))
+
+    # Only a batch with a row that asks pays for it (on a CPU, as much as greedy sampling over a 131k vocabulary).
+    top_logprobs, top_ids = jax.lax.cond(
+        jnp.any(batch["num_top"] > 0), most_likely,
+        lambda _: (jnp.zeros((logits.shape[0], top), jnp.float32), jnp.zeros((logits.shape[0], top), jnp.int32)),
+        None)
     state = {"stacks": {**state["stacks"], stack: cache}, "slots": state["slots"]}
-    return {"tokens": tokens, "logprobs": logprobs}, state
+    return {"tokens": tokens, "logprobs": logprobs, "top_ids": top_ids, "top_logprobs": top_logprobs}, state
 
 
 # -- Voxtral Realtime transcription ----------------------------------------------------------------------

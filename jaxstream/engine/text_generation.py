@@ -57,8 +57,9 @@ def merge_pending(item: RequestOutput, outputs: asyncio.Queue, *, delta: bool) -
 def _merged(first: RequestOutput, second: RequestOutput) -> RequestOutput:
     a, b = first.outputs[0], second.outputs[0]
     logprobs = a.logprobs + b.logprobs if a.logprobs is not None and b.logprobs is not None else None
+    top = a.top_logprobs + b.top_logprobs if a.top_logprobs is not None and b.top_logprobs is not None else None
     completion = dataclasses.replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
-                                     logprobs=logprobs)
+                                     logprobs=logprobs, top_logprobs=top)
     return dataclasses.replace(second, outputs=[completion])
 
 

@@ -54,6 +54,7 @@ class TextSession(SessionBase):
         self.chunk_prompts: list[int] = []
         self.streamed: list[int] = []  # every sampled token, for CUMULATIVE outputs
         self.streamed_logprobs: list[float] = []
+        self.streamed_top: list[dict[int, float]] = []  # each streamed token's most likely ids (empty: not asked)
         self.text = ""
         self.cumulative_logprob = 0.0
         self.detokenizer = detokenizer
@@ -162,7 +163,7 @@ class TextScheduler(Residency):
         if session.status is Status.PARKED:
             self.release(session)
             if self.cfg.compat == "strict":
-                deliver(session, self._output(session, [], [], None, None, finished=True))
+                deliver(session, self._output(session, [], [], [], None, None, finished=True))
             deliver(session, END_OF_STREAM)
         else:
             session.queue.append(None)
@@ -172,7 +173,7 @@ class TextScheduler(Residency):
         if session is None:
             return
         self.release(session)
-        deliver(session, self._output(session, [], [], "abort", None, finished=True))
+        deliver(session, self._output(session, [], [], [], "abort", None, finished=True))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -207,7 +208,7 @@ class TextScheduler(Residency):
         session.status = Status.WAITING
         if len(session.prompt_ids) >= self.max_model_len:
             self.release(session)
-            deliver(session, self._output(session, [], [], "length", None, finished=True))
+            deliver(session, self._output(session, [], [], [], "length", None, finished=True))
             return
         self.waiting.append(session)
 
@@ -269,7 +270,7 @@ class TextScheduler(Residency):
             for i, (session, start_pos, count) in enumerate(rows):
                 try:
                     self._advance(session, start_pos + count, int(fetched["tokens"][i]),
-                                  float(fetched["logprobs"][i]))
+                                  float(fetched["logprobs"][i]), _top(session.params, fetched, i))
                 except Exception as exc:  # noqa: BLE001 - isolate host-side failures to their session
                     logger.exception("request %s: processing its token failed; ending it", session.request_id)
                     self.fail(session, exc)
@@ -368,13 +369,14 @@ class TextScheduler(Residency):
             batch["top_p"][i] = params.top_p
             batch["seed"][i] = session.seed
             batch["position"][i] = session.num_tokens
+            batch["num_top"][i] = params.logprobs or 0
             if len(session.outputs) < params.min_tokens:
                 bans = self._min_tokens_bans(params)
                 batch["banned_ids"][i, :len(bans)] = bans
         return batch
 
     # -- results --------------------------------------------------------------------------------------
-    def _advance(self, session: TextSession, computed: int, token: int, logprob: float) -> None:
+    def _advance(self, session: TextSession, computed: int, token: int, logprob: float, top: dict) -> None:
         session.num_computed = computed
         if computed < session.num_tokens:
             return  # a prefill chunk that does not reach the end of the known tokens samples nothing
@@ -390,12 +392,12 @@ class TextScheduler(Residency):
             if matched is not None:
                 reason, stop_reason = "stop", matched
         if reason is None:
-            deliver(session, self._output(session, [token], [logprob], None, None, finished=False, text=text))
+            deliver(session, self._output(session, [token], [logprob], [top], None, None, finished=False, text=text))
             return
         head = session.queue[0] if session.queue else False
         finished = session_over or not session.resumable or head is None
-        deliver(session, self._output(session, [token], [logprob], reason, stop_reason, finished=finished,
-                                      text=text))
+        deliver(session, self._output(session, [token], [logprob], [top], reason, stop_reason,
+                                      finished=finished, text=text))
         self.touch(session)
         if finished:
             self.release(session)
@@ -422,26 +424,30 @@ class TextScheduler(Residency):
             return "stop", last, False
         return None, None, False
 
-    def _output(self, session: TextSession, tokens, logprobs, reason, stop_reason, *, finished,
+    def _output(self, session: TextSession, tokens, logprobs, tops, reason, stop_reason, *, finished,
                 text: str = "") -> RequestOutput:
-        """The output for `tokens` (already pushed to the detokenizer, which gave `text`)."""
+        """The output for `tokens` (already pushed to the detokenizer, which gave `text`), their logprobs and
+        most likely ids (`tops`)."""
         session.streamed += tokens
         session.streamed_logprobs += logprobs
+        session.streamed_top += tops
         session.text += text
         session.cumulative_logprob += sum(logprobs)
         params = session.params
         delta = params.output_kind is RequestOutputKind.DELTA
         if delta:
-            ids, lps = list(tokens), list(logprobs)
+            ids, lps, tops = list(tokens), list(logprobs), list(tops)
         else:
-            ids, lps, text = list(session.streamed), list(session.streamed_logprobs), session.text
+            ids, lps, tops = list(session.streamed), list(session.streamed_logprobs), list(session.streamed_top)
+            text = session.text
         if session.stop_text is not None:  # the text cut at a stop string, its tail held back until the end
             text = session.stop_text.visible(finished=finished, delta=delta)
         completion = CompletionOutput(
             index=0, text=text, token_ids=ids,
             cumulative_logprob=session.cumulative_logprob if params.logprobs is not None else None,
             logprobs=lps if params.logprobs is not None else None,
-            finish_reason=reason, stop_reason=stop_reason)
+            finish_reason=reason, stop_reason=stop_reason,
+            top_logprobs=tops if params.logprobs is not None else None)
         return RequestOutput(session.request_id, session.chunk_prompts, [completion], finished)
 
 
@@ -450,3 +456,15 @@ def _text_step(attention_impl):
         return steps.text_step(model, state, batch, stack=STACK, attention_impl=attention_impl)
 
     return step
+
+
+_NOT_ASKED: dict = {}  # the most likely ids of a token whose request asked for none (shared: never changed)
+
+
+def _top(params: SamplingParams, fetched: dict, row: int) -> dict[int, float]:
+    """The `params.logprobs` most likely ids of `row`'s sampled position and their logprobs, most likely first."""
+    if not params.logprobs:
+        return _NOT_ASKED
+    ids, values = fetched["top_ids"][row, :params.logprobs], fetched["top_logprobs"][row, :params.logprobs]
+    return dict(zip(ids.tolist(), values.tolist()))
+
