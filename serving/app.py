@@ -13,6 +13,7 @@ Routes (specs/realtime_protocols.md §0):
                                            (http_transcriptions.py)
     POST /v1/completions                   OpenAI's completions for a served text LM, or Mode A (http_completions.py)
     /v1/streaming_input/sessions/...       Mode B streaming-input sessions, audio or text (http_sessions.py)
+    POST /tokenize, /detokenize            vLLM's: the served model's tokenizer (http_tokenize.py)
     GET /health, /healthz, /ping           200 when ready, 503 while loading, draining or dead (no auth)
     GET /metrics                           Prometheus text (no auth, as vLLM)
     anything else                          404 `unknown_url` / 405 with Allow, in OpenAI's error shape; a WebSocket
@@ -49,6 +50,7 @@ from jaxstream.serving.http_completions import add_completion_routes
 from jaxstream.serving.http_errors import error_response, routing_errors_middleware
 from jaxstream.serving.http_log import quiet_malformed_requests
 from jaxstream.serving.http_sessions import add_streaming_input_routes
+from jaxstream.serving.http_tokenize import add_tokenize_routes
 from jaxstream.serving.http_transcriptions import add_transcription_routes
 from jaxstream.serving.limits import (
     CLOSE_CAPACITY, CLOSE_GOING_AWAY, CLOSE_INTERNAL_ERROR, CLOSE_TRY_AGAIN_LATER, Breach, FirstRequestDeadline,
@@ -210,6 +212,7 @@ def create_app(config: ServerConfig | None = None, *, engine=None, engine_factor
     add_transcription_routes(app)
     add_streaming_input_routes(app)
     add_completion_routes(app)
+    add_tokenize_routes(app)
     app.cleanup_ctx.append(_lifecycle(engine_factory))
     # aiohttp waits for open handlers after on_shutdown and before cleanup: sockets still open then (no
     # SIGTERM drain ran) are closed here, at once.
@@ -394,8 +397,10 @@ async def _model(request: web.Request) -> web.Response:
 
 
 def _model_object(state: ServerState) -> dict:
+    """OpenAI's model object with vLLM's `root`, `parent` and `max_model_len` (a text model's context; null for the
+    transcription model, whose streams are bounded by the server's limits instead)."""
     return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "jaxstream",
-            "root": str(state.engine.model_name), "parent": None}
+            "root": str(state.engine.model_name), "parent": None, "max_model_len": state.engine.max_model_len}
 
 
 async def _metrics(request: web.Request) -> web.Response:

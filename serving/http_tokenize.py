@@ -1,0 +1,74 @@
+"""vLLM's `POST /tokenize` and `POST /detokenize`: the served model's tokenizer over HTTP, so that a client can
+count a prompt's tokens against `max_model_len` or read the ids a completion returned (`return_token_ids`).
+
+`/tokenize` takes `prompt` (a string) with `add_special_tokens` (default true: the BOS the engine puts before a
+completion's prompt) and answers `{"count", "max_model_len", "tokens", "token_strs"}`; `token_strs` (with
+`return_token_strs: true`) is the text each id stands for (a piece of a UTF-8 character shows as U+FFFD), where
+vLLM gives the tokenizer's own piece names. `/detokenize` takes `tokens` and answers `{"prompt": text}`, control
+ids left out as in a completion's text. `model` is optional, as in vLLM; named, it must be the served one. Any
+served model with a tokenizer answers, the transcription model included (its `max_model_len` is null).
+"""
+from aiohttp import web
+
+from jaxstream.serving.http_errors import RequestError, check_ready, read_json, server_state
+
+
+def _served(body: dict, state):
+    """The engine's tokenizer, once the body names the served model or none (400/404 otherwise)."""
+    model = body.get("model")
+    if model is not None and not (isinstance(model, str) and state.serves_model(model, allow_empty=True)):
+        raise RequestError(404, "model_not_found", f"The model `{model}` does not exist.", "model")
+    tokenizer = state.engine.tokenizer
+    if tokenizer is None:
+        raise RequestError(400, "invalid_request", f"{state.model_id!r} has no tokenizer")
+    return tokenizer
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(400, "invalid_request", f"{name} must be a boolean", name)
+    return value
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = server_state(request)
+    try:
+        check_ready(state)
+        body = await read_json(request)
+        tokenizer = _served(body, state)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise RequestError(400, "invalid_request", "prompt must be a string", "prompt")
+        special = _flag(body, "add_special_tokens", True)
+        ids = ([tokenizer.bos_id] if special and tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
+        strs = None
+        if _flag(body, "return_token_strs", False):
+            strs = [tokenizer.token_bytes(i).decode("utf-8", "replace") for i in ids]
+    except RequestError as exc:
+        return exc.response()
+    return web.json_response({"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids,
+                              "token_strs": strs})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = server_state(request)
+    try:
+        check_ready(state)
+        body = await read_json(request)
+        tokenizer = _served(body, state)
+        tokens = body.get("tokens")
+        vocab = tokenizer.vocab_size
+        if not (isinstance(tokens, list) and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens)):
+            raise RequestError(400, "invalid_request", f"tokens must be a list of token ids below {vocab}", "tokens")
+    except RequestError as exc:
+        return exc.response()
+    return web.json_response({"prompt": tokenizer.decode(tokens)})
+
+
+def add_tokenize_routes(app: web.Application) -> None:
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)

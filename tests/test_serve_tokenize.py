@@ -1,0 +1,78 @@
+"""vLLM's `/tokenize` and `/detokenize`, and `max_model_len` in `/v1/models`, on a server over the tiny Llama with
+a word-level tokenizer.json. The oracle is the `tokenizers` library reading the same file, and a completion's
+`return_token_ids`."""
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+from tokenizers import Tokenizer
+
+from jaxstream.serving.testing import ServerThread
+from test_serve_http import call
+from test_serve_http_completions import text_engine_with_tokenizer
+
+pytestmark = pytest.mark.slow
+PROMPT = "w5 w17 w40 w9"
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    engine = text_engine_with_tokenizer(tmp_path_factory)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    server = ServerThread(engine)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """The checkpoint's tokenizer.json, read by Hugging Face's `tokenizers`."""
+    return Tokenizer.from_file(str(Path(engine.model_name) / "tokenizer.json"))
+
+
+async def test_tokenize_counts_the_prompt_a_completion_takes(engine, server, reference):
+    model = server.state.model_id
+    bos = reference.token_to_id("<s>")
+    async with aiohttp.ClientSession() as http:
+        status, body = await call(http, server, "POST", "/tokenize", json={"model": model, "prompt": PROMPT})
+        assert status == 200
+        assert body == {"count": 5, "max_model_len": engine.max_model_len,
+                        "tokens": [bos, *reference.encode(PROMPT).ids], "token_strs": None}
+        status, plain = await call(http, server, "POST", "/tokenize", json={
+            "prompt": PROMPT, "add_special_tokens": False, "return_token_strs": True})
+        assert status == 200 and plain["tokens"] == reference.encode(PROMPT).ids
+        assert plain["token_strs"] == ["w5", "w17", "w40", "w9"]
+        status, text = await call(http, server, "POST", "/detokenize", json={"model": model, "tokens": body["tokens"]})
+        assert status == 200 and text == {"prompt": reference.decode(body["tokens"])}
+    client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0)
+    completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0,
+                                           extra_body={"return_token_ids": True})
+    assert completion.choices[0].prompt_token_ids == body["tokens"]
+    assert completion.usage.prompt_tokens == body["count"]
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"prompt": "w5", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
+    ("/tokenize", {"prompt": "w5", "model": "other"}, 404, "model"),
+    ("/detokenize", {"tokens": [5, 256]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [True]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "w5"}, 400, "tokens"),
+])
+async def test_bad_bodies_are_openai_shaped_errors(server, path, body, status, param):
+    async with aiohttp.ClientSession() as http:
+        got, answer = await call(http, server, "POST", path, json=body)
+    assert got == status and answer["error"]["param"] == param, answer
+
+
+def test_models_lists_max_model_len(engine, server):
+    client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0)
+    [listed] = client.models.list().data
+    assert listed.id == server.state.model_id and listed.max_model_len == engine.max_model_len > 0
+    assert client.models.retrieve(listed.id).max_model_len == engine.max_model_len
