@@ -15,6 +15,10 @@ UTF-8 decoding of the concatenated bytes of all text ids, so a character whose b
 A Hugging Face `tokenizer.json` (`HFTokenizer`, through the `tokenizers` library) keeps the model's own
 id layout instead: its special tokens are its control ids, and text comes from the library's decoder.
 
+`Tokenizer.chat_template` turns a conversation into prompt ids (chat_templates.py): a tokenizer.json's is the jinja
+template transformers finds beside it, a tekken tokenizer's is mistral-common's chat encoding; None without one.
+`chat_template_for(source)` is the one a server serves when it is given a template of its own (`--chat-template`).
+
 `load_tokenizer(path)` takes a `tekken.json` / `tokenizer.model` / `tokenizer.json` file or a directory
 holding one. A file that cannot be read as its kind raises `TokenizerFileError`, a `UserError` naming the file.
 """
@@ -27,6 +31,9 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from jaxstream.models.chat_templates import (
+    ChatTemplate, JinjaChatTemplate, MistralChatTemplate, find_chat_template, named_special_tokens,
+)
 from jaxstream.models.errors import UserError
 
 NUM_CONTROL_IDS = 1000
@@ -67,6 +74,8 @@ class Tokenizer(abc.ABC):
     vocab_size: int
     # sentencepiece drops the space its dummy prefix put before the first piece; tekken keeps every byte.
     strips_leading_space: bool = False
+    chat_template: ChatTemplate | None = None
+    special_tokens: dict[str, str] = {}  # the named special tokens a jinja chat template sees (`bos_token`, ...)
 
     @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
@@ -79,6 +88,17 @@ class Tokenizer(abc.ABC):
     def is_control(self, token_id: int) -> bool:
         return token_id < NUM_CONTROL_IDS
 
+    def token_string(self, token_id: int) -> str:
+        """The text a token stands for, as logprobs show it: its bytes as UTF-8 (a piece of a character as U+FFFD;
+        `token_bytes` keeps its bytes), a control token by its name."""
+        data = self.token_bytes(token_id)
+        if data or not self.is_control(token_id):
+            return data.decode("utf-8", "replace")
+        return self._control_name(token_id)
+
+    def _control_name(self, token_id: int) -> str:
+        return ""
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of all text ids (control ids skipped), decoding their concatenated bytes as UTF-8."""
         decoder = self.stream_decoder()
@@ -86,6 +106,12 @@ class Tokenizer(abc.ABC):
 
     def stream_decoder(self) -> "StreamDecoder":
         return StreamDecoder(self)
+
+    def chat_template_for(self, source: str | None) -> ChatTemplate | None:
+        """The chat template to serve: jinja `source` when given (a server's own template), else the tokenizer's."""
+        if source is None:
+            return self.chat_template
+        return JinjaChatTemplate(source, self.special_tokens, self.encode)
 
     def _checked(self, token_id: int) -> int:
         token_id = int(token_id)
@@ -187,6 +213,12 @@ class TekkenTokenizer(Tokenizer):
             tekkenizer.id_to_byte_piece(token_id) for token_id in range(NUM_CONTROL_IDS, self.vocab_size)
         ]
         self.audio_config = self._audio_config(tekkenizer.audio)
+        self.chat_template = MistralChatTemplate(path)
+
+    def chat_template_for(self, source: str | None) -> ChatTemplate:
+        """mistral-common's encoding whatever `source` says: the text of a jinja template would be tokenized as
+        plain text, its control tokens too (vLLM ignores a template given for a Mistral tokenizer as well)."""
+        return self.chat_template
 
     def _special_or_none(self, name: str) -> int | None:
         try:
@@ -207,6 +239,9 @@ class TekkenTokenizer(Tokenizer):
             transcription_delay_ms=audio.transcription_delay_ms,
             n_left_pad_tokens=audio.streaming_n_left_pad_tokens,
         )
+
+    def _control_name(self, token_id: int) -> str:
+        return self._tekkenizer.id_to_piece(token_id)
 
     def encode(self, text: str) -> list[int]:
         try:
@@ -283,6 +318,8 @@ class HFTokenizer(Tokenizer):
         self.named_eos_id = named.get("eos_token")
         self.eos_id = eos_id if eos_id is not None else self.named_eos_id
         self.streaming_pad_id = self.streaming_word_id = None
+        self.special_tokens = named_special_tokens(path.parent)
+        self.chat_template = self.chat_template_for(find_chat_template(path.parent))
 
     def _named_special_ids(self, config_path: Path) -> dict[str, int]:
         """`bos_token` / `eos_token` of a tokenizer_config.json (a string, or an AddedToken dict) -> ids."""
@@ -303,6 +340,9 @@ class HFTokenizer(Tokenizer):
 
     def is_control(self, token_id: int) -> bool:
         return token_id in self._special_ids
+
+    def _control_name(self, token_id: int) -> str:
+        return self._tokenizer.id_to_token(token_id) or ""
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids

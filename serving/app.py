@@ -12,6 +12,8 @@ Routes (specs/realtime_protocols.md §0):
     POST /v1/audio/transcriptions          OpenAI's transcription upload, or Mode A streaming input
                                            (http_transcriptions.py)
     POST /v1/completions                   OpenAI's completions for a served text LM, or Mode A (http_completions.py)
+    POST /v1/chat/completions              OpenAI's chat completions for a served text LM, through its chat template
+                                           (http_chat.py)
     /v1/streaming_input/sessions/...       Mode B streaming-input sessions, audio or text (http_sessions.py)
     POST /tokenize, /detokenize            vLLM's: the served model's tokenizer (http_tokenize.py)
     GET /health, /healthz, /ping           200 when ready, 503 while loading, draining or dead (no auth)
@@ -46,6 +48,7 @@ from jaxstream.serving import demo, envelope, kyutai, openai_realtime, realtime_
 from jaxstream.serving.auth import OPEN_PATHS, auth_middleware, is_authorized
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.cors import Cors
+from jaxstream.serving.http_chat import add_chat_routes
 from jaxstream.serving.http_completions import add_completion_routes
 from jaxstream.serving.http_errors import error_response, routing_errors_middleware
 from jaxstream.serving.http_log import quiet_malformed_requests
@@ -212,6 +215,7 @@ def create_app(config: ServerConfig | None = None, *, engine=None, engine_factor
     add_transcription_routes(app)
     add_streaming_input_routes(app)
     add_completion_routes(app)
+    add_chat_routes(app)
     add_tokenize_routes(app)
     app.cleanup_ctx.append(_lifecycle(engine_factory))
     # aiohttp waits for open handlers after on_shutdown and before cleanup: sockets still open then (no

@@ -3,8 +3,8 @@
 The TOML has up to four tables, each optional; command-line flags override it:
 
     model = "tiny"            # top level: what to serve
-    [server]   host, port, compat, served_model_name, generation_config, drain_timeout_s, the /ws rate limits
-               (ws_*), CORS (allowed_origins, allowed_methods, allowed_headers, allow_credentials)
+    [server]   host, port, compat, served_model_name, generation_config, chat_template, drain_timeout_s, the /ws
+               rate limits (ws_*), CORS (allowed_origins, allowed_methods, allowed_headers, allow_credentials)
     [limits]   any field of serving.limits.Limits
     [engine]   any EngineConfig field with a plain value (max_sessions, default_delay_ms, buckets, ...)
 
@@ -37,6 +37,9 @@ class ServerConfig:
     # vLLM's --generation-config: "auto" serves the sampling defaults the checkpoint's generation_config.json declares
     # to completions that omit those fields; "vllm" ignores the file.
     generation_config: str = "auto"
+    # vLLM's --chat-template: the jinja template /v1/chat/completions renders conversations with, in place of the
+    # tokenizer's (the text itself: `jaxstream serve` reads the file the flag or the TOML names). None: the tokenizer's.
+    chat_template: str | None = None
     drain_timeout_s: float = 30.0  # SIGTERM: time running utterances get before their sockets close
     # The /ws envelope's rolling-window rate limits per connection (specs/realtime_protocols.md §5.6; the
     # guide's WS_* settings): messages but ping/pong/end, and cancels. 80 ms audio chunks alone are 750/min.
@@ -62,6 +65,8 @@ class ServerConfig:
             raise ValueError(f"served_model_name must be a string, got {self.served_model_name!r}")
         if self.compat not in COMPAT_MODES:
             raise ValueError(f"compat must be one of {', '.join(COMPAT_MODES)}, got {self.compat!r}")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise ValueError(f"chat_template must be a string, got {self.chat_template!r}")
         if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIGS)}, "
                              f"got {self.generation_config!r}")
@@ -124,9 +129,9 @@ def load_server_file(name: str) -> ServerFile:
     from jaxstream.engine.config import EngineConfig
 
     server = _table(data, "server", {"host", "port", "compat", "served_model_name", "generation_config",
-                                     "drain_timeout_s", "ws_max_messages_per_window", "ws_message_window_s",
-                                     "ws_max_cancels_per_window", "ws_cancel_window_s", *CORS_LISTS,
-                                     "allow_credentials"}, source)
+                                     "chat_template", "drain_timeout_s", "ws_max_messages_per_window",
+                                     "ws_message_window_s", "ws_max_cancels_per_window", "ws_cancel_window_s",
+                                     *CORS_LISTS, "allow_credentials"}, source)
     limits = _table(data, "limits", {f.name for f in dataclasses.fields(Limits)}, source)
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"mesh", "compat"}
     engine = {key: _tuples(value) for key, value in _table(data, "engine", engine_fields, source).items()}

@@ -5,8 +5,8 @@ A JSON body as OpenAI's SDK sends it: `model`, `prompt` (a string, or token ids;
 each up to 1,000 characters), `n` (1), `stream`, `stream_options.include_usage`, and vLLM's `top_k`,
 `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `return_token_ids`. `stream: true`
 answers with SSE `text_completion` chunks and `data: [DONE]`; `stream_options` without it is refused, as vLLM
-refuses it. OpenAI's fields it cannot honour (`echo`, `logprobs`, penalties, ...) and vLLM's sampling extras
-(`min_p`, `repetition_penalty`, `truncate_prompt_tokens`, guided decoding, ...: `_NEUTRAL`) are refused, 400
+refuses it. OpenAI's fields it cannot honour (`echo`, penalties, ...) and vLLM's sampling extras
+(`min_p`, `repetition_penalty`, `truncate_prompt_tokens`, guided decoding, ...: `NEUTRAL`) are refused, 400
 `unsupported_parameter`, unless they hold their "not used" value: served and ignored, they would give other output
 than the client asked for. Other unknown fields are ignored, as vLLM ignores them.
 
@@ -16,6 +16,12 @@ ends before the first one generated (or after it with `include_stop_str_in_outpu
 could still cut. They need the model's tokenizer (400 without one). Every choice carries vLLM's `stop_reason`:
 the stop string or stop token id that ended the completion, else null. Streaming input refuses stop strings,
 as vLLM does.
+
+`logprobs: N` (up to 20, vLLM's default max_logprobs) gives each choice, and each streamed chunk for its own tokens,
+OpenAI's legacy `logprobs`: `tokens`, `token_logprobs`, `top_logprobs` (the N most likely tokens of each step and
+the sampled one) and `text_offset`, from the engine's `CompletionOutput.logprobs` / `top_logprobs`. A token's
+string is its bytes as UTF-8, a piece of a character as U+FFFD, a control token by its name (vLLM's
+`return_tokens_as_token_ids`: "token_id:<id>", as always for a model without a tokenizer); -inf is -9999.0.
 
 `return_token_ids` (vLLM's) adds the engine's ids to the choice: `prompt_token_ids` (the prompt as the engine
 took it, BOS included) and `token_ids` (the generated ids). Streamed, `prompt_token_ids` comes in the first
@@ -59,7 +65,7 @@ _END = object()  # ends a TextInput's chunk queue
 # Fields jaxstream cannot honour, OpenAI's and then vLLM's sampling extras, with the value that means "not used"
 # (an empty list or object is not used either). vLLM honours them all: taking one and ignoring it would give a
 # client other output than it asked for, without a word.
-_NEUTRAL = {"echo": False, "suffix": None, "best_of": 1, "logprobs": None, "presence_penalty": 0,
+NEUTRAL = {"echo": False, "suffix": None, "best_of": 1, "presence_penalty": 0,
             "frequency_penalty": 0, "logit_bias": None,
             "min_p": 0, "repetition_penalty": 1, "length_penalty": 1, "use_beam_search": False,
             "allowed_token_ids": None, "bad_words": None, "prompt_logprobs": None, "truncate_prompt_tokens": None,
@@ -68,21 +74,24 @@ _NEUTRAL = {"echo": False, "suffix": None, "best_of": 1, "logprobs": None, "pres
             "guided_choice": None, "guided_grammar": None, "logits_processors": None}
 
 
-def sampling_params(body: dict, defaults: SamplingParams, *, streaming: bool = True) -> SamplingParams:
+def sampling_params(body: dict, defaults: SamplingParams, *, streaming: bool = True, neutral: dict = NEUTRAL,
+                    default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> SamplingParams:
     """SamplingParams from OpenAI completion fields (and vLLM's extras) for a streaming-input session, or a
     one-shot request (`streaming=False`: stop strings allowed); RequestError 400 when invalid. A field of
     `DEFAULTED` the body omits or sends as null takes its value in `defaults` (the engine's
-    `default_sampling_params()`), as vLLM's `to_sampling_params` merges the model's generation config."""
-    for name, neutral in _NEUTRAL.items():
+    `default_sampling_params()`), as vLLM's `to_sampling_params` merges the model's generation config. The fields
+    of `neutral` are refused unless they hold their "not used" value; `max_tokens` omitted or null is
+    `default_max_tokens` (None: up to the end of the context)."""
+    for name, unused in neutral.items():
         value = body.get(name)
-        if value is not None and value != neutral and value not in ({}, []):
+        if value is not None and value != unused and value not in ({}, []):
             raise RequestError(400, "unsupported_parameter", f"`{name}` is not supported by this server", name)
     fields = {"n": 1, **{name: getattr(defaults, name) for name in DEFAULTED}, "min_tokens": 0, "ignore_eos": False,
               "include_stop_str_in_output": False}
-    fields.update({name: body[name] for name in (*fields, "seed", "stop", "stop_token_ids")
+    fields.update({name: body[name] for name in (*fields, "seed", "stop", "stop_token_ids", "logprobs")
                    if body.get(name) is not None})
     # null is the default too, as in vLLM: OpenAI's SDK sends null for an argument given as None.
-    fields["max_tokens"] = DEFAULT_MAX_TOKENS if body.get("max_tokens") is None else body["max_tokens"]
+    fields["max_tokens"] = default_max_tokens if body.get("max_tokens") is None else body["max_tokens"]
     try:
         params = SamplingParams(**fields)
         params.check_supported(streaming=streaming)
@@ -121,7 +130,7 @@ def prompt_ids(prompt, state) -> list[int]:
     return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
 
 
-def check_context_length(ids: list[int], params: SamplingParams, state) -> None:
+def check_context_length(ids: list[int], params: SamplingParams, state, param: str = "prompt") -> None:
     """vLLM's 400 for a one-shot request that cannot fit: its prompt, or prompt + max_tokens, is over
     `max_model_len` (the engine would end it at once with 'length' and no text). Streaming-input sessions
     keep the engine's session rule instead: their context grows past any one request."""
@@ -135,7 +144,7 @@ def check_context_length(ids: list[int], params: SamplingParams, state) -> None:
                    f"the completion). Please reduce the length of the prompt or completion.")
     else:
         return
-    raise RequestError(400, "context_length_exceeded", message, "prompt")
+    raise RequestError(400, "context_length_exceeded", message, param)
 
 
 def check_tokenizer(state, param: str = "prompt", instead: str = "send token ids") -> None:
@@ -144,13 +153,13 @@ def check_tokenizer(state, param: str = "prompt", instead: str = "send token ids
         raise RequestError(400, "invalid_request", f"{state.model_id!r} has no tokenizer: {instead}", param)
 
 
-def parse_flag(body: dict, name: str) -> bool:
-    """A boolean field; null is false: OpenAI documents its flags as boolean or null (its SDK sends null for a
+def parse_flag(body: dict, name: str, default: bool = False) -> bool:
+    """A boolean field; null is its default: OpenAI documents its flags as boolean or null (its SDK sends null for a
     None argument), and vLLM's `return_token_ids` is one too."""
     value = body.get(name)
     if value is not None and not isinstance(value, bool):
         raise RequestError(400, "invalid_request", f"{name} must be true, false or null", name)
-    return bool(value)
+    return default if value is None else value
 
 
 def parse_stream(body: dict, *, implied: bool = False) -> tuple[bool, bool]:
@@ -179,17 +188,23 @@ class TextInput(streaming_input.EngineInput):
     modality = "text"
 
     def __init__(self, state, params: SamplingParams, log: sse.EventLog | None = None, *,
-                 include_usage: bool = False, return_token_ids: bool = False, one_shot: bool = False):
+                 include_usage: bool = False, return_token_ids: bool = False, tokens_as_ids: bool = False,
+                 one_shot: bool = False):
         super().__init__(state, log)
         self.params = params
         # One prompt, one engine request (what stop strings need); else a session of StreamingInput chunks.
         self.one_shot = one_shot
         self.include_usage = include_usage
         self.return_token_ids = return_token_ids
+        # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>" (always, without a tokenizer).
+        self.tokens_as_ids = tokens_as_ids
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.text = ""
         self.token_ids: list[int] = []
+        # With `params.logprobs`, each generated token's logprob and its step's most likely ids -> logprobs.
+        self.logprobs: list[tuple[float, dict[int, float]]] = []
+        self._text_streamed = 0  # characters of text the stream carried: where the next chunk's text_offset starts
         self.prompt_token_ids: list[int] = []  # the engine's: the chunk prompts so far
         self._prompt_streamed = 0  # how many of them the stream carried
         self.finish_reason: str | None = None
@@ -268,6 +283,8 @@ class TextInput(streaming_input.EngineInput):
                 completion = out.outputs[0]
                 self.text += completion.text
                 self.token_ids += completion.token_ids
+                if completion.logprobs is not None:
+                    self.logprobs += zip(completion.logprobs, completion.top_logprobs)
                 self.prompt_token_ids = out.prompt_token_ids
                 if completion.finish_reason is not None:
                     self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
@@ -292,8 +309,8 @@ class TextInput(streaming_input.EngineInput):
 
     def _carries(self, text: str, token_ids: list[int]) -> bool:
         # Ids that decode to no text yet (or a model without a tokenizer) still make a chunk for a client that asked
-        # for them.
-        return bool(text or (self.return_token_ids and token_ids))
+        # for them or for their logprobs.
+        return bool(text or ((self.return_token_ids or self.params.logprobs is not None) and token_ids))
 
     def _log_end(self, text: str, token_ids: list[int], finish_reason: str) -> None:
         """The stream's final chunk, the one with the finish reason. When the drain ended the input, the drain's notice
@@ -340,11 +357,11 @@ class TextInput(streaming_input.EngineInput):
                 "total_tokens": self.prompt_tokens + len(self.token_ids)}
 
     def chunk(self, text: str, finish_reason: str | None, prompt_ids: list[int] | None = None,
-              token_ids: list[int] | None = None) -> dict:
+              token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
         """A `text_completion` body of one choice, with the ids when the client asked for them (vLLM's
         `return_token_ids`: both fields, the prompt's null where it has none to carry). `stop_reason` is vLLM's:
         null until the choice finishes."""
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                   "stop_reason": self.stop_reason if finish_reason is not None else None}
         if self.return_token_ids and token_ids is not None:
             choice.update(prompt_token_ids=prompt_ids, token_ids=token_ids)
@@ -357,37 +374,66 @@ class TextInput(streaming_input.EngineInput):
         input's ids in the first chunk after them, so the chunks' prompt ids add up to the engine's prompt."""
         prompt = self.prompt_token_ids[self._prompt_streamed:]
         self._prompt_streamed = len(self.prompt_token_ids)
-        return self.chunk(text, finish_reason, list(prompt) or None, list(token_ids))
+        end = len(self.token_ids)  # the chunk's ids are the last ones received
+        logprobs = self.logprobs_body(end - len(token_ids), end, self._text_streamed)
+        self._text_streamed += len(text)
+        return self.chunk(text, finish_reason, list(prompt) or None, list(token_ids), logprobs)
 
     def completion(self) -> dict:
-        body = self.chunk(self.text, self.finish_reason or "stop", list(self.prompt_token_ids), self.token_ids)
+        body = self.chunk(self.text, self.finish_reason or "stop", list(self.prompt_token_ids), self.token_ids,
+                          self.logprobs_body(0, len(self.token_ids), 0))
         return {**body, "usage": self.usage()}
+
+    def logprobs_body(self, first: int, end: int, text_offset: int) -> dict | None:
+        """OpenAI's legacy `logprobs` of generated tokens first..end, as vLLM gives them: each token's string and
+        logprob, its step's most likely tokens (with the sampled one, which may make N + 1) and where its text starts
+        (from `text_offset`, counting the token strings); None when not asked for or without tokens."""
+        if self.params.logprobs is None or first >= end:
+            return None
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for token_id, (logprob, top) in zip(self.token_ids[first:end], self.logprobs[first:end]):
+            token = self.token_string(token_id)
+            tokens.append(token)
+            token_logprobs.append(finite_logprob(logprob))
+            others = {self.token_string(i): finite_logprob(value) for i, value in top.items() if i != token_id}
+            top_logprobs.append({token: finite_logprob(logprob), **others})
+            offsets.append(text_offset)
+            text_offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
+    @property
+    def tokenizer(self):
+        """The tokenizer that names tokens in logprobs; None: they are named by id."""
+        return None if self.tokens_as_ids else self.state.engine.tokenizer
+
+    def token_string(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.tokenizer is None else self.tokenizer.token_string(token_id)
 
     def result(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
                 "usage": self.usage(), **self.truncation()}
 
 
+def finite_logprob(logprob: float) -> float:
+    """-inf (a token the filters ruled out) as the finite floor OpenAI and vLLM send: JSON has no infinity."""
+    return max(logprob, -9999.0)
+
+
 def _invalid_text(message: str) -> RequestError:
     return RequestError(422, "invalid_text", message, "payload")
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
+async def serve_one_shot(request: web.Request, prepare, on_streaming_input) -> web.StreamResponse:
+    """One text request, one engine request: `prepare(body, state)` checks the JSON body and gives its `TextInput`
+    and prompt ids (RequestError otherwise); the input is admitted, run, and answered as an SSE stream or one JSON
+    body. A request sent with `X-Streaming-Input: true` is `on_streaming_input(request, state)`'s."""
     state = server_state(request)
     try:
         check_ready(state)
         if streaming_input.is_streaming_input(request):
-            return await _streaming_input(request, state)
-        body = await read_json(request)
-        check_model(state, body.get("model"), "text")
-        prompt = prompt_ids(parse_prompt(body, state), state)
-        params = sampling_params(body, state.engine.default_sampling_params(), streaming=False)
-        if params.stop:
-            check_tokenizer(state, "stop", "stop strings need one; use stop_token_ids")
-        check_context_length(prompt, params, state)
-        stream, include_usage = parse_stream(body)
-        text_input = TextInput(state, params, sse.EventLog() if stream else None, include_usage=include_usage,
-                               return_token_ids=parse_flag(body, "return_token_ids"), one_shot=True)
+            return await on_streaming_input(request, state)
+        text_input, prompt = prepare(await read_json(request), state)
         handle = streaming_input.DrainHandle(text_input)
         streaming_input.admit(state, handle)
     except RequestError as exc:
@@ -407,6 +453,24 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return web.json_response(text_input.completion())
     finally:
         await asyncio.shield(streaming_input.end_request(state, handle))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await serve_one_shot(request, _completion, _streaming_input)
+
+
+def _completion(body: dict, state) -> tuple["TextInput", list[int]]:
+    check_model(state, body.get("model"), "text")
+    prompt = prompt_ids(parse_prompt(body, state), state)
+    params = sampling_params(body, state.engine.default_sampling_params(), streaming=False)
+    if params.stop:
+        check_tokenizer(state, "stop", "stop strings need one; use stop_token_ids")
+    check_context_length(prompt, params, state)
+    stream, include_usage = parse_stream(body)
+    text_input = TextInput(state, params, sse.EventLog() if stream else None, include_usage=include_usage,
+                           return_token_ids=parse_flag(body, "return_token_ids"),
+                           tokens_as_ids=parse_flag(body, "return_tokens_as_token_ids"), one_shot=True)
+    return text_input, prompt
 
 
 async def _streaming_input(request: web.Request, state) -> web.StreamResponse:

@@ -2,7 +2,10 @@
 count a prompt's tokens against `max_model_len` or read the ids a completion returned (`return_token_ids`).
 
 `/tokenize` takes `prompt` (a string) with `add_special_tokens` (default true: the BOS the engine puts before a
-completion's prompt) and answers `{"count", "max_model_len", "tokens", "token_strs"}`; `token_strs` (with
+completion's prompt), or vLLM's chat form: `messages` with `add_generation_prompt` (default true),
+`continue_final_message`, `chat_template_kwargs` and `add_special_tokens` (default false: the template writes its
+own BOS), rendered and tokenized as `/v1/chat/completions` takes them (http_chat.py), for a text LM. It answers
+`{"count", "max_model_len", "tokens", "token_strs"}`; `token_strs` (with
 `return_token_strs: true`) is the text each id stands for (a piece of a UTF-8 character shows as U+FFFD), where
 vLLM gives the tokenizer's own piece names. `/detokenize` takes `tokens` and answers `{"prompt": text}`, control
 ids left out as in a completion's text. `model` is optional, as in vLLM; named, it must be the served one. Any
@@ -10,7 +13,9 @@ served model with a tokenizer answers, the transcription model included (its `ma
 """
 from aiohttp import web
 
-from jaxstream.serving.http_errors import RequestError, check_ready, read_json, server_state
+from jaxstream.serving.http_chat import render_chat
+from jaxstream.serving.http_completions import parse_flag
+from jaxstream.serving.http_errors import RequestError, check_kind, check_ready, read_json, server_state
 
 
 def _served(body: dict, state):
@@ -24,33 +29,35 @@ def _served(body: dict, state):
     return tokenizer
 
 
-def _flag(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise RequestError(400, "invalid_request", f"{name} must be a boolean", name)
-    return value
-
-
 async def tokenize(request: web.Request) -> web.Response:
     state = server_state(request)
     try:
         check_ready(state)
         body = await read_json(request)
         tokenizer = _served(body, state)
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise RequestError(400, "invalid_request", "prompt must be a string", "prompt")
-        special = _flag(body, "add_special_tokens", True)
-        ids = ([tokenizer.bos_id] if special and tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
+        if "messages" in body:
+            ids = _chat_ids(body, state)
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise RequestError(400, "invalid_request", "prompt must be a string (or send messages)", "prompt")
+            special = parse_flag(body, "add_special_tokens", True)
+            ids = ([tokenizer.bos_id] if special and tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
         strs = None
-        if _flag(body, "return_token_strs", False):
+        if parse_flag(body, "return_token_strs"):
             strs = [tokenizer.token_bytes(i).decode("utf-8", "replace") for i in ids]
     except RequestError as exc:
         return exc.response()
     return web.json_response({"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids,
                               "token_strs": strs})
+
+
+def _chat_ids(body: dict, state) -> list[int]:
+    """vLLM's TokenizeChatRequest: the ids the chat route would give the engine for these messages."""
+    check_kind(state, "text")
+    if body.get("tools"):
+        raise RequestError(400, "unsupported_parameter", "`tools` is not supported by this server", "tools")
+    return render_chat(body, state, add_special_tokens=parse_flag(body, "add_special_tokens")).token_ids
 
 
 async def detokenize(request: web.Request) -> web.Response:

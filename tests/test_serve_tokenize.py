@@ -8,6 +8,7 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
+from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.testing import ServerThread
 from test_serve_http import call
 from test_serve_http_completions import text_engine_with_tokenizer
@@ -55,6 +56,38 @@ async def test_tokenize_counts_the_prompt_a_completion_takes(engine, server, ref
                                            extra_body={"return_token_ids": True})
     assert completion.choices[0].prompt_token_ids == body["tokens"]
     assert completion.usage.prompt_tokens == body["count"]
+
+
+# A chat template in the word-level vocabulary: each message's content, then "w9" as the assistant's header.
+TEMPLATE = "{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
+MESSAGES = [{"role": "system", "content": "w5 w17"}, {"role": "user", "content": [{"type": "text", "text": "w40"}]}]
+
+
+async def test_tokenize_messages_counts_the_prompt_a_chat_takes(engine, server, reference):
+    """vLLM's TokenizeChatRequest: the messages rendered with the served chat template and tokenized without a BOS
+    (`add_special_tokens` false by default), as /v1/chat/completions gives them to the engine."""
+    chat_server = ServerThread(engine, ServerConfig(chat_template=TEMPLATE))
+    try:
+        model = chat_server.state.model_id
+        async with aiohttp.ClientSession() as http:
+            status, body = await call(http, chat_server, "POST", "/tokenize", json={"model": model,
+                                                                                    "messages": MESSAGES})
+            assert status == 200 and body["tokens"] == reference.encode("w5 w17 w40 w9").ids
+            assert body["count"] == 4 and body["max_model_len"] == engine.max_model_len
+            status, plain = await call(http, chat_server, "POST", "/tokenize", json={
+                "messages": MESSAGES, "add_generation_prompt": False, "add_special_tokens": True})
+            assert plain["tokens"] == [reference.token_to_id("<s>"), *reference.encode("w5 w17 w40").ids]
+            status, refused = await call(http, server, "POST", "/tokenize", json={"messages": MESSAGES})
+            assert status == 400 and "must provide a chat template" in refused["error"]["message"]
+            status, refused = await call(http, chat_server, "POST", "/tokenize", json={
+                "messages": MESSAGES, "continue_final_message": True})
+            assert (status, refused["error"]["param"]) == (400, "continue_final_message")
+        client = openai.OpenAI(base_url=chat_server.url("/v1", "http"), api_key="unused", max_retries=0)
+        chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1,
+                                              extra_body={"return_token_ids": True})
+        assert chat.model_extra["prompt_token_ids"] == body["tokens"] and chat.usage.prompt_tokens == body["count"]
+    finally:
+        chat_server.close()
 
 
 @pytest.mark.parametrize("path, body, status, param", [

@@ -4,7 +4,7 @@ HTTP streaming-input sessions, a browser microphone demo at `/`, health, models 
 
     jaxstream serve [MODEL] [--host H] [--port P] [--api-key K | --api-key-file F] [--max-sessions N]
                     [--delay-ms MS] [--max-session-seconds S] [--idle-timeout S] [--compat vllm]
-                    [--generation-config {auto,vllm}]
+                    [--generation-config {auto,vllm}] [--chat-template PATH]
                     [--allowed-origins JSON] [--allowed-methods JSON] [--allowed-headers JSON]
                     [--allow-credentials] [--config server.toml]
 
@@ -81,6 +81,9 @@ def register(subparsers) -> None:
                         help="'auto': completions that omit temperature, top_p or top_k take the values the "
                              "checkpoint's generation_config.json declares, as vLLM does; 'vllm': ignore them "
                              "(default auto)")
+    parser.add_argument("--chat-template", default=None, metavar="PATH",
+                        help="jinja chat template for /v1/chat/completions, in place of the tokenizer's or for a "
+                             "model without one (a file, or the template itself, as vLLM takes it)")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="model id clients name in session.update (default: MODEL as given)")
     # CORS, with vLLM's flag names, JSON lists and defaults (serving/cors.py).
@@ -139,13 +142,18 @@ def _run(args) -> int:
     engine = dict(file.engine) if file else {}
     _override(server, host=args.host, port=args.port, compat=args.compat, drain_timeout_s=args.drain_timeout,
               served_model_name=args.served_model_name, generation_config=args.generation_config,
-              allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
-              allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+              chat_template=args.chat_template, allowed_origins=args.allowed_origins,
+              allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
+              allow_credentials=args.allow_credentials)
     _override(limits, max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,
               max_session_seconds=args.max_session_seconds, max_audio_seconds=args.max_audio_seconds,
               max_payload_per_session=args.max_payload_per_session, max_streams_per_key=args.max_streams_per_key,
               max_requests_per_minute_per_key=args.max_requests_per_minute)
     _override(engine, max_sessions=args.max_sessions, default_delay_ms=args.delay_ms)
+    if isinstance(server.get("chat_template"), str):  # the config holds the template, read once here
+        from jaxstream.models.chat_templates import load_chat_template
+
+        server["chat_template"] = load_chat_template(server["chat_template"])
     engine.setdefault("max_queued_audio_seconds", _SERVER_MAX_QUEUED_AUDIO_S)
     delay_ms = engine.get("default_delay_ms")
     if delay_ms is not None and (isinstance(delay_ms, bool) or not isinstance(delay_ms, int)):
@@ -246,6 +254,7 @@ async def _serve(model: str, config, engine_config, key_source: str | None, load
             engine = AsyncEngine.from_pretrained(model, config=engine_config,
                                                  generation_config=config.generation_config)
             log_sampling_defaults(engine)
+            log_chat_template(engine, config)
             freeze_startup_heap()  # full garbage collections would stop the server for ~150 ms each
         finally:
             loading.clear()
@@ -322,10 +331,24 @@ def log_sampling_defaults(engine) -> None:
                     "--generation-config vllm ignores it)", ", ".join(f"{k}={v}" for k, v in applied.items()))
 
 
+def log_chat_template(engine, config) -> None:
+    """A warning when --chat-template cannot apply: to a speech model, a model without a tokenizer, or a Mistral
+    tekken tokenizer, whose chats mistral-common encodes (vLLM ignores the flag for it too, with a warning)."""
+    if config.chat_template is None:
+        return
+    tokenizer = engine.tokenizer if engine.kind == "text" else None
+    if tokenizer is None:
+        logger.warning("--chat-template is ignored: %s serves no chat (a text LM with a tokenizer does)",
+                       engine.model_name)
+    elif tokenizer.chat_template_for(config.chat_template) is tokenizer.chat_template:
+        logger.warning("--chat-template is ignored: this model's tekken tokenizer encodes chats with mistral-common")
+
+
 # The routes each kind of model is served on besides the first (serving/app.py's table).
 SPEECH_ROUTES = ("/ws", "/api/asr-streaming", "/invocations-bidirectional-stream", "/v1/audio/transcriptions",
                  "/v1/streaming_input/sessions", "/v1/models", "/health", "/metrics")
-TEXT_ROUTES = ("/v1/streaming_input/sessions", "/v1/models", "/health", "/metrics")
+TEXT_ROUTES = ("/v1/chat/completions", "/v1/streaming_input/sessions", "/tokenize", "/v1/models", "/health",
+               "/metrics")
 KEY_PLACEHOLDER = "YOUR_KEY"
 
 

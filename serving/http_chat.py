@@ -1,0 +1,255 @@
+"""OpenAI's `POST /v1/chat/completions` over a served text LM, as vLLM's serving_chat.py serves it.
+
+`messages` (roles system, developer, user, assistant, tool, or any the template takes; `content` a string, or a
+list of `{"type": "text", "text": ...}` parts joined with newlines as vLLM joins them for a template that takes
+strings; other part types are a 400: the model reads text only) are rendered with the model's chat template
+(models/chat_templates.py: the tokenizer's, or the server's `--chat-template`) and tokenized without another BOS,
+since templates write their own. A model without a template answers vLLM's 400, a speech model the completions
+route's. `add_generation_prompt` (default true), `continue_final_message` (not both, as vLLM) and
+`chat_template_kwargs` (template variables) shape the prompt; vLLM's `add_special_tokens` (default false) puts the
+tokenizer's BOS before it. A `chat_template` in the request is refused, as vLLM refuses it without
+--trust-request-chat-template.
+
+Sampling and stopping are the completions route's (http_completions.py: `temperature`, `top_p`, `top_k`, `seed`,
+`stop`, `stop_token_ids`, `n` = 1, `min_tokens`, `ignore_eos`, `include_stop_str_in_output`, `return_token_ids`,
+`stream`, `stream_options.include_usage`), but the length: `max_completion_tokens` (OpenAI's newer name, first)
+or `max_tokens`, and with neither the completion may run to the end of the context, as vLLM's chat. What the
+server cannot honour is refused (`NEUTRAL`: the completions route's, and chat's tools, tool_choice other than
+"none", audio output, predicted outputs, ...). `logprobs: true` with `top_logprobs: N` (up to 20) gives each
+choice, and each streamed chunk for its own tokens, `logprobs.content`: every token's string, logprob and bytes
+with its step's N most likely tokens (token strings as http_completions.py makes them).
+
+The answer is a `chat.completion` (`choices[0].message` {role: assistant, content}, vLLM's `stop_reason`, usage;
+with `return_token_ids` the choice's `token_ids` and the body's `prompt_token_ids`, vLLM's chat layout), or SSE
+`chat.completion.chunk` events: a first delta {role: assistant, content: ""}, the content deltas, the finish
+reason's chunk, the usage chunk with `include_usage`, then `data: [DONE]`. Streaming input (`X-Streaming-Input`)
+is served on /v1/completions and the Mode B sessions only: vLLM has no chat form of it.
+"""
+import json
+
+from aiohttp import web
+
+from jaxstream.engine.requests import MAX_LOGPROBS
+from jaxstream.models.chat_templates import NO_TEMPLATE_MESSAGE, ChatPrompt, ChatTemplateError
+from jaxstream.serving import sse
+from jaxstream.serving.http_completions import (
+    NEUTRAL as COMPLETION_NEUTRAL, TextInput, check_context_length, finite_logprob, parse_flag, parse_stream,
+    sampling_params, serve_one_shot,
+)
+from jaxstream.serving.http_errors import RequestError, check_kind, check_model
+from jaxstream.serving.limits import holds_stream
+
+ROUTE = "/v1/chat/completions"
+# What chat cannot honour, with its "not used" value: the completions route's (but its prompt-only fields) and
+# chat's own. `parallel_tool_calls: true` is OpenAI's default.
+_PROMPT_ONLY = ("suffix", "add_special_tokens")  # chat takes add_special_tokens (default false)
+NEUTRAL = {**{name: unused for name, unused in COMPLETION_NEUTRAL.items() if name not in _PROMPT_ONLY},
+           "tools": None, "tool_choice": "none", "parallel_tool_calls": True,
+           "functions": None, "function_call": "none", "audio": None, "modalities": ["text"], "prediction": None,
+           "web_search_options": None}
+_UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
+                       "Refused request with untrusted chat template.")  # vLLM's words
+
+
+def chat_template(state):
+    """The template the server renders chats with: 400 for a model without a tokenizer or a template."""
+    tokenizer = state.engine.tokenizer
+    if tokenizer is None:
+        raise RequestError(400, "invalid_request", f"{state.model_id!r} has no tokenizer: chats need one")
+    template = tokenizer.chat_template_for(state.config.chat_template)
+    if template is None:
+        raise RequestError(400, "invalid_request", f"{NO_TEMPLATE_MESSAGE} Start the server with --chat-template "
+                           "FILE to give this model one.")
+    return template
+
+
+def parse_messages(body: dict) -> list[dict]:
+    """The conversation as a template takes it: role, content as a string, and what else a message carries for
+    templates (`name`, `tool_call_id`, an assistant's `tool_calls` with their JSON arguments parsed, as vLLM)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "invalid_request", "messages must be a non-empty list of messages", "messages")
+    conversation = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
+            raise RequestError(400, "invalid_request", f"messages[{i}] must be an object with a role", f"messages[{i}]")
+        parsed = {"role": message["role"], "content": _content(message.get("content"), f"messages[{i}].content")}
+        parsed.update({key: message[key] for key in ("name", "tool_call_id") if isinstance(message.get(key), str)})
+        if message["role"] == "assistant" and isinstance(message.get("tool_calls"), list) and message["tool_calls"]:
+            parsed["tool_calls"] = [_tool_call(call) for call in message["tool_calls"]]
+        conversation.append(parsed)
+    return conversation
+
+
+def _content(content, param: str) -> str:
+    if content is None:  # an assistant's tool calls carry none: vLLM renders it as ""
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(400, "invalid_request", f"{param} must be a string or a list of content parts", param)
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else None
+            raise RequestError(400, "invalid_request", f"Unsupported content part type {kind!r}: this server serves "
+                               "a text model, whose messages hold text parts only", f"{param}[{j}]")
+    return "\n".join(texts)
+
+
+def _tool_call(call):
+    """vLLM's `_postprocess_messages`: templates take a tool call's arguments as an object, not its JSON text."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    arguments = call["function"].get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            arguments = {}
+    elif not isinstance(arguments, (dict, list)):
+        arguments = {}
+    return {**call, "function": {**call["function"], "arguments": arguments}}
+
+
+def render_chat(body: dict, state, *, add_special_tokens: bool) -> ChatPrompt:
+    """The body's conversation rendered and tokenized with the served template (the chat route's and /tokenize's);
+    RequestError 400 for what the template or the body refuses. `add_special_tokens`: BOS before the template's."""
+    template = chat_template(state)
+    messages = parse_messages(body)
+    add_generation_prompt = parse_flag(body, "add_generation_prompt", True)
+    continue_final_message = parse_flag(body, "continue_final_message")
+    if add_generation_prompt and continue_final_message:
+        raise RequestError(400, "invalid_request", "Cannot set both `continue_final_message` and "
+                           "`add_generation_prompt` to True.", "continue_final_message")
+    variables = body.get("chat_template_kwargs")
+    if variables is not None and not isinstance(variables, dict):
+        raise RequestError(400, "invalid_request", "chat_template_kwargs must be an object", "chat_template_kwargs")
+    if body.get("chat_template") is not None:
+        raise RequestError(400, "invalid_request", _UNTRUSTED_TEMPLATE, "chat_template")
+    try:
+        prompt = template.encode(messages, add_generation_prompt=add_generation_prompt,
+                                 continue_final_message=continue_final_message, variables=variables)
+    except ChatTemplateError as exc:
+        raise RequestError(400, "invalid_request", str(exc), "messages") from None
+    except ValueError as exc:  # the tokenizer's: text it cannot encode
+        raise RequestError(400, "invalid_request", str(exc), "messages") from None
+    bos = state.engine.tokenizer.bos_id
+    if add_special_tokens and bos is not None:
+        return ChatPrompt(prompt.text, [bos, *prompt.token_ids])
+    return prompt
+
+
+class ChatInput(TextInput):
+    """A completion answered in chat's shapes (`chat.completion`, `chat.completion.chunk`); its stream starts with
+    the assistant role's delta, which carries the prompt's ids when the client asked for ids."""
+
+    def __init__(self, state, params, log: sse.EventLog | None, prompt_ids: list[int], **options):
+        super().__init__(state, params, log, one_shot=True, **options)
+        self.id = f"chatcmpl-{self.id.removeprefix('cmpl-')}"
+        self._prompt_ids = prompt_ids
+
+    async def start(self) -> None:
+        if self.log is not None:
+            first = self._body([self._choice({"role": "assistant", "content": ""}, None, [])])
+            if self.return_token_ids:
+                first["prompt_token_ids"] = list(self._prompt_ids)
+            self.log.append(first)
+        await super().start()
+
+    def _body(self, choices: list[dict], kind: str = "chat.completion.chunk") -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.state.model_id,
+                "choices": choices}
+
+    def _choice(self, delta: dict, finish_reason: str | None, token_ids: list[int] | None,
+                logprobs: dict | None = None) -> dict:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                  "stop_reason": self.stop_reason if finish_reason is not None else None}
+        if self.return_token_ids and token_ids is not None:
+            choice["token_ids"] = token_ids
+        return choice
+
+    def chunk(self, text: str, finish_reason: str | None, prompt_ids: list[int] | None = None,
+              token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
+        """A `chat.completion.chunk` of one choice (its delta's content; none in a finish chunk without text). The
+        prompt's ids went out with the role's delta."""
+        delta = {"content": text} if text or finish_reason is None else {}
+        return self._body([self._choice(delta, finish_reason, token_ids, logprobs)])
+
+    def completion(self) -> dict:
+        message = {"role": "assistant", "content": self.text, "refusal": None}
+        choice = {"index": 0, "message": message, "logprobs": self.logprobs_body(0, len(self.token_ids), 0),
+                  "finish_reason": self.finish_reason or "stop", "stop_reason": self.stop_reason}
+        body = self._body([choice], "chat.completion")
+        if self.return_token_ids:
+            choice["token_ids"] = self.token_ids
+            body["prompt_token_ids"] = list(self.prompt_token_ids)
+        return {**body, "usage": self.usage()}
+
+    def logprobs_body(self, first: int, end: int, text_offset: int) -> dict | None:
+        """Chat's `logprobs` of generated tokens first..end: for each, its token, logprob and bytes, and its step's
+        `top_logprobs` most likely tokens, most likely first (OpenAI's; vLLM lists the sampled one first)."""
+        if self.params.logprobs is None or first >= end:
+            return None
+        return {"content": [{**self._entry(token_id, logprob),
+                             "top_logprobs": [self._entry(i, value) for i, value in top.items()]}
+                            for token_id, (logprob, top) in zip(self.token_ids[first:end], self.logprobs[first:end])]}
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        data = b"" if self.tokenizer is None else self.tokenizer.token_bytes(token_id)
+        token = self.token_string(token_id)
+        # `bytes`: what the token stands for, so that a client joins the pieces of a character split over tokens.
+        return {"token": token, "logprob": finite_logprob(logprob), "bytes": list(data or token.encode("utf-8"))}
+
+
+def _logprobs(body: dict) -> int | None:
+    """The engine's `logprobs` for chat's `logprobs` (a flag) and `top_logprobs` (how many likely tokens, 0-20)."""
+    wanted, top = parse_flag(body, "logprobs"), body.get("top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS):
+        raise RequestError(400, "invalid_request", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
+                           f"{top!r}", "top_logprobs")
+    if top and not wanted:
+        raise RequestError(400, "invalid_request", "when using `top_logprobs`, `logprobs` must be set to true.",
+                           "top_logprobs")  # vLLM's words
+    return (top or 0) if wanted else None
+
+
+def _chat(body: dict, state) -> tuple[ChatInput, list[int]]:
+    check_model(state, body.get("model"), "text")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    try:
+        params = sampling_params({**body, "max_tokens": body.get(name), "logprobs": _logprobs(body)},
+                                 state.engine.default_sampling_params(), streaming=False, neutral=NEUTRAL,
+                                 default_max_tokens=None)
+    except RequestError as exc:
+        if exc.param == "max_tokens":
+            exc.param = name
+        raise
+    prompt = render_chat(body, state, add_special_tokens=parse_flag(body, "add_special_tokens")).token_ids
+    if not prompt:
+        raise RequestError(400, "invalid_request", "The chat template rendered an empty prompt", "messages")
+    check_context_length(prompt, params, state, "messages")
+    stream, include_usage = parse_stream(body)
+    chat_input = ChatInput(state, params, sse.EventLog() if stream else None, prompt, include_usage=include_usage,
+                           return_token_ids=parse_flag(body, "return_token_ids"),
+                           tokens_as_ids=parse_flag(body, "return_tokens_as_token_ids"))
+    return chat_input, prompt
+
+
+async def _streaming_input(request: web.Request, state) -> web.StreamResponse:
+    check_kind(state, "text")
+    raise RequestError(400, "invalid_request", f"Streaming input (X-Streaming-Input: true) is not served on {ROUTE}: "
+                       "send the chunks to /v1/completions, or to a session of /v1/streaming_input/sessions")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await serve_one_shot(request, _chat, _streaming_input)
+
+
+def add_chat_routes(app: web.Application) -> None:
+    app.router.add_post(ROUTE, holds_stream(chat_completions))
+
