@@ -35,7 +35,7 @@ import numpy as np
 from aiohttp import BodyPartReader, web
 
 from jaxstream.engine.transcription_session import TranscriptionDelta, TranscriptionDone
-from jaxstream.errors import EngineError
+from jaxstream.errors import CapacityError, EngineError
 from jaxstream.models.audio import SAMPLING_RATE, AudioError, AudioTooLongError, load_audio
 from jaxstream.serving import sse, streaming_input, wire_json
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_pcm16_base64
@@ -60,6 +60,7 @@ _PROMPT_BYTES = 1 << 20
 # a body of endless small fields (or a gzip body inflating to them) was read whole, each field kept.
 _FORM_BYTES = MAX_FILE_BYTES + _PROMPT_BYTES + (1 << 20)
 _MAX_PARTS = 64
+_QUEUE_POLL_S = 0.05  # how often an upload waiting for an engine session tries again
 # The fields the route reads or checks; others are skipped. chunking_strategy's server_vad object comes as
 # `chunking_strategy[type]`, ... (the SDK's bracketed form), read as fields too.
 _FIELDS = ("model", "response_format", "stream", "language", "temperature", "chunking_strategy")
@@ -485,6 +486,21 @@ def parse_delay_ms(fields: dict, state, param: str) -> int | None:
     return delay_ms
 
 
+async def _start_when_free(audio_input: AudioInput, state) -> None:
+    """Starts the upload's engine session; while the engine holds its max_sessions, waits for one to end, up to
+    `upload_queue_s` (then the engine's CapacityError), as vLLM queues requests (a drain ends the wait: 503)."""
+    deadline = time.monotonic() + state.config.limits.upload_queue_s
+    while True:
+        try:
+            return await audio_input.start()
+        except CapacityError:
+            if time.monotonic() >= deadline:
+                raise
+        await asyncio.sleep(_QUEUE_POLL_S)
+        if audio_input.done:  # a drain stopped the request while it waited
+            raise RequestError(503, "draining", "The server is shutting down; retry on another replica")
+
+
 async def transcriptions(request: web.Request) -> web.StreamResponse:
     state = server_state(request)
     try:
@@ -519,7 +535,7 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
             if audio_input.done:  # a drain stopped the request while it decoded
                 raise RequestError(503, "draining", "The server is shutting down; retry on another replica")
             audio_input.seconds = pcm.size / SAMPLING_RATE
-            await audio_input.start()
+            await _start_when_free(audio_input, state)
         except EngineError as exc:
             state.forget(handle)
             raise engine_request_error(exc) from None

@@ -71,6 +71,10 @@ class Limits:
     # client may open its request long before it has audio to send. None or 0 (TOML has no null): no rule.
     body_grace_s: float = 20.0
     body_min_rate: int | None = 500
+    # An upload (a whole file to transcribe) that finds the engine at its max_sessions waits this long for a
+    # session, as vLLM queues requests beyond max_num_seqs, before its 503 `capacity`: a client batch-transcribing a
+    # folder is slowed down, not refused. A realtime stream cannot wait: it is refused at once.
+    upload_queue_s: float = 60.0
 
     def __post_init__(self):
         if self.body_min_rate == 0 and not isinstance(self.body_min_rate, bool):

@@ -107,6 +107,21 @@ async def test_concurrent_sessions_with_every_delay_equal_their_solo_runs(engine
         check_events(events, solo[delay], engine.tokenizer, len(audio) / 16000, delay)
 
 
+async def test_transcribe_takes_audio_at_any_rate_as_a_session_does(engine, reference):
+    """`transcribe(pcm, sample_rate=...)` resamples as `start_transcription(sample_rate=...)` does (it took 16 kHz
+    only: 22.05 kHz audio from soundfile.read was transcribed as if it were 16 kHz, without a word)."""
+    import soxr
+
+    audio = soxr.resample(reference["audio"][:40000], 16000, 22050).astype(np.float32)
+    session = await engine.start_transcription(sample_rate=22050)
+    await session.append(audio)
+    await session.finish()
+    expected = [event async for event in session][-1]
+    done = await engine.transcribe(audio, sample_rate=22050)
+    assert done.token_ids == expected.token_ids and done.text == expected.text
+    assert done.usage.audio_seconds == pytest.approx(len(audio) / 22050)
+
+
 async def test_parked_sessions_evicted_to_host_resume_identically(engine, reference):
     """Also checks that serving (prefill, catch-up steps, eviction, restore) never compiles."""
     audio = reference["audio"]

@@ -87,3 +87,26 @@ def test_command_list_shows_every_option():
             if not long_options or long_options[0] in ("--help", "--verbose"):
                 continue  # -h, and -v, which the list shows once for every command
             assert long_options[0] in usages[name], f"README's `jaxstream {name}` lacks {long_options[0]}"
+
+
+def test_the_fresh_machine_install_has_what_its_try_it_client_imports():
+    """"Fresh machine" installs with `pip install -e .`, then runs examples/realtime_client.py: every module the
+    client imports must come from the standard library or a distribution setup.cfg installs (websockets was only a
+    test extra, and the README's first try ended in ModuleNotFoundError)."""
+    import ast
+    import configparser
+    from importlib import metadata
+
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    required = {re.split(r"[<>=!\[ ]", line.strip())[0].lower().replace("_", "-")
+                for line in config["options"]["install_requires"].splitlines() if line.strip()}
+    client = ast.parse((ROOT / "examples" / "realtime_client.py").read_text())
+    modules = {alias.name.split(".")[0] for node in ast.walk(client) if isinstance(node, ast.Import)
+               for alias in node.names}
+    modules |= {node.module.split(".")[0] for node in ast.walk(client)
+                if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+    distributions = metadata.packages_distributions()
+    missing = {module for module in modules - set(sys.stdlib_module_names)
+               if not {d.lower().replace("_", "-") for d in distributions.get(module, [module])} & required}
+    assert not missing, missing

@@ -354,6 +354,37 @@ def test_an_upload_is_admitted_before_it_is_decoded(engine, wav, monkeypatch):
         server.close()
 
 
+@pytest.mark.parametrize("queue_s, refusals, answered", [(60.0, 3, 200), (0.3, 10**6, 503)], ids=["waits", "gives_up"])
+def test_an_upload_waits_for_an_engine_session(engine, wav, reference, monkeypatch, queue_s, refusals, answered):
+    """An upload that finds the engine at its max_sessions waits for a session (vLLM queues requests beyond
+    max_num_seqs), up to `upload_queue_s`, then answers 503 `capacity`: 36 of 100 uploads at once were refused
+    at once, and an openai client transcribing a folder lost files."""
+    from jaxstream.errors import CapacityError
+
+    real_start, tries = engine.start_transcription, []
+
+    async def start_transcription(*args, **kwargs):
+        tries.append(None)
+        if len(tries) <= refusals:
+            raise CapacityError("the engine holds 64 sessions, its limit; try again later")
+        return await real_start(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "start_transcription", start_transcription)
+    server = ServerThread(engine, ServerConfig(limits=Limits(upload_queue_s=queue_s)))
+    try:
+        client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
+        upload = {"model": server.state.model_id, "file": ("sample.wav", wav)}
+        if answered == 200:
+            assert client.audio.transcriptions.create(**upload).text == reference.text
+            assert len(tries) == refusals + 1
+        else:
+            with pytest.raises(openai.InternalServerError) as raised:
+                client.audio.transcriptions.create(**upload)
+            assert raised.value.status_code == 503 and raised.value.body["code"] == "capacity" and len(tries) > 2
+    finally:
+        server.close()
+
+
 def test_curl_stream_headers_ids_and_done(server, model, wav, tmp_path, reference):
     path = tmp_path / "sample.wav"
     path.write_bytes(wav)

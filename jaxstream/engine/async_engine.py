@@ -499,13 +499,14 @@ class AsyncEngine:
             raise
         return session
 
-    async def transcribe(self, pcm, delay_ms: int | None = None) -> TranscriptionDone:
-        """Transcribes a whole recording (float32 mono 16 kHz)."""
-        session = await self.start_transcription(delay_ms)
+    async def transcribe(self, pcm, delay_ms: int | None = None, *,
+                         sample_rate: int = SAMPLING_RATE) -> TranscriptionDone:
+        """Transcribes a whole recording: float mono PCM at `sample_rate` Hz (16 kHz unless said)."""
+        session = await self.start_transcription(delay_ms, sample_rate=sample_rate)
         done = None
         try:
             # Pieces of the backlog bound: one append of it all grew the engine's mel buffers to it, for good.
-            pcm, step = np.asarray(pcm), max(1, int(self.config.max_queued_audio_seconds * SAMPLING_RATE))
+            pcm, step = np.asarray(pcm), max(1, int(self.config.max_queued_audio_seconds * sample_rate))
             for piece in np.split(pcm, range(step, len(pcm), step)) if pcm.ndim == 1 else [pcm]:
                 await session.append(piece)
             await session.finish()
