@@ -56,13 +56,13 @@ from jaxstream.serving.http_sessions import add_streaming_input_routes
 from jaxstream.serving.http_tokenize import add_tokenize_routes
 from jaxstream.serving.http_transcriptions import add_transcription_routes
 from jaxstream.serving.limits import (
-    CLOSE_CAPACITY, CLOSE_GOING_AWAY, CLOSE_INTERNAL_ERROR, CLOSE_TRY_AGAIN_LATER, Breach, FirstRequestDeadline,
-    KeyLimits, key_limits_middleware,
+    CLOSE_CAPACITY, CLOSE_GOING_AWAY, CLOSE_INTERNAL_ERROR, CLOSE_POLICY_VIOLATION, CLOSE_TRY_AGAIN_LATER, Breach,
+    FirstRequestDeadline, KeyLimits, key_limits_middleware,
 )
 from jaxstream.serving.memory import TRIM_PERIOD_S, malloc_trimmer
 from jaxstream.serving.metrics import ServerMetrics
 from jaxstream.serving.vllm_realtime import BINARY_AS_TEXT, BINARY_CLOSE, BINARY_ERROR, VllmRealtime
-from jaxstream.serving.websocket import run_websocket
+from jaxstream.serving.websocket import Connection, run_websocket
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +142,11 @@ class ServerState:
                           "The model is still loading; retry shortly")
         if not self.engine.healthy:
             return Breach("refused_engine_dead", CLOSE_INTERNAL_ERROR, "engine_dead", "The engine is not running")
+        if isinstance(conn, Connection) and self.engine.kind != "realtime":
+            # Every WebSocket route streams speech: a text model's server refuses at once, not at the first commit.
+            return Breach("refused_model", CLOSE_POLICY_VIOLATION, "unsupported_model",
+                          f"This server serves {self.model_id!r}, a text language model: its realtime WebSocket "
+                          "routes need a speech-to-text model (use /v1/completions or /v1/chat/completions)")
         if len(self.connections) >= self.max_connections:
             return Breach("refused_capacity", CLOSE_CAPACITY, "capacity",
                           f"The server is at its limit of {self.max_connections} connections; retry later")

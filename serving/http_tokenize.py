@@ -5,9 +5,9 @@ count a prompt's tokens against `max_model_len` or read the ids a completion ret
 completion's prompt), or vLLM's chat form: `messages` with `add_generation_prompt` (default true),
 `continue_final_message`, `chat_template_kwargs` and `add_special_tokens` (default false: the template writes its
 own BOS), rendered and tokenized as `/v1/chat/completions` takes them (http_chat.py), for a text LM. It answers
-`{"count", "max_model_len", "tokens", "token_strs"}`; `token_strs` (with
-`return_token_strs: true`) is the text each id stands for (a piece of a UTF-8 character shows as U+FFFD), where
-vLLM gives the tokenizer's own piece names. `/detokenize` takes `tokens` and answers `{"prompt": text}`, control
+`{"count", "max_model_len", "tokens", "token_strs"}`; `token_strs` (with `return_token_strs: true`) is the text each
+id stands for (a piece of a UTF-8 character shows as U+FFFD, a special token its name, as logprobs show them),
+where vLLM gives the tokenizer's own piece names. `/detokenize` takes `tokens` and answers `{"prompt": text}`, control
 ids left out as in a completion's text. `model` is optional, as in vLLM; named, it must be the served one. Any
 served model with a tokenizer answers, the transcription model included (its `max_model_len` is null).
 """
@@ -45,7 +45,7 @@ async def tokenize(request: web.Request) -> web.Response:
             ids = ([tokenizer.bos_id] if special and tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
         strs = None
         if parse_flag(body, "return_token_strs"):
-            strs = [tokenizer.token_bytes(i).decode("utf-8", "replace") for i in ids]
+            strs = [tokenizer.token_string(i) for i in ids]
     except RequestError as exc:
         return exc.response()
     return web.json_response({"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids,

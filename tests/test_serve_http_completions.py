@@ -12,6 +12,7 @@ import subprocess
 import aiohttp
 import openai
 import pytest
+import websockets
 
 from jaxstream.engine.async_engine import AsyncEngine
 from jaxstream.engine.config import EngineConfig
@@ -300,6 +301,13 @@ async def test_speech_routes_refuse_a_text_model(server, model):
             assert response.status == 400 and (await response.json())["error"]["code"] == "unsupported_model"
         async with http.post(server.url(SESSIONS, "http"), json={"modality": "audio"}) as response:
             assert response.status == 400 and (await response.json())["error"]["code"] == "unsupported_model"
+    # The WebSocket routes all stream speech: refused at once (they took session.update and failed at the commit).
+    async with websockets.connect(server.url("/v1/realtime")) as ws:
+        event = json.loads(await asyncio.wait_for(ws.recv(), 30))
+        assert event["type"] == "error" and event["code"] == "unsupported_model" and "text" in event["error"], event
+        with pytest.raises(websockets.ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), 30)
+        assert ws.close_code == 1008
 
 
 # -- Mode B text sessions ---------------------------------------------------------------------------------------

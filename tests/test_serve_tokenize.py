@@ -49,6 +49,9 @@ async def test_tokenize_counts_the_prompt_a_completion_takes(engine, server, ref
             "prompt": PROMPT, "add_special_tokens": False, "return_token_strs": True})
         assert status == 200 and plain["tokens"] == reference.encode(PROMPT).ids
         assert plain["token_strs"] == ["w5", "w17", "w40", "w9"]
+        status, special = await call(http, server, "POST", "/tokenize",
+                                     json={"prompt": "w5", "return_token_strs": True})
+        assert status == 200 and special["token_strs"] == ["<s>", "w5"]  # a special token by its name, as vLLM's
         status, text = await call(http, server, "POST", "/detokenize", json={"model": model, "tokens": body["tokens"]})
         assert status == 200 and text == {"prompt": reference.decode(body["tokens"])}
     client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0)

@@ -124,11 +124,12 @@ def test_held_out_corpus_uses_only_held_out_sentences_and_voices(tmp_path):
 
 
 @needs_espeak
-def test_synth_cli_writes_corpus_and_refuses_non_empty_output(tmp_path):
+def test_synth_cli_writes_corpus_and_refuses_non_empty_output(tmp_path, capsys):
     from jaxstream.cli import main
 
     out = tmp_path / "corpus"
     assert main(["synth", os.fspath(out), "--num", "2", "--seed", "9", "--max-words", "3", "--workers", "1"]) == 0
+    assert "utt/s" not in capsys.readouterr().err  # no progress bar into a pipe or a file (pytest's capture)
     lines = (out / "manifest.jsonl").read_text().splitlines()
     assert len(lines) == 2 and all(json.loads(line)["words"] for line in lines)
     assert main(["synth", os.fspath(out), "--num", "2"]) == 2

@@ -164,7 +164,7 @@ def _progress(items: Iterator, total: int, enabled: bool) -> Iterator:
         return items
     from tqdm import tqdm
 
-    return tqdm(items, total=total, unit="utt")
+    return tqdm(items, total=total, unit="utt", disable=None)  # None: a bar on a terminal, none into a pipe or file
 
 
 def read_manifest(corpus_dir: str) -> list[dict]:
