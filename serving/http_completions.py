@@ -49,7 +49,7 @@ from jaxstream.engine.requests import SamplingParams, StreamingInput
 from jaxstream.errors import EngineError, InvalidRequestError
 from jaxstream.serving import sse, streaming_input
 from jaxstream.serving.http_errors import (
-    RequestError, check_kind, check_model, check_ready, engine_request_error, error_response, read_json,
+    RequestError, check_model, check_ready, engine_request_error, error_response, read_json,
     server_state,
 )
 from jaxstream.serving.limits import drain_truncation, holds_stream
@@ -478,10 +478,7 @@ async def _streaming_input(request: web.Request, state) -> web.StreamResponse:
     line comes at the body's minimum rate (streaming_input.first_object), as the audio route's."""
     objects = streaming_input.ndjson_objects(request, state.config.limits)
     params, first_chunk = await streaming_input.first_object(request, objects)
-    if "model" in params:
-        check_model(state, params["model"], "text")
-    else:
-        check_kind(state, "text")
+    check_model(state, params.get("model"), "text")
     if streaming_input.parse_modality(params, "text") != "text":
         raise RequestError(422, "unsupported_modality", "/v1/completions takes text", "modality")
     if "prompt" in params:

@@ -200,11 +200,13 @@ def check_ready(state) -> None:
 
 
 def check_model(state, model, kind: str) -> None:
-    """The request names the served model, and that model is of `kind` ("realtime" or "text")."""
-    if not isinstance(model, str) or not model:
-        raise RequestError(400, "invalid_request", "Missing required parameter: 'model'", "model")
-    if not state.serves_model(model, allow_empty=False):
-        raise RequestError(404, "model_not_found", f"The model `{model}` does not exist.", "model")
+    """The request names the served model, or none (then it is the served one, as vLLM takes an omitted or null
+    `model`), and that model is of `kind` ("realtime" or "text")."""
+    if model is not None:
+        if not isinstance(model, str) or not model:
+            raise RequestError(400, "invalid_request", "model must be the name of the served model", "model")
+        if not state.serves_model(model, allow_empty=False):
+            raise RequestError(404, "model_not_found", f"The model `{model}` does not exist.", "model")
     check_kind(state, kind)
 
 

@@ -52,7 +52,7 @@ from aiohttp import web
 from jaxstream.serving import sse, streaming_input
 from jaxstream.serving.http_completions import TextInput, check_tokenizer, parse_flag, sampling_params
 from jaxstream.serving.http_errors import (
-    RETRYABLE_ENGINE_CODES, RequestError, check_kind, check_model, check_ready, engine_request_error, read_json,
+    RETRYABLE_ENGINE_CODES, RequestError, check_model, check_ready, engine_request_error, read_json,
 )
 from jaxstream.serving.http_transcriptions import AudioInput, check_json_params, parse_delay_ms, parse_include
 from jaxstream.serving.limits import duration_breach
@@ -348,10 +348,7 @@ def _new_session(body: dict, registry: StreamingInputSessions, key: str) -> tupl
     default = "audio" if state.engine.kind == "realtime" else "text"
     modality = streaming_input.parse_modality(body, default)
     kind = "realtime" if modality == "audio" else "text"
-    if "model" in body:
-        check_model(state, body["model"], kind)
-    else:
-        check_kind(state, kind)
+    check_model(state, body.get("model"), kind)
     policy = streaming_input.parse_start_policy(body, modality)
     params = body.get("params") or {}
     if not isinstance(params, dict):

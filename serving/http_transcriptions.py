@@ -41,7 +41,7 @@ from jaxstream.serving import sse, streaming_input, wire_json
 from jaxstream.serving.audio_codecs import AudioDecodeError, decode_pcm16_base64
 from jaxstream.serving.engine_sessions import start_session, token_logprobs
 from jaxstream.serving.http_errors import (
-    RequestError, body_read, check_kind, check_model, check_ready, engine_request_error, error_response,
+    RequestError, body_read, check_model, check_ready, engine_request_error, error_response,
     read_before_admission, server_state,
 )
 from jaxstream.serving.languages import OTHER as OTHER_LANGUAGES
@@ -566,10 +566,7 @@ async def _streaming_input(request: web.Request, state) -> web.StreamResponse:
     comes at the body's minimum rate (streaming_input.first_object)."""
     objects = streaming_input.ndjson_objects(request, state.config.limits)
     params, first_chunk = await streaming_input.first_object(request, objects)
-    if "model" in params:
-        check_model(state, params["model"], "realtime")
-    else:
-        check_kind(state, "realtime")
+    check_model(state, params.get("model"), "realtime")
     if streaming_input.parse_modality(params, "audio") != "audio":
         raise RequestError(422, "unsupported_modality", "/v1/audio/transcriptions takes audio", "modality")
     logprobs = parse_include(params, "include")

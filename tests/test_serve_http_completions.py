@@ -292,6 +292,20 @@ async def test_deeply_nested_json_is_invalid_json(engine, server, model, caplog)
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
 
 
+async def test_an_omitted_or_null_model_is_the_served_one(engine, server, model):
+    """vLLM serves a request without `model` (or with null) with its model; it was a 400 here. A wrong or empty name
+    is still refused."""
+    expected = (await engine_tokens(engine, "w5 w17", greedy(2)))[0]
+    async with aiohttp.ClientSession() as http:
+        for extra in ({}, {"model": None}):
+            status, body = await call(http, server, "POST", "/v1/completions", json={
+                "prompt": "w5 w17", "max_tokens": 2, "temperature": 0, "return_token_ids": True, **extra})
+            assert status == 200 and body["model"] == model and body["choices"][0]["token_ids"] == expected, body
+        for wrong, status in (("", 400), ("other", 404)):
+            answer = await call(http, server, "POST", "/v1/completions", json={"model": wrong, "prompt": "w5"})
+            assert answer[0] == status, answer
+
+
 async def test_speech_routes_refuse_a_text_model(server, model):
     async with aiohttp.ClientSession() as http:
         form = aiohttp.FormData()
