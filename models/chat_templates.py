@@ -4,9 +4,10 @@ A Hugging Face checkpoint's template is found as transformers finds it: `chat_te
 else `tokenizer_config.json`'s `chat_template` (a string, or a list of `{name, template}` of which "default" is used;
 a list without one has no usable template, as vLLM then finds none). It is rendered as transformers'
 `apply_chat_template` renders it: jinja2's ImmutableSandboxedEnvironment with trim_blocks and lstrip_blocks, the
-`loopcontrols` extension, transformers' `tojson`, `raise_exception`, `strftime_now`, `namespace` and `dict`, and the
-tokenizer's named special tokens (`bos_token`, `eos_token`, ...) as variables. The rendered text is tokenized
-without adding BOS or EOS (the template writes them), as transformers and vLLM do.
+`loopcontrols` extension, transformers' `tojson`, `raise_exception`, `strftime_now`, `namespace` and `dict`, the
+tokenizer's named special tokens (`bos_token`, `eos_token`, ...) as variables, and `tools` and `documents` (None
+unless the request gives them). The rendered text is tokenized without adding BOS or EOS (the template writes
+them), as transformers and vLLM do.
 
 A Mistral tekken tokenizer has no jinja template: `MistralChatTemplate` encodes the conversation with
 mistral-common's own `encode_chat_completion`, as vLLM's `--tokenizer-mode mistral` does.
@@ -58,7 +59,7 @@ class ChatTemplate(abc.ABC):
                continue_final_message: bool = False, variables: dict | None = None) -> ChatPrompt:
         """`add_generation_prompt`: end with the header of an assistant turn; `continue_final_message`: end inside the
         final message, for the model to continue it (not both); `variables`: extra template variables (vLLM's
-        `chat_template_kwargs`)."""
+        `chat_template_kwargs`, and its `documents`)."""
 
 
 class JinjaChatTemplate(ChatTemplate):
@@ -84,7 +85,9 @@ class JinjaChatTemplate(ChatTemplate):
                                         "continue")
             messages[-1] = {**messages[-1], "content": final + _CONTINUE_TAG}
         # The request's own fields win over its variables, which win over the special tokens (transformers, vLLM).
-        context = {**self._special_tokens, **(variables or {}), "messages": messages,
+        # `tools` and `documents` are None, not undefined, unless given: transformers passes both, and templates
+        # test `tools is defined` / `tools is not none`.
+        context = {**self._special_tokens, "tools": None, "documents": None, **(variables or {}), "messages": messages,
                    "add_generation_prompt": add_generation_prompt}
         try:
             text = compile_template(self.source).render(**context)

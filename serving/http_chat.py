@@ -5,8 +5,9 @@ list of `{"type": "text", "text": ...}` parts joined with newlines as vLLM joins
 strings; other part types are a 400: the model reads text only) are rendered with the model's chat template
 (models/chat_templates.py: the tokenizer's, or the server's `--chat-template`) and tokenized without another BOS,
 since templates write their own. A model without a template answers vLLM's 400, a speech model the completions
-route's. `add_generation_prompt` (default true), `continue_final_message` (not both, as vLLM) and
-`chat_template_kwargs` (template variables) shape the prompt; vLLM's `add_special_tokens` (default false) puts the
+route's. `add_generation_prompt` (default true), `continue_final_message` (not both, as vLLM),
+`chat_template_kwargs` (template variables) and vLLM's `documents` (RAG documents, a list of objects of strings,
+for the templates that read them) shape the prompt; vLLM's `add_special_tokens` (default false) puts the
 tokenizer's BOS before it. A `chat_template` in the request is refused, as vLLM refuses it without
 --trust-request-chat-template.
 
@@ -129,6 +130,13 @@ def render_chat(body: dict, state, *, add_special_tokens: bool) -> ChatPrompt:
     variables = body.get("chat_template_kwargs")
     if variables is not None and not isinstance(variables, dict):
         raise RequestError(400, "invalid_request", "chat_template_kwargs must be an object", "chat_template_kwargs")
+    documents = body.get("documents")
+    if documents is not None:  # vLLM's RAG documents, for the templates that take them
+        if not isinstance(documents, list) or not all(
+                isinstance(document, dict) and all(isinstance(value, str) for value in document.values())
+                for document in documents):
+            raise RequestError(400, "invalid_request", "documents must be a list of objects of strings", "documents")
+        variables = {**(variables or {}), "documents": documents}
     if body.get("chat_template") is not None:
         raise RequestError(400, "invalid_request", _UNTRUSTED_TEMPLATE, "chat_template")
     try:

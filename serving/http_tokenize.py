@@ -11,6 +11,8 @@ where vLLM gives the tokenizer's own piece names. `/detokenize` takes `tokens` a
 ids left out as in a completion's text. `model` is optional, as in vLLM; named, it must be the served one. Any
 served model with a tokenizer answers, the transcription model included (its `max_model_len` is null).
 """
+import functools
+
 from aiohttp import web
 
 from jaxstream.serving.http_chat import render_chat
@@ -29,27 +31,28 @@ def _served(body: dict, state):
     return tokenizer
 
 
-async def tokenize(request: web.Request) -> web.Response:
+async def _answer(request: web.Request, answer) -> web.Response:
+    """The JSON `answer(body, state, tokenizer)` gives for the request's body, or its RequestError."""
     state = server_state(request)
     try:
         check_ready(state)
         body = await read_json(request)
-        tokenizer = _served(body, state)
-        if "messages" in body:
-            ids = _chat_ids(body, state)
-        else:
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str):
-                raise RequestError(400, "invalid_request", "prompt must be a string (or send messages)", "prompt")
-            special = parse_flag(body, "add_special_tokens", True)
-            ids = ([tokenizer.bos_id] if special and tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
-        strs = None
-        if parse_flag(body, "return_token_strs"):
-            strs = [tokenizer.token_string(i) for i in ids]
+        return web.json_response(answer(body, state, _served(body, state)))
     except RequestError as exc:
         return exc.response()
-    return web.json_response({"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids,
-                              "token_strs": strs})
+
+
+def _tokenized(body: dict, state, tokenizer) -> dict:
+    if "messages" in body:
+        ids = _chat_ids(body, state)
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise RequestError(400, "invalid_request", "prompt must be a string (or send messages)", "prompt")
+        special = parse_flag(body, "add_special_tokens", True)
+        ids = ([tokenizer.bos_id] if special and tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
+    strs = [tokenizer.token_string(i) for i in ids] if parse_flag(body, "return_token_strs") else None
+    return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": strs}
 
 
 def _chat_ids(body: dict, state) -> list[int]:
@@ -60,22 +63,15 @@ def _chat_ids(body: dict, state) -> list[int]:
     return render_chat(body, state, add_special_tokens=parse_flag(body, "add_special_tokens")).token_ids
 
 
-async def detokenize(request: web.Request) -> web.Response:
-    state = server_state(request)
-    try:
-        check_ready(state)
-        body = await read_json(request)
-        tokenizer = _served(body, state)
-        tokens = body.get("tokens")
-        vocab = tokenizer.vocab_size
-        if not (isinstance(tokens, list) and all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens)):
-            raise RequestError(400, "invalid_request", f"tokens must be a list of token ids below {vocab}", "tokens")
-    except RequestError as exc:
-        return exc.response()
-    return web.json_response({"prompt": tokenizer.decode(tokens)})
+def _detokenized(body: dict, state, tokenizer) -> dict:
+    tokens = body.get("tokens")
+    vocab = tokenizer.vocab_size
+    if not (isinstance(tokens, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens)):
+        raise RequestError(400, "invalid_request", f"tokens must be a list of token ids below {vocab}", "tokens")
+    return {"prompt": tokenizer.decode(tokens)}
 
 
 def add_tokenize_routes(app: web.Application) -> None:
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
+    app.router.add_post("/tokenize", functools.partial(_answer, answer=_tokenized))
+    app.router.add_post("/detokenize", functools.partial(_answer, answer=_detokenized))

@@ -19,11 +19,14 @@ templates/*.jinja    the templates, copied from public tokenizer_config.json con
                      mistral_v3.jinja  Mistral-7B-Instruct-v0.3's ([INST], tool calls, raise_exception on a bad
                                        role order)
                      chatml.jinja      ChatML, the "default" of a list of named templates (as Hermes 2 Pro ships)
+                     variables.jinja   not a checkpoint's: what transformers defines besides the messages
+                                       (`tools` and `documents` None, vLLM's `documents` when given)
 cases.json           {"versions": {...}, "cases": [...]}; a case names its checkpoint `layout` (how the template is
                      stored beside the tokenizer: `config` = tokenizer_config.json's chat_template string, `named` = a
                      list [{name: default, ...}, {name: tool_use, ...}], `jinja_file` = chat_template.jinja, which
                      wins over the config's), the `special_tokens` of its tokenizer_config.json, the `messages`, the
-                     flags and `kwargs`, and transformers' answer: `text` and `ids`
+                     flags and `kwargs` (template variables; `documents` is apply_chat_template's own argument,
+                     which jaxstream takes as a variable), and transformers' answer: `text` and `ids`
                      (`apply_chat_template(tokenize=False)` / `(tokenize=True)`), or the `error` it raised.
 """
 import json
@@ -79,6 +82,9 @@ CASES = [
     case("mistral_bad_role", "mistral_v3", "config", MISTRAL, [USER, {"role": "developer", "content": "Be brief"}]),
     case("named_default", "chatml", "named", CHATML, [SYSTEM, USER, ANSWER, USER2]),
     case("jinja_file_wins", "llama3", "jinja_file", LLAMA3, [SYSTEM, USER]),
+    case("variables", "variables", "config", CHATML, [USER]),
+    case("variables_documents", "variables", "config", CHATML, [USER],
+         kwargs={"documents": [{"title": "Hi", "text": "there w70"}, {"title": "Who", "text": "am I"}]}),
 ]
 
 

@@ -25,6 +25,7 @@ from jaxstream.models.tokenizers import load_tokenizer
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.testing import ServerThread, shared_engine, wait_engine_baseline
 from make_chat_fixtures import FIXTURES, TEMPLATES, checkpoint
+from serve_fixtures import server  # noqa: F401 - a pytest fixture over this module's engine
 from test_engine_text_model import LLAMA
 from test_serve_http import call, read_sse
 from test_serve_http_completions import engine_run, text_engine
@@ -209,13 +210,6 @@ def engine(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(engine):
-    server = ServerThread(engine)
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
 
@@ -305,14 +299,16 @@ def test_without_a_length_the_chat_may_run_to_the_end_of_the_context(engine, ser
 
 
 @route
-def test_a_server_chat_template_replaces_the_tokenizers(engine):
-    """`serve --chat-template` (ServerConfig.chat_template): the server's template renders the chats."""
-    case = BY_NAME["named_default"]
-    server = ServerThread(engine, ServerConfig(chat_template=(TEMPLATES / "chatml.jinja").read_text()))
+@pytest.mark.parametrize("case_name", ["named_default", "variables_documents"])
+def test_a_server_chat_template_replaces_the_tokenizers(engine, case_name):
+    """`serve --chat-template` (ServerConfig.chat_template): the server's template renders the chats, with vLLM's
+    `documents` when the request gives them."""
+    case = BY_NAME[case_name]
+    server = ServerThread(engine, ServerConfig(chat_template=(TEMPLATES / f"{case['template']}.jinja").read_text()))
     try:
         client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
         result = client.chat.completions.create(model=server.state.model_id, messages=case["messages"], max_tokens=1,
-                                                extra_body={"return_token_ids": True})
+                                                extra_body={"return_token_ids": True, **case["kwargs"]})
         assert result.model_extra["prompt_token_ids"] == case["ids"]
     finally:
         server.close()
@@ -422,6 +418,7 @@ USER = [{"role": "user", "content": "Hello"}]
     ({"messages": USER, "modalities": ["text", "audio"]}, "unsupported_parameter", "modalities", ""),
     ({"messages": USER, "max_completion_tokens": 0}, "invalid_request", "max_completion_tokens", "max_tokens"),
     ({"messages": USER, "n": 2}, "invalid_request", "n", "n > 1"),
+    ({"messages": USER, "documents": [{"title": 1}]}, "invalid_request", "documents", "objects of strings"),
     ({"messages": [{"role": "user", "content": " ".join(["w60"] * 300)}]}, "context_length_exceeded", "messages",
      "maximum context length"),
 ])

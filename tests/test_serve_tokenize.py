@@ -11,6 +11,7 @@ from tokenizers import Tokenizer
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.testing import ServerThread
 from test_serve_http import call
+from serve_fixtures import server  # noqa: F401 - a pytest fixture over this module's engine
 from test_serve_http_completions import text_engine_with_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -22,13 +23,6 @@ def engine(tmp_path_factory):
     engine = text_engine_with_tokenizer(tmp_path_factory)
     yield engine
     engine.close()
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    server = ServerThread(engine)
-    yield server
-    server.close()
 
 
 @pytest.fixture(scope="module")
