@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 from flax import nnx
 
+from jaxstream.models.chat_templates import CHAT_TEMPLATE_FILE
 from jaxstream.models.errors import UserError
 from jaxstream.models.loading import (
     ORBAX_FORMAT, ORBAX_FORMAT_VERSION, ORBAX_METADATA, ORBAX_STATE_DIR, LoadedModel, config_to_dict,
@@ -52,8 +53,8 @@ def save_checkpoint(loaded: LoadedModel, destination: str | os.PathLike, *, over
                     sampling_defaults: dict[str, int | float] | None = None) -> Path:
     """Writes `loaded` as a jaxstream Orbax checkpoint (state, `jaxstream.json`, tokenizer file) and returns
     its directory (see `check_destination`). `declared_ids` are the source's (BOS id, EOS ids) as
-    `declared_token_ids` read them, and a tokenizer.json takes its tokenizer_config.json along (`HFTokenizer`'s
-    BOS / EOS fallback): the converted checkpoint stops where its source did. `sampling_defaults` are the
+    `declared_token_ids` read them, and a tokenizer.json takes its tokenizer_config.json (`HFTokenizer`'s BOS / EOS
+    fallback) and chat_template.jinja along: the converted checkpoint stops and chats as its source did. `sampling_defaults` are the
     source's as `declared_sampling_defaults` read them: it samples as its source did too.
 
     Everything is written into a hidden sibling directory that is renamed into place at the end, so a failed or
@@ -73,9 +74,10 @@ def save_checkpoint(loaded: LoadedModel, destination: str | os.PathLike, *, over
         if loaded.tokenizer_path is not None:
             tokenizer = loaded.tokenizer_path.name
             shutil.copyfile(loaded.tokenizer_path, staging / tokenizer)
-            tokenizer_config = loaded.tokenizer_path.parent / "tokenizer_config.json"
-            if tokenizer == "tokenizer.json" and tokenizer_config.is_file():
-                shutil.copyfile(tokenizer_config, staging / tokenizer_config.name)
+            if tokenizer == "tokenizer.json":  # what HFTokenizer reads beside it: BOS / EOS names, the chat template
+                for name in ("tokenizer_config.json", CHAT_TEMPLATE_FILE):
+                    if (loaded.tokenizer_path.parent / name).is_file():
+                        shutil.copyfile(loaded.tokenizer_path.parent / name, staging / name)
         metadata = {"format": ORBAX_FORMAT, "format_version": ORBAX_FORMAT_VERSION,
                     "config": config_to_dict(loaded.config), "param_dtype": str(jax.tree.leaves(params)[0].dtype),
                     "tokenizer": tokenizer, "bos_token_id": declared_ids[0], "eos_token_ids": list(declared_ids[1]),

@@ -216,8 +216,12 @@ def test_convert_keeps_bos_eos_named_only_in_tokenizer_config(tmp_path):
     (source / "generation_config.json").unlink()
     word_level_tokenizer_json(source / "tokenizer.json")
     (source / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    # transformers 5's save_pretrained writes the chat template to a file of its own
+    (source / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
     assert cli.main(["convert", str(source), str(tmp_path / "converted")]) == 0
     for directory in (source, tmp_path / "converted"):
         tokenizer = loading.load_checkpoint_tokenizer(directory, loading.load_model(directory).tokenizer_path)
         assert (tokenizer.bos_id, tokenizer.eos_id) == (1, 2)
+        chat = tokenizer.chat_template.encode([{"role": "user", "content": "w5"}])  # it chats as its source did
+        assert chat.text == "[user] w5\n" and chat.token_ids == tokenizer.encode("[user] w5\n")
 
