@@ -35,6 +35,8 @@ const ERROR_TEXT = {
   invalid_request: "The server refused this transcription's settings: choose another delay, or the server default.",
   invalid_audio: "The server could not use the audio this page sent.",
   model_not_found: "The server now serves another model: reload the page.",
+  unsupported_model: "This server serves a text language model, not speech-to-text: the microphone demo needs a " +
+    "speech model (start the server with one).",
   invalid_frame: MISMATCH_TEXT, invalid_json: MISMATCH_TEXT, invalid_event: MISMATCH_TEXT,
   unknown_event: MISMATCH_TEXT, model_not_validated: MISMATCH_TEXT, generation_in_progress: MISMATCH_TEXT,
   no_active_generation: MISMATCH_TEXT, input_audio_buffer_commit_empty: MISMATCH_TEXT,
