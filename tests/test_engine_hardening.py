@@ -260,6 +260,9 @@ async def test_lifecycle_calls_around_shutdown_never_hang():
     with pytest.raises(SessionClosedError):
         await running.append(SAMPLE[:1000])  # after a failure at shutdown: an error, not silence
     await asyncio.wait_for(engine.wait_until_idle(), timeout=5)  # used to hang forever
+    # A caller's clean-up aborting a request the shutdown already ended: nothing left to do (it used to raise).
+    await engine.abort(running.session_id)
+    await engine.abort("never-started")
     with pytest.raises(EngineDeadError):
         await engine.start_transcription()
     assert not engine._live  # noqa: SLF001 - the refused start left no id registered

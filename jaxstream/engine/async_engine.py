@@ -428,14 +428,15 @@ class AsyncEngine:
             self._send(command, request_id, sink)
 
     async def abort(self, request_id: str) -> None:
-        """Ends a request or session now: a final output with finish_reason 'abort'; queued chunks dropped."""
+        """Ends a request or session now: a final output with finish_reason 'abort'; queued chunks dropped. After
+        shutdown it does nothing: the shutdown ended every request (a caller's clean-up must not raise)."""
         outputs, entry = self._unsent.get(request_id), self._live.get(request_id)
         if outputs is not None and entry is not None and entry[1] is outputs:
             del self._unsent[request_id]  # its feeder checks that it holds the id before it sends: it sends nothing
             self._unregister(request_id, outputs)
             post_to_loops([(entry[0], outputs, aborted_before_start(request_id))])
             return
-        self._send(lambda: self.core.abort(request_id), request_id)
+        self._send_quietly(lambda: self.core.abort(request_id), request_id)
 
     # -- transcription --------------------------------------------------------------------------------
     async def start_transcription(self, delay_ms: int | None = None, *, session_id: str | None = None,
