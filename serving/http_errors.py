@@ -26,7 +26,7 @@ from jaxstream.serving.limits import SlowBody, read_at_min_rate
 # that it is listed here.
 ERROR_STATUS = {
     # The client's request, body or input: bad, too large, too slow, broken off.
-    "invalid_request": 400, "invalid_json": 422, "invalid_chunk": 422, "invalid_audio": 400, "invalid_text": 422,
+    "invalid_request": 400, "invalid_json": 400, "invalid_chunk": 422, "invalid_audio": 400, "invalid_text": 422,
     "unsupported_modality": 422, "unsupported_model": 400, "unsupported_parameter": 400,
     "unsupported_start_policy": 422, "model_not_found": 404, "context_length_exceeded": 400, "audio_too_long": 400,
     "no_input": 422, "file_too_large": 413, "field_too_large": 413, "payload_too_large": 413,
@@ -217,14 +217,15 @@ def check_kind(state, kind: str) -> None:
                            f"{state.model_id!r}, a {state.engine.kind} model", "model")
 
 
-async def read_json(request: web.Request) -> dict:
+async def read_json(request: web.Request, *, invalid_status: int = 400) -> dict:
     """The JSON object of a request body, read up to the protocol's frame limit (the app's own body limit
     is sized for small requests, not audio chunks) and at the body's minimum rate (`read_before_admission`).
-    An empty body is an empty object."""
-    return await read_before_admission(request, _read_json(request))
+    An empty body is an empty object. A body that is not a JSON object is `invalid_json`, 400 as OpenAI and vLLM
+    answer it; a streaming-input chunk's route passes 422 (a malformed chunk, the streaming-input spec's status)."""
+    return await read_before_admission(request, _read_json(request, invalid_status))
 
 
-async def _read_json(request: web.Request) -> dict:
+async def _read_json(request: web.Request, invalid_status: int) -> dict:
     limits = server_state(request).config.limits
     limit = limits.max_message_bytes
     body = bytearray()
@@ -234,7 +235,7 @@ async def _read_json(request: web.Request) -> dict:
             raise RequestError(413, "request_too_large", f"The request body is larger than {limit} bytes")
     if not body:
         return {}
-    return parse_json_object(bytes(body))
+    return parse_json_object(bytes(body), status=invalid_status)
 
 
 async def read_before_admission(request: web.Request, read, *, from_first_byte: bool = False):
@@ -279,13 +280,13 @@ async def body_read(read, limits):
         raise RequestError(400, "invalid_request", f"The request body is malformed: {exc}") from None
 
 
-def parse_json_object(data: bytes, what: str = "The body") -> dict:
+def parse_json_object(data: bytes, what: str = "The body", *, status: int = 400) -> dict:
     try:
         value = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(422, "invalid_json", f"{what} is not JSON: {exc}") from None
+        raise RequestError(status, "invalid_json", f"{what} is not JSON: {exc}") from None
     except RecursionError:  # json's decoder recurses per nesting level: `[` * 100000 is a small body
-        raise RequestError(422, "invalid_json", f"{what} is not JSON: it is nested too deeply") from None
+        raise RequestError(status, "invalid_json", f"{what} is not JSON: it is nested too deeply") from None
     if not isinstance(value, dict):
-        raise RequestError(422, "invalid_json", f"{what} must be a JSON object")
+        raise RequestError(status, "invalid_json", f"{what} must be a JSON object")
     return value

@@ -392,7 +392,8 @@ def _handler(call):
 
 async def _create(request: web.Request, registry: StreamingInputSessions) -> web.Response:
     check_ready(registry.server)
-    session, chunk = _new_session(await read_json(request), registry, registry.server.key_limits.key_of(request))
+    body = await read_json(request, invalid_status=422)
+    session, chunk = _new_session(body, registry, registry.server.key_limits.key_of(request))
     await registry.open(session)
     answer = {"session_id": session.id, "expires_in": int(registry.session_timeout_s)}
     if chunk is not None:
@@ -407,7 +408,7 @@ async def _create(request: web.Request, registry: StreamingInputSessions) -> web
 
 async def _chunks(request: web.Request, registry: StreamingInputSessions) -> web.Response:
     session = registry.get(request.match_info["session_id"])
-    chunk = streaming_input.parse_chunk(await read_json(request), session.stream.modality)
+    chunk = streaming_input.parse_chunk(await read_json(request, invalid_status=422), session.stream.modality)
     answer = await registry.add_chunk(session, chunk)
     return web.json_response(answer, status=200 if answer.get("duplicate") else 202)
 

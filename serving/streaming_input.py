@@ -416,13 +416,13 @@ async def ndjson_objects(request: web.Request, limits):
             line, buffer = bytes(buffer[:newline]).strip(), buffer[newline + 1:]
             number += 1
             if line:
-                yield parse_json_object(line, f"Line {number} of the body")
+                yield parse_json_object(line, f"Line {number} of the body", status=422)
         if len(buffer) > limit:
             raise RequestError(413, "request_too_large", f"Line {number + 1} of the body is longer than "
                                f"{limit} bytes")
         if not data:
             if buffer.strip():
-                yield parse_json_object(bytes(buffer).strip(), f"Line {number + 1} of the body")
+                yield parse_json_object(bytes(buffer).strip(), f"Line {number + 1} of the body", status=422)
             return
 
 
