@@ -442,7 +442,8 @@ async def _events(request: web.Request, registry: StreamingInputSessions) -> web
     try:
         # No first-event timeout: the client paces the input, so a quiet stream is not a stuck engine.
         response, complete = await sse.stream_log(request, session.log, send_timeout_s=registry.limits.send_timeout_s,
-                                                  after=after, first_event_timeout_s=None)
+                                                  after=after, first_event_timeout_s=None,
+                                                  on_slow_reader=registry.server.metrics.slow_reader_counter(request))
     finally:  # also when aiohttp cancels the handler because the client went away
         session.listeners -= 1
         session.detached_at = None if complete else time.monotonic()

@@ -5,6 +5,8 @@ build several apps in one process. Engine gauges are read from `engine.metrics()
 tick durations are copied into a histogram by `observe_ticks`, called at every scrape and once a second by
 the app (the engine keeps only its latest tick durations, so a slow scraper alone would miss some).
 """
+import typing
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
@@ -28,6 +30,9 @@ class ServerMetrics:
                                              buckets=_DURATION_BUCKETS, registry=r)
         self.connections_closed = Counter("jaxstream_ws_connections_closed", "WebSocket connections closed, "
                                           "by outcome", ["route", "outcome"], registry=r)
+        self.sse_slow_readers = Counter("jaxstream_sse_slow_readers", "SSE streams whose client read nothing for "
+                                        "send_timeout_s, dropped (the WebSocket routes count theirs as "
+                                        "connections closed with outcome slow_reader)", ["route"], registry=r)
         self.errors = Counter("jaxstream_errors", "Protocol error events sent, by code", ["code"], registry=r)
         # Apart from jaxstream_errors, which operators alert on: a scanner probing URLs is not the server failing.
         self.routing_errors = Counter("jaxstream_http_routing_errors", "Requests no route took, by status and code: "
@@ -44,6 +49,11 @@ class ServerMetrics:
                               registry=r)
         self._engine = None
         self._last_tick = 0
+
+    def slow_reader_counter(self, request) -> "typing.Callable[[], None]":
+        """`sse.stream_log`'s `on_slow_reader` for `request`: counted under its route's pattern (a Mode B session's
+        events route has one label, not one per session)."""
+        return self.sse_slow_readers.labels(route=request.match_info.route.resource.canonical).inc
 
     def attach_engine(self, engine) -> None:
         self._engine = engine

@@ -153,14 +153,15 @@ def client_gone(request: web.Request) -> bool:
 
 async def stream_log(request: web.Request, log: EventLog, *, send_timeout_s: float, after: int = 0,
                      keepalive_s: float = KEEPALIVE_S, first_event_timeout_s: float | None = FIRST_EVENT_TIMEOUT_S,
-                     progress: typing.Callable[[], int] | None = None) -> tuple[web.StreamResponse, bool]:
+                     progress: typing.Callable[[], int] | None = None,
+                     on_slow_reader: typing.Callable[[], None] = lambda: None) -> tuple[web.StreamResponse, bool]:
     """Writes `log`'s events above `after` to the client until `[DONE]`. Returns the response (for the
     handler to return) and True when the client got the whole stream; False when it went away first, read nothing
     for `send_timeout_s` (its connection dropped), or the first-event timeout ended it (the caller then decides
     whether the producer is cancelled). A replay gap is answered with an `error` event. `progress`, when given,
     counts the producer's work (a transcription's computed audio): the first-event timeout then runs from its last
     change, so that a producer working through input that yields nothing (an upload's silent lead) is not taken
-    for a stuck one."""
+    for a stuck one. `on_slow_reader` is called when a client is dropped for reading nothing (the server's metric)."""
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
     writer = _Writer(response, send_timeout_s)
@@ -170,6 +171,7 @@ async def stream_log(request: web.Request, log: EventLog, *, send_timeout_s: flo
     except TimeoutError:
         logger.info("SSE %s: the client read nothing for %g s, dropping its connection (slow_reader)", request.path,
                     send_timeout_s)
+        on_slow_reader()
         if request.transport is not None:
             request.transport.abort()  # `close` would wait to flush what the client does not read
         return response, False

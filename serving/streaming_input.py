@@ -204,7 +204,8 @@ class EngineInput(abc.ABC):
         if self.log is not None:
             response, complete = await sse.stream_log(
                 request, self.log, send_timeout_s=self.state.config.limits.send_timeout_s,
-                first_event_timeout_s=sse.FIRST_EVENT_TIMEOUT_S, progress=self.progress)
+                first_event_timeout_s=sse.FIRST_EVENT_TIMEOUT_S, progress=self.progress,
+                on_slow_reader=self.state.metrics.slow_reader_counter(request))
             if not complete:
                 await self.abort("client_disconnected")
             return response
@@ -464,7 +465,8 @@ async def serve_mode_a(request: web.Request, state, stream, policy: StartPolicy,
     try:
         # No first-event timeout: the client paces the input, so a quiet stream is not a stuck engine.
         response, complete = await sse.stream_log(request, stream.log, send_timeout_s=limits.send_timeout_s,
-                                                  first_event_timeout_s=None)
+                                                  first_event_timeout_s=None,
+                                                  on_slow_reader=state.metrics.slow_reader_counter(request))
         if not complete:
             await stream.abort("client_disconnected")
         return response

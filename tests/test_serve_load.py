@@ -20,6 +20,7 @@ from jaxstream.models.audio import SAMPLES_PER_SLOT, SAMPLING_RATE
 from jaxstream.serving import sse
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.limits import Limits
+from jaxstream.serving.metrics import ServerMetrics
 from jaxstream.serving.testing import RealtimeClient, ServerThread, stream_utterance, wait_until
 from jaxstream.serving.websocket import Connection, ConnectionClosed
 from serve_fixtures import audio, engine, engine_returns_to_baseline, model  # noqa: F401 - pytest fixtures
@@ -161,8 +162,6 @@ class _StuckSocket:
 
 class _Server:
     def __init__(self, limits):
-        from jaxstream.serving.metrics import ServerMetrics
-
         self.config = ServerConfig(limits=limits)
         self.metrics = ServerMetrics()
 
@@ -190,16 +189,18 @@ async def test_a_client_that_stops_reading_an_sse_stream_is_dropped():
         log.append({"n": n, "pad": "x" * 32768})
     log.close()
     complete = asyncio.get_running_loop().create_future()
+    metrics = ServerMetrics()
 
     async def handler(request):
         # A small send buffer stands for a slow network: the writes block on a few buffered events, not megabytes.
         request.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        response, whole = await sse.stream_log(request, log, send_timeout_s=0.5, first_event_timeout_s=None)
+        response, whole = await sse.stream_log(request, log, send_timeout_s=0.5, first_event_timeout_s=None,
+                                               on_slow_reader=metrics.slow_reader_counter(request))
         complete.set_result(whole)
         return response
 
     app = web.Application()
-    app.router.add_get("/", handler)
+    app.router.add_get("/stream/{n}", handler)
     test_server = TestServer(app, host="127.0.0.1")
     await test_server.start_server()
     loop = asyncio.get_running_loop()
@@ -208,7 +209,7 @@ async def test_a_client_that_stops_reading_an_sse_stream_is_dropped():
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         client.setblocking(False)
         await loop.sock_connect(client, ("127.0.0.1", test_server.port))
-        await loop.sock_sendall(client, b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        await loop.sock_sendall(client, b"GET /stream/1 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert await asyncio.wait_for(complete, 60) is False
         received = b""
         try:  # what the server had sent, then the end of the connection (EOF, or a reset for the rest it dropped)
@@ -217,6 +218,8 @@ async def test_a_client_that_stops_reading_an_sse_stream_is_dropped():
         except ConnectionResetError:
             pass
         assert received.startswith(b"HTTP/1.1 200") and b"[DONE]" not in received
+        # Operators see it: counted under the route's pattern.
+        assert metrics.registry.get_sample_value("jaxstream_sse_slow_readers_total", {"route": "/stream/{n}"}) == 1
     finally:
         client.close()
         await test_server.close()
