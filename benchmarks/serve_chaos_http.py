@@ -108,12 +108,13 @@ async def http_bad_uploads(c, rng):
 
 @behaviour
 async def http_completions_refused(c, rng):
-    """/v1/completions serves text LMs: the tiny speech model's server refuses it with the documented 4xx."""
-    await c.call("POST", "/v1/completions", 400, "unsupported_model",
-                 json={"model": c.model, "prompt": "Hello", "stream": rng.random() < 0.5})
-    await c.call("POST", "/v1/completions", 404, "model_not_found", json={"model": "nope", "prompt": "Hello"})
-    await c.call("POST", "/v1/completions", 422, "invalid_json", data=b'{"model": ',
-                 headers={"Content-Type": "application/json"})
+    """/v1/completions and /v1/chat/completions serve text LMs: the tiny speech model's server refuses them with the
+    documented 4xx."""
+    path, body = rng.choice((("/v1/completions", {"prompt": "Hello"}),
+                             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]})))
+    await c.call("POST", path, 400, "unsupported_model", json={"model": c.model, **body, "stream": rng.random() < 0.5})
+    await c.call("POST", path, 404, "model_not_found", json={"model": "nope", **body})
+    await c.call("POST", path, 400, "invalid_json", data=b'{"model": ', headers={"Content-Type": "application/json"})
 
 
 @behaviour

@@ -417,7 +417,7 @@ async def http_routing_refusals(c, rng):
     bad Sec-WebSocket-Key (not base64, not 16 bytes, not ASCII) or version a 400 invalid_request that names the
     header."""
     before = await counter(c, "jaxstream_http_routing_errors_total")
-    path = rng.choice(("/nope", "/v1/audio/translations", "/v1/chat/completions", "/v1/realtime/x", "/ws/"))
+    path = rng.choice(("/nope", "/v1/audio/translations", "/v1/embeddings", "/v1/realtime/x", "/ws/"))
     await c.call(rng.choice(("GET", "POST")), path, 404, "unknown_url")
     method, path, allow = rng.choice([("GET", "/v1/audio/transcriptions", "POST"), ("DELETE", "/v1/models", "GET,HEAD"),
                                       ("PUT", SESSIONS, "POST"), ("POST", "/health", "GET,HEAD"),
