@@ -9,15 +9,16 @@ pages and open sockets, and (--log) the tracebacks and ERROR lines in the server
     python benchmarks/serve_chaos.py --url http://127.0.0.1:8123 --api-key chaos-key \\
         --server-config benchmarks/serve_chaos.toml --seed 1 --rounds 3 --round-s 45 --workers 12 --pid $! --log LOG
 
-The behaviours are functions, one per client behaviour: the WebSocket ones in serve_chaos_clients.py, the HTTP
-ones in serve_chaos_http.py, server VAD in serve_chaos_vad.py, and in serve_chaos_limits.py the server's limits,
-API keys and routing refusals. "As expected" is what specs/realtime_protocols.md and the serving modules have the
-server answer in its default (strict) mode: a transcript whose deltas add up to it and that equals every other
-transcript of the same audio at the same rate, whatever the route or the load (so cross-talk between streams
-shows), or the structured error or HTTP 4xx documented for that input or limit, the socket kept or closed as
-documented. Not ok: no answer within --timeout, a 5xx, another error, a connection dropped without a close frame
-that the client did not drop itself. Exit status 1 when a run was not ok, a round ended with engine sessions, KV
-pages or sockets still held, or the log has a traceback. `--once [BEHAVIOUR ...]` runs each behaviour (or the
+The behaviours are functions, one per client behaviour: the WebSocket ones in serve_chaos_clients.py, the HTTP ones
+in serve_chaos_http.py, server VAD in serve_chaos_vad.py, in serve_chaos_limits.py the server's limits, API keys and
+routing refusals, and in serve_chaos_text.py those of a server over a text LM (which runs them instead of the
+others: its module docstring says how to serve one). "As expected" is what specs/realtime_protocols.md and the
+serving modules have the server answer in its default (strict) mode: a transcript whose deltas add up to it and that
+equals every other transcript of the same audio at the same rate, whatever the route or the load (so cross-talk
+between streams shows), or the structured error or HTTP 4xx documented for that input or limit, the socket kept or
+closed as documented. Not ok: no answer within --timeout, a 5xx, another error, a connection dropped without a close
+frame that the client did not drop itself. Exit status 1 when a run was not ok, a round ended with engine sessions,
+KV pages or sockets still held, or the log has a traceback. `--once [BEHAVIOUR ...]` runs each behaviour (or the
 named ones) once instead, one after the other, to replay what a soak found.
 
 The soak assumes the server's default limits unless told the TOML it was started with (--server-config; its
@@ -42,29 +43,34 @@ import soundfile
 
 import serve_chaos_http
 import serve_chaos_limits
+import serve_chaos_text
 import serve_chaos_vad
 from jaxstream.errors import UserError
 from jaxstream.models.audio import SAMPLING_RATE
 from jaxstream.serving.config import load_server_file
 from jaxstream.serving.limits import Limits
-from serve_chaos_clients import BEHAVIOURS, Chaos, auth_headers, run_one, unavailable
+from serve_chaos_clients import BEHAVIOURS, Chaos, auth_headers, of_kind, run_one, unavailable
 from serve_load import SAMPLE, rss_bytes
 
-BEHAVIOUR_MODULES = (serve_chaos_http, serve_chaos_limits, serve_chaos_vad)  # imported for what they register
+# Imported for what they register.
+BEHAVIOUR_MODULES = (serve_chaos_http, serve_chaos_limits, serve_chaos_text, serve_chaos_vad)
 BASELINE_S = 30.0  # after a round, for the server to free what its clients held
 # What a round's clients held and must have given back: the samples of these gauges, summed over their labels.
 HELD = re.compile(r"^(jaxstream_(?:engine_sessions|kv_pages_used|ws_connections))(?:\{.*\})? (\S+)$", re.M)
 
 
 # -- the soak ---------------------------------------------------------------------------------------------------------
-async def served_model(url: str, http: aiohttp.ClientSession, ready_s: float) -> str:
-    """The served model's id, once /health says ready."""
+async def served_model(url: str, http: aiohttp.ClientSession, ready_s: float) -> tuple[str, str]:
+    """The served model's id and kind ("text" when /v1/models gives its context length, else "speech"), once
+    /health says ready."""
     deadline = time.monotonic() + ready_s
     while True:
         try:
             async with http.get(url + "/health") as r:
                 if r.status == 200:
-                    return (await r.json())["model"]
+                    async with http.get(url + "/v1/models") as models:
+                        model = (await models.json())["data"][0]
+                    return model["id"], "speech" if model["max_model_len"] is None else "text"
         except aiohttp.ClientConnectionError:
             pass
         if time.monotonic() > deadline:
@@ -86,16 +92,18 @@ async def connect(url: str, timeout: float, audio: str, ready_s: float, key: str
     url = url.rstrip("/")
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=auth_headers(key),
                                      timeout=aiohttp.ClientTimeout(total=timeout)) as http:
-        yield Chaos(url, http, await served_model(url, http, ready_s), load_sample(audio), key, limits)
+        model, kind = await served_model(url, http, ready_s)
+        yield Chaos(url, http, model, load_sample(audio), key, limits, kind)
 
 
 async def run_each(url: str, names, seed: int = 0, timeout: float = 120.0, audio: str = str(SAMPLE),
                    ready_s: float = 300.0, key: str | None = None,
                    limits: Limits | None = None) -> tuple[dict[str, str | None], dict[str, str]]:
-    """Runs the behaviours `names` once each, one after the other: ({name: None when ok, else why not}, {name: what
-    it needs, for those this server cannot run})."""
+    """Runs the behaviours `names` (those for the served model's kind) once each, one after the other: ({name: None
+    when ok, else why not}, {name: what it needs, for those this server cannot run})."""
     async with connect(url, timeout, audio, ready_s, key, limits) as c:
         rng = random.Random(seed)
+        names = of_kind(c.kind, names)
         skipped = {name: why for name in names if (why := unavailable(c, name))}
         return {name: await run_one(c, name, random.Random(rng.getrandbits(64)), timeout)
                 for name in names if name not in skipped}, skipped
@@ -163,8 +171,8 @@ def report(tally: Tally, names: list[str], skipped: dict[str, str], log: dict | 
 
 async def soak(args, limits: Limits | None) -> int:
     async with connect(args.url, args.timeout, args.audio, args.ready_s, args.api_key, limits) as c:
-        skipped = {name: why for name in sorted(BEHAVIOURS) if (why := unavailable(c, name))}
-        names = [name for name in sorted(BEHAVIOURS) if name not in skipped]
+        skipped = {name: why for name in of_kind(c.kind) if (why := unavailable(c, name))}
+        names = [name for name in of_kind(c.kind) if name not in skipped]
         tally, leaks, seeds = Tally(), [], random.Random(args.seed)
         for n in range(1, args.rounds + 1):
             runs, bad = tally.runs.total(), tally.bad.total()

@@ -32,6 +32,7 @@ RATE_24K = 24000  # the OpenAI dialect's audio/pcm and Kyutai's float PCM
 KYUTAI_FRAME = 1920  # 80 ms at 24 kHz
 BEHAVIOURS = {}
 NEEDS = {}  # behaviour -> needs(c): None when it can run against this server, else what it lacks
+KINDS = {}  # behaviour -> the kind of served model it talks to: "speech" (the default) or "text"
 _SOCKETS = contextvars.ContextVar("sockets")  # the sockets the current run opened
 
 
@@ -39,15 +40,22 @@ class Bad(Exception):
     """A run that did not end as the protocol says: str() is the reason."""
 
 
-def behaviour(fn=None, *, needs=None):
-    """Registers `fn` (@behaviour, or @behaviour(needs=...) for one that runs only where `needs(c)` is None)."""
+def behaviour(fn=None, *, needs=None, kind: str = "speech"):
+    """Registers `fn` (@behaviour, or @behaviour(needs=...) for one that runs only where `needs(c)` is None; `kind`:
+    the served model it needs, a speech-to-text or a text model)."""
     def register(fn):
         BEHAVIOURS[fn.__name__] = fn
+        KINDS[fn.__name__] = kind
         if needs is not None:
             NEEDS[fn.__name__] = needs
         return fn
 
     return register(fn) if fn is not None else register
+
+
+def of_kind(kind: str, names=None) -> list[str]:
+    """The behaviours (of `names`, default all) for a server of a `kind` model, sorted."""
+    return sorted(name for name in (BEHAVIOURS if names is None else names) if KINDS[name] == kind)
 
 
 def unavailable(c: "Chaos", name: str) -> str | None:
@@ -147,11 +155,13 @@ def auth_headers(key: str | None) -> dict:
 class Chaos:
     """What every behaviour shares: the server's URLs, model, API key and limits, the audio, the transcripts seen so
     far. `http` sends the key on every request (auth_headers); `open` does on every WebSocket. `limits`: what the
-    server was started with, when the soak was told (None: the defaults, LIMITS, and no behaviour waits for one)."""
+    server was started with, when the soak was told (None: the defaults, LIMITS, and no behaviour waits for one).
+    `kind`: the served model's, "speech" or "text" (whose /v1/models gives a max_model_len)."""
 
     def __init__(self, url: str, http: aiohttp.ClientSession, model: str, audio: np.ndarray, key: str | None = None,
-                 limits: Limits | None = None):
+                 limits: Limits | None = None, kind: str = "speech"):
         self.url, self.ws_url, self.http, self.model = url, "ws" + url.removeprefix("http"), http, model
+        self.kind = kind
         self.key, self.known_limits, self.limits = key, limits is not None, limits or LIMITS
         self.pcm = {name: audio[a:b] for name, (a, b) in PIECES.items()}
         self.wav = {name: wav_bytes(pcm) for name, pcm in self.pcm.items()}
@@ -291,7 +301,8 @@ def refused_input(name: str, frames: tuple, code: str) -> None:
         await ws.error("input_audio_buffer_commit_empty")
         await ws.close()
 
-    BEHAVIOURS[name] = run
+    run.__name__ = name
+    behaviour(run)
 
 
 def _append_of(audio: str) -> dict:

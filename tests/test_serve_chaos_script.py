@@ -14,8 +14,9 @@ import pytest
 
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.limits import Limits
-from jaxstream.serving.testing import ServerThread
+from jaxstream.serving.testing import ServerThread, wait_engine_baseline
 from serve_fixtures import engine, engine_returns_to_baseline, server  # noqa: F401 - pytest fixtures
+from test_serve_http_completions import text_engine
 
 pytestmark = pytest.mark.slow
 
@@ -51,24 +52,45 @@ async def test_every_behaviour_ends_as_it_expects(server, limited_server, chaos)
     others, which then present the key on every route), every other one against the default server. There the
     former do not run, and say what they need."""
     soak, clients = chaos
+    speech = clients.of_kind("speech")
     routes = {"realtime", "sagemaker", "openai", "kyutai", "envelope", "http", "midway", "limits", "auth"}
-    assert {name.split("_")[0] for name in clients.BEHAVIOURS} == routes
+    assert {name.split("_")[0] for name in speech} == routes
     assert {"realtime_vad", "openai_vad", "http_session_resume", "http_sse_slow_reader",
-            "http_routing_refusals"} < set(clients.BEHAVIOURS)
+            "http_routing_refusals"} < set(speech)
     assert set(clients.NEEDS) == {*WAITS, "auth_keys"}
-    plain = sorted(set(clients.BEHAVIOURS) - set(clients.NEEDS))
+    plain = sorted(set(speech) - set(clients.NEEDS))
     limited = [["limits_max_duration"], ["limits_idle", "auth_keys"],
                ["limits_slow_reader", "realtime_utterances", "http_session", "kyutai_stream", "envelope_utterance"]]
     runs = await asyncio.gather(
         *(soak.run_each(server.url("", "http"), plain[lane::LANES], seed=1) for lane in range(LANES)),
         *(soak.run_each(limited_server.url("", "http"), names, seed=1, key=KEY, limits=LIMITS) for names in limited))
     results = {name: reason for ran, _ in runs for name, reason in ran.items()}
-    assert set(results) == set(clients.BEHAVIOURS)
+    assert set(results) == set(speech)
     assert {name: reason for name, reason in results.items() if reason is not None} == {}
     _, skipped = await soak.run_each(server.url("", "http"), sorted(clients.NEEDS), limits=Limits(send_timeout_s=90))
     assert skipped == {"auth_keys": "a keyed server (--api-key)",
                        **{name: f"{limit} <= 60 s (the server's is {getattr(Limits(send_timeout_s=90), limit):g} s)"
                           for name, limit in WAITS.items()}}
+
+
+async def test_every_text_behaviour_ends_as_it_expects(chaos, tmp_path):
+    """Against a text LM's server (serve_chaos_text's model) the soak runs the text behaviours, and only those: greedy
+    answers equal across routes, logprobs, stop strings, seeded sampling, /tokenize, Mode A and B text, refusals,
+    dropped streams. Two lanes side by side, so that streams share the engine's batches."""
+    soak, clients = chaos
+    text = clients.of_kind("text")
+    assert {"text_completion", "text_chat", "text_mode_a", "text_mode_b", "text_refusals", "text_drops"} < set(text)
+    engine = text_engine(importlib.import_module("serve_chaos_text").make_model(tmp_path / "llama"))
+    server = ServerThread(engine, ServerConfig())
+    try:
+        runs = await asyncio.gather(*(soak.run_each(server.url("", "http"), sorted(clients.BEHAVIOURS), seed=lane)
+                                      for lane in range(2)))
+        await wait_engine_baseline(engine)
+    finally:
+        server.close()
+        engine.close()
+    assert [set(ran) for ran, _ in runs] == [set(text)] * 2 and [skipped for _, skipped in runs] == [{}, {}]
+    assert {name: reason for ran, _ in runs for name, reason in ran.items() if reason is not None} == {}
 
 
 async def test_an_answer_other_than_the_expected_one_is_not_ok(server, engine, chaos, monkeypatch):

@@ -1,0 +1,309 @@
+"""The text-model behaviours of serve_chaos.py: a server over a text LM (its /v1/models gives a `max_model_len`) runs
+these instead of the speech ones. Completions and chat, plain and streamed, logprobs, stop strings, seeded sampling,
+/tokenize and /detokenize, Mode A and Mode B text streaming input, the documented refusals, and clients that go away
+mid-stream. A greedy answer must equal every earlier answer to the same request on any route (`Chaos.same`): the
+engine's output does not depend on the batch, so a difference is another stream's tokens.
+
+The soak's text model: the tests' tiny Llama with a word-level tokenizer and Llama 3.1's chat template, written by
+
+    python benchmarks/serve_chaos_text.py /tmp/chaos-llama
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 jaxstream serve /tmp/chaos-llama --port 8124 \\
+        --api-key chaos-key > LOG 2>&1 &
+    python benchmarks/serve_chaos.py --url http://127.0.0.1:8124 --api-key chaos-key --pid $! --log LOG
+"""
+import asyncio
+import base64
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+from serve_chaos_clients import Bad, Chaos, behaviour
+from serve_chaos_http import SESSIONS, sse_events
+
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+# Prompts in the tokenizer's words: few, so that the same request recurs and its answers are compared.
+PROMPTS = ("Hello w60 w61 ?", "Who are you ?", "w70 w71 w72 w73 w74 w75", "Hi there . Be brief !")
+MAX_TOKENS = (1, 6, 24)
+STOPS = ("w60", "w181", "?", "w2")
+
+
+def make_model(directory: Path) -> Path:
+    """The tests' tiny Llama (tests/fixtures/llama_tiny) with the chat fixtures' word-level tokenizer and Llama 3.1's
+    chat template, its BOS the template's <|begin_of_text|>."""
+    shutil.copytree(FIXTURES / "llama_tiny", directory)
+    shutil.copy(FIXTURES / "chat" / "tokenizer.json", directory / "tokenizer.json")
+    shutil.copy(FIXTURES / "chat" / "templates" / "llama3_1.jinja", directory / "chat_template.jinja")
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}))
+    vocab = json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"]
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((directory / name).read_text())
+        (directory / name).write_text(json.dumps({**config, "bos_token_id": vocab["<|begin_of_text|>"]}))
+    return directory
+
+
+def text_behaviour(fn):
+    return behaviour(fn, kind="text")
+
+
+async def answer(c: Chaos, path: str, body: dict, stream: bool) -> dict:
+    """A completion or chat completion, its streamed chunks joined: {text, finish_reason, token_ids, logprobs (the
+    choice's, chunks' concatenated), usage}. A stream must end with `[DONE]`, its usage chunk (asked for) last."""
+    chat = path.endswith("chat/completions")
+    body = {"model": c.model, **body, "stream": stream, "return_token_ids": True}
+    if not stream:
+        choice_and_usage = json.loads(await c.call("POST", path, 200, json=body))
+        choice = choice_and_usage["choices"][0]
+        return {"text": choice["message"]["content"] if chat else choice["text"], "token_ids": choice["token_ids"],
+                "finish_reason": choice["finish_reason"], "stop_reason": choice["stop_reason"],
+                "logprobs": choice["logprobs"], "usage": choice_and_usage["usage"]}
+    async with c.http.post(c.url + path, json={**body, "stream_options": {"include_usage": True}}) as r:
+        events = [data for _, data in await sse_events(r)]
+    if events[-1:] != ["[DONE]"] or not events[-2]["usage"] or events[-2]["choices"]:
+        raise Bad(f"{path}: the stream did not end with its usage chunk and [DONE]: {events[-2:]}")
+    choices = [event["choices"][0] for event in events[:-2]]
+    if any(event.get("error") for event in events[:-1]):
+        raise Bad(f"{path}: an error event: {events}")
+    finished = [choice["finish_reason"] for choice in choices if choice["finish_reason"]]
+    if len(finished) != 1 or choices[-1]["finish_reason"] is None:
+        raise Bad(f"{path}: finish reasons {finished}, last chunk's {choices[-1]['finish_reason']}")
+    text = "".join((choice["delta"].get("content") or "") if chat else choice["text"] for choice in choices)
+    logprobs = None
+    if any(choice.get("logprobs") is not None for choice in choices):  # (not a chat's first chunk, its role's)
+        key = "content" if chat else "tokens"
+        logprobs = {key: [item for choice in choices for item in (choice["logprobs"] or {}).get(key) or []]}
+    return {"text": text, "token_ids": [t for choice in choices for t in choice.get("token_ids") or []],
+            "finish_reason": finished[0], "stop_reason": choices[-1]["stop_reason"], "logprobs": logprobs,
+            "usage": events[-2]["usage"]}
+
+
+def check_counts(path: str, result: dict, max_tokens: int) -> None:
+    ids, usage = result["token_ids"], result["usage"]
+    if usage["completion_tokens"] != len(ids) or usage["total_tokens"] != usage["prompt_tokens"] + len(ids):
+        raise Bad(f"{path}: usage {usage} for {len(ids)} tokens")
+    if (result["finish_reason"] == "length") != (len(ids) == max_tokens) or not 1 <= len(ids) <= max_tokens:
+        raise Bad(f"{path}: {len(ids)} tokens of {max_tokens}, finish_reason {result['finish_reason']}")
+
+
+@text_behaviour
+async def text_completion(c, rng):
+    """A greedy completion, plain or streamed, of a prompt given as text or as /tokenize's ids: the same tokens as
+    every earlier run of that prompt."""
+    prompt, max_tokens = rng.choice(PROMPTS), rng.choice(MAX_TOKENS)
+    ids = json.loads(await c.call("POST", "/tokenize", 200, json={"model": c.model, "prompt": prompt}))["tokens"]
+    result = await answer(c, "/v1/completions", {"prompt": ids if rng.random() < 0.3 else prompt,
+                                                 "max_tokens": max_tokens, "temperature": 0}, rng.random() < 0.5)
+    check_counts("/v1/completions", result, max_tokens)
+    if result["usage"]["prompt_tokens"] != len(ids):
+        raise Bad(f"prompt_tokens {result['usage']['prompt_tokens']}, /tokenize's count {len(ids)}")
+    c.same(("ids", tuple(ids), max_tokens), json.dumps(result["token_ids"]))
+    c.same(("completion text", prompt, max_tokens), result["text"])
+
+
+@text_behaviour
+async def text_chat(c, rng):
+    """A greedy chat, plain or streamed: the same tokens as /v1/completions over /tokenize's ids of the messages
+    (the template rendered once, for both)."""
+    messages = [{"role": "system", "content": "Be brief ."}] if rng.random() < 0.5 else []
+    messages.append({"role": "user", "content": rng.choice(PROMPTS)})
+    max_tokens = rng.choice(MAX_TOKENS)
+    ids = json.loads(await c.call("POST", "/tokenize", 200, json={"model": c.model, "messages": messages}))["tokens"]
+    result = await answer(c, "/v1/chat/completions", {"messages": messages, "max_completion_tokens": max_tokens,
+                                                      "temperature": 0}, rng.random() < 0.5)
+    check_counts("/v1/chat/completions", result, max_tokens)
+    c.same(("ids", tuple(ids), max_tokens), json.dumps(result["token_ids"]))
+
+
+def check_top(step: list[tuple[float, dict]], n: int, where: str) -> None:
+    """Each step: (the sampled token's logprob, its top tokens' {token: logprob}): n of them (or n + 1 with the
+    sampled one, when it is not among them), none above the greedy pick."""
+    for logprob, top in step:
+        if not (n <= len(top) <= n + 1) or any(not (v <= 0 or math.isclose(v, 0, abs_tol=1e-6)) for v in top.values()):
+            raise Bad(f"{where}: {n} top logprobs asked, got {top}")
+        if top and max(top.values()) > logprob + 1e-4:
+            raise Bad(f"{where}: a greedy pick's logprob {logprob} below its top {top}")
+
+
+@text_behaviour
+async def text_logprobs(c, rng):
+    """Greedy logprobs, N most likely each step (0..5), on either route: one entry per token, the pick the most
+    likely."""
+    prompt, max_tokens, n, stream = rng.choice(PROMPTS), rng.choice(MAX_TOKENS), rng.randint(0, 5), rng.random() < 0.5
+    if rng.random() < 0.5:
+        result = await answer(c, "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                                     "logprobs": n}, stream)
+        logprobs = result["logprobs"]
+        if not stream:
+            if not (len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"])
+                    == len(result["token_ids"])):
+                raise Bad(f"completion logprobs of {len(result['token_ids'])} tokens: {logprobs}")
+            check_top(list(zip(logprobs["token_logprobs"], logprobs["top_logprobs"])), n, "completion")
+        elif len(logprobs["tokens"]) != len(result["token_ids"]):
+            raise Bad(f"streamed completion logprobs of {len(result['token_ids'])} tokens: {logprobs}")
+    else:
+        result = await answer(c, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": prompt}], "max_completion_tokens": max_tokens, "temperature": 0,
+            "logprobs": True, "top_logprobs": n}, stream)
+        content = result["logprobs"]["content"]
+        if len(content) != len(result["token_ids"]):
+            raise Bad(f"chat logprobs of {len(result['token_ids'])} tokens: {content}")
+        check_top([(item["logprob"], {f"{k}:{t['token']}": t["logprob"] for k, t in enumerate(item["top_logprobs"])})
+                   for item in content], n, "chat")
+        c.same(("chat logprobs", prompt, max_tokens), json.dumps(result["token_ids"]))
+
+
+@text_behaviour
+async def text_stop(c, rng):
+    """Stop strings on a greedy completion: the text never holds one (unless asked to keep it, at its end), and a
+    "stop" finish names the string or token that ended it."""
+    prompt, stop, keep = rng.choice(PROMPTS), rng.sample(STOPS, rng.randint(1, 2)), rng.random() < 0.3
+    result = await answer(c, "/v1/completions", {"prompt": prompt, "max_tokens": 24, "temperature": 0, "stop": stop,
+                                                 "include_stop_str_in_output": keep}, rng.random() < 0.5)
+    text, reason = result["text"], result["stop_reason"]
+    if result["finish_reason"] == "stop" and reason not in (*stop, None) and not isinstance(reason, int):
+        raise Bad(f"stop {stop}: finish stop with stop_reason {reason!r}")
+    kept = keep and isinstance(reason, str) and text.endswith(reason)
+    if any(s in (text[:-len(reason)] if kept else text) for s in stop) or (keep and isinstance(reason, str)
+                                                                          and not kept):
+        raise Bad(f"stop {stop} (keep {keep}): {text!r}, stop_reason {reason!r}")
+    c.same(("stop", prompt, tuple(stop), keep), text)
+
+
+@text_behaviour
+async def text_seeded(c, rng):
+    """Seeded sampling: a seed gives the same tokens whatever runs beside it."""
+    prompt, seed, max_tokens = rng.choice(PROMPTS), rng.randint(0, 3), rng.choice(MAX_TOKENS)
+    result = await answer(c, "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0,
+                                                 "top_p": 0.9, "seed": seed}, rng.random() < 0.5)
+    c.same(("seeded", prompt, seed, max_tokens), json.dumps(result["token_ids"]))
+
+
+@text_behaviour
+async def text_tokenize(c, rng):
+    """/tokenize then /detokenize gives the prompt back (BOS and all: the tokenizer's words), and /detokenize
+    refuses an id outside the vocabulary."""
+    prompt = rng.choice(PROMPTS)
+    tokens = json.loads(await c.call("POST", "/tokenize", 200, json={"model": c.model, "prompt": prompt,
+                                                                      "add_special_tokens": False}))["tokens"]
+    back = json.loads(await c.call("POST", "/detokenize", 200, json={"model": c.model, "tokens": tokens}))["prompt"]
+    if back.split() != prompt.split():
+        raise Bad(f"/detokenize gave {back!r} for {prompt!r}")
+    await c.call("POST", "/detokenize", 400, "invalid_request", json={"model": c.model, "tokens": [10**6]})
+
+
+def text_chunks(prompt: str, rng) -> list[str]:
+    words = prompt.split()
+    cut = sorted(rng.sample(range(1, len(words)), rng.randint(0, min(2, len(words) - 1))))
+    return [" ".join(words[a:b]) + " " for a, b in zip([0, *cut], [*cut, len(words)])]
+
+
+def chunk_objects(pieces: list[str]) -> list[dict]:
+    return [{"sequence_id": n, "modality": "text", "payload": base64.b64encode(piece.encode()).decode(),
+             "end_of_input": n == len(pieces) - 1} for n, piece in enumerate(pieces)]
+
+
+def streamed_text(events: list) -> str:
+    data = [event for _, event in events]
+    if data[-1:] != ["[DONE]"] or any("error" in event for event in data[:-1]):
+        raise Bad(f"the stream did not end with [DONE] alone: {data[-2:]}")
+    return "".join(event["choices"][0]["text"] for event in data[:-1] if event.get("choices"))
+
+
+@text_behaviour
+async def text_mode_a(c, rng):
+    """Mode A: the prompt in text chunks of an NDJSON body, answered by SSE: the same text as every run that split
+    it the same way (each chunk is a StreamingInput, so the split is part of the request)."""
+    prompt, max_tokens = rng.choice(PROMPTS), rng.choice(MAX_TOKENS)
+    pieces = text_chunks(prompt, rng)
+
+    async def body():
+        for line in [{"model": c.model, "max_tokens": max_tokens, "temperature": 0}, *chunk_objects(pieces)]:
+            yield json.dumps(line).encode() + b"\n"
+            await asyncio.sleep(rng.choice((0, 0.02)))
+
+    async with c.http.post(c.url + "/v1/completions", data=body(), headers={"X-Streaming-Input": "true"}) as r:
+        c.same(("streamed", tuple(pieces), max_tokens), streamed_text(await sse_events(r)))
+
+
+@text_behaviour
+async def text_mode_b(c, rng):
+    """Mode B: a text session's chunks (out of order, one twice), then its result: the same text as Mode A's for
+    the same chunks."""
+    prompt, max_tokens = rng.choice(PROMPTS), rng.choice(MAX_TOKENS)
+    pieces = text_chunks(prompt, rng)
+    created = json.loads(await c.call("POST", SESSIONS, 201, json={
+        "model": c.model, "modality": "text", "params": {"max_tokens": max_tokens, "temperature": 0}}))
+    base = f"{SESSIONS}/{created['session_id']}"
+    chunks = chunk_objects(pieces)
+    order = chunks[1:2] + chunks[:1] + chunks[1:] if len(chunks) > 1 else chunks + chunks
+    for chunk in order:
+        async with c.http.post(c.url + base + "/chunks", json=chunk) as r:
+            if r.status not in (200, 202):
+                raise Bad(f"chunk {chunk['sequence_id']}: HTTP {r.status}: {(await r.read())[:200]!r}")
+    c.same(("streamed", tuple(pieces), max_tokens), json.loads(await c.call("GET", base + "/result", 200))["text"])
+
+
+# (route, body, status, code): what the server documents for each; `model` is added.
+REFUSALS = (
+    ("/v1/completions", {"prompt": "w60", "n": 2}, 400, "invalid_request"),
+    ("/v1/completions", {"prompt": "w60", "logprobs": 21}, 400, "invalid_request"),
+    ("/v1/completions", {"prompt": "w60", "temperature": -1}, 400, "invalid_request"),
+    ("/v1/completions", {"prompt": "w60", "max_tokens": 0}, 400, "invalid_request"),
+    ("/v1/completions", {"prompt": [3, 256]}, 400, "invalid_request"),
+    ("/v1/completions", {"prompt": "w60 " * 300}, 400, "context_length_exceeded"),
+    ("/v1/completions", {"prompt": "w60", "max_tokens": 10**6}, 400, "context_length_exceeded"),
+    ("/v1/completions", {"prompt": "w60", "stream_options": {"include_usage": True}}, 400, "invalid_request"),
+    ("/v1/completions", {"prompt": "w60", "seed": "x"}, 400, "invalid_request"),
+    ("/v1/completions", {"prompt": "w60", "echo": True}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "w60", "model": "nope"}, 404, "model_not_found"),
+    ("/v1/chat/completions", {"messages": []}, 400, "invalid_request"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "invalid_request"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w60"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, 400, "unsupported_parameter"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w60"}], "chat_template": "{{ 1 }}"},
+     400, "invalid_request"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, "invalid_request"),
+    ("/tokenize", {"prompt": 5}, 400, "invalid_request"),
+)
+
+
+@text_behaviour
+async def text_refusals(c, rng):
+    """Requests the server refuses with a documented 4xx, one to three at a time (streamed or not), and a body that
+    is not JSON."""
+    for path, body, status, code in rng.sample(REFUSALS, rng.randint(1, 3)):
+        stream = {"stream": True} if path != "/tokenize" and "stream_options" not in body and rng.random() < 0.5 else {}
+        await c.call("POST", path, status, code, json={"model": c.model, **body, **stream})
+    await c.call("POST", rng.choice(("/v1/completions", "/v1/chat/completions", "/tokenize")), 400, "invalid_json",
+                 data=b'{"model": ', headers={"Content-Type": "application/json"})
+
+
+@text_behaviour
+async def text_drops(c, rng):
+    """A client that goes away mid-stream (a long completion, chat or Mode A stream, its connection dropped after
+    its first event): the server frees what it held (each round's end checks)."""
+    route = rng.choice(("completion", "chat", "mode_a"))
+    if route == "mode_a":
+        async def body():
+            yield json.dumps({"model": c.model, "max_tokens": 200, "temperature": 0}).encode() + b"\n"
+            for chunk in chunk_objects(["w60 w61 ", "w62 "])[:1]:
+                yield json.dumps(chunk).encode() + b"\n"
+            await asyncio.sleep(3600)  # the rest never comes
+        request = c.http.post(c.url + "/v1/completions", data=body(), headers={"X-Streaming-Input": "true"})
+    else:
+        body = ({"prompt": "w60"} if route == "completion" else {"messages": [{"role": "user", "content": "w60"}]})
+        path = "/v1/completions" if route == "completion" else "/v1/chat/completions"
+        request = c.http.post(c.url + path, json={"model": c.model, **body, "max_tokens": 200, "temperature": 0,
+                                                   "stream": True})
+    async with request as r:
+        await sse_events(r, 1)
+        r.close()  # drops the connection mid-stream
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or Path(sys.argv[1]).exists():
+        sys.exit("usage: python benchmarks/serve_chaos_text.py NEW_DIRECTORY (the soak's text model, written there)")
+    print(make_model(Path(sys.argv[1])))
