@@ -61,6 +61,7 @@ from jaxstream.serving.limits import (
 )
 from jaxstream.serving.memory import TRIM_PERIOD_S, malloc_trimmer
 from jaxstream.serving.metrics import ServerMetrics
+from jaxstream.serving.request_queue import RequestQueue
 from jaxstream.serving.vllm_realtime import BINARY_AS_TEXT, BINARY_CLOSE, BINARY_ERROR, VllmRealtime
 from jaxstream.serving.websocket import Connection, run_websocket
 
@@ -94,6 +95,10 @@ class ServerState:
         self.draining = False
         self.connections: set = set()
         self._connections_changed = asyncio.Event()
+        # One-shot HTTP requests waiting for a connection slot, and uploads waiting for an engine session
+        # (request_queue.py); the gauge counts both.
+        self.connection_queue, self.session_queue = RequestQueue(), RequestQueue()
+        self.metrics.requests_waiting.set_function(lambda: len(self.connection_queue) + len(self.session_queue))
         self.created = int(time.time())
         self.key_limits = KeyLimits(config.limits, config.api_keys)
         # Its sweep needs aiohttp's server, which the app never sees: `jaxstream serve` runs it on its runner.

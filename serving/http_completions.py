@@ -435,7 +435,7 @@ async def serve_one_shot(request: web.Request, prepare, on_streaming_input) -> w
             return await on_streaming_input(request, state)
         text_input, prompt = prepare(await read_json(request), state)
         handle = streaming_input.DrainHandle(text_input)
-        streaming_input.admit(state, handle)
+        await streaming_input.admit_in_turn(state, handle, request)
     except RequestError as exc:
         state.metrics.errors.labels(code=exc.code).inc()
         return exc.response()

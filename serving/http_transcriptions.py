@@ -60,7 +60,6 @@ _PROMPT_BYTES = 1 << 20
 # a body of endless small fields (or a gzip body inflating to them) was read whole, each field kept.
 _FORM_BYTES = MAX_FILE_BYTES + _PROMPT_BYTES + (1 << 20)
 _MAX_PARTS = 64
-_QUEUE_POLL_S = 0.05  # how often an upload waiting for an engine session tries again
 # The fields the route reads or checks; others are skipped. chunking_strategy's server_vad object comes as
 # `chunking_strategy[type]`, ... (the SDK's bracketed form), read as fields too.
 _FIELDS = ("model", "response_format", "stream", "language", "temperature", "chunking_strategy")
@@ -486,19 +485,29 @@ def parse_delay_ms(fields: dict, state, param: str) -> int | None:
     return delay_ms
 
 
-async def _start_when_free(audio_input: AudioInput, state) -> None:
-    """Starts the upload's engine session; while the engine holds its max_sessions, waits for one to end, up to
-    `upload_queue_s` (then the engine's CapacityError), as vLLM queues requests (a drain ends the wait: 503)."""
-    deadline = time.monotonic() + state.config.limits.upload_queue_s
-    while True:
-        try:
-            return await audio_input.start()
-        except CapacityError:
-            if time.monotonic() >= deadline:
-                raise
-        await asyncio.sleep(_QUEUE_POLL_S)
+async def _start_when_free(audio_input: AudioInput, state, request: web.Request) -> None:
+    """Starts the upload's engine session; while the engine holds its max_live_sessions, waits its turn, first come
+    first served, up to `request_queue_s` (request_queue.py), then the engine's CapacityError (503), as vLLM queues
+    requests. A drain ends the wait (503), and so does a client that leaves (400 client_disconnected)."""
+    engine = state.engine
+
+    async def attempt():
         if audio_input.done:  # a drain stopped the request while it waited
             raise RequestError(503, "draining", "The server is shutting down; retry on another replica")
+        if engine.live_sessions >= engine.max_live_sessions:  # looking, not asking: the engine logs a refusal
+            return None
+        try:
+            await audio_input.start()
+        except CapacityError:  # a realtime stream took the session first
+            return None
+        return True
+
+    limits = state.config.limits
+    if not await state.session_queue.take(attempt, limits.request_queue_s, lambda: sse.client_gone(request)):
+        if sse.client_gone(request):
+            raise RequestError(400, "client_disconnected", "The client went away while its upload waited")
+        raise CapacityError(f"the engine holds its {engine.max_live_sessions} sessions (the upload waited "
+                            f"{limits.request_queue_s:g} s); try again later")
 
 
 async def transcriptions(request: web.Request) -> web.StreamResponse:
@@ -525,7 +534,8 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
         check_answer(response_format, bool(granularities), logprobs, stream)
         audio_input = AudioInput(state, log=sse.EventLog() if stream else None, logprobs=logprobs)
         handle = streaming_input.DrainHandle(audio_input)
-        streaming_input.admit(state, handle)  # before the decoding: the connection limit bounds the decodes
+        # Before the decoding: the connection limit bounds the decodes.
+        await streaming_input.admit_in_turn(state, handle, request)
         try:
             pcm = await _decode(audio, _upload_name(fields), state, handle)
         except RequestError:
@@ -535,7 +545,7 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
             if audio_input.done:  # a drain stopped the request while it decoded
                 raise RequestError(503, "draining", "The server is shutting down; retry on another replica")
             audio_input.seconds = pcm.size / SAMPLING_RATE
-            await _start_when_free(audio_input, state)
+            await _start_when_free(audio_input, state, request)
         except EngineError as exc:
             state.forget(handle)
             raise engine_request_error(exc) from None

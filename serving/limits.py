@@ -71,16 +71,22 @@ class Limits:
     # client may open its request long before it has audio to send. None or 0 (TOML has no null): no rule.
     body_grace_s: float = 20.0
     body_min_rate: int | None = 500
-    # An upload (a whole file to transcribe) that finds the engine at its max_sessions waits this long for a
-    # session, as vLLM queues requests beyond max_num_seqs, before its 503 `capacity`: a client batch-transcribing a
-    # folder is slowed down, not refused. A realtime stream cannot wait: it is refused at once.
-    upload_queue_s: float = 60.0
+    # A one-shot HTTP request (an upload, a completion, a chat) that finds the server full (its max_connections,
+    # or for an upload the engine at its max_sessions) waits its turn this long, first come first served, as vLLM
+    # queues requests beyond max_num_seqs, then 429 / 503 `capacity`: a client sending a batch at once is slowed down,
+    # not refused. 0: refused at once. A realtime stream or streaming-input request cannot wait: refused at once.
+    request_queue_s: float = 60.0
 
     def __post_init__(self):
         if self.body_min_rate == 0 and not isinstance(self.body_min_rate, bool):
             object.__setattr__(self, "body_min_rate", None)  # one spelling of "no rule" (frozen dataclass)
+        queue_s = self.request_queue_s  # the one limit where 0 means something (no wait) and None nothing
+        if isinstance(queue_s, bool) or not isinstance(queue_s, (int, float)) or not 0 <= queue_s < math.inf:
+            raise ValueError(f"limit request_queue_s must be a number of seconds, 0 or more, got {queue_s!r}")
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if field.name == "request_queue_s":
+                continue
             if value is not None and (isinstance(value, bool) or not value > 0):
                 raise ValueError(f"limit {field.name} must be positive, got {value!r}")
             # A count from a TOML file may be a float; rate windows and caps count whole events.

@@ -33,6 +33,9 @@ class ServerMetrics:
         self.sse_slow_readers = Counter("jaxstream_sse_slow_readers", "SSE streams whose client read nothing for "
                                         "send_timeout_s, dropped (the WebSocket routes count theirs as "
                                         "connections closed with outcome slow_reader)", ["route"], registry=r)
+        self.requests_waiting = Gauge("jaxstream_http_requests_waiting", "One-shot HTTP requests (uploads, "
+                                      "completions, chats) waiting for the server's room: a connection slot, or an "
+                                      "upload's engine session", registry=r)
         self.errors = Counter("jaxstream_errors", "Protocol error events sent, by code", ["code"], registry=r)
         # Apart from jaxstream_errors, which operators alert on: a scanner probing URLs is not the server failing.
         self.routing_errors = Counter("jaxstream_http_routing_errors", "Requests no route took, by status and code: "

@@ -365,7 +365,29 @@ def admit(state, handle: DrainHandle) -> None:
     refuses (draining, loading, at its connection limit). The caller ends with `end_request`."""
     refusal = state.admit(handle)
     if refusal is not None:
-        raise RequestError(_ADMIT_STATUS.get(refusal.error_code, 503), refusal.error_code, refusal.message)
+        raise _refused(refusal)
+
+
+async def admit_in_turn(state, handle: DrainHandle, request: web.Request) -> None:
+    """`admit` for a one-shot request (an upload, a completion, a chat): at the server's connection limit it waits
+    its turn, first come first served, up to `request_queue_s` (request_queue.py), then the 429. A client that
+    leaves while it waits is a 400 client_disconnected (no one reads it)."""
+    async def attempt():
+        refusal = state.admit(handle)
+        if refusal is not None and refusal.error_code != "capacity":
+            raise _refused(refusal)  # draining, loading, dead: waiting would not help
+        return refusal is None or None
+
+    if not await state.connection_queue.take(attempt, state.config.limits.request_queue_s,
+                                             lambda: sse.client_gone(request)):
+        if sse.client_gone(request):
+            raise RequestError(400, "client_disconnected", "The client went away while its request waited")
+        raise RequestError(429, "capacity", f"The server is at its limit of {state.max_connections} connections "
+                           f"(requests waited up to {state.config.limits.request_queue_s:g} s); retry later")
+
+
+def _refused(refusal) -> RequestError:
+    return RequestError(_ADMIT_STATUS.get(refusal.error_code, 503), refusal.error_code, refusal.message)
 
 
 async def end_request(state, handle: DrainHandle, *tasks: asyncio.Task) -> None:

@@ -3,11 +3,13 @@
 it cannot use, API keys, bodies that break off, stall or are malformed, and the bounds on a form and on an upload's
 decoding. The oracle is engine.transcribe of the same PCM16 audio (test_serve_http.py's `reference`)."""
 import asyncio
+import functools
 import io
 import json
 import socket
 import subprocess
 import threading
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -327,28 +329,33 @@ def test_a_long_upload_is_refused_without_decoding_it_whole(engine, monkeypatch,
 
 def test_an_upload_is_admitted_before_it_is_decoded(engine, wav, monkeypatch):
     """Uploads were decoded before they were admitted: the connection limit did not bound the decodes
-    running at once. Now a decoding upload holds its slot, and one more is refused (429)."""
-    decoding, release = threading.Event(), threading.Event()
+    running at once. Now a decoding upload holds its slot, and one more waits its turn undecoded (it was refused with
+    429 until the server queued one-shot requests)."""
+    decoding, release, decodes = threading.Event(), threading.Event(), []
     load_audio = http_transcriptions.load_audio
 
     def slow_load_audio(*args, **kwargs):
+        decodes.append(None)
         decoding.set()
         release.wait(30)
         return load_audio(*args, **kwargs)
 
     monkeypatch.setattr(http_transcriptions, "load_audio", slow_load_audio)
     server = ServerThread(engine, ServerConfig(limits=Limits(max_connections=1)))
-    client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=10)
+    client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
     upload = {"model": server.state.model_id, "file": ("sample.wav", wav)}
+    waiting = functools.partial(server.state.metrics.registry.get_sample_value, "jaxstream_http_requests_waiting")
     try:
-        with ThreadPoolExecutor(1) as pool:
+        with ThreadPoolExecutor(2) as pool:
             first = pool.submit(client.audio.transcriptions.create, **upload)
             assert decoding.wait(30)
-            with pytest.raises(openai.RateLimitError) as raised:
-                client.audio.transcriptions.create(**upload)
-            assert raised.value.body["code"] == "capacity"
+            second = pool.submit(client.audio.transcriptions.create, **upload)
+            deadline = time.monotonic() + 30
+            while waiting() != 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert waiting() == 1 and len(decodes) == 1
             release.set()
-            assert first.result(60).text
+            assert first.result(60).text == second.result(60).text and len(decodes) == 2
     finally:
         release.set()
         server.close()
@@ -357,7 +364,7 @@ def test_an_upload_is_admitted_before_it_is_decoded(engine, wav, monkeypatch):
 @pytest.mark.parametrize("queue_s, refusals, answered", [(60.0, 3, 200), (0.3, 10**6, 503)], ids=["waits", "gives_up"])
 def test_an_upload_waits_for_an_engine_session(engine, wav, reference, monkeypatch, queue_s, refusals, answered):
     """An upload that finds the engine at its max_sessions waits for a session (vLLM queues requests beyond
-    max_num_seqs), up to `upload_queue_s`, then answers 503 `capacity`: 36 of 100 uploads at once were refused
+    max_num_seqs), up to `request_queue_s`, then answers 503 `capacity`: 36 of 100 uploads at once were refused
     at once, and an openai client transcribing a folder lost files."""
     from jaxstream.errors import CapacityError
 
@@ -370,7 +377,7 @@ def test_an_upload_waits_for_an_engine_session(engine, wav, reference, monkeypat
         return await real_start(*args, **kwargs)
 
     monkeypatch.setattr(engine, "start_transcription", start_transcription)
-    server = ServerThread(engine, ServerConfig(limits=Limits(upload_queue_s=queue_s)))
+    server = ServerThread(engine, ServerConfig(limits=Limits(request_queue_s=queue_s)))
     try:
         client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
         upload = {"model": server.state.model_id, "file": ("sample.wav", wav)}

@@ -154,6 +154,12 @@ class AsyncEngine:
     def max_live_sessions(self) -> int:
         return self.config.max_live_sessions or self.config.max_sessions
 
+    @property
+    def live_sessions(self) -> int:
+        """Sessions and requests the engine holds now: `start_transcription` refuses at `max_live_sessions` (a
+        caller that waits for room looks here first, where asking would log a refusal)."""
+        return len(self._live)
+
     # -- engine thread --------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
