@@ -149,9 +149,10 @@ class ServerState:
             return Breach("refused_engine_dead", CLOSE_INTERNAL_ERROR, "engine_dead", "The engine is not running")
         if isinstance(conn, Connection) and self.engine.kind != "realtime":
             # Every WebSocket route streams speech: a text model's server refuses at once, not at the first commit.
+            # Not named: /ws answers its key after this refusal, and a model id may be a path on the server.
             return Breach("refused_model", CLOSE_POLICY_VIOLATION, "unsupported_model",
-                          f"This server serves {self.model_id!r}, a text language model: its realtime WebSocket "
-                          "routes need a speech-to-text model (use /v1/completions or /v1/chat/completions)")
+                          "This server serves a text language model: its realtime WebSocket routes need a "
+                          "speech-to-text model (use /v1/completions or /v1/chat/completions)")
         if len(self.connections) >= self.max_connections:
             return Breach("refused_capacity", CLOSE_CAPACITY, "capacity",
                           f"The server is at its limit of {self.max_connections} connections; retry later")

@@ -200,14 +200,19 @@ def check_ready(state) -> None:
 
 
 def check_model(state, model, kind: str) -> None:
-    """The request names the served model, or none (then it is the served one, as vLLM takes an omitted or null
-    `model`), and that model is of `kind` ("realtime" or "text")."""
-    if model is not None:
-        if not isinstance(model, str) or not model:
-            raise RequestError(400, "invalid_request", "model must be the name of the served model", "model")
-        if not state.serves_model(model, allow_empty=False):
-            raise RequestError(404, "model_not_found", f"The model `{model}` does not exist.", "model")
+    """The request names the served model, or none, and that model is of `kind` ("realtime" or "text")."""
+    check_model_name(state, model)
     check_kind(state, kind)
+
+
+def check_model_name(state, model) -> None:
+    """`model` names the served model, or none: omitted, null or "" is the served one, as vLLM's HTTP routes take
+    them (its `_is_model_supported`)."""
+    if model is not None:
+        if not isinstance(model, str):
+            raise RequestError(400, "invalid_request", "model must be the name of the served model", "model")
+        if not state.serves_model(model, allow_empty=True):
+            raise RequestError(404, "model_not_found", f"The model `{model}` does not exist.", "model")
 
 
 def check_kind(state, kind: str) -> None:

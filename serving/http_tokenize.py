@@ -17,14 +17,14 @@ from aiohttp import web
 
 from jaxstream.serving.http_chat import render_chat
 from jaxstream.serving.http_completions import parse_flag
-from jaxstream.serving.http_errors import RequestError, check_kind, check_ready, read_json, server_state
+from jaxstream.serving.http_errors import (
+    RequestError, check_kind, check_model_name, check_ready, read_json, server_state,
+)
 
 
 def _served(body: dict, state):
     """The engine's tokenizer, once the body names the served model or none (400/404 otherwise)."""
-    model = body.get("model")
-    if model is not None and not (isinstance(model, str) and state.serves_model(model, allow_empty=True)):
-        raise RequestError(404, "model_not_found", f"The model `{model}` does not exist.", "model")
+    check_model_name(state, body.get("model"))
     tokenizer = state.engine.tokenizer
     if tokenizer is None:
         raise RequestError(400, "invalid_request", f"{state.model_id!r} has no tokenizer")
