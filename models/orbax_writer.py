@@ -54,8 +54,8 @@ def save_checkpoint(loaded: LoadedModel, destination: str | os.PathLike, *, over
     """Writes `loaded` as a jaxstream Orbax checkpoint (state, `jaxstream.json`, tokenizer file) and returns
     its directory (see `check_destination`). `declared_ids` are the source's (BOS id, EOS ids) as
     `declared_token_ids` read them, and a tokenizer.json takes its tokenizer_config.json (`HFTokenizer`'s BOS / EOS
-    fallback) and chat_template.jinja along: the converted checkpoint stops and chats as its source did. `sampling_defaults` are the
-    source's as `declared_sampling_defaults` read them: it samples as its source did too.
+    fallback) and chat_template.jinja along: the converted checkpoint stops and chats as its source did.
+    `sampling_defaults` are the source's as `declared_sampling_defaults` read them: it samples as its source did too.
 
     Everything is written into a hidden sibling directory that is renamed into place at the end, so a failed or
     interrupted write leaves the destination as it was (an overwritten checkpoint is removed only then)."""

@@ -17,7 +17,9 @@ from jaxstream.engine.builders import load_pretrained
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.transcription_session import transcription_prompt
 from jaxstream.models import loading
-from jaxstream.models.audio import ALLOWED_DELAYS_MS, load_audio, n_delay_from_ms, offline_features, prompt_length, silent_prefix_slots
+from jaxstream.models.audio import (
+    ALLOWED_DELAYS_MS, load_audio, n_delay_from_ms, offline_features, prompt_length, silent_prefix_slots,
+)
 from jaxstream.models.voxtral import VoxtralRealtime
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -59,7 +61,8 @@ def dense_greedy(model, audio, delay_ms) -> tuple[list[int], list[float]]:
     prompt = transcription_prompt(model.cfg, n_delay)
     ids = np.zeros(total, np.int32)
     ids[: len(prompt)] = prompt
-    logits_of = jax.jit(lambda ids: model.offline_logits(jnp.asarray(mel)[None], ids[None], jnp.array([float(n_delay)]))[0])
+    logits_of = jax.jit(lambda ids: model.offline_logits(jnp.asarray(mel)[None], ids[None],
+                                                         jnp.array([float(n_delay)]))[0])
     tokens, logprobs = [], []
     for position in range(len(prompt) - 1, total - 1):
         logits = np.asarray(logits_of(jnp.asarray(ids)), np.float64)[position]

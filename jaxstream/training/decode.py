@@ -26,12 +26,14 @@ def _greedy(graphdef, params, mel, n_delay, *, prompt_len: int):
     batch, num_slots = mel.shape[0], mel.shape[1] // model.cfg.mel_frames_per_token
     conv_state, (enc_cache, enc_table), (cache, table) = model.init_caches(batch, cache_dtype=mel.dtype)
     zeros = jnp.zeros((batch,), jnp.int32)
-    embeds, _, _ = model.audio_step(mel, conv_state, enc_cache, enc_table, zeros, jnp.full((batch,), num_slots, jnp.int32))
+    embeds, _, _ = model.audio_step(mel, conv_state, enc_cache, enc_table, zeros,
+                                    jnp.full((batch,), num_slots, jnp.int32))
     ids = targets.StreamTokens()
     prompt = jnp.full((batch, prompt_len), ids.pad, jnp.int32).at[:, 0].set(ids.bos)
     ones = jnp.ones((batch,), jnp.int32)
     logits, cache = model.text_step(prompt, embeds[:, :prompt_len], n_delay, cache, table, zeros,
-                                    jnp.full((batch,), prompt_len, jnp.int32), logits_at=jnp.full((batch,), prompt_len - 1))
+                                    jnp.full((batch,), prompt_len, jnp.int32),
+                                    logits_at=jnp.full((batch,), prompt_len - 1))
     first = jnp.argmax(logits, -1).astype(jnp.int32)
 
     def step(carry, position):

@@ -144,7 +144,8 @@ def aligned_piece_loss(model, audio_embeds, batch: Batch):
 def init_ctc_head(cfg: VoxtralConfig, seed: int = 0, num_classes: int = CTC_CLASSES) -> dict:
     """The training-only CTC head on the encoder frames (not part of the shipped model): `num_classes` is
     CTC_CLASSES for character targets, `phonemes.PHONEME_CLASSES` for phoneme targets."""
-    kernel = jax.random.normal(jax.random.key(seed), (cfg.encoder.hidden_size, num_classes)) / cfg.encoder.hidden_size**0.5
+    hidden = cfg.encoder.hidden_size
+    kernel = jax.random.normal(jax.random.key(seed), (hidden, num_classes)) / hidden**0.5
     return {"kernel": kernel, "bias": jnp.zeros((num_classes,))}
 
 
