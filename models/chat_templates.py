@@ -102,7 +102,10 @@ class JinjaChatTemplate(ChatTemplate):
                continue_final_message: bool = False, variables: dict | None = None) -> ChatPrompt:
         text = self.render(messages, add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message, variables=variables)
-        return ChatPrompt(text, self._encode_text(text))
+        try:
+            return ChatPrompt(text, self._encode_text(text))
+        except ValueError as exc:  # the tokenizer's refusal of what the conversation holds (a lone surrogate)
+            raise ChatTemplateError(f"the conversation cannot be tokenized: {exc}") from None
 
 
 def _cut_at_continue_tag(text: str, final: str) -> str:
@@ -138,6 +141,7 @@ class MistralChatTemplate(ChatTemplate):
 
         if continue_final_message and add_generation_prompt:
             raise ChatTemplateError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        _check_unicode(messages)  # tiktoken panics on a lone surrogate (a BaseException, past every except below)
         try:
             request = ChatCompletionRequest.from_openai(messages, continue_final_message=continue_final_message)
             tokenized = self._tokenizer.encode_chat_completion(request)
@@ -145,6 +149,23 @@ class MistralChatTemplate(ChatTemplate):
             raise ChatTemplateError(str(exc)) from None
         tokens = list(tokenized.tokens)
         return ChatPrompt(self._tokenizer.decode(tokens, special_token_policy=SpecialTokenPolicy.KEEP), tokens)
+
+
+def _check_unicode(value, where: str = "messages") -> None:
+    """ChatTemplateError naming the first string in `value` (nested lists and dicts) that holds a lone UTF-16
+    surrogate: no Unicode character, so no tokenizer can encode it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ChatTemplateError(f"{where} holds a lone UTF-16 surrogate (U+{ord(value[exc.start]):04X}): it is "
+                                    "no Unicode character, so it cannot be tokenized") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_unicode(item, f"{where}[{i}]")
 
 
 # -- finding a checkpoint's template ---------------------------------------------------------------------------------

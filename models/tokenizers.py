@@ -61,6 +61,15 @@ def _reading(path: Path):
         raise TokenizerFileError(f"cannot read tokenizer {path}: {first_line}") from None
 
 
+def check_encodable(text: str, what: str = "text") -> None:
+    """ValueError when `text` holds a lone UTF-16 surrogate (no Unicode character: no UTF-8 for it), naming where."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} holds a lone UTF-16 surrogate (U+{ord(text[exc.start]):04X}) at character "
+                         f"{exc.start}: it is no Unicode character, so it cannot be tokenized") from None
+
+
 class Tokenizer(abc.ABC):
     """Common interface: `encode` gives text ids only (no BOS/EOS); `decode` skips control ids."""
 
@@ -77,9 +86,16 @@ class Tokenizer(abc.ABC):
     chat_template: ChatTemplate | None = None
     special_tokens: dict[str, str] = {}  # the named special tokens a jinja chat template sees (`bos_token`, ...)
 
-    @abc.abstractmethod
     def encode(self, text: str) -> list[int]:
-        """Text -> text ids (all >= 1000)."""
+        """Text -> text ids (all >= 1000). ValueError for text no tokenizer can encode: a lone UTF-16 surrogate, which
+        JSON's \\ud800 escapes and Python's str carry but is no Unicode character (the Rust tokenizers refuse it with a
+        TypeError, or a panic)."""
+        check_encodable(text)
+        return self._encode(text)
+
+    @abc.abstractmethod
+    def _encode(self, text: str) -> list[int]:
+        """`encode` for text that holds only Unicode characters."""
 
     @abc.abstractmethod
     def token_bytes(self, token_id: int) -> bytes:
@@ -243,7 +259,7 @@ class TekkenTokenizer(Tokenizer):
     def _control_name(self, token_id: int) -> str:
         return self._tekkenizer.id_to_piece(token_id)
 
-    def encode(self, text: str) -> list[int]:
+    def _encode(self, text: str) -> list[int]:
         try:
             return self._tekkenizer.encode(text, bos=False, eos=False)
         except BaseException as exc:  # tiktoken panics (a BaseException) on bytes a truncated vocab lacks
@@ -287,7 +303,7 @@ class SentencePieceTokenizer(Tokenizer):
             return bytes([int(piece[3:5], 16)])
         return piece.replace(_SPM_SPACE, " ").encode("utf-8")
 
-    def encode(self, text: str) -> list[int]:
+    def _encode(self, text: str) -> list[int]:
         return [self._control_ids.get(spm_id, NUM_CONTROL_IDS + spm_id) for spm_id in self._sp.encode(text)]
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -344,7 +360,7 @@ class HFTokenizer(Tokenizer):
     def _control_name(self, token_id: int) -> str:
         return self._tokenizer.id_to_token(token_id) or ""
 
-    def encode(self, text: str) -> list[int]:
+    def _encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int]) -> str:

@@ -127,7 +127,10 @@ def prompt_ids(prompt, state) -> list[int]:
     if not isinstance(prompt, str):
         return prompt
     tokenizer = state.engine.tokenizer
-    return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
+    try:
+        return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
+    except ValueError as exc:  # a lone surrogate
+        raise RequestError(400, "invalid_request", f"prompt: {exc}", "prompt") from None
 
 
 def check_context_length(ids: list[int], params: SamplingParams, state, param: str = "prompt") -> None:

@@ -50,7 +50,10 @@ def _tokenized(body: dict, state, tokenizer) -> dict:
         if not isinstance(prompt, str):
             raise RequestError(400, "invalid_request", "prompt must be a string (or send messages)", "prompt")
         special = parse_flag(body, "add_special_tokens", True)
-        ids = ([tokenizer.bos_id] if special and tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
+        try:
+            ids = ([tokenizer.bos_id] if special and tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
+        except ValueError as exc:  # a lone surrogate
+            raise RequestError(400, "invalid_request", f"prompt: {exc}", "prompt") from None
     strs = [tokenizer.token_string(i) for i in ids] if parse_flag(body, "return_token_strs") else None
     return {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": strs}
 

@@ -110,6 +110,9 @@ def test_a_tekken_tokenizer_encodes_chats_with_mistral_common():
         "<|begin_of_text|>"
     with pytest.raises(ChatTemplateError, match="start with a user message"):
         tokenizer.chat_template.encode([{"role": "assistant", "content": "OK"}])
+    # A lone surrogate (JSON's "\ud800"): tiktoken panicked, a BaseException past the template's error handling.
+    with pytest.raises(ChatTemplateError, match=r"messages\[1\].content holds a lone UTF-16 surrogate \(U\+D800\)"):
+        tokenizer.chat_template.encode([chat[0], {"role": "user", "content": "HI \ud800"}])
 
 
 def test_chat_template_option_is_a_file_or_the_template(tmp_path):

@@ -87,6 +87,19 @@ async def test_tokenize_messages_counts_the_prompt_a_chat_takes(engine, server, 
         chat_server.close()
 
 
+async def test_a_lone_surrogate_in_a_chat_is_a_400(engine):
+    """The chat template renders it, then the tokenizer refused it with a TypeError: a 500 on both routes."""
+    chat_server = ServerThread(engine, ServerConfig(chat_template=TEMPLATE))
+    messages = [{"role": "user", "content": "w5 \ud800"}]
+    try:
+        async with aiohttp.ClientSession() as http:
+            for path in ("/tokenize", "/v1/chat/completions"):
+                status, answer = await call(http, chat_server, "POST", path, json={"messages": messages})
+                assert status == 400 and "lone UTF-16 surrogate (U+D800)" in answer["error"]["message"], answer
+    finally:
+        chat_server.close()
+
+
 @pytest.mark.parametrize("path, body, status, param", [
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/tokenize", {"prompt": "w5", "add_special_tokens": "yes"}, 400, "add_special_tokens"),
@@ -94,6 +107,10 @@ async def test_tokenize_messages_counts_the_prompt_a_chat_takes(engine, server, 
     ("/detokenize", {"tokens": [5, 256]}, 400, "tokens"),
     ("/detokenize", {"tokens": [True]}, 400, "tokens"),
     ("/detokenize", {"tokens": "w5"}, 400, "tokens"),
+    # A lone surrogate (JSON's "\ud800"): no Unicode character, which the tokenizer refused with a TypeError, a 500.
+    ("/tokenize", {"prompt": "w5 \ud800"}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "w5 \ud800", "max_tokens": 2}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "w5 \ud800", "max_tokens": 2, "stream": True}, 400, "prompt"),
 ])
 async def test_bad_bodies_are_openai_shaped_errors(server, path, body, status, param):
     async with aiohttp.ClientSession() as http:

@@ -404,3 +404,17 @@ def test_unreadable_tokenizer_files_are_one_line_user_errors(tmp_path):
         assert isinstance(err.value, ValueError)  # callers that caught ValueError still do
         message = str(err.value)
         assert message.startswith(f"cannot read tokenizer {tmp_path / name}: ") and "\n" not in message
+
+
+# ------------------------------------------------------------------------------------- text no tokenizer encodes
+def test_every_tokenizer_refuses_a_lone_surrogate_with_a_value_error(utf8_tekken_path, spm_dir, hf_tokenizer_dir,
+                                                                     capfd):
+    """JSON's "\\ud800" is a Python str but no Unicode character: tokenizer.json's Rust encoder raised TypeError
+    (a server's 500), tiktoken panicked (printing a Rust backtrace to stderr) and sentencepiece encoded something.
+    Every kind now refuses it alike, naming the character and where it is."""
+    for tokenizer in (load_tokenizer(utf8_tekken_path), load_tokenizer(spm_dir[0]),
+                      load_tokenizer(hf_tokenizer_dir / "tokenizer.json")):
+        with pytest.raises(ValueError, match=r"lone UTF-16 surrogate \(U\+DC00\) at character 3"):
+            tokenizer.encode("abc\udc00 def")
+        assert tokenizer.encode("abc def")  # and encodes what it can
+    assert "panicked" not in capfd.readouterr().err

@@ -38,7 +38,7 @@ class SyntheticTokenizer(Tokenizer):
         self.vocab_size = vocab_size
         self.bos_id, self.eos_id, self.streaming_pad_id, self.streaming_word_id = 1, 2, 32, 33
 
-    def encode(self, text: str) -> list[int]:
+    def _encode(self, text: str) -> list[int]:
         raise NotImplementedError("the synthetic tokenizer only decodes")
 
     def token_bytes(self, token_id: int) -> bytes:
