@@ -284,6 +284,8 @@ REFUSALS = (
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      400, "invalid_request"),
     ("/tokenize", {"prompt": 5}, 400, "invalid_request"),
+    ("/v1/completions", {"prompt": "w60 \ud800"}, 400, "invalid_request"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w60 \udfff"}]}, 400, "invalid_request"),
 )
 
 
