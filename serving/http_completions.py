@@ -414,8 +414,11 @@ class TextInput(streaming_input.EngineInput):
         return f"token_id:{token_id}" if self.tokenizer is None else self.tokenizer.token_string(token_id)
 
     def result(self) -> dict:
+        """A Mode B session's result; with `logprobs` asked, the completion route's legacy `logprobs` of its tokens (a
+        session took the field and its result dropped them)."""
+        logprobs = {} if self.params.logprobs is None else {"logprobs": self.logprobs_body(0, len(self.token_ids), 0)}
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "usage": self.usage(), **self.truncation()}
+                **logprobs, "usage": self.usage(), **self.truncation()}
 
 
 def finite_logprob(logprob: float) -> float:

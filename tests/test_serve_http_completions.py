@@ -10,6 +10,7 @@ import shutil
 import subprocess
 
 import aiohttp
+import numpy as np
 import openai
 import pytest
 import websockets
@@ -375,6 +376,35 @@ async def test_text_session_return_token_ids_add_up_to_the_engines(engine, serve
     choices = [e["choices"][0] for _, e in events[:-1]]
     assert [t for c in choices for t in c["prompt_token_ids"] or []] == prompt_ids
     assert [t for c in choices for t in c["token_ids"]] == tokens
+
+
+async def test_text_session_result_carries_the_logprobs_it_asked_for(engine, server, model):
+    """A Mode B text session took `logprobs` in its params, and its /result dropped them: now they are the completion
+    route's legacy `logprobs`, one entry per token, equal to the engine's own for the same streamed chunks."""
+    params = greedy(logprobs=2)
+    outputs = [out.outputs[0] async for out in engine.generate(
+        (StreamingInput(chunk, params) async for chunk in _aiter(CHUNKS)), params)]
+    tokens = [t for out in outputs for t in out.token_ids]
+    logprobs = [lp for out in outputs for lp in out.logprobs]
+    chunks = [{"sequence_id": n, "modality": "text", "payload": b64(c), "end_of_input": n == len(CHUNKS) - 1}
+              for n, c in enumerate(CHUNKS)]
+    async with aiohttp.ClientSession() as http:
+        _, created = await call(http, server, "POST", SESSIONS, json={
+            "model": model, "modality": "text", "params": {"max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 2}})
+        base = f"{SESSIONS}/{created['session_id']}"
+        for chunk in chunks:
+            assert (await call(http, server, "POST", base + "/chunks", json=chunk))[0] in (200, 202)
+        status, result = await call(http, server, "GET", base + "/result")
+    assert status == 200 and result["token_ids"] == tokens
+    body = result["logprobs"]
+    assert len(body["tokens"]) == len(body["top_logprobs"]) == len(tokens)
+    np.testing.assert_allclose(body["token_logprobs"], logprobs, rtol=1e-6)
+    assert all(2 <= len(top) <= 3 for top in body["top_logprobs"])
+
+
+async def _aiter(items):
+    for item in items:
+        yield item
 
 
 @pytest.mark.parametrize("policy, first, started", [
