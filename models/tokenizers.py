@@ -336,6 +336,7 @@ class HFTokenizer(Tokenizer):
         self.streaming_pad_id = self.streaming_word_id = None
         self.special_tokens = named_special_tokens(path.parent)
         self.chat_template = self.chat_template_for(find_chat_template(path.parent))
+        self._piece_bytes = _piece_bytes_rule(json.loads(self._tokenizer.to_str()).get("decoder"))
 
     def _named_special_ids(self, config_path: Path) -> dict[str, int]:
         """`bos_token` / `eos_token` of a tokenizer_config.json (a string, or an AddedToken dict) -> ids."""
@@ -367,12 +368,55 @@ class HFTokenizer(Tokenizer):
         return self._tokenizer.decode([self._checked(token_id) for token_id in ids], skip_special_tokens=True)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The token decoded on its own, as UTF-8 (b"" for special tokens). A byte-level piece of a
-        multi-byte character decodes to U+FFFD alone: text comes from `decode` / `stream_decoder`."""
-        return self._tokenizer.decode([self._checked(token_id)], skip_special_tokens=True).encode("utf-8")
+        """The bytes the token stands for (b"" for special tokens): read from its vocabulary piece where the decoder
+        says how (byte-level BPE, byte fallback), so that a piece of a multi-byte character gives its own bytes, as
+        logprobs' `bytes` promise (decoded alone it is U+FFFD); else the token decoded on its own."""
+        token_id = self._checked(token_id)
+        if token_id in self._special_ids:
+            return b""
+        data = self._piece_bytes(self._tokenizer.id_to_token(token_id) or "")
+        return data if data is not None else self._tokenizer.decode([token_id]).encode("utf-8")
 
     def stream_decoder(self) -> "HFStreamDecoder":
         return HFStreamDecoder(self._tokenizer, self._checked)
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (tokenizers' ByteLevel, Llama 3, Qwen): each byte is a printable character, itself
+    for the printable Latin-1 bytes, else 256 + its rank among the others."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
+
+
+_BYTE_LEVEL_CHARS = _byte_level_chars()
+
+
+def _piece_bytes_rule(decoder: dict | None):
+    """piece -> its bytes, or None where the tokenizer.json's decoder does not say (the token is then decoded): a
+    ByteLevel decoder maps each character to a byte; ByteFallback reads "<0xNN>" pieces as byte NN and others as
+    text, with its Replace / Metaspace decoders' replacements (the _SPM_SPACE that stands for a space)."""
+    members = decoder.get("decoders", []) if decoder and decoder.get("type") == "Sequence" else [decoder or {}]
+    types = {member.get("type") for member in members}
+    if "ByteLevel" in types:
+        return lambda piece: (bytes(_BYTE_LEVEL_CHARS[c] for c in piece)
+                              if piece and all(c in _BYTE_LEVEL_CHARS for c in piece) else None)
+    if "ByteFallback" not in types:
+        return lambda piece: None
+    replacements = [(member["pattern"]["String"], member["content"]) for member in members
+                    if member.get("type") == "Replace" and "String" in member.get("pattern", {})]
+    replacements += [(member.get("replacement", _SPM_SPACE), " ") for member in members
+                     if member.get("type") == "Metaspace"]
+
+    def piece_bytes(piece: str) -> bytes:
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            with contextlib.suppress(ValueError):
+                return bytes([int(piece[3:5], 16)])
+        for pattern, content in replacements:
+            piece = piece.replace(pattern, content)
+        return piece.encode("utf-8")
+
+    return piece_bytes
 
 
 _INVALID_PREFIX = "Invalid prefix encountered"  # tokenizers' DecodeStream error (its message is its only type)

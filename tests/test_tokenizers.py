@@ -418,3 +418,20 @@ def test_every_tokenizer_refuses_a_lone_surrogate_with_a_value_error(utf8_tekken
             tokenizer.encode("abc\udc00 def")
         assert tokenizer.encode("abc def")  # and encodes what it can
     assert "panicked" not in capfd.readouterr().err
+
+
+def test_tokenizer_json_token_bytes_are_the_pieces_own(hf_tokenizer_dir, tmp_path):
+    """Logprobs' `bytes` let a client rebuild a character split over tokens: each token's own bytes, joined, are the
+    text's UTF-8. They were the token decoded alone, U+FFFD for every piece of a multi-byte character (a byte-level
+    BPE's, Llama 3's) or a byte-fallback byte (Llama 2's)."""
+    tokenizer = load_tokenizer(hf_tokenizer_dir / "tokenizer.json")
+    for text in UTF8_TEXTS:
+        ids = tokenizer.encode(text)
+        assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode("utf-8")
+    assert any(not is_valid_utf8(tokenizer.token_bytes(i)) for text in UTF8_TEXTS for i in tokenizer.encode(text))
+    assert tokenizer.token_bytes(1) == b""  # a special token
+    metaspace_tokenizer_json(tmp_path / "tokenizer.json")
+    metaspace = HFTokenizer(tmp_path / "tokenizer.json", bos_id=1, eos_id=2)
+    euro = "\u20ac".encode()
+    assert [metaspace.token_bytes(i) for i in (259, 3 + euro[0], 3 + euro[1], 3 + euro[2], 261, 263)] == \
+        [b" a", euro[:1], euro[1:2], euro[2:], b" the", b"a"]
