@@ -61,6 +61,9 @@ class ChatTemplate(abc.ABC):
         final message, for the model to continue it (not both); `variables`: extra template variables (vLLM's
         `chat_template_kwargs`, and its `documents`)."""
 
+    def prepare(self) -> None:
+        """Loads now what the first conversation would load, so that it does not stall a server's event loop."""
+
 
 class JinjaChatTemplate(ChatTemplate):
     """A jinja chat template, rendered as transformers renders it, and tokenized by `encode_text`."""
@@ -132,6 +135,9 @@ class MistralChatTemplate(ChatTemplate):
         from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 
         return MistralTokenizer.from_file(self._path)
+
+    def prepare(self) -> None:
+        self._tokenizer  # noqa: B018 - mistral-common reads the whole vocabulary (0.6 s for tekken_240911)
 
     def encode(self, messages: list[dict], *, add_generation_prompt: bool = True,
                continue_final_message: bool = False, variables: dict | None = None) -> ChatPrompt:

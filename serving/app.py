@@ -111,6 +111,10 @@ class ServerState:
             raise ValueError(f"jaxstream serve needs a realtime speech model or a text LM; "
                              f"{engine.model_name!r} is a {engine.kind} model")
         self.engine = engine
+        if engine.kind == "text" and engine.tokenizer is not None:
+            template = engine.tokenizer.chat_template_for(self.config.chat_template)
+            if template is not None:
+                template.prepare()  # before the first chat, which would wait for it on the event loop
         self.metrics.attach_engine(engine)
         self.ready.set()
 

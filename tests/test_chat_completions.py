@@ -110,6 +110,12 @@ def test_a_tekken_tokenizer_encodes_chats_with_mistral_common():
         "<|begin_of_text|>"
     with pytest.raises(ChatTemplateError, match="start with a user message"):
         tokenizer.chat_template.encode([{"role": "assistant", "content": "OK"}])
+    # mistral-common's tokenizer loads on the first chat (0.6 s for a full tekken file, on a server's event loop)
+    # unless the server prepares the template first.
+    fresh = load_tokenizer(VOXTRAL_TEKKEN).chat_template
+    assert "_tokenizer" not in vars(fresh)
+    fresh.prepare()
+    assert "_tokenizer" in vars(fresh)
     # A lone surrogate (JSON's "\ud800"): tiktoken panicked, a BaseException past the template's error handling.
     with pytest.raises(ChatTemplateError, match=r"messages\[1\].content holds a lone UTF-16 surrogate \(U\+D800\)"):
         tokenizer.chat_template.encode([chat[0], {"role": "user", "content": "HI \ud800"}])
