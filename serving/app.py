@@ -91,6 +91,7 @@ class ServerState:
         self.metrics = ServerMetrics()
         self.engine = None
         self.load_error: BaseException | None = None
+        self.log_load_error = True  # off for a caller that reports a failed load itself (`jaxstream serve`)
         self.ready = asyncio.Event()
         self.draining = False
         self.connections: set = set()
@@ -290,7 +291,8 @@ async def _load_engine(state: ServerState, factory) -> None:
     except BaseException as exc:  # noqa: BLE001 - reported by /health and by `jaxstream serve`
         state.load_error = exc
         state.ready.set()
-        logger.error("loading the model failed: %s", exc)
+        if state.log_load_error:
+            logger.error("loading the model failed: %s", exc)
 
 
 def _settle(future: asyncio.Future, result, error) -> None:

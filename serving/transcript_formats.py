@@ -7,7 +7,12 @@ from jaxstream.serving.languages import language_name
 RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 STREAM_FORMATS = ("json", "text")  # as OpenAI: a stream carries text events, not subtitles
 _SEGMENT_GAP_S = 1.0  # a pause this long between words starts a new segment
-_SEGMENT_MAX_S = 30.0
+# Subtitle practice (Netflix's timed-text style guide): a cue at most 7 s on screen, in at most two lines of at most
+# 42 characters. A model that writes no punctuation (the embedded tiny one) gave 30 s cues when only sentence ends
+# and long pauses cut.
+_SEGMENT_MAX_S = 7.0
+_LINE_CHARS = 42
+_CUE_LINES = 2
 
 
 def answer(done, response_format: str, granularities: list[str], language: str,
@@ -35,12 +40,14 @@ def answer(done, response_format: str, granularities: list[str], language: str,
 
 
 def segments_of(words) -> list[dict]:
-    """Words grouped into segments at sentence ends, pauses and every 30 s (the model emits no segments of
-    its own); fields as Whisper's, with the statistics we do not compute left at neutral values."""
+    """Words grouped into segments (one subtitle cue each) at sentence ends, at pauses, and before a word that would
+    make the segment last over _SEGMENT_MAX_S or need more than _CUE_LINES lines (the model emits no segments of its
+    own); fields as Whisper's, with the statistics we do not compute left at neutral values."""
     groups, current = [], []
     for word in words:
         if current and (word.start - current[-1].end > _SEGMENT_GAP_S
-                        or word.end - current[0].start > _SEGMENT_MAX_S):
+                        or word.end - current[0].start > _SEGMENT_MAX_S
+                        or len(_lines([w.word for w in current] + [word.word])) > _CUE_LINES):
             groups.append(current)
             current = []
         current.append(word)
@@ -54,16 +61,28 @@ def segments_of(words) -> list[dict]:
              "compression_ratio": 0.0, "no_speech_prob": 0.0} for i, group in enumerate(groups)]
 
 
+def _lines(words: list[str]) -> list[str]:
+    """`words` wrapped into lines of at most _LINE_CHARS characters (a longer word alone on its line)."""
+    lines: list[str] = []
+    for word in words:
+        if lines and len(lines[-1]) + 1 + len(word) <= _LINE_CHARS:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return lines
+
+
 def _timestamp(seconds: float, separator: str) -> str:
     ms = round(seconds * 1000)
     return f"{ms // 3600000:02d}:{ms // 60000 % 60:02d}:{ms // 1000 % 60:02d}{separator}{ms % 1000:03d}"
 
 
 def _subtitles(segments: list[dict], separator: str) -> str:
-    """SRT cues (numbered, `,` before milliseconds) or WebVTT cues (`.`), one per segment."""
+    """SRT cues (numbered, `,` before milliseconds) or WebVTT cues (`.`), one per segment, its text in lines."""
     cues = []
     for segment in segments:
         number = f"{segment['id'] + 1}\n" if separator == "," else ""
+        text = "\n".join(_lines(segment["text"].split()))
         cues.append(f"{number}{_timestamp(segment['start'], separator)} --> "
-                    f"{_timestamp(segment['end'], separator)}\n{segment['text']}\n")
+                    f"{_timestamp(segment['end'], separator)}\n{text}\n")
     return "\n".join(cues)

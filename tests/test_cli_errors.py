@@ -1,6 +1,6 @@
 """One-line mistakes (`jaxstream COMMAND: error: ...`, exit 2) of commands whose own test files are about other
-things: training's corpora and run directory, and the engine benchmark's count lists. Each names the flag
-that was wrong and is found before any long work."""
+things: training's corpora and run directory, the engine benchmark's count lists, and a model `serve` cannot
+load. Each names what was wrong and is found before any long work."""
 import pytest
 
 from jaxstream import cli
@@ -72,3 +72,20 @@ def test_transcribe_refuses_a_text_model_before_loading_it(capsys, monkeypatch):
     assert cli.main(["transcribe", "--model", model, str(sample)]) == 2
     assert capsys.readouterr().err == (f"jaxstream transcribe: error: model {model!r} is a text model; jaxstream "
                                        "transcribe needs a speech-to-text (Voxtral Realtime) model\n")
+
+
+def test_serve_says_a_model_it_cannot_load_once(tmp_path):
+    """`jaxstream serve nosuchmodel` printed its error twice: the app's `ERROR jaxstream.serving.app: loading the
+    model failed: ...` log line, then the command's own. As a user runs it (a process: the log goes to stderr)."""
+    import os
+    import subprocess
+    import sys
+
+    missing = tmp_path / "nosuchmodel"
+    done = subprocess.run([sys.executable, "-m", "jaxstream", "serve", str(missing), "--host", "127.0.0.1", "--port",
+                           "0"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"jaxstream serve: error: model {str(missing)!r} not found: not a built-in name (tiny), a local directory or a "
+        "Hugging Face repo id (org/name)"], done.stderr

@@ -123,8 +123,9 @@ def test_resume_keeps_successes_and_retries_failures(tmp_path):
     assert [u.id for u in second.todo(480)] == ["u1", "u3", "u4"]
     assert len(second.todo(960)) == 5
     other = Evaluation(corpus, model="other", delays=[480], options=RunOptions(), normalizer_name="english")
-    with pytest.raises(UserError, match="different model"):
+    with pytest.raises(UserError, match="the report was run with --model m, this run with --model other: run with "
+                                        "--model m to continue it"):
         other.resume_from(report)
     smaller = Evaluation(corpus, model="m", delays=[480], options=RunOptions(), normalizer_name="english", limit=1)
-    with pytest.raises(UserError, match="does not select"):
+    with pytest.raises(UserError, match="the report was run without --limit, this run with --limit 1"):
         smaller.resume_from(report)

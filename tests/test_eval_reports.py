@@ -69,9 +69,12 @@ def test_merged_shard_reports_equal_the_full_report(tmp_path):
     for key in ("summary", "speakers", "errors", "utterances"):
         assert merged["runs"][0][key] == full["runs"][0][key]
     assert merged["corpus"]["selected"] == full["corpus"]["selected"]
-    other = dict(shards[0], model="another")
-    with pytest.raises(UserError, match="different model"):
+    other = dict(shards[0], model="another", settings=dict(shards[0]["settings"], realtime=True))
+    with pytest.raises(UserError) as mismatch:
         merge_reports([shards[1], other])
+    # Said as the flags each part was run with (it was "a different model: 'tiny' vs 'another'").
+    assert str(mismatch.value) == ("cannot merge reports of different evaluations: one was run with --model tiny and "
+                                   "without --realtime, another with --model another and with --realtime")
 
 
 def _timed(report, wall_seconds):

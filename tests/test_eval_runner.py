@@ -179,6 +179,39 @@ def test_an_empty_shard_is_an_empty_part_and_only_an_empty_selection_is_an_error
         assert not any("error" in line for line in err[:-1]), err
 
 
+def test_a_resume_that_cannot_continue_its_report_says_what_to_pass(tmp_path, capsys):
+    """`--resume` with another `--realtime` than the report's run said "cannot resume from reports with a different
+    realtime: True vs False": each mismatch now names the flags the report was run with, to pass them again, or a
+    new --report. Found before the model loads."""
+    from jaxstream.evaluation import UtteranceResult
+    from jaxstream.evaluation.metrics import score
+
+    corpus = _manifest(tmp_path / "four.jsonl", [f"word {i}" for i in range(4)])
+    report_path = tmp_path / "report.json"
+    earlier = Evaluation(read_corpus(corpus), model=MODEL, delays=[480], options=RunOptions(),
+                         normalizer_name="english", limit=3)
+    for utterance in earlier.utterances:
+        result = UtteranceResult(utterance.id, utterance.audio, utterance.text,
+                                 reference_normalized=earlier.normalizer(utterance.text))
+        score(result, utterance.text, earlier.normalizer)
+        earlier.add(480, result)
+    write_reports(earlier.report(), report_path)
+    again = ["--delay-ms", "480", "--report", report_path, "--resume"]
+    cannot = f"jaxstream eval: error: cannot resume {report_path}: the report was run"
+    for flags, report_flags, run_flags in [
+            (["--limit", "3", "--realtime"], "without --realtime", "with --realtime"),
+            (["--limit", "3", "--normalizer", "basic", "--realtime"],
+             "without --realtime and with --normalizer english", "with --realtime and with --normalizer basic"),
+            (["--limit", "3", "--shard", "0/2"], "without --shard", "with --shard 0/2"),
+            (["--limit", "2"], "with --limit 3", "with --limit 2")]:
+        assert _eval(corpus, *flags, *again) == 2
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"{cannot} {report_flags}, this run {run_flags}: run {report_flags} to continue it, or give another "
+            "--report PATH to start a new run")
+    assert _eval(corpus, "--limit", "3", *again) == 0  # the same flags continue it (nothing is left to run)
+    assert f"resuming {report_path}: 3 utterance results kept" in capsys.readouterr().err
+
+
 def test_a_process_that_fails_hands_its_error_to_process_0(tmp_path, monkeypatch, capsys):
     """Under --shard auto process 0 waits for every part; a process that failed without sending one once left it
     waiting for a day."""

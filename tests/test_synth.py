@@ -124,20 +124,27 @@ def test_held_out_corpus_uses_only_held_out_sentences_and_voices(tmp_path):
 
 
 @needs_espeak
-def test_synth_cli_writes_corpus_and_refuses_non_empty_output(tmp_path, capsys):
+def test_synth_cli_writes_corpus_and_refuses_non_empty_output(tmp_path, tiny_pools, capsys):
+    """By default the corpus is of sentences, the shipped model's kind (the default was random word sequences);
+    `--text words` still writes those."""
     from jaxstream.cli import main
 
     out = tmp_path / "corpus"
-    assert main(["synth", os.fspath(out), "--num", "2", "--seed", "9", "--max-words", "3", "--workers", "1"]) == 0
+    assert main(["synth", os.fspath(out), "--num", "2", "--seed", "9", "--workers", "1"]) == 0
     assert "utt/s" not in capsys.readouterr().err  # no progress bar into a pipe or a file (pytest's capture)
-    lines = (out / "manifest.jsonl").read_text().splitlines()
-    assert len(lines) == 2 and all(json.loads(line)["words"] for line in lines)
+    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    training = {text for kind, texts in tiny_pools.items() if kind != "held-out" for text in texts}
+    assert len(records) == 2 and all(r["words"] and r["text"] in training and r["engine"] == "espeak" for r in records)
+    words = tmp_path / "words"
+    assert main(["synth", os.fspath(words), "--num", "2", "--text", "words", "--max-words", "3", "--workers", "1"]) == 0
+    records = [json.loads(line) for line in (words / "manifest.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(r["words"] and "engine" not in r for r in records)  # espeak-ng's words alone
     assert main(["synth", os.fspath(out), "--num", "2"]) == 2
     assert main(["synth", os.fspath(tmp_path / "other"), "--voice-edits", "1.5"]) == 2
 
 
 @needs_espeak
-def test_synth_cli_an_output_folder_it_cannot_make_is_one_line(tmp_path, capsys):
+def test_synth_cli_an_output_folder_it_cannot_make_is_one_line(tmp_path, tiny_pools, capsys):
     """It was a FileNotFoundError traceback from the corpus writer."""
     from jaxstream.cli import main
 
@@ -149,7 +156,24 @@ def test_synth_cli_an_output_folder_it_cannot_make_is_one_line(tmp_path, capsys)
         assert capsys.readouterr().err == f"jaxstream synth: error: cannot create the output folder {out}: {reason}\n"
 
 
-def test_synth_cli_explains_an_espeak_ng_without_a_data_directory(tmp_path, monkeypatch, capsys):
+@needs_espeak
+def test_synth_without_sentence_sources_names_their_packages_and_the_word_list(tmp_path, monkeypatch, capsys):
+    """Sentences are the default now: a machine without WordNet and fortunes hears what to install, or the flag
+    that needs neither."""
+    from jaxstream.cli import main
+    from jaxstream.synth import sentences
+
+    def not_installed():
+        raise RuntimeError(sentences.NOT_INSTALLED)
+
+    monkeypatch.setattr(sentences, "sentence_pools", not_installed)
+    assert main(["synth", os.fspath(tmp_path / "x"), "--num", "1"]) == 2
+    assert capsys.readouterr().err == (f"jaxstream synth: error: {sentences.NOT_INSTALLED}; or --text words, which "
+                                       "needs none\n")
+    assert not (tmp_path / "x").exists()
+
+
+def test_synth_cli_explains_an_espeak_ng_without_a_data_directory(tmp_path, tiny_pools, monkeypatch, capsys):
     import subprocess
 
     from jaxstream.cli import main
@@ -347,7 +371,7 @@ def test_synth_cli_sentence_options(tmp_path, tiny_pools, capsys):
     assert main(["synth", os.fspath(tmp_path / "x"), "--text", "sentences", "--engines", "flite"]) == 2
     assert main(["synth", os.fspath(tmp_path / "x"), "--text", "sentences", "--engines", "espeak:0"]) == 2
     assert main(["synth", os.fspath(tmp_path / "x"), "--text", "sentences", "--engines", "mbrola"]) == 2
-    assert main(["synth", os.fspath(tmp_path / "x"), "--telephone", "0.5"]) == 2  # needs --text sentences
+    assert main(["synth", os.fspath(tmp_path / "x"), "--text", "words", "--telephone", "0.5"]) == 2
     errors = capsys.readouterr().err.splitlines()
     assert "flite is the held-out engine" in errors[0] and "share must be positive" in errors[1]
     out = tmp_path / "phone"
@@ -367,7 +391,8 @@ def test_synth_cli_sentence_options(tmp_path, tiny_pools, capsys):
     (["--text", "sentences", "--min-words", "3"], "--min-words applies to --text words only"),
     (["--text", "sentences", "--min-words", "2", "--max-words", "4"],
      "--min-words and --max-words apply to --text words only"),
-    (["--max-words", "2"], "need 1 <= --min-words <= --max-words, got 3 and 2"),  # the default --min-words
+    (["--text", "words", "--max-words", "2"], "need 1 <= --min-words <= --max-words, got 3 and 2"),  # default min
+    (["--max-words", "5"], "--max-words applies to --text words only: --text sentences (the default) speaks"),
 ])
 def test_synth_cli_refuses_bad_numbers(tmp_path, capsys, option, message):
     from jaxstream.cli import main

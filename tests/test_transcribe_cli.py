@@ -68,6 +68,45 @@ def test_transcribe_bad_audio_is_one_line_error(tmp_path, capsys):
     assert "--delay-ms 100" in capsys.readouterr().err
 
 
+def test_a_bad_file_in_a_batch_costs_only_itself(tmp_path, capsys):
+    """`transcribe good.wav bad.wav good2.wav` checked every file first and exited 2 with no transcript at all. Each
+    bad file is now its own line on stderr (one found before the model loads, one only when decoded: a NaN sample),
+    the good ones are transcribed as they are alone, and the exit status says some files were not (1); when no
+    file was, it is 2, as for one bad file given alone."""
+    good, good2 = tmp_path / "good.wav", tmp_path / "good2.wav"
+    _espeak("good morning", good)
+    _espeak("see you later", good2)
+    not_audio, nan = tmp_path / "bad.wav", tmp_path / "nan.wav"
+    not_audio.write_text("this is not a wav file")
+    samples, rate = soundfile.read(good, dtype="float32")
+    samples[100] = np.nan
+    soundfile.write(nan, samples, rate, subtype="FLOAT")
+    model = ["transcribe", "--model", str(FIXTURE_MODEL), "--json"]
+    assert cli.main([*model, str(good), str(good2)]) == 0
+    alone = capsys.readouterr().out.splitlines()
+
+    assert cli.main([*model, str(good), str(not_audio), str(nan), str(good2)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == alone  # the same transcripts, in the order given
+    errors = captured.err.splitlines()
+    assert len(errors) == 3, errors
+    assert errors[0].startswith("jaxstream transcribe: error: unsupported or unreadable audio") and str(not_audio) in \
+        errors[0] and errors[0].endswith("(skipped)"), errors
+    assert errors[1].startswith(f"jaxstream transcribe: error: unusable audio {nan}") and \
+        errors[1].endswith("(skipped)"), errors
+    assert errors[2] == "jaxstream transcribe: error: 2 of 4 files not transcribed"
+
+    missing = tmp_path / "missing.wav"
+    assert cli.main([*model, str(not_audio), str(missing)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines()[1:] == [f"jaxstream transcribe: error: audio file not found: {missing} (skipped)",
+                                             "jaxstream transcribe: error: 2 of 2 files not transcribed"]
+    assert cli.main([*model, str(nan)]) == 2  # alone, it is the command's one-line error, as before
+    assert capsys.readouterr().err.splitlines() == [f"jaxstream transcribe: error: unusable audio {nan}: "
+                                                    "audio contains NaN or infinite samples"]
+
+
 def test_undecodable_audio_bytes_are_named_as_bytes_with_libsndfiles_reason(tmp_path):
     """An HTTP upload reaches load_audio as bytes: its error read "Error opening <_io.BytesIO object at
     0x...>". The reason must be the one the same bytes give as a file (libsndfile's), the name "<audio bytes>"."""

@@ -202,7 +202,10 @@ def _resume(evaluation, report_path: str) -> None:
     if not os.path.exists(report_path):
         print(f"no report at {report_path} yet: starting from the beginning", file=sys.stderr)
         return
-    kept = evaluation.resume_from(load_report(report_path))
+    try:
+        kept = evaluation.resume_from(load_report(report_path))
+    except UserError as exc:
+        raise UserError(f"cannot resume {report_path}: {exc}") from None
     print(f"resuming {report_path}: {kept} utterance results kept", file=sys.stderr)
 
 

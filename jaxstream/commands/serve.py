@@ -262,6 +262,7 @@ async def _serve(model: str, config, engine_config, key_source: str | None, load
 
     app = create_app(config, engine_factory=build_engine)
     state = app[SERVER]
+    state.log_load_error = False  # the command's own error line says it (the log line repeated it)
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
     deadline = asyncio.create_task(state.first_request.watch(runner.server))

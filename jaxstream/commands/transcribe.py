@@ -6,10 +6,14 @@ Prints the transcript of each file (`FILE: text` when there are several), or wit
 per line: {"file", "text", "token_ids", "words": [{"word", "start", "end"}], "audio_seconds", "delay_ms"};
 token_ids are the raw generated ids (specials included), in order. Files are transcribed concurrently and
 printed in the order given.
-"""
+
+A file that cannot be read (missing, not audio, no samples) is skipped: its one-line error goes to stderr when it
+is met, and the other files are transcribed. Exit status: 0 when every file was transcribed, 1 when some were
+and some were not, 2 when none was (one bad file given alone included)."""
 import json
 import logging
 import os
+import sys
 
 from jaxstream.errors import UserError
 
@@ -20,7 +24,8 @@ def register(subparsers) -> None:
     from jaxstream.models.audio import ALLOWED_DELAYS_TEXT
 
     parser = subparsers.add_parser("transcribe", help="transcribe audio files",
-                                   description=__doc__.split("\n\n")[0])
+                                   description=__doc__.split("\n\n")[0],
+                                   epilog=__doc__.split("\n\n")[-1])  # how a bad file is told, the exit status
     parser.add_argument("audio", nargs="+", metavar="AUDIO", help="audio files (wav, flac, ogg, mp3, ...)")
     parser.add_argument("--model", default=None, help="model name, directory or Hugging Face id (default: the "
                         "embedded tiny model)")
@@ -39,17 +44,36 @@ def run(args) -> int:
     if args.concurrency < 1:
         raise UserError(f"--concurrency must be at least 1, got {args.concurrency}")
     checked_delay_ms(args.delay_ms)
-    for path in args.audio:
-        _check_audio_file(path)  # before loading the model, so a typo fails in a second
-    speech_model_config(model_source(args.model), "transcribe")
-    from jaxstream.models.audio_checks import engine_narrowband_warnings_muted
+    readable = []
+    for path in args.audio:  # before loading the model, so a typo is told in a second
+        try:
+            _check_audio_file(path)
+        except UserError as exc:
+            if len(args.audio) == 1:  # a bad file alone is the command's mistake: its one line, exit 2
+                raise
+            _skip(exc)
+        else:
+            readable.append(path)
+    failed = len(args.audio) - len(readable)
+    if readable:
+        speech_model_config(model_source(args.model), "transcribe")
+        from jaxstream.models.audio_checks import engine_narrowband_warnings_muted
 
-    with engine_narrowband_warnings_muted():  # each file's band is judged here, where its name is known
-        asyncio.run(_transcribe_all(args))
-    return 0
+        with engine_narrowband_warnings_muted():  # each file's band is judged here, where its name is known
+            failed += asyncio.run(_transcribe_all(args, readable))
+    if not failed:
+        return 0
+    print(f"jaxstream transcribe: error: {failed} of {len(args.audio)} files not transcribed", file=sys.stderr)
+    return 2 if failed == len(args.audio) else 1
 
 
-async def _transcribe_all(args) -> None:
+def _skip(exc: Exception) -> None:
+    """The one-line error of a file left out of a batch (the message names the file)."""
+    print(f"jaxstream transcribe: error: {exc} (skipped)", file=sys.stderr, flush=True)
+
+
+async def _transcribe_all(args, paths: list[str]) -> int:
+    """Transcribes `paths`, printing each result in order; returns how many could not be decoded."""
     import asyncio
 
     from jaxstream.engine.async_engine import AsyncEngine
@@ -57,8 +81,9 @@ async def _transcribe_all(args) -> None:
     from jaxstream.evaluation.runner import stream_audio
     from jaxstream.models.audio_checks import file_narrowband_reason, narrowband_warning
 
-    concurrency = min(args.concurrency, len(args.audio))  # fewer sessions compile fewer batch shapes
+    concurrency = min(args.concurrency, len(paths))  # fewer sessions compile fewer batch shapes
     engine = AsyncEngine.from_pretrained(model_source(args.model), config=EngineConfig(max_sessions=concurrency))
+    failed = 0
     async with engine:
         slots = asyncio.Semaphore(concurrency)
 
@@ -68,10 +93,17 @@ async def _transcribe_all(args) -> None:
                 band = await asyncio.to_thread(file_narrowband_reason, path, pcm)
                 return pcm.size, band, (await stream_audio(engine, pcm, delay_ms=args.delay_ms)).done
 
-        tasks = [asyncio.create_task(transcribe(path)) for path in args.audio]
+        tasks = [asyncio.create_task(transcribe(path)) for path in paths]
         try:
-            for path, task in zip(args.audio, tasks):
-                num_samples, band, done = await task
+            for path, task in zip(paths, tasks):
+                try:
+                    num_samples, band, done = await task
+                except UserError as exc:  # what only decoding the file finds (a NaN sample, say)
+                    if len(args.audio) == 1:
+                        raise
+                    _skip(exc)
+                    failed += 1
+                    continue
                 if band is not None:
                     logger.warning("%s: %s", path, narrowband_warning(band))
                 _print_result(path, num_samples, done, args.json, several=len(args.audio) > 1)
@@ -79,6 +111,7 @@ async def _transcribe_all(args) -> None:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+    return failed
 
 
 def checked_delay_ms(delay_ms: int | None) -> int | None:

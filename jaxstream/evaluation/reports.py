@@ -114,19 +114,42 @@ def load_report(path: str | os.PathLike) -> dict:
     return report
 
 
-def check_compatible(report: dict, other: dict, action: str) -> None:
-    """UserError unless two reports evaluate the same model on the same corpus with the same scoring and mode.
+# The settings every report of one evaluation shares, each as the flags that set it: a mismatch is told as what to
+# pass, not as the report's values ("different realtime: True vs False"). The corpus is compared by folder name
+# only, so shards run on hosts with different mount points still merge.
+_SHARED_SETTINGS = (
+    lambda report: f"with --model {report['model']}",
+    lambda report: f"on corpus folder {Path(report['corpus']['path']).name!r}",
+    lambda report: f"with --layout {report['corpus']['layout']}",
+    lambda report: "with --realtime" if report["settings"]["realtime"] else "without --realtime",
+    lambda report: f"with --normalizer {report['settings']['normalizer']}",
+)
 
-    Corpora are compared by layout and folder/file name only, so shards run on hosts with different mount
-    points still merge.
-    """
-    pairs = [("model", report["model"], other["model"]),
-             ("corpus layout", report["corpus"]["layout"], other["corpus"]["layout"]),
-             ("corpus", Path(report["corpus"]["path"]).name, Path(other["corpus"]["path"]).name)]
-    pairs += [(key, report["settings"][key], other["settings"][key]) for key in ("realtime", "normalizer")]
-    for what, mine, theirs in pairs:
-        if mine != theirs:
-            raise UserError(f"cannot {action} reports with a different {what}: {mine!r} vs {theirs!r}")
+
+def shard_flag(report: dict) -> str:
+    shard = report["corpus"]["shard"]
+    return "without --shard" if shard is None else f"with --shard {shard}"
+
+
+def limit_flag(report: dict) -> str:
+    limit = report["corpus"]["limit"]
+    return "without --limit" if limit is None else f"with --limit {limit}"
+
+
+def setting_differences(report: dict, other: dict) -> tuple[str, str] | None:
+    """How two reports' shared settings differ, as the flags each was run with ("with --model tiny and without
+    --realtime", ...), or None when they are the same evaluation's."""
+    differing = [(describe(report), describe(other)) for describe in _SHARED_SETTINGS
+                 if describe(report) != describe(other)]
+    if not differing:
+        return None
+    return " and ".join(mine for mine, _ in differing), " and ".join(theirs for _, theirs in differing)
+
+
+def resume_mismatch(report_flags: str, run_flags: str) -> str:
+    """What to do about a report `--resume` cannot continue: the flags it was run with, or another report."""
+    return (f"the report was run {report_flags}, this run {run_flags}: run {report_flags} to continue it, or give "
+            "another --report PATH to start a new run")
 
 
 def find_run(report: dict, delay_ms: int | None) -> dict | None:
@@ -152,7 +175,9 @@ def merge_reports(reports: list[dict]) -> dict:
         raise UserError("nothing to merge")
     first = reports[0]
     for report in reports[1:]:
-        check_compatible(first, report, "merge")
+        if (differences := setting_differences(first, report)) is not None:
+            raise UserError("cannot merge reports of different evaluations: one was run {}, another {}".format(
+                *differences))
         if _shard(report)[1] != _shard(first)[1]:
             mine, theirs = (f"--shard {r['corpus']['shard']}" if r["corpus"]["shard"] else "no --shard"
                             for r in (first, report))

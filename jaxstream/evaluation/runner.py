@@ -46,7 +46,10 @@ from jaxstream.evaluation.corpora import Corpus, Utterance, select_utterances
 from jaxstream.evaluation.metrics import (
     UtteranceResult, emitted_words, is_scored_reference, make_normalizer, score, word_emission_latencies,
 )
-from jaxstream.evaluation.reports import build_report, check_compatible, combine_streams, run_entry, run_results
+from jaxstream.evaluation.reports import (
+    build_report, combine_streams, limit_flag, resume_mismatch, run_entry, run_results, setting_differences,
+    shard_flag,
+)
 from jaxstream.models.audio import SAMPLES_PER_SLOT, SAMPLING_RATE, SLOT_SECONDS
 
 REALTIME_CHUNK_SAMPLES = SAMPLES_PER_SLOT  # 80 ms, one decoder step
@@ -278,10 +281,11 @@ class Evaluation:
 
     def resume_from(self, report: dict) -> int:
         """Keeps the earlier report's successful results of the selected utterances; returns how many."""
-        check_compatible(report, self.report(), "resume from")
-        if report["corpus"]["shard"] != self.corpus["shard"]:
-            raise UserError(f"cannot resume a report of shard {report['corpus']['shard']} "
-                            f"as shard {self.corpus['shard']}")
+        mine = self.report()
+        if (differences := setting_differences(report, mine)) is not None:
+            raise UserError(resume_mismatch(*differences))
+        if shard_flag(report) != shard_flag(mine):
+            raise UserError(resume_mismatch(shard_flag(report), shard_flag(mine)))
         wanted = {u.id for u in self.utterances}
         kept = 0
         for run in report["runs"]:
@@ -290,8 +294,10 @@ class Evaluation:
                 continue
             for result in run_results(run):
                 if result.id not in wanted:  # dropping it would lose work and skew the RTFx
+                    if limit_flag(report) != limit_flag(mine):
+                        raise UserError(resume_mismatch(limit_flag(report), limit_flag(mine)))
                     raise UserError(f"the report holds utterance {result.id!r}, which this run does not select "
-                                    "(a smaller --limit than the report's?)")
+                                    "(the corpus changed?): give another --report PATH to start a new run")
                 if result.ok:
                     self._results[run["delay_ms"]][result.id] = result
                     kept += 1

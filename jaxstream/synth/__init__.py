@@ -1,11 +1,11 @@
 """Synthetic speech corpora for training and testing the embedded tiny model (offline).
 
 `generate_corpus` writes a LibriSpeech-style corpus plus a JSONL manifest with word timings. Word-list
-corpora (the shipped model's): `SentenceSampler` draws word sequences from the packaged lists and
-`synthesize_words` has espeak-ng speak each word alone. Sentence corpora (v2): `sentences` draws natural
-sentences (WordNet, fortunes, numbers; `normalize` makes them spoken words), `engines` speaks them whole with
-espeak-ng or Festival (flite for held-out sets), `spoken` assembles an utterance, `augment` adds rooms, noise,
-microphone bands and phone lines.
+corpora (the first tiny model's): `SentenceSampler` draws word sequences from the packaged lists and
+`synthesize_words` has espeak-ng speak each word alone. Sentence corpora (v2, the shipped model's and the
+default of `jaxstream synth`): `sentences` draws natural sentences (WordNet, fortunes, numbers; `normalize`
+makes them spoken words), `engines` speaks them whole with espeak-ng or Festival (flite for held-out sets),
+`spoken` assembles an utterance, `augment` adds rooms, noise, microphone bands and phone lines.
 """
 from jaxstream.synth.corpus import CorpusSpec, generate_corpus, read_manifest
 from jaxstream.synth.espeak import HELD_OUT_VARIANTS, TRAIN_VARIANTS, VoiceSpec, synthesize_words

@@ -55,7 +55,7 @@ def augment(audio: np.ndarray, rng: np.random.Generator, strength: float = 1.0) 
 
 
 # What a microphone, a room and a phone line add (sentence corpora, `corpus.py`). The word-list corpora above keep
-# `augment` as it was, so the shipped model's corpus can still be made exactly.
+# `augment` as it was, so the first tiny model's corpus can still be made exactly.
 TELEPHONE_RATE = 8000
 TELEPHONE_BAND_HZ = (300.0, 3400.0)
 _MU = 255.0

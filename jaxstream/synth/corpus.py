@@ -4,12 +4,13 @@ Layout under OUT: `<speaker>/<chapter>/<speaker>-<chapter>-<utt>.flac` (16 kHz m
 phone-line sets) with one `<speaker>-<chapter>.trans.txt` per chapter (lines `ID UPPERCASE TRANSCRIPT`), and
 `manifest.jsonl` with one object per utterance: id, path (relative to OUT), text, words [{word, start, end}]
 in seconds (empty for flite, whose sets are only scored), duration, voice, the voice's settings, and for
-sentence corpora engine and telephone. Two kinds of text: word-list corpora (`text="words"`, the shipped
-model's: each word spoken alone by espeak-ng, so its boundaries are exact; speaker = variant, chapter =
-accent) and sentence corpora (`text="sentences"`, `spoken.py`). Every utterance's text, voice, settings and
-augmentation are a pure function of (seed, index), so corpora can be generated in parallel; the samples are
-not: libespeak-ng's output depends on what it spoke before in the same process (calling espeak_Initialize
-again does not reset it), so --workers changes some espeak-ng utterances' audio slightly.
+sentence corpora engine and telephone. Two kinds of text: word-list corpora (`text="words"`, the first
+tiny model's: each word spoken alone by espeak-ng, so its boundaries are exact; speaker = variant, chapter =
+accent) and sentence corpora (`text="sentences"`, `spoken.py`: the shipped model's). Every utterance's text,
+voice, settings and augmentation are a pure function of (seed, index), so corpora can be generated in
+parallel; the samples are not: libespeak-ng's output depends on what it spoke before in the same process
+(calling espeak_Initialize again does not reset it), so --workers changes some espeak-ng utterances' audio
+slightly.
 """
 import dataclasses
 import json
@@ -39,8 +40,9 @@ class CorpusSpec:
     speed_wpm: tuple[int, int] = (125, 200)
     pitch: tuple[int, int] = (25, 75)
     voice_edit_fraction: float = 0.5  # share of utterances with an edited variant (synth/voices.py); never held out
-    # "words": random word sequences, each word spoken alone (the shipped model's corpus); "sentences":
-    # natural sentences spoken whole (synth/sentences.py, synth/spoken.py); the fields below apply to these.
+    # "words": random word sequences, each word spoken alone (the first tiny model's corpus); "sentences":
+    # natural sentences spoken whole (synth/sentences.py, synth/spoken.py; the shipped model's corpus, and the
+    # CLI's default); the fields below apply to these.
     text: str = "words"
     engines: tuple[tuple[str, float], ...] = (("espeak", 1.0),)  # (engine, share) of spoken.ENGINES
     telephone: float = 0.0  # share of utterances over a phone line (held-out ones written at 8 kHz)
