@@ -328,7 +328,8 @@ def tiny_pools(monkeypatch):
 
     pools = {"examples": ("the cat sat on the mat", "she fed three cats every day"),
              "definitions": ("a member of the genus canis",), "fortunes": ("never eat more than you can lift",),
-             "held-out": ("look before you leap", "she walked quietly into the room", "a penny saved is a penny earned")}
+             "held-out": ("look before you leap", "she walked quietly into the room",
+                          "a penny saved is a penny earned")}
     monkeypatch.setattr(sentences, "sentence_pools", lambda: pools)
     monkeypatch.setattr(sentences, "_held_out_set", lambda: frozenset(pools["held-out"]))
     return pools

@@ -23,7 +23,9 @@ import soundfile
 
 from jaxstream.synth import augment as augmentation
 from jaxstream.synth import sentences, spoken, voices
-from jaxstream.synth.espeak import ACCENTS, HELD_OUT_VARIANTS, SAMPLING_RATE, TRAIN_VARIANTS, VoiceSpec, synthesize_words
+from jaxstream.synth.espeak import (
+    ACCENTS, HELD_OUT_VARIANTS, SAMPLING_RATE, TRAIN_VARIANTS, VoiceSpec, synthesize_words,
+)
 from jaxstream.synth.words import SentenceSampler
 
 MANIFEST_NAME = "manifest.jsonl"

@@ -13,7 +13,9 @@ import numpy as np
 
 from jaxstream.synth import augment as augmentation
 from jaxstream.synth import engines, sentences, voices
-from jaxstream.synth.espeak import ACCENTS, HELD_OUT_VARIANTS, SAMPLING_RATE, TRAIN_VARIANTS, VoiceSpec, synthesize_words
+from jaxstream.synth.espeak import (
+    ACCENTS, HELD_OUT_VARIANTS, SAMPLING_RATE, TRAIN_VARIANTS, VoiceSpec, synthesize_words,
+)
 
 # Variants beyond the word corpora's 50: everything espeak-ng ships except the held-out variants, Gene2 (the
 # held-out Gene's file with another pitch) and the effect voices. Like the word corpora's klatt..klatt3 and
