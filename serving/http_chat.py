@@ -11,9 +11,10 @@ for the templates that read them) shape the prompt; vLLM's `add_special_tokens` 
 tokenizer's BOS before it. A `chat_template` in the request is refused, as vLLM refuses it without
 --trust-request-chat-template.
 
-Sampling and stopping are the completions route's (http_completions.py: `temperature`, `top_p`, `top_k`, `seed`,
-`stop`, `stop_token_ids`, `n` = 1, `min_tokens`, `ignore_eos`, `include_stop_str_in_output`, `return_token_ids`,
-`stream`, `stream_options.include_usage`), but the length: `max_completion_tokens` (OpenAI's newer name, first)
+Sampling and stopping are the completions route's (http_completions.py: `temperature`, `top_p`, `top_k`, `min_p`,
+`seed`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`, `stop`, `stop_token_ids`, `n` =
+1, `min_tokens`, `ignore_eos`, `include_stop_str_in_output`, `return_token_ids`, `stream`,
+`stream_options.include_usage`), but the length: `max_completion_tokens` (OpenAI's newer name, first)
 or `max_tokens`, and with neither the completion may run to the end of the context, as vLLM's chat. What the
 server cannot honour is refused (`NEUTRAL`: the completions route's, and chat's tools, tool_choice other than
 "none", audio output, predicted outputs, ...). `logprobs: true` with `top_logprobs: N` (up to 20) gives each
@@ -232,7 +233,7 @@ def _chat(body: dict, state) -> tuple[ChatInput, list[int]]:
     try:
         params = sampling_params({**body, "max_tokens": body.get(name), "logprobs": _logprobs(body)},
                                  state.engine.default_sampling_params(), streaming=False, neutral=NEUTRAL,
-                                 default_max_tokens=None)
+                                 default_max_tokens=None, vocab_size=state.engine.model_config.vocab_size)
     except RequestError as exc:
         if exc.param == "max_tokens":
             exc.param = name

@@ -2,13 +2,15 @@
 
 A JSON body as OpenAI's SDK sends it: `model`, `prompt` (a string, or token ids; a list of one of either),
 `max_tokens` (default 16, as OpenAI), `temperature`, `top_p`, `seed`, `stop` (a string or a list of up to 64,
-each up to 1,000 characters), `n` (1), `stream`, `stream_options.include_usage`, and vLLM's `top_k`,
-`min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `return_token_ids`. `stream: true`
-answers with SSE `text_completion` chunks and `data: [DONE]`; `stream_options` without it is refused, as vLLM
-refuses it. OpenAI's fields it cannot honour (`echo`, penalties, ...) and vLLM's sampling extras
-(`min_p`, `repetition_penalty`, `truncate_prompt_tokens`, guided decoding, ...: `NEUTRAL`) are refused, 400
-`unsupported_parameter`, unless they hold their "not used" value: served and ignored, they would give other output
-than the client asked for. Other unknown fields are ignored, as vLLM ignores them.
+each up to 1,000 characters), `n` (1), `presence_penalty` and `frequency_penalty` (in [-2, 2]), `logit_bias`
+(up to 300 {"token id": bias in [-100, 100]}, ids in the model's vocabulary), `stream`,
+`stream_options.include_usage`, and vLLM's `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
+`stop_token_ids`, `include_stop_str_in_output`, `return_token_ids`, with vLLM's meanings (SamplingParams). `stream:
+true` answers with SSE `text_completion` chunks and `data: [DONE]`; `stream_options` without it is refused, as vLLM
+refuses it. OpenAI's fields it cannot honour (`echo`, `best_of`, ...) and vLLM's extras (`truncate_prompt_tokens`,
+guided decoding, ...: `NEUTRAL`) are refused, 400 `unsupported_parameter`, unless they hold their "not used" value:
+served and ignored, they would give other output than the client asked for. Other unknown fields are ignored, as
+vLLM ignores them.
 
 A plain request is one engine request (`generate` over its prompt), so stop strings work as in vLLM: the text
 ends before the first one generated (or after it with `include_stop_str_in_output`), the choice says
@@ -60,14 +62,12 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # The fields a request that leaves them out takes from the model's sampling defaults. Not max_tokens: vLLM's
 # CompletionRequest makes an omitted or null one 16 before any default applies (a generation config's
 # max_new_tokens caps completions only under a --generation-config folder, which jaxstream does not take).
-DEFAULTED = ("temperature", "top_p", "top_k")
+DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 _END = object()  # ends a TextInput's chunk queue
 # Fields jaxstream cannot honour, OpenAI's and then vLLM's sampling extras, with the value that means "not used"
 # (an empty list or object is not used either). vLLM honours them all: taking one and ignoring it would give a
 # client other output than it asked for, without a word.
-NEUTRAL = {"echo": False, "suffix": None, "best_of": 1, "presence_penalty": 0,
-            "frequency_penalty": 0, "logit_bias": None,
-            "min_p": 0, "repetition_penalty": 1, "length_penalty": 1, "use_beam_search": False,
+NEUTRAL = {"echo": False, "suffix": None, "best_of": 1, "length_penalty": 1, "use_beam_search": False,
             "allowed_token_ids": None, "bad_words": None, "prompt_logprobs": None, "truncate_prompt_tokens": None,
             "add_special_tokens": True, "skip_special_tokens": True, "spaces_between_special_tokens": True,
             "response_format": {"type": "text"}, "structured_outputs": None, "guided_json": None, "guided_regex": None,
@@ -75,9 +75,11 @@ NEUTRAL = {"echo": False, "suffix": None, "best_of": 1, "presence_penalty": 0,
 
 
 def sampling_params(body: dict, defaults: SamplingParams, *, streaming: bool = True, neutral: dict = NEUTRAL,
-                    default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> SamplingParams:
+                    default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
+                    vocab_size: int | None = None) -> SamplingParams:
     """SamplingParams from OpenAI completion fields (and vLLM's extras) for a streaming-input session, or a
-    one-shot request (`streaming=False`: stop strings allowed); RequestError 400 when invalid. A field of
+    one-shot request (`streaming=False`: stop strings allowed); RequestError 400 when invalid, and when
+    `logit_bias` names an id outside a `vocab_size` given (else the engine refuses the request). A field of
     `DEFAULTED` the body omits or sends as null takes its value in `defaults` (the engine's
     `default_sampling_params()`), as vLLM's `to_sampling_params` merges the model's generation config. The fields
     of `neutral` are refused unless they hold their "not used" value; `max_tokens` omitted or null is
@@ -88,13 +90,16 @@ def sampling_params(body: dict, defaults: SamplingParams, *, streaming: bool = T
             raise RequestError(400, "unsupported_parameter", f"`{name}` is not supported by this server", name)
     fields = {"n": 1, **{name: getattr(defaults, name) for name in DEFAULTED}, "min_tokens": 0, "ignore_eos": False,
               "include_stop_str_in_output": False}
-    fields.update({name: body[name] for name in (*fields, "seed", "stop", "stop_token_ids", "logprobs")
+    fields.update({name: body[name] for name in (*fields, "seed", "stop", "stop_token_ids", "logprobs",
+                                                 "presence_penalty", "frequency_penalty", "logit_bias")
                    if body.get(name) is not None})
     # null is the default too, as in vLLM: OpenAI's SDK sends null for an argument given as None.
     fields["max_tokens"] = default_max_tokens if body.get("max_tokens") is None else body["max_tokens"]
     try:
         params = SamplingParams(**fields)
         params.check_supported(streaming=streaming)
+        if vocab_size is not None:
+            params.check_vocabulary(vocab_size)
     except InvalidRequestError as exc:
         raise RequestError(400, "invalid_request", str(exc), _field_named(str(exc), fields)) from None
     return params
@@ -468,7 +473,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 def _completion(body: dict, state) -> tuple["TextInput", list[int]]:
     check_model(state, body.get("model"), "text")
     prompt = prompt_ids(parse_prompt(body, state), state)
-    params = sampling_params(body, state.engine.default_sampling_params(), streaming=False)
+    params = sampling_params(body, state.engine.default_sampling_params(), streaming=False,
+                             vocab_size=state.engine.model_config.vocab_size)
     if params.stop:
         check_tokenizer(state, "stop", "stop strings need one; use stop_token_ids")
     check_context_length(prompt, params, state)
@@ -493,8 +499,10 @@ async def _streaming_input(request: web.Request, state) -> web.StreamResponse:
     policy = streaming_input.parse_start_policy(params, "text")
     streaming_input.check_streamed(params)
     _, include_usage = parse_stream(params, implied=True)
-    text_input = TextInput(state, sampling_params(params, state.engine.default_sampling_params()), sse.EventLog(),
-                           include_usage=include_usage, return_token_ids=parse_flag(params, "return_token_ids"))
+    sampling = sampling_params(params, state.engine.default_sampling_params(),
+                               vocab_size=state.engine.model_config.vocab_size)
+    text_input = TextInput(state, sampling, sse.EventLog(), include_usage=include_usage,
+                           return_token_ids=parse_flag(params, "return_token_ids"))
     return await streaming_input.serve_mode_a(request, state, text_input, policy, objects, first_chunk)
 
 

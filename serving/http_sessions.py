@@ -368,8 +368,9 @@ def _new_session(body: dict, registry: StreamingInputSessions, key: str) -> tupl
             raise RequestError(422, "invalid_request", "With streaming input the prompt comes as chunks",
                                "params.prompt")
         try:
-            engine_input = TextInput(state, sampling_params(params, state.engine.default_sampling_params()), log,
-                                     return_token_ids=parse_flag(params, "return_token_ids"))
+            sampling = sampling_params(params, state.engine.default_sampling_params(),
+                                       vocab_size=state.engine.model_config.vocab_size)
+            engine_input = TextInput(state, sampling, log, return_token_ids=parse_flag(params, "return_token_ids"))
         except RequestError as exc:
             raise RequestError(422, exc.code, str(exc), f"params.{exc.param}" if exc.param else "params") from None
     chunk = streaming_input.parse_chunk(body["chunk"], modality) if body.get("chunk") is not None else None

@@ -518,7 +518,7 @@ def test_demand_admission_keeps_the_smaller_pools_whole_and_scales_the_largest(m
     15 s fills its encoder window) and gives the decoder pool the rest of the budget."""
     import jax.numpy as jnp
 
-    from jaxstream.engine import builders, kv_cache, sharding
+    from jaxstream.engine import builders, kv_cache, sharding, steps
 
     free = 120e9
     monkeypatch.setattr(builders, "_free_device_bytes", lambda placement: free)
@@ -540,3 +540,10 @@ def test_demand_admission_keeps_the_smaller_pools_whole_and_scales_the_largest(m
     assert demand["encoder"].num_pages == full["encoder"]
     used = sum((demand[name].num_pages - 1) * page_bytes[name] for name in full)
     assert budget - page_bytes["decoder"] < used <= budget
+    # Memory other state takes (a text engine's penalty counts) comes off the budget first.
+    reserved = 10e9
+    cfg = EngineConfig(max_sessions=128, dtype="bfloat16", realtime_admission="window")
+    less = builders.fit_pools(specs, cfg, placement, reserved_bytes=reserved)
+    used = sum((spec.num_pages - 1) * page_bytes[spec.name] for spec in less)
+    assert budget - reserved - sum(page_bytes.values()) < used <= budget - reserved
+    assert builders.slot_bytes(steps.text_slot_shapes(131072), 64) == 64 * (131072 + 1) * 4

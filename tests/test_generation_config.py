@@ -105,21 +105,20 @@ def test_a_converted_checkpoint_keeps_them(tmp_path):
 
 
 # -- what the engine takes ----------------------------------------------------------------------------------------
-def test_the_engines_defaults_and_what_it_cannot_apply(tmp_path, caplog):
+def test_the_engines_defaults(tmp_path, caplog):
+    """Every default vLLM takes from a checkpoint, min_p and repetition_penalty included (they were ignored with a
+    warning before the engine sampled with them)."""
     source = checkpoint(tmp_path / "model", **SAMPLING, min_p=0.05, repetition_penalty=1.1)
     model = loading.load_model(source).model
     with caplog.at_level(logging.WARNING, logger="jaxstream.engine.builders"):
         params = builders.checkpoint_sampling_params(model, source)
-    assert params == SamplingParams(temperature=0.6, top_p=0.9, top_k=8, max_tokens=5)
-    [warning] = [r.getMessage() for r in caplog.records if r.name == "jaxstream.engine.builders"]
-    assert "cannot apply" in warning and warning.endswith("repetition_penalty=1.1, min_p=0.05")
-    caplog.clear()
-    # --generation-config vllm ignores the file; a neutral min_p is vLLM's sampling too: no warning.
+    assert params == SamplingParams(temperature=0.6, top_p=0.9, top_k=8, max_tokens=5, min_p=0.05,
+                                    repetition_penalty=1.1)
+    assert not caplog.records
+    # --generation-config vllm ignores the file.
     assert builders.checkpoint_sampling_params(model, source, "vllm") == SamplingParams()
     neutral = checkpoint(tmp_path / "neutral", temperature=0.7, min_p=0)
-    with caplog.at_level(logging.WARNING, logger="jaxstream.engine.builders"):
-        assert builders.checkpoint_sampling_params(model, neutral) == SamplingParams(temperature=0.7)
-    assert not caplog.records
+    assert builders.checkpoint_sampling_params(model, neutral) == SamplingParams(temperature=0.7)
     with pytest.raises(ValueError, match="generation_config must be one of auto, vllm"):
         builders.checkpoint_sampling_params(model, source, "path/to/dir")
 

@@ -128,8 +128,8 @@ def test_sdk_errors_in_openai_shape(server, model, kwargs, error, code):
 
 
 @pytest.mark.parametrize("extra, code, param", [
-    ({"min_p": 0.1}, "unsupported_parameter", "min_p"),
-    ({"repetition_penalty": 1.2}, "unsupported_parameter", "repetition_penalty"),
+    ({"min_p": 1.5}, "invalid_request", "min_p"),
+    ({"repetition_penalty": 0}, "invalid_request", "repetition_penalty"),
     ({"add_special_tokens": False}, "unsupported_parameter", "add_special_tokens"),
     ({"truncate_prompt_tokens": 3}, "unsupported_parameter", "truncate_prompt_tokens"),
     ({"response_format": {"type": "json_object"}}, "unsupported_parameter", "response_format"),
@@ -141,9 +141,10 @@ def test_sdk_errors_in_openai_shape(server, model, kwargs, error, code):
     ({"prompt": ""}, "invalid_request", "prompt"),
 ])
 def test_fields_it_cannot_honour_and_bad_values_are_400s_naming_the_field(server, model, extra, code, param):
-    """vLLM's sampling extras (min_p, repetition_penalty, ...) were taken and ignored: a 200 with other output
-    than asked for. They are refused as OpenAI's unsupported fields are; a bad value names its field (`param`
-    was null), and an empty prompt is refused as vLLM refuses it (it was a BOS-only completion)."""
+    """vLLM's sampling extras it does not serve (truncate_prompt_tokens, guided decoding, ...) were taken and
+    ignored: a 200 with other output than asked for. They are refused as OpenAI's unsupported fields are; a bad
+    value names its field (`param` was null), and an empty prompt is refused as vLLM refuses it (it was a BOS-only
+    completion)."""
     client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
     with pytest.raises(openai.BadRequestError) as raised:
         client.completions.create(model=model, prompt="w5", max_tokens=2, extra_body=extra)

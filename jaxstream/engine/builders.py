@@ -2,6 +2,7 @@
 import dataclasses
 import gc
 import logging
+import math
 import time
 from typing import Any, NamedTuple
 
@@ -15,11 +16,6 @@ from jaxstream.engine.text_scheduler import STACK, TextScheduler
 from jaxstream.models.config import TextConfig, VoxtralConfig
 
 logger = logging.getLogger(__name__)
-
-# The declared defaults jaxstream samples with. vLLM applies min_p and repetition_penalty too; jaxstream has no
-# sampler for them, so they are ignored with a warning unless neutral (jaxstream's sampling is then vLLM's).
-_SAMPLED_DEFAULTS = ("temperature", "top_p", "top_k", "max_tokens")
-_NEUTRAL_DEFAULTS = {"min_p": 0, "repetition_penalty": 1}
 
 
 def model_config(model) -> TextConfig | VoxtralConfig:
@@ -78,13 +74,7 @@ def checkpoint_sampling_params(model, directory, generation_config: str = "auto"
                          f"got {generation_config!r}")
     if generation_config == "vllm" or isinstance(model_config(model), VoxtralConfig):
         return SamplingParams()
-    declared = loading.declared_sampling_defaults(directory)
-    ignored = {name: value for name, value in declared.items()
-               if name not in _SAMPLED_DEFAULTS and value != _NEUTRAL_DEFAULTS[name]}
-    if ignored:
-        logger.warning("%s declares sampling defaults jaxstream cannot apply, ignored (vLLM would sample with "
-                       "them): %s", directory, ", ".join(f"{name}={value}" for name, value in ignored.items()))
-    return SamplingParams(**{name: value for name, value in declared.items() if name in _SAMPLED_DEFAULTS})
+    return SamplingParams(**loading.declared_sampling_defaults(directory))
 
 
 def build_core(model, engine_cfg: EngineConfig, *, tokenizer=None, eos_token_id=None):
@@ -126,9 +116,11 @@ def build_text_core(model, engine_cfg: EngineConfig, *, eos_token_id=None, prima
         page_size=engine_cfg.page_size, ring=ring, num_pages=engine_cfg.num_pages,
         max_sessions=engine_cfg.max_sessions)
     placement = sharding.Placement(engine_cfg.mesh, engine_cfg.tp_axis)
-    [spec] = fit_pools([spec], engine_cfg, placement)
+    slot_shapes = steps.text_slot_shapes(cfg.vocab_size)
+    [spec] = fit_pools([spec], engine_cfg, placement, slot_bytes(slot_shapes, engine_cfg.max_sessions))
     check_pool(spec)
-    cache = kv_cache.DeviceCache([spec], {}, engine_cfg.max_sessions, engine_dtype(engine_cfg),
+    cache = kv_cache.DeviceCache([spec], slot_shapes, engine_cfg.max_sessions,
+                                 engine_dtype(engine_cfg),
                                  shardings={STACK: placement.kv_sharding(spec)},
                                  slot_sharding=placement.replicated())
     programs = steps.Programs(model, cache, **placement.program_shardings(model, cache))
@@ -164,9 +156,16 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def fit_pools(specs: list[kv_cache.StackSpec], engine_cfg: EngineConfig, placement) -> list[kv_cache.StackSpec]:
+def slot_bytes(slot_shapes: dict, max_sessions: int) -> int:
+    """The device memory of the per-slot state rows `slot_shapes` ({name: (shape, dtype)}) for `max_sessions`."""
+    return max_sessions * sum(math.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype in slot_shapes.values())
+
+
+def fit_pools(specs: list[kv_cache.StackSpec], engine_cfg: EngineConfig, placement,
+              reserved_bytes: int = 0) -> list[kv_cache.StackSpec]:
     """Scales default-sized pools down to `kv_memory_fraction` of the device's free memory (on CPU, the
-    host's available memory).
+    host's available memory), less `reserved_bytes` that other state takes (a text engine's penalty counts: one
+    int32 per slot and vocabulary id, 33.5 MB for 64 slots of a 131k vocabulary).
 
     Pools the user sized explicitly are kept. A smaller pool holds fewer sessions at once: text sessions
     hold only the pages they use, while a transcription stream is committed its full windows, or its whole
@@ -183,7 +182,7 @@ def fit_pools(specs: list[kv_cache.StackSpec], engine_cfg: EngineConfig, placeme
     dtype = engine_dtype(engine_cfg)
     defaulted = [spec for spec in specs if explicit.get(spec.name) is None]
     wanted = sum((spec.num_pages - 1) * spec.bytes_per_page(dtype) for spec in defaulted)
-    budget = engine_cfg.kv_memory_fraction * free - sum(
+    budget = engine_cfg.kv_memory_fraction * free - reserved_bytes - sum(
         spec.num_pages * spec.bytes_per_page(dtype) for spec in specs if spec not in defaulted)
     if wanted <= budget:
         return specs

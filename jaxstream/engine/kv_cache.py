@@ -165,8 +165,9 @@ class DeviceCache:
     """The engine's device-resident session state and its host-side bookkeeping.
 
     `state` is the pytree every step program takes (donated) and returns: `{"stacks": {name: [(k, v)
-    per layer]}, "slots": {name: [max_sessions + reserved_slots, ...]}}`; the per-slot arrays hold small
-    per-session device state (Voxtral's conv state and last sampled token) at the session's slot index; the
+    per layer]}, "slots": {name: [max_sessions + reserved_slots, ...]}}`; the per-slot arrays hold
+    per-session device state (Voxtral's conv state and last sampled token, a text session's context counts for
+    the sampling penalties) at the session's slot index; the
     `reserved_slots` rows past `max_sessions` are never handed to a session (the engine's own rows). Sessions
     leave and return through `offload` / `restore`, which copy a session's pages and slot rows to host
     memory and back bit for bit.

@@ -18,6 +18,9 @@ MAX_STOP_STRINGS = 64
 # programs always compute this many, so no request compiles a program.
 MAX_LOGPROBS = 20
 MAX_STOP_STRING_CHARS = 1000
+# Entries of a request's `logit_bias` (OpenAI's bound): the text programs carry this many per row, so no request
+# compiles a program.
+MAX_LOGIT_BIAS = 300
 # Seeds take any 64-bit value, signed or not (torch's `manual_seed` range, as vLLM); the engine reduces
 # them to the 32 bits its PRNG keys hold.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
@@ -41,6 +44,13 @@ class SamplingParams:
     string or a list of them) ends a one-shot request as vLLM does (stop_strings.py), and is refused with
     streaming input. Invalid values raise `InvalidRequestError` here (`bool` is not accepted where a number
     is expected).
+
+    The logits a token is chosen from go through vLLM's steps, in its order (sampling.py): `logit_bias` ({token
+    id: bias in [-100, 100]}, up to 300 ids, added) and min_tokens' bans; `repetition_penalty` (> 0: the logit
+    of every id in the chunk's context, cumulative prompt and outputs, divided by it when positive, multiplied
+    when not), `frequency_penalty` and `presence_penalty` (in [-2, 2], OpenAI's: minus the penalty times the
+    id's count among the chunk's outputs, and once more if it occurs there); then temperature; `min_p` (in [0,
+    1]: drops ids less likely than min_p times the likeliest); top-k; top-p. Logprobs are the raw logits'.
     """
 
     n: int = 1
@@ -56,6 +66,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep a matched stop string at the end of the text
     # When set, outputs carry the sampled token's logprob and (`top_logprobs`) the `logprobs` most likely ones'.
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token ids as ints or decimal strings (JSON's keys)
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
 
@@ -74,11 +89,23 @@ class SamplingParams:
             "logprobs": None if self.logprobs is None else _int("logprobs", self.logprobs, 0, MAX_LOGPROBS),
             "stop": _stop_strings(self.stop),
             "stop_token_ids": _stop_token_ids(self.stop_token_ids),
+            "presence_penalty": _float("presence_penalty", self.presence_penalty),
+            "frequency_penalty": _float("frequency_penalty", self.frequency_penalty),
+            "repetition_penalty": _float("repetition_penalty", self.repetition_penalty),
+            "min_p": _float("min_p", self.min_p),
+            "logit_bias": _logit_bias(self.logit_bias),
         }
         if fields["temperature"] < 0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < fields["top_p"] <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= fields[name] <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if fields["repetition_penalty"] <= 0:
+            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= fields["min_p"] <= 1:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if fields["max_tokens"] is not None and fields["min_tokens"] > fields["max_tokens"]:
             raise InvalidRequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
@@ -88,6 +115,13 @@ class SamplingParams:
             raise InvalidRequestError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         for name, value in fields.items():
             object.__setattr__(self, name, value)
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Raises InvalidRequestError when `logit_bias` names an id outside [0, vocab_size) (vLLM's 400)."""
+        outside = sorted(token for token in self.logit_bias or () if token >= vocab_size)
+        if outside:
+            raise InvalidRequestError(f"logit_bias holds token ids outside the vocabulary [0, {vocab_size}): "
+                                      f"{outside[:10]}")
 
     def check_supported(self, *, streaming: bool) -> None:
         """Raises InvalidRequestError for what jaxstream does not serve (vLLM rejects the same for streaming
@@ -167,6 +201,28 @@ def _stop_strings(stop) -> tuple[str, ...] | None:
         raise InvalidRequestError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most "
                                   f"{MAX_STOP_STRING_CHARS} characters each")
     return tuple(stop)
+
+
+def _logit_bias(biases) -> dict[int, float] | None:
+    """{token id: bias} (a copy), None when empty; keys are ints or decimal strings, as JSON objects send them."""
+    if biases is None:
+        return None
+    if not isinstance(biases, dict):
+        raise InvalidRequestError(f"logit_bias must map token ids to biases, got {biases!r}")
+    if len(biases) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS} token ids, got {len(biases)}")
+    checked = {}
+    for key, bias in biases.items():
+        if isinstance(key, str) and key.isascii() and key.isdecimal():
+            key = int(key)
+        if isinstance(key, bool) or not isinstance(key, numbers.Integral) or not 0 <= key <= _INT32_MAX:
+            raise InvalidRequestError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+        token = int(key)
+        value = _float("logit_bias value", bias)
+        if not -100 <= value <= 100:
+            raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+        checked[token] = value
+    return checked or None
 
 
 def _stop_token_ids(ids) -> tuple[int, ...] | None:

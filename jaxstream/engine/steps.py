@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxstream.engine import sampling
 from jaxstream.engine.kv_cache import NULL_PAGE
-from jaxstream.engine.requests import MAX_LOGPROBS
+from jaxstream.engine.requests import MAX_LOGIT_BIAS, MAX_LOGPROBS
 from jaxstream.models.voxtral import ConvState
 
 logger = logging.getLogger(__name__)
@@ -103,9 +103,19 @@ def _merged_step(step, graphdef, param_tree, params, state, batch):
 
 
 # -- text language models (TextLM, ToyLM) --------------------------------------------------------------
+# State: stack "text"; slot rows "context_counts" [V] int32 and "counts_start" (sampling.count_fed_tokens: what
+# the penalties read).
+
+def text_slot_shapes(vocab_size: int) -> dict:
+    """The per-slot rows of a text engine's state (`DeviceCache` slot shapes): one int32 per vocabulary id (0.5 MB
+    a slot for a 131k vocabulary). Counts rather than each slot's token history, which vLLM bincounts every step: a
+    fixed size whatever `max_model_len` (the history of a 128k context is as large), and a step touches only the
+    ids it feeds, and whole rows only of the rows that use penalties or start a session or a chunk."""
+    return {"context_counts": ((vocab_size,), jnp.int32), "counts_start": ((), jnp.int32)}
+
 
 def text_batch(rows: int, chunk: int, pages_per_window: int) -> dict[str, np.ndarray]:
-    """An all-padding batch of the text step (rows with num_new = 0 write nothing)."""
+    """An all-padding batch of the text step (rows with num_new = 0, or slot -1, write nothing)."""
     return {
         "token_ids": np.zeros((rows, chunk), np.int32),
         "page_table": np.zeros((rows, pages_per_window), np.int32),
@@ -118,6 +128,14 @@ def text_batch(rows: int, chunk: int, pages_per_window: int) -> dict[str, np.nda
         "position": np.zeros(rows, np.int32),
         "banned_ids": np.full((rows, sampling.MAX_BANNED_IDS), -1, np.int32),
         "num_top": np.zeros(rows, np.int32),  # how many most likely ids a row's request asks the logprobs of
+        "slot": np.full(rows, -1, np.int32),
+        "output_start": np.zeros(rows, np.int32),  # the position of the chunk's first output
+        "presence": np.zeros(rows, np.float32),
+        "frequency": np.zeros(rows, np.float32),
+        "repetition": np.ones(rows, np.float32),
+        "min_p": np.zeros(rows, np.float32),
+        "bias_ids": np.full((rows, MAX_LOGIT_BIAS), -1, np.int32),
+        "bias_values": np.zeros((rows, MAX_LOGIT_BIAS), np.float32),
     }
 
 
@@ -127,8 +145,13 @@ def text_step(model, state, batch, *, stack, attention_impl):
     logits_at = jnp.maximum(batch["num_new"] - 1, 0)
     logits, cache = model(batch["token_ids"], cache, batch["page_table"], batch["lengths"], batch["num_new"],
                           logits_at=logits_at, attention_impl=attention_impl)
+    slots = state["slots"]
+    counts, start = sampling.count_fed_tokens(slots["context_counts"], slots["counts_start"], batch)
+    penalties = sampling.Penalties(counts, jnp.clip(batch["slot"], 0, counts.shape[0] - 1), batch["presence"],
+                                   batch["frequency"], batch["repetition"])
     tokens, logprobs = sampling.sample(logits, batch["temperature"], batch["top_k"], batch["top_p"],
-                                       batch["seed"], batch["position"], batch["banned_ids"])
+                                       batch["seed"], batch["position"], batch["banned_ids"], min_p=batch["min_p"],
+                                       logit_bias=(batch["bias_ids"], batch["bias_values"]), penalties=penalties)
     top = min(MAX_LOGPROBS, logits.shape[-1])
 
     def most_likely(_):
@@ -139,7 +162,8 @@ def text_step(model, state, batch, *, stack, attention_impl):
         jnp.any(batch["num_top"] > 0), most_likely,
         lambda _: (jnp.zeros((logits.shape[0], top), jnp.float32), jnp.zeros((logits.shape[0], top), jnp.int32)),
         None)
-    state = {"stacks": {**state["stacks"], stack: cache}, "slots": state["slots"]}
+    state = {"stacks": {**state["stacks"], stack: cache}, "slots": {**slots, "context_counts": counts,
+                                                                   "counts_start": start}}
     return {"tokens": tokens, "logprobs": logprobs, "top_ids": top_ids, "top_logprobs": top_logprobs}, state
 
 

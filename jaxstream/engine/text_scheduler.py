@@ -60,6 +60,7 @@ class TextSession(SessionBase):
         self.detokenizer = detokenizer
         self.stop_text: StopStringText | None = None  # the output text of a one-shot request with stop strings
         self.stop_token_ids: frozenset[int] = frozenset()  # the chunk's
+        self.logit_bias: tuple[list[int], list[float]] | None = None  # the chunk's (ids, biases)
 
     @property
     def num_tokens(self) -> int:
@@ -137,6 +138,7 @@ class TextScheduler(Residency):
         try:
             update = ChunkUpdate(self._validated(prompt_ids), params)
             params.check_supported(streaming=resumable)  # stop strings: one-shot requests only
+            params.check_vocabulary(self.vocab_size)
             if params.stop and session.detokenizer is None:
                 raise InvalidRequestError("stop strings need a tokenizer and this model has none; use stop_token_ids")
             if len(self._min_tokens_bans(params)) > sampling.MAX_BANNED_IDS:
@@ -200,6 +202,8 @@ class TextScheduler(Residency):
         session.stop_text = StopStringText(update.params) if update.params.stop else None
         # A set: looked up at every token on the engine thread, for a list as long as the request made it.
         session.stop_token_ids = frozenset(update.params.stop_token_ids or ())
+        bias = update.params.logit_bias
+        session.logit_bias = (list(bias), list(bias.values())) if bias else None
         session.max_tokens = update.params.max_tokens or max(1, self.max_model_len - len(update.prompt_ids))
         session.seed = self._seed(update.params)
         self.touch(session)
@@ -370,6 +374,16 @@ class TextScheduler(Residency):
             batch["seed"][i] = session.seed
             batch["position"][i] = session.num_tokens
             batch["num_top"][i] = params.logprobs or 0
+            batch["slot"][i] = session.slot
+            batch["output_start"][i] = len(session.prompt_ids)
+            batch["presence"][i] = params.presence_penalty
+            batch["frequency"][i] = params.frequency_penalty
+            batch["repetition"][i] = params.repetition_penalty
+            batch["min_p"][i] = params.min_p
+            if session.logit_bias is not None:
+                ids, biases = session.logit_bias
+                batch["bias_ids"][i, :len(ids)] = ids
+                batch["bias_values"][i, :len(ids)] = biases
             if len(session.outputs) < params.min_tokens:
                 bans = self._min_tokens_bans(params)
                 batch["banned_ids"][i, :len(bans)] = bans
