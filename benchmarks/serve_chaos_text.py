@@ -11,12 +11,12 @@ The soak's text model: the tests' tiny Llama with a word-level tokenizer and Lla
         --api-key chaos-key > LOG 2>&1 &
     python benchmarks/serve_chaos.py --url http://127.0.0.1:8124 --api-key chaos-key --pid $! --log LOG
 """
+import argparse
 import asyncio
 import base64
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
 from serve_chaos_clients import Bad, Chaos, behaviour
@@ -325,6 +325,9 @@ async def text_drops(c, rng):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2 or Path(sys.argv[1]).exists():
-        sys.exit("usage: python benchmarks/serve_chaos_text.py NEW_DIRECTORY (the soak's text model, written there)")
-    print(make_model(Path(sys.argv[1])))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directory", type=Path, help="a new directory: the soak's text model is written there")
+    directory = parser.parse_args().directory
+    if directory.exists():
+        parser.error(f"{directory} exists: give a new directory")
+    print(make_model(directory))
