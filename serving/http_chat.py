@@ -24,7 +24,8 @@ with its step's N most likely tokens (token strings as http_completions.py makes
 The answer is a `chat.completion` (`choices[0].message` {role: assistant, content}, vLLM's `stop_reason`, usage;
 with `return_token_ids` the choice's `token_ids` and the body's `prompt_token_ids`, vLLM's chat layout), or SSE
 `chat.completion.chunk` events: a first delta {role: assistant, content: ""}, the content deltas, the finish
-reason's chunk, the usage chunk with `include_usage`, then `data: [DONE]`. Streaming input (`X-Streaming-Input`)
+reason's chunk, the usage chunk with `include_usage`, then `data: [DONE]`. Without a generation prompt the role is
+the last message's, which the answer continues (vLLM's). Streaming input (`X-Streaming-Input`)
 is served on /v1/completions and the Mode B sessions only: vLLM has no chat form of it.
 """
 import json
@@ -157,14 +158,16 @@ class ChatInput(TextInput):
     """A completion answered in chat's shapes (`chat.completion`, `chat.completion.chunk`); its stream starts with
     the assistant role's delta, which carries the prompt's ids when the client asked for ids."""
 
-    def __init__(self, state, params, log: sse.EventLog | None, prompt_ids: list[int], **options):
+    def __init__(self, state, params, log: sse.EventLog | None, prompt_ids: list[int], *, role: str = "assistant",
+                 **options):
         super().__init__(state, params, log, one_shot=True, **options)
         self.id = f"chatcmpl-{self.id.removeprefix('cmpl-')}"
         self._prompt_ids = prompt_ids
+        self._role = role
 
     async def start(self) -> None:
         if self.log is not None:
-            first = self._body([self._choice({"role": "assistant", "content": ""}, None, [])])
+            first = self._body([self._choice({"role": self._role, "content": ""}, None, [])])
             if self.return_token_ids:
                 first["prompt_token_ids"] = list(self._prompt_ids)
             self.log.append(first)
@@ -190,7 +193,7 @@ class ChatInput(TextInput):
         return self._body([self._choice(delta, finish_reason, token_ids, logprobs)])
 
     def completion(self) -> dict:
-        message = {"role": "assistant", "content": self.text, "refusal": None}
+        message = {"role": self._role, "content": self.text, "refusal": None}
         choice = {"index": 0, "message": message, "logprobs": self.logprobs_body(0, len(self.token_ids), 0),
                   "finish_reason": self.finish_reason or "stop", "stop_reason": self.stop_reason}
         body = self._body([choice], "chat.completion")
@@ -243,7 +246,10 @@ def _chat(body: dict, state) -> tuple[ChatInput, list[int]]:
         raise RequestError(400, "invalid_request", "The chat template rendered an empty prompt", "messages")
     check_context_length(prompt, params, state, "messages")
     stream, include_usage = parse_stream(body)
-    chat_input = ChatInput(state, params, sse.EventLog() if stream else None, prompt, include_usage=include_usage,
+    # vLLM's answer role: the assistant's, or without a generation prompt the last message's, which it continues.
+    role = "assistant" if parse_flag(body, "add_generation_prompt", True) else body["messages"][-1]["role"]
+    chat_input = ChatInput(state, params, sse.EventLog() if stream else None, prompt, role=role,
+                           include_usage=include_usage,
                            return_token_ids=parse_flag(body, "return_token_ids"),
                            tokens_as_ids=parse_flag(body, "return_tokens_as_token_ids"))
     return chat_input, prompt

@@ -277,6 +277,24 @@ def test_prompt_options_reach_the_template(server, client, case_name, fields):
     result = client.chat.completions.create(model=server.state.model_id, messages=case["messages"], max_tokens=1,
                                             extra_body={**fields, "return_token_ids": True})
     assert result.model_extra["prompt_token_ids"] == case["ids"]
+    # vLLM's role: without a generation prompt the answer continues the last message, in its role.
+    role = case["messages"][-1]["role"] if fields.get("add_generation_prompt") is False else "assistant"
+    assert result.choices[0].message.role == role
+    streamed = client.chat.completions.create(model=server.state.model_id, messages=case["messages"], max_tokens=1,
+                                              extra_body=fields, stream=True)
+    assert next(iter(streamed)).choices[0].delta.role == role
+
+
+@route
+def test_without_a_generation_prompt_the_answer_takes_the_last_messages_role(server, client):
+    """vLLM's get_chat_request_role: the answer was always the assistant's, even continuing a user's message."""
+    messages = BY_NAME["llama3_1_user"]["messages"]
+    result = client.chat.completions.create(model=server.state.model_id, messages=messages, max_tokens=1,
+                                            extra_body={"add_generation_prompt": False})
+    assert messages[-1]["role"] == result.choices[0].message.role == "user"
+    streamed = client.chat.completions.create(model=server.state.model_id, messages=messages, max_tokens=1,
+                                              extra_body={"add_generation_prompt": False}, stream=True)
+    assert next(iter(streamed)).choices[0].delta.role == "user"
 
 
 @route
