@@ -47,7 +47,7 @@ ROUTE = "/v1/chat/completions"
 # chat's own. `parallel_tool_calls: true` is OpenAI's default.
 _PROMPT_ONLY = ("suffix", "add_special_tokens")  # chat takes add_special_tokens (default false)
 NEUTRAL = {**{name: unused for name, unused in COMPLETION_NEUTRAL.items() if name not in _PROMPT_ONLY},
-           "tools": None, "tool_choice": "none", "parallel_tool_calls": True,
+           "echo": False, "tools": None, "tool_choice": "none", "parallel_tool_calls": True,
            "functions": None, "function_call": "none", "audio": None, "modalities": ["text"], "prediction": None,
            "web_search_options": None}
 _UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is not set. "

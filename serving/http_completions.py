@@ -5,9 +5,11 @@ A JSON body as OpenAI's SDK sends it: `model`, `prompt` (a string, or token ids;
 each up to 1,000 characters), `n` (1), `presence_penalty` and `frequency_penalty` (in [-2, 2]), `logit_bias`
 (up to 300 {"token id": bias in [-100, 100]}, ids in the model's vocabulary), `stream`,
 `stream_options.include_usage`, and vLLM's `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
-`stop_token_ids`, `include_stop_str_in_output`, `return_token_ids`, with vLLM's meanings (SamplingParams). `stream:
-true` answers with SSE `text_completion` chunks and `data: [DONE]`; `stream_options` without it is refused, as vLLM
-refuses it. OpenAI's fields it cannot honour (`echo`, `best_of`, ...) and vLLM's extras (`truncate_prompt_tokens`,
+`stop_token_ids`, `include_stop_str_in_output`, `return_token_ids`, with vLLM's meanings (SamplingParams), and
+`echo` (the prompt's text before the completion's; a stream sends it first, in a chunk of its own; not with
+`logprobs`, which would need the prompt's). `stream: true` answers with SSE `text_completion` chunks and `data:
+[DONE]`; `stream_options` without it is refused, as vLLM refuses it. OpenAI's fields it cannot honour (`best_of`,
+`suffix`, ...) and vLLM's extras (`truncate_prompt_tokens`,
 guided decoding, ...: `NEUTRAL`) are refused, 400 `unsupported_parameter`, unless they hold their "not used" value:
 served and ignored, they would give other output than the client asked for. Other unknown fields are ignored, as
 vLLM ignores them.
@@ -67,7 +69,7 @@ _END = object()  # ends a TextInput's chunk queue
 # Fields jaxstream cannot honour, OpenAI's and then vLLM's sampling extras, with the value that means "not used"
 # (an empty list or object is not used either). vLLM honours them all: taking one and ignoring it would give a
 # client other output than it asked for, without a word.
-NEUTRAL = {"echo": False, "suffix": None, "best_of": 1, "length_penalty": 1, "use_beam_search": False,
+NEUTRAL = {"suffix": None, "best_of": 1, "length_penalty": 1, "use_beam_search": False,
             "allowed_token_ids": None, "bad_words": None, "prompt_logprobs": None, "truncate_prompt_tokens": None,
             "add_special_tokens": True, "skip_special_tokens": True, "spaces_between_special_tokens": True,
             "response_format": {"type": "text"}, "structured_outputs": None, "guided_json": None, "guided_regex": None,
@@ -197,8 +199,9 @@ class TextInput(streaming_input.EngineInput):
 
     def __init__(self, state, params: SamplingParams, log: sse.EventLog | None = None, *,
                  include_usage: bool = False, return_token_ids: bool = False, tokens_as_ids: bool = False,
-                 one_shot: bool = False):
+                 one_shot: bool = False, echo: str = ""):
         super().__init__(state, log)
+        self.echo = echo  # OpenAI's `echo`: the prompt's text, before the completion's in the choice
         self.params = params
         # One prompt, one engine request (what stop strings need); else a session of StreamingInput chunks.
         self.one_shot = one_shot
@@ -287,6 +290,8 @@ class TextInput(streaming_input.EngineInput):
         try:
             # A one-shot request's prompt is its one append (its `finish` follows).
             prompt = await self._chunks.get() if self.one_shot else self._inputs()
+            if self.echo and self.log is not None:  # the prompt's text, in a chunk of its own before the first
+                self.log.append(self.streamed_chunk(self.echo, None, []))
             async for out in self.state.engine.generate(prompt, self.params, request_id=self.id):
                 completion = out.outputs[0]
                 self.text += completion.text
@@ -388,8 +393,8 @@ class TextInput(streaming_input.EngineInput):
         return self.chunk(text, finish_reason, list(prompt) or None, list(token_ids), logprobs)
 
     def completion(self) -> dict:
-        body = self.chunk(self.text, self.finish_reason or "stop", list(self.prompt_token_ids), self.token_ids,
-                          self.logprobs_body(0, len(self.token_ids), 0))
+        body = self.chunk(self.echo + self.text, self.finish_reason or "stop", list(self.prompt_token_ids),
+                          self.token_ids, self.logprobs_body(0, len(self.token_ids), 0))
         return {**body, "usage": self.usage()}
 
     def logprobs_body(self, first: int, end: int, text_offset: int) -> dict | None:
@@ -472,7 +477,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 def _completion(body: dict, state) -> tuple["TextInput", list[int]]:
     check_model(state, body.get("model"), "text")
-    prompt = prompt_ids(parse_prompt(body, state), state)
+    given = parse_prompt(body, state)
+    prompt = prompt_ids(given, state)
     params = sampling_params(body, state.engine.default_sampling_params(), streaming=False,
                              vocab_size=state.engine.model_config.vocab_size)
     if params.stop:
@@ -481,8 +487,24 @@ def _completion(body: dict, state) -> tuple["TextInput", list[int]]:
     stream, include_usage = parse_stream(body)
     text_input = TextInput(state, params, sse.EventLog() if stream else None, include_usage=include_usage,
                            return_token_ids=parse_flag(body, "return_token_ids"),
-                           tokens_as_ids=parse_flag(body, "return_tokens_as_token_ids"), one_shot=True)
+                           tokens_as_ids=parse_flag(body, "return_tokens_as_token_ids"), one_shot=True,
+                           echo=_echoed(body, given, params, state))
     return text_input, prompt
+
+
+def _echoed(body: dict, prompt: str | list[int], params: SamplingParams, state) -> str:
+    """OpenAI's `echo`: the prompt's text (`prompt` as given: text, or ids decoded with special tokens skipped, as
+    vLLM) to put before the completion's; "" without echo. With logprobs, echo would need the prompt's logprobs,
+    which the engine does not compute: refused."""
+    if not parse_flag(body, "echo"):
+        return ""
+    if params.logprobs is not None:
+        raise RequestError(400, "unsupported_parameter", "`echo` with `logprobs` (the prompt's logprobs) is not "
+                           "supported by this server", "echo")
+    if isinstance(prompt, str):
+        return prompt
+    check_tokenizer(state, "echo", "a prompt of token ids is echoed as its text")
+    return state.engine.tokenizer.decode(prompt)
 
 
 async def _streaming_input(request: web.Request, state) -> web.StreamResponse:

@@ -113,12 +113,31 @@ def test_sdk_completion_plain_and_streamed(engine, server, model):
     assert len({c.id for c in chunks}) == 1 and chunks[0].object == "text_completion"
 
 
+def test_echo_puts_the_prompt_before_the_completion(engine, server, model):
+    """OpenAI's `echo` was refused: the choice's text is the prompt's then the completion's, plain and streamed (the
+    prompt in a chunk of its own, first), a prompt of ids decoded (vLLM's)."""
+    client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
+    _, text = asyncio.run(engine_tokens(engine, "w5 w17", greedy(6)))
+    result = client.completions.create(model=model, prompt="w5 w17", max_tokens=6, temperature=0, echo=True)
+    assert result.choices[0].text == "w5 w17" + text and result.usage.prompt_tokens == 3
+    chunks = list(client.completions.create(model=model, prompt="w5 w17", max_tokens=6, temperature=0, echo=True,
+                                            stream=True))
+    assert chunks[0].choices[0].text == "w5 w17" and "".join(c.choices[0].text for c in chunks) == "w5 w17" + text
+    by_ids = client.completions.create(model=model, prompt=[5, 17], max_tokens=6, temperature=0, echo=True)
+    _, ids_text = asyncio.run(engine_tokens(engine, [5, 17], greedy(6)))
+    assert by_ids.choices[0].text == engine.tokenizer.decode([5, 17]) + ids_text
+    with pytest.raises(openai.BadRequestError) as raised:  # chat's echo (the last message's) is another thing
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "w5"}], max_tokens=2,
+                                       extra_body={"echo": True})
+    assert raised.value.body["param"] == "echo"
+
+
 @pytest.mark.parametrize("kwargs, error, code", [
     ({"model": "other"}, openai.NotFoundError, "model_not_found"),
     ({"stop": ["w9", ""]}, openai.BadRequestError, "invalid_request"),  # vLLM refuses an empty stop string
     ({"n": 2}, openai.BadRequestError, "invalid_request"),
     ({"prompt": [5, 999]}, openai.BadRequestError, "invalid_request"),
-    ({"echo": True}, openai.BadRequestError, "unsupported_parameter"),
+    ({"echo": True, "logprobs": 2}, openai.BadRequestError, "unsupported_parameter"),  # would need prompt logprobs
 ])
 def test_sdk_errors_in_openai_shape(server, model, kwargs, error, code):
     client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0)
