@@ -270,7 +270,7 @@ async def text_mode_b(c, rng):
 
 # (route, body, status, code): what the server documents for each; `model` is added.
 REFUSALS = (
-    ("/v1/completions", {"prompt": "w60", "n": 2}, 400, "invalid_request"),
+    ("/v1/completions", {"prompt": "w60", "n": 129}, 400, "invalid_request"),
     ("/v1/completions", {"prompt": "w60", "logprobs": 21}, 400, "invalid_request"),
     ("/v1/completions", {"prompt": "w60", "temperature": -1}, 400, "invalid_request"),
     ("/v1/completions", {"prompt": "w60", "max_tokens": 0}, 400, "invalid_request"),

@@ -12,12 +12,12 @@ tokenizer's BOS before it. A `chat_template` in the request is refused, as vLLM 
 --trust-request-chat-template.
 
 Sampling and stopping are the completions route's (http_completions.py: `temperature`, `top_p`, `top_k`, `min_p`,
-`seed`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`, `stop`, `stop_token_ids`, `n` =
-1, `min_tokens`, `ignore_eos`, `include_stop_str_in_output`, `return_token_ids`, `stream`,
-`stream_options.include_usage`), but the length: `max_completion_tokens` (OpenAI's newer name, first)
-or `max_tokens`, and with neither the completion may run to the end of the context, as vLLM's chat. What the
-server cannot honour is refused (`NEUTRAL`: the completions route's, and chat's tools, tool_choice other than
-"none", audio output, predicted outputs, ...). `logprobs: true` with `top_logprobs: N` (up to 20) gives each
+`seed`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`, `stop`, `stop_token_ids`, `n`
+(a stream opens each choice with its role delta), `min_tokens`, `ignore_eos`, `include_stop_str_in_output`,
+`return_token_ids`, `stream`, `stream_options.include_usage`), but the length: `max_completion_tokens` (OpenAI's
+newer name, first) or `max_tokens`, and with neither the completion may run to the end of the context, as vLLM's
+chat. What the server cannot honour is refused (`NEUTRAL`: the completions route's, and chat's tools, tool_choice
+other than "none", audio output, predicted outputs, ...). `logprobs: true` with `top_logprobs: N` (up to 20) gives each
 choice, and each streamed chunk for its own tokens, `logprobs.content`: every token's string, logprob and bytes
 with its step's N most likely tokens (token strings as http_completions.py makes them).
 
@@ -36,7 +36,7 @@ from jaxstream.engine.requests import MAX_LOGPROBS
 from jaxstream.models.chat_templates import NO_TEMPLATE_MESSAGE, ChatPrompt, ChatTemplateError
 from jaxstream.serving import sse
 from jaxstream.serving.http_completions import (
-    NEUTRAL as COMPLETION_NEUTRAL, TextInput, check_context_length, finite_logprob, parse_flag, parse_stream,
+    NEUTRAL as COMPLETION_NEUTRAL, Choice, TextInput, check_context_length, finite_logprob, parse_flag, parse_stream,
     sampling_params, serve_one_shot,
 )
 from jaxstream.serving.http_errors import RequestError, check_kind, check_model
@@ -155,8 +155,8 @@ def render_chat(body: dict, state, *, add_special_tokens: bool) -> ChatPrompt:
 
 
 class ChatInput(TextInput):
-    """A completion answered in chat's shapes (`chat.completion`, `chat.completion.chunk`); its stream starts with
-    the assistant role's delta, which carries the prompt's ids when the client asked for ids."""
+    """A completion answered in chat's shapes (`chat.completion`, `chat.completion.chunk`); its stream starts each
+    choice with its role's delta (the first carries the prompt's ids when the client asked for ids)."""
 
     def __init__(self, state, params, log: sse.EventLog | None, prompt_ids: list[int], *, role: str = "assistant",
                  **options):
@@ -167,49 +167,56 @@ class ChatInput(TextInput):
 
     async def start(self) -> None:
         if self.log is not None:
-            first = self._body([self._choice({"role": self._role, "content": ""}, None, [])])
-            if self.return_token_ids:
-                first["prompt_token_ids"] = list(self._prompt_ids)
-            self.log.append(first)
+            for choice in self.choices:  # each choice's stream starts with its role
+                first = self._body([self._choice(choice, {"role": self._role, "content": ""}, None, [])])
+                if self.return_token_ids and choice.index == 0:
+                    first["prompt_token_ids"] = list(self._prompt_ids)
+                self.log.append(first)
         await super().start()
 
     def _body(self, choices: list[dict], kind: str = "chat.completion.chunk") -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.state.model_id,
                 "choices": choices}
 
-    def _choice(self, delta: dict, finish_reason: str | None, token_ids: list[int] | None,
+    def _choice(self, choice: Choice, delta: dict, finish_reason: str | None, token_ids: list[int] | None,
                 logprobs: dict | None = None) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
-                  "stop_reason": self.stop_reason if finish_reason is not None else None}
+        body = {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": choice.stop_reason if finish_reason is not None else None}
         if self.return_token_ids and token_ids is not None:
-            choice["token_ids"] = token_ids
-        return choice
+            body["token_ids"] = token_ids
+        return body
 
     def chunk(self, text: str, finish_reason: str | None, prompt_ids: list[int] | None = None,
-              token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
+              token_ids: list[int] | None = None, logprobs: dict | None = None, choice: Choice | None = None) -> dict:
         """A `chat.completion.chunk` of one choice (its delta's content; none in a finish chunk without text). The
         prompt's ids went out with the role's delta."""
         delta = {"content": text} if text or finish_reason is None else {}
-        return self._body([self._choice(delta, finish_reason, token_ids, logprobs)])
+        return self._body([self._choice(choice or self.choices[0], delta, finish_reason, token_ids, logprobs)])
 
     def completion(self) -> dict:
-        message = {"role": self._role, "content": self.text, "refusal": None}
-        choice = {"index": 0, "message": message, "logprobs": self.logprobs_body(0, len(self.token_ids), 0),
-                  "finish_reason": self.finish_reason or "stop", "stop_reason": self.stop_reason}
-        body = self._body([choice], "chat.completion")
+        choices = []
+        for choice in self.choices:
+            message = {"role": self._role, "content": choice.text, "refusal": None}
+            choices.append({"index": choice.index, "message": message,
+                            "logprobs": self.logprobs_body(choice, 0, len(choice.token_ids), 0),
+                            "finish_reason": choice.finish_reason or "stop", "stop_reason": choice.stop_reason})
+            if self.return_token_ids:
+                choices[-1]["token_ids"] = choice.token_ids
+        body = self._body(choices, "chat.completion")
         if self.return_token_ids:
-            choice["token_ids"] = self.token_ids
             body["prompt_token_ids"] = list(self.prompt_token_ids)
         return {**body, "usage": self.usage()}
 
-    def logprobs_body(self, first: int, end: int, text_offset: int) -> dict | None:
-        """Chat's `logprobs` of generated tokens first..end: for each, its token, logprob and bytes, and its step's
-        `top_logprobs` most likely tokens, most likely first (OpenAI's; vLLM lists the sampled one first)."""
+    def logprobs_body(self, choice: Choice, first: int, end: int, text_offset: int) -> dict | None:
+        """Chat's `logprobs` of a choice's generated tokens first..end: for each, its token, logprob and bytes, and
+        its step's `top_logprobs` most likely tokens, most likely first (OpenAI's; vLLM lists the sampled one
+        first)."""
         if self.params.logprobs is None or first >= end:
             return None
         return {"content": [{**self._entry(token_id, logprob),
                              "top_logprobs": [self._entry(i, value) for i, value in top.items()]}
-                            for token_id, (logprob, top) in zip(self.token_ids[first:end], self.logprobs[first:end])]}
+                            for token_id, (logprob, top) in zip(choice.token_ids[first:end],
+                                                                choice.logprobs[first:end])]}
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         data = b"" if self.tokenizer is None else self.tokenizer.token_bytes(token_id)

@@ -1,18 +1,18 @@
 """OpenAI's `POST /v1/completions` over a served text LM (specs/realtime_protocols.md §7.1, §8).
 
 A JSON body as OpenAI's SDK sends it: `model`, `prompt` (a string, or token ids; a list of one of either),
-`max_tokens` (default 16, as OpenAI), `temperature`, `top_p`, `seed`, `stop` (a string or a list of up to 64,
-each up to 1,000 characters), `n` (1), `presence_penalty` and `frequency_penalty` (in [-2, 2]), `logit_bias`
+`max_tokens` (default 16, as OpenAI), `temperature`, `top_p`, `seed`, `stop` (a string or a list of up to 64, each
+up to 1,000 characters), `n` (up to 128 choices: the engine's children, choice i seeded seed + i, as vLLM; streamed,
+each chunk is one choice's, by its `index`), `presence_penalty` and `frequency_penalty` (in [-2, 2]), `logit_bias`
 (up to 300 {"token id": bias in [-100, 100]}, ids in the model's vocabulary), `stream`,
 `stream_options.include_usage`, and vLLM's `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
 `stop_token_ids`, `include_stop_str_in_output`, `return_token_ids`, with vLLM's meanings (SamplingParams), and
 `echo` (the prompt's text before the completion's; a stream sends it first, in a chunk of its own; not with
 `logprobs`, which would need the prompt's). `stream: true` answers with SSE `text_completion` chunks and `data:
 [DONE]`; `stream_options` without it is refused, as vLLM refuses it. OpenAI's fields it cannot honour (`best_of`,
-`suffix`, ...) and vLLM's extras (`truncate_prompt_tokens`,
-guided decoding, ...: `NEUTRAL`) are refused, 400 `unsupported_parameter`, unless they hold their "not used" value:
-served and ignored, they would give other output than the client asked for. Other unknown fields are ignored, as
-vLLM ignores them.
+`suffix`, ...) and vLLM's extras (`truncate_prompt_tokens`, guided decoding, ...: `NEUTRAL`) are refused, 400
+`unsupported_parameter`, unless they hold their "not used" value: served and ignored, they would give other output
+than the client asked for. Other unknown fields are ignored, as vLLM ignores them.
 
 A plain request is one engine request (`generate` over its prompt), so stop strings work as in vLLM: the text
 ends before the first one generated (or after it with `include_stop_str_in_output`), the choice says
@@ -42,6 +42,7 @@ answer is an SSE stream (`stream: false` in the line is refused, 422).
 `TextInput` is the engine side of a text stream for plain requests, Mode A and Mode B (http_sessions.py).
 """
 import asyncio
+import dataclasses
 import codecs
 import logging
 import time
@@ -114,7 +115,7 @@ def _field_named(message: str, fields: dict) -> str | None:
 
 
 def parse_prompt(body: dict, state):
-    """The prompt: a string or a list of token ids (or a list holding one of either: n = 1)."""
+    """The prompt: a string or a list of token ids (or a list holding one of either: one prompt a request)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -211,15 +212,9 @@ class TextInput(streaming_input.EngineInput):
         self.tokens_as_ids = tokens_as_ids
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.text = ""
-        self.token_ids: list[int] = []
-        # With `params.logprobs`, each generated token's logprob and its step's most likely ids -> logprobs.
-        self.logprobs: list[tuple[float, dict[int, float]]] = []
-        self._text_streamed = 0  # characters of text the stream carried: where the next chunk's text_offset starts
+        self.choices = [Choice(index) for index in range(params.n)]  # n > 1: one-shot requests only
         self.prompt_token_ids: list[int] = []  # the engine's: the chunk prompts so far
         self._prompt_streamed = 0  # how many of them the stream carried
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None  # with finish_reason: the stop string or id that ended it
         self.error: EngineError | None = None
         self.aborted = False
         self._chunks: asyncio.Queue = asyncio.Queue()
@@ -237,6 +232,19 @@ class TextInput(streaming_input.EngineInput):
     @property
     def succeeded(self) -> bool:
         return self.done and self.error is None and self.finish_reason is not None and not self.aborted
+
+    # The first choice's, what a streaming-input session (one choice) reports.
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choices[0].finish_reason
 
     def decode(self, payload: str) -> bytes:
         """The payload's bytes, refused when they are not UTF-8 apart from a character cut at either end
@@ -291,25 +299,25 @@ class TextInput(streaming_input.EngineInput):
             # A one-shot request's prompt is its one append (its `finish` follows).
             prompt = await self._chunks.get() if self.one_shot else self._inputs()
             if self.echo and self.log is not None:  # the prompt's text, in a chunk of its own before the first
-                self.log.append(self.streamed_chunk(self.echo, None, []))
+                for choice in self.choices:
+                    self.log.append(self.streamed_chunk(choice, self.echo, None, []))
             async for out in self.state.engine.generate(prompt, self.params, request_id=self.id):
-                completion = out.outputs[0]
-                self.text += completion.text
-                self.token_ids += completion.token_ids
-                if completion.logprobs is not None:
-                    self.logprobs += zip(completion.logprobs, completion.top_logprobs)
                 self.prompt_token_ids = out.prompt_token_ids
-                if completion.finish_reason is not None:
-                    self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
                 finished = out.finished
-                if self.log is not None:
-                    if finished:
-                        self._log_end(completion.text, completion.token_ids, self.finish_reason)
-                    elif self._carries(completion.text, completion.token_ids):
-                        self.log.append(self.streamed_chunk(completion.text, None, completion.token_ids))
+                for completion in out.outputs:
+                    choice = self.choices[completion.index]
+                    choice.add(completion)
+                    # A streaming-input chunk's finish is not the session's; a one-shot request's choice ends there.
+                    choice.ended = finished or (self.one_shot and completion.finish_reason is not None)
+                    if self.log is not None:
+                        if choice.ended:
+                            self._log_end(choice, completion.text, completion.token_ids)
+                        elif self._carries(completion.text, completion.token_ids):
+                            self.log.append(self.streamed_chunk(choice, completion.text, None, completion.token_ids))
             if self.log is not None:
-                if not finished:  # the input closed while the session was parked: no final output came
-                    self._log_end("", [], self.finish_reason or "stop")
+                for choice in self.choices:
+                    if not choice.ended:  # the input closed while the session was parked: no final output came
+                        self._log_end(choice, "", [], choice.finish_reason or "stop")
                 if self.include_usage:
                     self.log.append({**self.chunk("", None), "choices": [], "usage": self.usage()})
         except (EngineError, ValueError, TypeError) as exc:  # generate re-raises a chunk's own error
@@ -325,17 +333,18 @@ class TextInput(streaming_input.EngineInput):
         # for them or for their logprobs.
         return bool(text or ((self.return_token_ids or self.params.logprobs is not None) and token_ids))
 
-    def _log_end(self, text: str, token_ids: list[int], finish_reason: str) -> None:
+    def _log_end(self, choice: "Choice", text: str, token_ids: list[int], finish_reason: str | None = None) -> None:
         """The stream's final chunk, the one with the finish reason. When the drain ended the input, the drain's notice
         goes right before it, after the last text (output that came with the finish goes out first, in a chunk of its
         own), and the final chunk carries `truncated` and `truncation`, as a drained transcript's done does."""
         fields = self.truncation()
         if fields:
             if self._carries(text, token_ids):
-                self.log.append(self.streamed_chunk(text, None, token_ids))
+                self.log.append(self.streamed_chunk(choice, text, None, token_ids))
                 text, token_ids = "", []
             sse.log_error(self.log, "server_draining", self.drained, self.state.metrics)
-        self.log.append({**self.streamed_chunk(text, finish_reason, token_ids), **fields})
+        self.log.append({**self.streamed_chunk(choice, text, finish_reason or choice.finish_reason, token_ids),
+                         **fields})
 
     def truncation(self) -> dict:
         """`truncated` and `truncation` (the bytes of text received, as the notice counts them) when the drain ended
@@ -366,45 +375,57 @@ class TextInput(streaming_input.EngineInput):
         return len(self.prompt_token_ids)
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.token_ids),
-                "total_tokens": self.prompt_tokens + len(self.token_ids)}
+        generated = sum(len(choice.token_ids) for choice in self.choices)  # the prompt is counted once, as vLLM
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": generated,
+                "total_tokens": self.prompt_tokens + generated}
 
     def chunk(self, text: str, finish_reason: str | None, prompt_ids: list[int] | None = None,
-              token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
-        """A `text_completion` body of one choice, with the ids when the client asked for them (vLLM's
-        `return_token_ids`: both fields, the prompt's null where it has none to carry). `stop_reason` is vLLM's:
-        null until the choice finishes."""
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-                  "stop_reason": self.stop_reason if finish_reason is not None else None}
-        if self.return_token_ids and token_ids is not None:
-            choice.update(prompt_token_ids=prompt_ids, token_ids=token_ids)
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.state.model_id,
-                "choices": [choice]}
+              token_ids: list[int] | None = None, logprobs: dict | None = None, choice: "Choice | None" = None,
+              ) -> dict:
+        """A `text_completion` body of one choice (default the first), with the ids when the client asked for them
+        (vLLM's `return_token_ids`: both fields, the prompt's null where it has none to carry). `stop_reason` is
+        vLLM's: null until the choice finishes."""
+        return self._body([self._text_choice(choice or self.choices[0], text, finish_reason, prompt_ids, token_ids,
+                                             logprobs)])
 
-    def streamed_chunk(self, text: str, finish_reason: str | None, token_ids: list[int]) -> dict:
+    def _text_choice(self, choice: "Choice", text: str, finish_reason: str | None, prompt_ids: list[int] | None,
+                     token_ids: list[int] | None, logprobs: dict | None) -> dict:
+        body = {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": choice.stop_reason if finish_reason is not None else None}
+        if self.return_token_ids and token_ids is not None:
+            body.update(prompt_token_ids=prompt_ids, token_ids=token_ids)
+        return body
+
+    def _body(self, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.state.model_id,
+                "choices": choices}
+
+    def streamed_chunk(self, choice: "Choice", text: str, finish_reason: str | None, token_ids: list[int]) -> dict:
         """A stream's chunk: `token_ids` are its own; `prompt_token_ids` are the prompt's ids no chunk carried
         yet (null when none): the whole prompt in the first chunk, as vLLM; with streaming input, each later
         input's ids in the first chunk after them, so the chunks' prompt ids add up to the engine's prompt."""
         prompt = self.prompt_token_ids[self._prompt_streamed:]
         self._prompt_streamed = len(self.prompt_token_ids)
-        end = len(self.token_ids)  # the chunk's ids are the last ones received
-        logprobs = self.logprobs_body(end - len(token_ids), end, self._text_streamed)
-        self._text_streamed += len(text)
-        return self.chunk(text, finish_reason, list(prompt) or None, list(token_ids), logprobs)
+        end = len(choice.token_ids)  # the chunk's ids are the last ones received
+        logprobs = self.logprobs_body(choice, end - len(token_ids), end, choice.text_streamed)
+        choice.text_streamed += len(text)
+        return self.chunk(text, finish_reason, list(prompt) or None, list(token_ids), logprobs, choice)
 
     def completion(self) -> dict:
-        body = self.chunk(self.echo + self.text, self.finish_reason or "stop", list(self.prompt_token_ids),
-                          self.token_ids, self.logprobs_body(0, len(self.token_ids), 0))
+        body = self._body([self._text_choice(choice, self.echo + choice.text, choice.finish_reason or "stop",
+                                             list(self.prompt_token_ids), choice.token_ids,
+                                             self.logprobs_body(choice, 0, len(choice.token_ids), 0))
+                           for choice in self.choices])
         return {**body, "usage": self.usage()}
 
-    def logprobs_body(self, first: int, end: int, text_offset: int) -> dict | None:
+    def logprobs_body(self, choice: "Choice", first: int, end: int, text_offset: int) -> dict | None:
         """OpenAI's legacy `logprobs` of generated tokens first..end, as vLLM gives them: each token's string and
         logprob, its step's most likely tokens (with the sampled one, which may make N + 1) and where its text starts
         (from `text_offset`, counting the token strings); None when not asked for or without tokens."""
         if self.params.logprobs is None or first >= end:
             return None
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        for token_id, (logprob, top) in zip(self.token_ids[first:end], self.logprobs[first:end]):
+        for token_id, (logprob, top) in zip(choice.token_ids[first:end], choice.logprobs[first:end]):
             token = self.token_string(token_id)
             tokens.append(token)
             token_logprobs.append(finite_logprob(logprob))
@@ -426,9 +447,35 @@ class TextInput(streaming_input.EngineInput):
     def result(self) -> dict:
         """A Mode B session's result; with `logprobs` asked, the completion route's legacy `logprobs` of its tokens (a
         session took the field and its result dropped them)."""
-        logprobs = {} if self.params.logprobs is None else {"logprobs": self.logprobs_body(0, len(self.token_ids), 0)}
+        first = self.choices[0]
+        logprobs = {} if self.params.logprobs is None else {"logprobs": self.logprobs_body(first, 0,
+                                                                                         len(first.token_ids), 0)}
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
                 **logprobs, "usage": self.usage(), **self.truncation()}
+
+
+@dataclasses.dataclass
+class Choice:
+    """One completion of a request (`n` > 1: one of several, its `index`): what came so far."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    # With `params.logprobs`, each generated token's logprob and its step's most likely ids -> logprobs.
+    logprobs: list[tuple[float, dict[int, float]]] = dataclasses.field(default_factory=list)
+    text_streamed: int = 0  # characters of text the stream carried: where the next chunk's text_offset starts
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # with finish_reason: the stop string or id that ended it
+    ended: bool = False  # its final chunk went out (or the request's result holds it)
+
+    def add(self, completion) -> None:
+        """A `CompletionOutput` of this choice (its delta)."""
+        self.text += completion.text
+        self.token_ids += completion.token_ids
+        if completion.logprobs is not None:
+            self.logprobs += zip(completion.logprobs, completion.top_logprobs)
+        if completion.finish_reason is not None:
+            self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
 
 
 def finite_logprob(logprob: float) -> float:

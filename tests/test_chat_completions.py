@@ -286,6 +286,28 @@ def test_prompt_options_reach_the_template(server, client, case_name, fields):
 
 
 @route
+def test_n_choices_are_the_engines_children(engine, server, client):
+    """`n` (was refused): choice i is the engine's completion of the rendered prompt with seed + i; a stream opens
+    each choice with its role delta and ends each with its finish chunk."""
+    case = BY_NAME["llama3_1_user"]
+    expected = [asyncio.run(engine_run(engine, case["ids"], SamplingParams(temperature=1.0, seed=3 + i, max_tokens=5,
+                                                                           ignore_eos=True)))[2] for i in range(2)]
+    request = {"model": server.state.model_id, "messages": case["messages"], "max_tokens": 5, "temperature": 1.0,
+               "seed": 3, "n": 2, "extra_body": {"ignore_eos": True}}
+    result = client.chat.completions.create(**request)
+    assert [(c.index, c.message.role, c.message.content) for c in result.choices] == [
+        (i, "assistant", text) for i, text in enumerate(expected)]
+    assert result.usage.completion_tokens == 10 and result.usage.prompt_tokens == len(case["ids"])
+    texts, roles, finished = ["", ""], [0, 0], [0, 0]
+    for chunk in client.chat.completions.create(**request, stream=True):
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+        roles[choice.index] += choice.delta.role == "assistant"
+        finished[choice.index] += choice.finish_reason == "length"
+    assert texts == expected and roles == [1, 1] and finished == [1, 1]
+
+
+@route
 def test_without_a_generation_prompt_the_answer_takes_the_last_messages_role(server, client):
     """vLLM's get_chat_request_role: the answer was always the assistant's, even continuing a user's message."""
     messages = BY_NAME["llama3_1_user"]["messages"]
@@ -444,7 +466,7 @@ USER = [{"role": "user", "content": "Hello"}]
     ({"messages": USER, "response_format": {"type": "json_object"}}, "unsupported_parameter", "response_format", ""),
     ({"messages": USER, "modalities": ["text", "audio"]}, "unsupported_parameter", "modalities", ""),
     ({"messages": USER, "max_completion_tokens": 0}, "invalid_request", "max_completion_tokens", "max_tokens"),
-    ({"messages": USER, "n": 2}, "invalid_request", "n", "n > 1"),
+    ({"messages": USER, "n": 129}, "invalid_request", "n", "n must be in [1, 128]"),
     ({"messages": USER, "documents": [{"title": 1}]}, "invalid_request", "documents", "objects of strings"),
     ({"messages": [{"role": "user", "content": " ".join(["w60"] * 300)}]}, "context_length_exceeded", "messages",
      "maximum context length"),

@@ -329,8 +329,11 @@ async def test_a_failed_dispatch_is_logged_with_its_exception(engine, monkeypatc
 
 async def test_rejected_requests_and_evictions_are_logged(engine, caplog):
     caplog.set_level(logging.INFO, logger="jaxstream")
+    async def one_chunk():
+        yield StreamingInput([1])
+
     with pytest.raises(ValueError):
-        await _drain(engine.generate([1], SamplingParams(n=2), request_id="two"))
+        await _drain(engine.generate(one_chunk(), SamplingParams(n=2), request_id="two"))
     assert any("request rejected (invalid_request): n > 1" in r.getMessage() for r in caplog.records)
     # The detokenizers always skip special tokens: asking to keep them is refused (it was taken and ignored).
     with pytest.raises(ValueError, match="skip_special_tokens=False is not supported"):

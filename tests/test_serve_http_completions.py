@@ -113,6 +113,28 @@ def test_sdk_completion_plain_and_streamed(engine, server, model):
     assert len({c.id for c in chunks}) == 1 and chunks[0].object == "text_completion"
 
 
+def test_n_completions_are_the_engines_children(engine, server, model):
+    """`n` (was refused): n choices, choice i the engine's completion with seed + i (vLLM's children), plain and
+    streamed (each chunk one choice, by its index; each choice's own finish chunk), usage counting the prompt once."""
+    client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
+    fields = {"prompt": "w5 w17", "max_tokens": 6, "temperature": 1.0, "seed": 7, "n": 3}
+    expected = [asyncio.run(engine_tokens(engine, "w5 w17", SamplingParams(temperature=1.0, seed=7 + i,
+                                                                           max_tokens=6)))[1] for i in range(3)]
+    assert len(set(expected)) > 1
+    result = client.completions.create(model=model, **fields)
+    assert [c.index for c in result.choices] == [0, 1, 2] and [c.text for c in result.choices] == expected
+    assert result.usage.prompt_tokens == 3 and result.usage.completion_tokens == sum(
+        len(asyncio.run(engine_tokens(engine, "w5 w17", SamplingParams(temperature=1.0, seed=7 + i,
+                                                                       max_tokens=6)))[0]) for i in range(3))
+    chunks = list(client.completions.create(model=model, **fields, stream=True, stream_options={"include_usage": True}))
+    texts, finished = ["", "", ""], [0, 0, 0]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.text
+        finished[choice.index] += choice.finish_reason is not None
+    assert texts == expected and finished == [1, 1, 1] and chunks[-1].usage == result.usage
+
+
 def test_echo_puts_the_prompt_before_the_completion(engine, server, model):
     """OpenAI's `echo` was refused: the choice's text is the prompt's then the completion's, plain and streamed (the
     prompt in a chunk of its own, first), a prompt of ids decoded (vLLM's)."""
@@ -135,7 +157,7 @@ def test_echo_puts_the_prompt_before_the_completion(engine, server, model):
 @pytest.mark.parametrize("kwargs, error, code", [
     ({"model": "other"}, openai.NotFoundError, "model_not_found"),
     ({"stop": ["w9", ""]}, openai.BadRequestError, "invalid_request"),  # vLLM refuses an empty stop string
-    ({"n": 2}, openai.BadRequestError, "invalid_request"),
+    ({"n": 129}, openai.BadRequestError, "invalid_request"),  # OpenAI's bound
     ({"prompt": [5, 999]}, openai.BadRequestError, "invalid_request"),
     ({"echo": True, "logprobs": 2}, openai.BadRequestError, "unsupported_parameter"),  # would need prompt logprobs
 ])
@@ -156,7 +178,7 @@ def test_sdk_errors_in_openai_shape(server, model, kwargs, error, code):
     ({"temperature": -1}, "invalid_request", "temperature"),
     ({"top_p": 0}, "invalid_request", "top_p"),
     ({"max_tokens": 0}, "invalid_request", "max_tokens"),
-    ({"n": 2}, "invalid_request", "n"),
+    ({"n": 0}, "invalid_request", "n"),
     ({"prompt": ""}, "invalid_request", "prompt"),
 ])
 def test_fields_it_cannot_honour_and_bad_values_are_400s_naming_the_field(server, model, extra, code, param):

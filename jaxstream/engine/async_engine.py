@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from jaxstream.engine import metrics as engine_metrics
+from jaxstream.engine import parallel_sampling
 from jaxstream.engine.audio_front_end import FrontEndWorker
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.loop_delivery import ResolveOnPut, post_to_loops
@@ -92,6 +93,7 @@ class AsyncEngine:
         # Request / session ids whose stream has not ended -> (loop, target): the event loops add and
         # remove entries; the engine thread reads them once, when it stops, to end every stream.
         self._live: dict[str, tuple] = {}
+        self._families: dict[str, list[str]] = {}  # a request with n > 1 -> its children's ids
         self._live_lock = threading.Lock()
         # Streaming requests whose first chunk is unsent -> their outputs: `abort` ends them here (the core would find
         # no session, and the first chunk would then start one). Only the request that made an entry removes it.
@@ -343,6 +345,14 @@ class AsyncEngine:
             raise _rejected(exc) from None
         self._check_admitting()
         ids = None if streaming else prompt_token_ids(self.tokenizer, prompt, first=True)
+        if params.n > 1:  # vLLM's parallel sampling: n child requests (parallel_sampling.py)
+            self._families[request_id] = parallel_sampling.child_ids(request_id, params.n)
+            try:
+                async for out in parallel_sampling.generate_n(self.generate, ids, params, request_id):
+                    yield out
+            finally:
+                self._families.pop(request_id, None)
+            return
         outputs: asyncio.Queue = asyncio.Queue()
         sink = self._sink(outputs)
         feeder = None
@@ -434,8 +444,11 @@ class AsyncEngine:
             self._send(command, request_id, sink)
 
     async def abort(self, request_id: str) -> None:
-        """Ends a request or session now: a final output with finish_reason 'abort'; queued chunks dropped. After
-        shutdown it does nothing: the shutdown ended every request (a caller's clean-up must not raise)."""
+        """Ends a request or session now: a final output with finish_reason 'abort'; queued chunks dropped (a request
+        with n > 1: each of its children). After shutdown it does nothing: the shutdown ended every request (a
+        caller's clean-up must not raise)."""
+        for child in self._families.get(request_id, ()):
+            await self.abort(child)
         outputs, entry = self._unsent.get(request_id), self._live.get(request_id)
         if outputs is not None and entry is not None and entry[1] is outputs:
             del self._unsent[request_id]  # its feeder checks that it holds the id before it sends: it sends nothing

@@ -21,6 +21,8 @@ MAX_STOP_STRING_CHARS = 1000
 # Entries of a request's `logit_bias` (OpenAI's bound): the text programs carry this many per row, so no request
 # compiles a program.
 MAX_LOGIT_BIAS = 300
+# Completions one request may ask for (OpenAI's bound on `n`): each is an engine request of its own.
+MAX_N = 128
 # Seeds take any 64-bit value, signed or not (torch's `manual_seed` range, as vLLM); the engine reduces
 # them to the 32 bits its PRNG keys hold.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
@@ -45,12 +47,13 @@ class SamplingParams:
     streaming input. Invalid values raise `InvalidRequestError` here (`bool` is not accepted where a number
     is expected).
 
-    The logits a token is chosen from go through vLLM's steps, in its order (sampling.py): `logit_bias` ({token
-    id: bias in [-100, 100]}, up to 300 ids, added) and min_tokens' bans; `repetition_penalty` (> 0: the logit
-    of every id in the chunk's context, cumulative prompt and outputs, divided by it when positive, multiplied
-    when not), `frequency_penalty` and `presence_penalty` (in [-2, 2], OpenAI's: minus the penalty times the
-    id's count among the chunk's outputs, and once more if it occurs there); then temperature; `min_p` (in [0,
-    1]: drops ids less likely than min_p times the likeliest); top-k; top-p. Logprobs are the raw logits'.
+    The logits a token is chosen from go through vLLM's steps, in its order (sampling.py): `logit_bias` ({token id:
+    bias in [-100, 100]: OpenAI's range, refused outside it, where vLLM clamps}, up to 300 ids, added) and
+    min_tokens' bans; `repetition_penalty` (> 0: the logit of every id in the chunk's context, cumulative prompt and
+    outputs, divided by it when positive, multiplied when not), `frequency_penalty` and `presence_penalty` (in [-2,
+    2], OpenAI's: minus the penalty times the id's count among the chunk's outputs, and once more if it occurs
+    there); then temperature; `min_p` (in [0, 1]: drops ids less likely than min_p times the likeliest); top-k;
+    top-p. Logprobs are the raw logits'.
     """
 
     n: int = 1
@@ -79,7 +82,7 @@ class SamplingParams:
         raises `InvalidRequestError` here, so one bad request fails alone instead of every request
         dispatched with it."""
         fields = {
-            "n": _int("n", self.n, 1),
+            "n": _int("n", self.n, 1, MAX_N),
             "temperature": _float("temperature", self.temperature),
             "top_p": _float("top_p", self.top_p),
             "top_k": _int("top_k", self.top_k, -1, _INT32_MAX),
@@ -126,8 +129,8 @@ class SamplingParams:
     def check_supported(self, *, streaming: bool) -> None:
         """Raises InvalidRequestError for what jaxstream does not serve (vLLM rejects the same for streaming
         input)."""
-        if self.n != 1:
-            raise InvalidRequestError("n > 1 is not supported")
+        if streaming and self.n != 1:
+            raise InvalidRequestError("n > 1 is not supported with streaming input")
         if not self.skip_special_tokens:  # the detokenizers always skip them: refused, not silently ignored
             raise InvalidRequestError("skip_special_tokens=False is not supported")
         if streaming and self.stop:
