@@ -115,7 +115,11 @@ class ServerState:
         if engine.kind == "text" and engine.tokenizer is not None:
             template = engine.tokenizer.chat_template_for(self.config.chat_template)
             if template is not None:
-                template.prepare()  # before the first chat, which would wait for it on the event loop
+                try:  # before the first chat, which would wait for it on the event loop
+                    template.prepare()
+                except Exception as exc:  # noqa: BLE001 - the engine serves completions; chats will say why
+                    logger.warning("the chat template could not be prepared (chats will fail with its error): %s",
+                                   exc)
         self.metrics.attach_engine(engine)
         self.ready.set()
 

@@ -485,10 +485,11 @@ def parse_delay_ms(fields: dict, state, param: str) -> int | None:
     return delay_ms
 
 
-async def _start_when_free(audio_input: AudioInput, state, request: web.Request) -> None:
+async def _start_when_free(audio_input: AudioInput, state, request: web.Request, wait_s: float) -> None:
     """Starts the upload's engine session; while the engine holds its max_live_sessions, waits its turn, first come
-    first served, up to `request_queue_s` (request_queue.py), then the engine's CapacityError (503), as vLLM queues
-    requests. A drain ends the wait (503), and so does a client that leaves (400 client_disconnected)."""
+    first served, up to `wait_s` (what is left of `request_queue_s` after its wait for a connection: request_queue.py),
+    then the engine's CapacityError (503), as vLLM queues requests. A drain ends the wait (503), and so does a client
+    that leaves (400 client_disconnected)."""
     engine = state.engine
 
     async def attempt():
@@ -502,12 +503,11 @@ async def _start_when_free(audio_input: AudioInput, state, request: web.Request)
             return None
         return True
 
-    limits = state.config.limits
-    if not await state.session_queue.take(attempt, limits.request_queue_s, lambda: sse.client_gone(request)):
+    if not await state.session_queue.take(attempt, wait_s, lambda: sse.client_gone(request)):
         if sse.client_gone(request):
             raise RequestError(400, "client_disconnected", "The client went away while its upload waited")
         raise CapacityError(f"the engine holds its {engine.max_live_sessions} sessions (the upload waited "
-                            f"{limits.request_queue_s:g} s); try again later")
+                            f"{state.config.limits.request_queue_s:g} s in all); try again later")
 
 
 async def transcriptions(request: web.Request) -> web.StreamResponse:
@@ -534,7 +534,8 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
         check_answer(response_format, bool(granularities), logprobs, stream)
         audio_input = AudioInput(state, log=sse.EventLog() if stream else None, logprobs=logprobs)
         handle = streaming_input.DrainHandle(audio_input)
-        # Before the decoding: the connection limit bounds the decodes.
+        # Before the decoding: the connection limit bounds the decodes. One wait in all: request_queue_s.
+        queued_at = time.monotonic()
         await streaming_input.admit_in_turn(state, handle, request)
         try:
             pcm = await _decode(audio, _upload_name(fields), state, handle)
@@ -545,7 +546,8 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
             if audio_input.done:  # a drain stopped the request while it decoded
                 raise RequestError(503, "draining", "The server is shutting down; retry on another replica")
             audio_input.seconds = pcm.size / SAMPLING_RATE
-            await _start_when_free(audio_input, state, request)
+            await _start_when_free(audio_input, state, request,
+                                   state.config.limits.request_queue_s - (time.monotonic() - queued_at))
         except EngineError as exc:
             state.forget(handle)
             raise engine_request_error(exc) from None

@@ -72,7 +72,7 @@ class Limits:
     body_grace_s: float = 20.0
     body_min_rate: int | None = 500
     # A one-shot HTTP request (an upload, a completion, a chat) that finds the server full (its max_connections,
-    # or for an upload the engine at its max_sessions) waits its turn this long, first come first served, as vLLM
+    # or for an upload the engine at its max_sessions) waits its turn this long in all, first come first served, as vLLM
     # queues requests beyond max_num_seqs, then 429 / 503 `capacity`: a client sending a batch at once is slowed down,
     # not refused. 0: refused at once. A realtime stream or streaming-input request cannot wait: refused at once.
     request_queue_s: float = 60.0

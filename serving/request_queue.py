@@ -26,12 +26,15 @@ class RequestQueue:
         return len(self._waiting)
 
     async def take(self, attempt: typing.Callable[[], typing.Awaitable[T | None]], wait_s: float,
-                   gone: typing.Callable[[], bool] = lambda: False) -> T | None:
+                   gone: typing.Callable[[], bool] = lambda: False, max_waiting: int | None = None) -> T | None:
         """The first result of `attempt()` that is not None (None: no room now; it may raise to end the wait, e.g.
         for a draining server): at once when no request waits and there is room, else once every request that came
-        before is served. None when `wait_s` passes first (0: no wait) or `gone()` says the client left."""
+        before is served. None when `wait_s` passes first (0: no wait), `gone()` says the client left, or
+        `max_waiting` requests wait already (each holds the body it sent)."""
         if not self._waiting and (result := await attempt()) is not None:
             return result
+        if max_waiting is not None and len(self._waiting) >= max_waiting:
+            return None
         turn = asyncio.get_running_loop().create_future()
         self._waiting.append(turn)
         if self._waiting[0] is turn:

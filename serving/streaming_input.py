@@ -49,6 +49,8 @@ _DISCONNECT_POLL_S = 0.25  # how often a plain (non-streamed) response checks th
 
 START_POLICIES = ("on_first_chunk", "on_min_length", "on_end_only")
 MODALITIES = ("audio", "text")
+# How many one-shot requests may wait for a connection slot, per slot: each holds the body it sent.
+WAITING_PER_CONNECTION = 4
 _ADMIT_STATUS = {"capacity": 429}  # admission refusals other than these are 503 (loading, draining, dead)
 
 
@@ -370,8 +372,9 @@ def admit(state, handle: DrainHandle) -> None:
 
 async def admit_in_turn(state, handle: DrainHandle, request: web.Request) -> None:
     """`admit` for a one-shot request (an upload, a completion, a chat): at the server's connection limit it waits
-    its turn, first come first served, up to `request_queue_s` (request_queue.py), then the 429. A client that
-    leaves while it waits is a 400 client_disconnected (no one reads it)."""
+    its turn, first come first served, up to `request_queue_s` (request_queue.py), then the 429; so does one that
+    finds WAITING_PER_CONNECTION times the limit waiting (each holds its body). A client that leaves while it waits
+    is a 400 client_disconnected (no one reads it)."""
     async def attempt():
         refusal = state.admit(handle)
         if refusal is not None and refusal.error_code != "capacity":
@@ -379,7 +382,8 @@ async def admit_in_turn(state, handle: DrainHandle, request: web.Request) -> Non
         return refusal is None or None
 
     if not await state.connection_queue.take(attempt, state.config.limits.request_queue_s,
-                                             lambda: sse.client_gone(request)):
+                                             lambda: sse.client_gone(request),
+                                             max_waiting=WAITING_PER_CONNECTION * state.max_connections):
         if sse.client_gone(request):
             raise RequestError(400, "client_disconnected", "The client went away while its request waited")
         raise RequestError(429, "capacity", f"The server is at its limit of {state.max_connections} connections "

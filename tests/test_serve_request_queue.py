@@ -81,6 +81,13 @@ async def test_a_request_that_gives_up_passes_its_turn_on():
     room[0] = True
     assert await queue.take(attempt, wait_s=0) is None
     assert await asyncio.wait_for(waiting, 5) is True
+    # A full waiting room refuses at once: each waiter holds the body it sent.
+    room[0] = False
+    waiters = [asyncio.create_task(queue.take(attempt, wait_s=30, max_waiting=2)) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    assert len(queue) == 2 and await queue.take(attempt, wait_s=30, max_waiting=2) is None
+    room[0] = True
+    assert await asyncio.wait_for(asyncio.gather(*waiters), 5) == [True, True]
 
 
 # -- completions at the connection limit --------------------------------------------------------------------------

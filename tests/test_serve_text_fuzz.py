@@ -45,7 +45,8 @@ FIELDS = {
                                             json_values, max_size=2) | json_values,
     "documents": st.lists(st.dictionaries(fuzz_text(6), words, max_size=2), max_size=2) | json_values,
     "tools": json_values, "response_format": json_values, "return_token_strs": st.booleans() | json_values,
-    "presence_penalty": small, "frequency_penalty": small, "repetition_penalty": small, "logit_bias": json_values,
+    "presence_penalty": small, "frequency_penalty": small, "repetition_penalty": small, "min_p": small,
+    "logit_bias": st.dictionaries(st.sampled_from(["5", "17", "300", "-1", "x"]), small, max_size=2) | json_values,
 }
 # A few fields a body: with many, one is nearly always refused first and the rest go untried.
 bodies = st.tuples(st.sampled_from(ROUTES), st.lists(st.sampled_from(sorted(FIELDS)), max_size=4, unique=True).flatmap(

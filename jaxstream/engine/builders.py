@@ -2,7 +2,6 @@
 import dataclasses
 import gc
 import logging
-import math
 import time
 from typing import Any, NamedTuple
 
@@ -117,7 +116,9 @@ def build_text_core(model, engine_cfg: EngineConfig, *, eos_token_id=None, prima
         max_sessions=engine_cfg.max_sessions)
     placement = sharding.Placement(engine_cfg.mesh, engine_cfg.tp_axis)
     slot_shapes = steps.text_slot_shapes(cfg.vocab_size)
-    [spec] = fit_pools([spec], engine_cfg, placement, slot_bytes(slot_shapes, engine_cfg.max_sessions))
+    # Replicated: every device of the mesh holds the slot rows (free memory is counted over all of them).
+    [spec] = fit_pools([spec], engine_cfg, placement,
+                       kv_cache.slot_row_bytes(slot_shapes) * engine_cfg.max_sessions * placement.size)
     check_pool(spec)
     cache = kv_cache.DeviceCache([spec], slot_shapes, engine_cfg.max_sessions,
                                  engine_dtype(engine_cfg),
@@ -154,11 +155,6 @@ def freeze_startup_heap() -> None:
     """
     gc.collect()
     gc.freeze()
-
-
-def slot_bytes(slot_shapes: dict, max_sessions: int) -> int:
-    """The device memory of the per-slot state rows `slot_shapes` ({name: (shape, dtype)}) for `max_sessions`."""
-    return max_sessions * sum(math.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype in slot_shapes.values())
 
 
 def fit_pools(specs: list[kv_cache.StackSpec], engine_cfg: EngineConfig, placement,

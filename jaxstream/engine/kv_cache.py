@@ -161,6 +161,11 @@ def scatter_session(cache, table, data):
             for (k, v), (dk, dv) in zip(cache, data)]
 
 
+def slot_row_bytes(slot_shapes: dict) -> int:
+    """The bytes of one slot's rows of `slot_shapes` ({name: (shape, dtype)})."""
+    return sum(math.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype in slot_shapes.values())
+
+
 class DeviceCache:
     """The engine's device-resident session state and its host-side bookkeeping.
 
@@ -191,6 +196,7 @@ class DeviceCache:
             }
 
         self._fresh_state = fresh_state
+        self.slot_row_bytes = slot_row_bytes(slot_shapes)  # what an offload copies besides the pages
         self.state = fresh_state()
         self.shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, self.state)
         self._offload = self._restore = None  # compiled ahead of time by warm_up()

@@ -223,9 +223,10 @@ class Residency:
         return True
 
     def _offload_size(self, session: SessionBase) -> int:
-        """Host bytes an offload of `session` takes (its allocated pages; slot rows are negligible)."""
-        return sum(session.pages[name].num_allocated * spec.bytes_per_page(self.cache.dtype)
-                   for name, spec in self.cache.specs.items())
+        """Host bytes an offload of `session` takes: its allocated pages and its slot rows (a text engine's penalty
+        counts are a vocabulary's int32s, 0.5 MB for 131k ids)."""
+        return self.cache.slot_row_bytes + sum(session.pages[name].num_allocated * spec.bytes_per_page(self.cache.dtype)
+                                               for name, spec in self.cache.specs.items())
 
     def _dropped_kv(self, session: SessionBase) -> None:
         raise NotImplementedError
