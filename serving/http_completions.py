@@ -42,8 +42,8 @@ answer is an SSE stream (`stream: false` in the line is refused, 422).
 `TextInput` is the engine side of a text stream for plain requests, Mode A and Mode B (http_sessions.py).
 """
 import asyncio
-import dataclasses
 import codecs
+import dataclasses
 import logging
 import time
 import uuid
