@@ -249,7 +249,7 @@ async def test_extreme_valid_params_leave_their_batch_alone(engine, reference_lo
     (dict(stop_token_ids=[True]), "stop_token_ids entry must be an integer"),
     (dict(stop_token_ids=7), "stop_token_ids must be a list of token ids"),
     (dict(stop=[1]), "stop must be a string or a list of strings"),
-    (dict(n=0), "n must be >= 1"),
+    (dict(n=0), r"n must be in \[1, 128\]"),
     (dict(ignore_eos=1), "ignore_eos must be a bool"),
     (dict(skip_special_tokens=None), "skip_special_tokens must be a bool"),
     (dict(output_kind="delta"), "output_kind must be a RequestOutputKind"),
