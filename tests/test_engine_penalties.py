@@ -17,14 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxstream.engine import builders, sampling, steps
 from jaxstream.engine.builders import build_text_core
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.requests import MAX_LOGIT_BIAS, SamplingParams
 from jaxstream.errors import InvalidRequestError
-from jaxstream.models import contiguous_page_table, init_kv_cache, loading
+from jaxstream.models import loading
+from test_engine_sampling import offline_logits
 from test_engine_scheduler import Collector, add, run
 from test_engine_text_model import FIXTURE, LLAMA, tiny_lm
 
@@ -65,23 +65,8 @@ def back_to_baseline(request):
 @pytest.fixture(scope="module")
 def logits_of():
     """context -> [len, V] float64 logits of one offline forward of the tiny Mistral over the whole context."""
-    model = tiny_lm(FIXTURE)
-    cfg = model.cfg
-    graphdef, state = nnx.split(model)
-    table, num_pages = contiguous_page_table(1, cfg.attention_window, cfg.attention_window)
-
-    @jax.jit
-    def forward(state, ids, num_new):
-        cache = init_kv_cache(cfg.num_layers, num_pages, cfg.num_kv_heads, cfg.attention_window, cfg.head_dim)
-        logits, _ = nnx.merge(graphdef, state)(ids, cache, jnp.asarray(table), jnp.zeros(1, jnp.int32), num_new)
-        return logits[0]
-
-    def logits(context):
-        ids = np.zeros((1, MAX_CONTEXT), np.int32)
-        ids[0, :len(context)] = context
-        return np.asarray(forward(state, ids, np.array([len(context)], np.int32)), np.float64)[:len(context)]
-
-    return logits
+    forward = offline_logits(tiny_lm(FIXTURE), MAX_CONTEXT)
+    return lambda context: forward(context).astype(np.float64)
 
 
 def penalized(logits, context, outputs, params: SamplingParams):

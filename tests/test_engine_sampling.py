@@ -139,26 +139,30 @@ def engine():
     engine.close()
 
 
-@pytest.fixture(scope="module")
-def reference_logits():
-    """context -> [len, V] logits of one offline forward over the whole context (no paging, no engine)."""
-    model = tiny_mistral()
+def offline_logits(model, max_context: int):
+    """context -> [len, V] logits of one offline forward of `model` over the whole context (no paging, no engine);
+    one compiled shape: contexts are padded to `max_context`."""
     cfg = model.cfg
     graphdef, state = nnx.split(model)
     table, num_pages = contiguous_page_table(1, cfg.attention_window, cfg.attention_window)
 
     @jax.jit
-    def forward(state, ids, num_new):  # one compiled shape: contexts are padded to MAX_CONTEXT
+    def forward(state, ids, num_new):
         cache = init_kv_cache(cfg.num_layers, num_pages, cfg.num_kv_heads, cfg.attention_window, cfg.head_dim)
         logits, _ = nnx.merge(graphdef, state)(ids, cache, jnp.asarray(table), jnp.zeros(1, jnp.int32), num_new)
         return logits[0]
 
     def logits(context):
-        ids = np.zeros((1, MAX_CONTEXT), np.int32)
+        ids = np.zeros((1, max_context), np.int32)
         ids[0, :len(context)] = context
         return np.asarray(forward(state, ids, np.array([len(context)], np.int32)))[:len(context)]
 
     return logits
+
+
+@pytest.fixture(scope="module")
+def reference_logits():
+    return offline_logits(tiny_mistral(), MAX_CONTEXT)
 
 
 def expected_tokens(reference_logits, prompt, tokens, params):

@@ -45,8 +45,13 @@ def text_engine_with_tokenizer(tmp_path_factory) -> AsyncEngine:
     return text_engine(directory)
 
 
+# A chat template in the word-level vocabulary: each message's content, then "w9" as the assistant's header.
+TEMPLATE = "{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
+    """The tiny Llama with a word-level tokenizer (a module fixture: other modules import it)."""
     engine = text_engine_with_tokenizer(tmp_path_factory)
     yield engine
     engine.close()

@@ -16,20 +16,12 @@ from jaxstream.serving.http_completions import sampling_params
 from jaxstream.serving.testing import ServerThread
 from serve_fixtures import engine_returns_to_baseline, model  # noqa: F401 - pytest fixtures
 from test_serve_http import read_sse
-from test_serve_http_completions import CHUNKS, engine_run, ndjson_lines, text_engine_with_tokenizer
+from test_serve_http_completions import CHUNKS, TEMPLATE, engine, engine_run, ndjson_lines  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "w9 w9 w30"  # its greedy tokens repeat: every field changes them
 MAX_TOKENS = 12
-TEMPLATE = "{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    engine = text_engine_with_tokenizer(tmp_path_factory)
-    yield engine
-    engine.close()
 
 
 @pytest.fixture(scope="module")

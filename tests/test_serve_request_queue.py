@@ -12,7 +12,7 @@ from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.limits import Limits
 from jaxstream.serving.request_queue import RequestQueue
 from jaxstream.serving.testing import ServerThread, sample_audio, shared_engine, wait_engine_baseline, wait_until
-from test_serve_http_completions import text_engine_with_tokenizer
+from test_serve_http_completions import engine as text_model_engine  # noqa: F401 - a pytest fixture
 
 
 # -- the queue itself ---------------------------------------------------------------------------------------------
@@ -91,13 +91,6 @@ async def test_a_request_that_gives_up_passes_its_turn_on():
 
 
 # -- completions at the connection limit --------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def text_model_engine(tmp_path_factory):
-    engine = text_engine_with_tokenizer(tmp_path_factory)
-    yield engine
-    engine.close()
-
-
 def waiting(server) -> float:
     return server.state.metrics.registry.get_sample_value("jaxstream_http_requests_waiting")
 

@@ -12,10 +12,9 @@ from hypothesis import strategies as st
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.testing import ServerThread
 from serve_fixtures import fuzz_text
-from test_serve_http_completions import text_engine_with_tokenizer
+from test_serve_http_completions import TEMPLATE, engine  # noqa: F401 - a pytest fixture
 
 pytestmark = pytest.mark.slow
-TEMPLATE = "{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 
 json_values = st.recursive(
@@ -54,12 +53,10 @@ bodies = st.tuples(st.sampled_from(ROUTES), st.lists(st.sampled_from(sorted(FIEL
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    engine = text_engine_with_tokenizer(tmp_path_factory)
+def server(engine):
     server = ServerThread(engine, ServerConfig(chat_template=TEMPLATE))
     yield server
     server.close()
-    engine.close()
 
 
 def post(connection: http.client.HTTPConnection, path: str, body: bytes) -> tuple[int, str, bytes]:

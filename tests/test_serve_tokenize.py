@@ -12,17 +12,10 @@ from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.testing import ServerThread
 from test_serve_http import call
 from serve_fixtures import server  # noqa: F401 - a pytest fixture over this module's engine
-from test_serve_http_completions import text_engine_with_tokenizer
+from test_serve_http_completions import TEMPLATE, engine  # noqa: F401 - a pytest fixture
 
 pytestmark = pytest.mark.slow
 PROMPT = "w5 w17 w40 w9"
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    engine = text_engine_with_tokenizer(tmp_path_factory)
-    yield engine
-    engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +48,6 @@ async def test_tokenize_counts_the_prompt_a_completion_takes(engine, server, ref
     assert completion.usage.prompt_tokens == body["count"]
 
 
-# A chat template in the word-level vocabulary: each message's content, then "w9" as the assistant's header.
-TEMPLATE = "{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
 MESSAGES = [{"role": "system", "content": "w5 w17"}, {"role": "user", "content": [{"type": "text", "text": "w40"}]}]
 
 
