@@ -344,7 +344,8 @@ async def test_collected_slots_count_only_once_their_ids_are_posted_to_the_event
 
         def checked(*args):
             advance(*args)  # hands ids on, then counts their slots
-            unposted.extend(item for _, _, item in engine._outbox if isinstance(item, GeneratedIds))  # noqa: SLF001
+            unposted.extend(item for _, _, item in engine._engine_thread.outbox  # noqa: SLF001
+                            if isinstance(item, GeneratedIds))
 
         core._advance = checked  # noqa: SLF001 - on the engine thread, right after each count
         done = await engine.transcribe(sample)

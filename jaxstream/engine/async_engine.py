@@ -1,12 +1,10 @@
 """`AsyncEngine`: the asyncio API (vLLM-style `generate` / `abort`, realtime transcription sessions) over an
 engine core whose device loop runs on its own thread.
 
-Threads: the asyncio side never touches scheduler state. It sends commands (closures) to the engine
-thread through a queue; the engine thread applies them between ticks, runs ticks while there is work,
-and posts outputs back to the event loop, one `call_soon_threadsafe` per tick. What the asyncio side may
-read is published by the engine thread: the `EngineMetrics` snapshot and each session's `AudioBacklog`
-counter. A realtime engine has a third thread, the front-end worker (audio_front_end.py): it computes the
-log-mel of every session's appends in batches and answers each `append` on its event loop.
+Threads: the asyncio side never touches scheduler state; it sends commands to the engine thread
+(engine_thread.py), which applies them between ticks and posts outputs back to the event loop. A realtime
+engine has a third thread, the front-end worker (audio_front_end.py): it computes the log-mel of every
+session's appends in batches and answers each `append` on its event loop.
 
 The contract a server needs: `start_transcription` answers `CapacityError` / `DrainingError` at once
 instead of waiting; `append` awaits under backpressure; `drain` stops admitting and lets sessions end;
@@ -17,10 +15,7 @@ import asyncio
 import logging
 import math
 import numbers
-import queue
-import threading
 import time
-import typing
 import uuid
 
 import jax
@@ -30,22 +25,19 @@ from jaxstream.engine import metrics as engine_metrics
 from jaxstream.engine import parallel_sampling
 from jaxstream.engine.audio_front_end import FrontEndWorker
 from jaxstream.engine.config import EngineConfig
-from jaxstream.engine.loop_delivery import ResolveOnPut, post_to_loops
+from jaxstream.engine.engine_thread import AudioAppend, EngineThread
+from jaxstream.engine.loop_delivery import post_to_loops
 from jaxstream.engine.requests import RequestOutputKind, SamplingParams
 from jaxstream.engine.residency import END_OF_STREAM
 from jaxstream.engine.text_generation import aborted_before_start, checked_chunk, merge_pending, prompt_token_ids
 from jaxstream.engine.transcription_session import (
     TranscriptAssembler, TranscriptionDone, TranscriptionSession, transcription_prompt,
 )
-from jaxstream.errors import (
-    CapacityError, DrainingError, EngineDeadError, EngineError, InvalidRequestError, ProcessGroupError,
-)
+from jaxstream.errors import CapacityError, DrainingError, EngineError, InvalidRequestError
 from jaxstream.models import audio_checks
 from jaxstream.models.audio import SAMPLING_RATE, SLOT_SECONDS, stream_slot_bound
 
 logger = logging.getLogger(__name__)
-_METRICS_PERIOD_S = 0.05  # how often a busy engine thread republishes its metrics snapshot
-_IDLE_WAIT_S = 0.05  # the engine thread's longest sleep with nothing to run (new commands wake it at once)
 _ABANDONED_JOIN_S = 30.0  # how long closing a multi-host engine waits for its engine thread
 
 
@@ -68,7 +60,8 @@ class AsyncEngine:
             raise ValueError("only process 0 runs the engine over a multi-host mesh; the others follow it "
                              "(jaxstream.engine.multihost.follow)")
         self.core = builders.build_core(model, self.config, tokenizer=tokenizer, eos_token_id=eos_token_id)
-        self._leader = multihost.Leader(self.core.programs, on_lost=self._abandon) if spans else None
+        self._engine_thread = EngineThread(self.core)
+        self._leader = multihost.Leader(self.core.programs, on_lost=self._engine_thread.abandon) if spans else None
         self.core.programs.leader = self._leader
         if isinstance(self.model_config, VoxtralConfig):
             self.kind = "realtime"
@@ -77,31 +70,19 @@ class AsyncEngine:
             self._input_warnings = audio_checks.WarnOnce(logger)
             narrowband_warnings = audio_checks.WarnOnce(audio_checks.narrowband_logger)
             self._front_end = FrontEndWorker(warn=narrowband_warnings)  # every session's log-mel, batched
-            self.core.hand_off_barrier = self._flush_outbox  # text events go out before `collected` counts them
+            # Text events go out before `collected` counts their slots.
+            self.core.hand_off_barrier = self._engine_thread.flush_outbox
         else:
             self.kind = "text"
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._outbox: list = []  # (loop, target, item) posted to the event loops after each tick
-        self._stopping = False
         self._draining = False
-        self.dead_reason: BaseException | None = None  # why the engine thread stopped, once it has
-        # (loop, future) resolved when the engine has nothing to do; None once the engine has stopped. The
-        # event loops add to it directly (under `_live_lock`), not by a command: a command still queued when
-        # the thread dies would never run, and its caller would wait for good.
-        self._idle_waiters: list | None = []
-        # Request / session ids whose stream has not ended -> (loop, target): the event loops add and
-        # remove entries; the engine thread reads them once, when it stops, to end every stream.
-        self._live: dict[str, tuple] = {}
+        # Request / session ids whose stream has not ended -> (loop, target): the engine thread's registry (it
+        # ends these streams if it stops), which only the event loops change, under its lock.
+        self._live, self._live_lock = self._engine_thread.live, self._engine_thread.lock
         self._families: dict[str, list[str]] = {}  # a request with n > 1 -> its children's ids
-        self._live_lock = threading.Lock()
         # Streaming requests whose first chunk is unsent -> their outputs: `abort` ends them here (the core would find
         # no session, and the first chunk would then start one). Only the request that made an entry removes it.
         self._unsent: dict[str, asyncio.Queue] = {}
-        self._metrics = engine_metrics.snapshot(self.core)
-        self._metrics_time = 0.0
-        self._thread = threading.Thread(target=self._run, name="jaxstream-engine", daemon=True)
-        self._thread.start()
+        self._engine_thread.start()
 
     @classmethod
     def from_pretrained(cls, model_source, config: EngineConfig | None = None, *, dtype=None,
@@ -124,7 +105,12 @@ class AsyncEngine:
     @property
     def healthy(self) -> bool:
         """False once the engine is shut down or its thread died (`dead_reason` says why)."""
-        return self._thread.is_alive() and not self._stopping and self.dead_reason is None
+        return self._engine_thread.healthy
+
+    @property
+    def dead_reason(self) -> BaseException | None:
+        """Why the engine thread stopped, once it has (None after a plain shutdown)."""
+        return self._engine_thread.dead_reason
 
     @property
     def draining(self) -> bool:
@@ -145,7 +131,7 @@ class AsyncEngine:
     def metrics(self) -> engine_metrics.EngineMetrics:
         """What the engine holds, as of its latest snapshot (at most ~50 ms old while busy; current when
         idle). Safe to call from any thread."""
-        return self._metrics
+        return self._engine_thread.metrics
 
     @property
     def max_model_len(self) -> int | None:
@@ -162,129 +148,9 @@ class AsyncEngine:
         caller that waits for room looks here first, where asking would log a refusal)."""
         return len(self._live)
 
-    # -- engine thread --------------------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while not self._stopping:
-                # The thread's CPU outside ticks (commands, the audio they store, handing outputs over) is
-                # host work too: the next tick's host CPU counts it.
-                cpu = time.thread_time()
-                self._drain_commands()
-                worked, held_until = False, None
-                if self.core.has_work():
-                    self.core.off_tick_cpu_s += time.thread_time() - cpu
-                    try:
-                        worked = self.core.step()
-                        held_until = self.core.held_until
-                    except ProcessGroupError:
-                        raise  # the scheduler ended every session; a multi-host engine cannot go on
-                    except Exception as exc:  # noqa: BLE001 - an engine bug: end every session, keep serving
-                        logger.exception("engine tick failed; ending every session")
-                        self._fail_everything(exc)
-                        if self.core.cache.state_lost():  # a failed call consumed the donated device state
-                            self.core.reset_device_state()
-                    cpu = time.thread_time()
-                now = time.monotonic()
-                if not worked or now - self._metrics_time > _METRICS_PERIOD_S:
-                    self._metrics, self._metrics_time = engine_metrics.snapshot(self.core), now
-                if self._idle_waiters and not self.core.has_work() and self._commands.empty():
-                    # `metrics()` is current when idle: a tick that did work and ended the work kept the
-                    # snapshot of up to _METRICS_PERIOD_S before it (a clean-clone CI run read evictions=0
-                    # after an eviction).
-                    self._metrics, self._metrics_time = engine_metrics.snapshot(self.core), now
-                    self._outbox.extend(self._take_idle_waiters(last=False))
-                self._flush_outbox()
-                self.core.off_tick_cpu_s += time.thread_time() - cpu
-                if not worked:
-                    # Until the batch the tick held back is due, at most _IDLE_WAIT_S; a command wakes it.
-                    wait = _IDLE_WAIT_S if held_until is None else max(0.0, held_until - time.perf_counter())
-                    self._wake.wait(timeout=min(wait, _IDLE_WAIT_S))
-                    self._wake.clear()
-            self._drain_commands()
-            ended = EngineDeadError("the engine was shut down")
-        except BaseException as exc:  # noqa: BLE001 - the thread is dying: say why to everyone waiting
-            logger.exception("the engine thread died")
-            ended = EngineDeadError(f"the engine thread died: {type(exc).__name__}: {exc}")
-            ended.__cause__ = exc
-            self.dead_reason = exc
-        self._end_everything(ended)
-
-    def _end_everything(self, error: EngineDeadError) -> None:
-        """The engine thread's last act: every session and every live stream (a `generate` whose input has
-        not produced its first chunk included) ends with `error`; idle waiters return."""
-        try:
-            self._fail_everything(error)
-            self._metrics = engine_metrics.snapshot(self.core)
-        finally:
-            with self._live_lock:
-                live = list(self._live.values())
-            self._outbox.extend((loop, target, error) for loop, target in live)
-            self._outbox.extend(self._take_idle_waiters(last=True))
-            self._flush_outbox()
-
-    def _take_idle_waiters(self, *, last: bool) -> list:
-        """Outbox items that resolve every idle waiter; with `last`, later ones return at once."""
-        with self._live_lock:
-            waiters = self._idle_waiters or []
-            self._idle_waiters = None if last else []
-        return [(loop, ResolveOnPut(future), None) for loop, future in waiters]
-
-    def _drain_commands(self) -> None:
-        appends = []  # consecutive audio appends, applied together (one per stream per 80 ms in steady state)
-        while True:
-            try:
-                request_id, command, sink = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if type(command) is _Append:
-                appends.append(command)
-                continue
-            if appends:
-                self._apply_appends(appends)
-                appends = []
-            try:
-                command()
-            except Exception as exc:  # noqa: BLE001 - a command that raises ends its own session only
-                session = self.core.sessions.get(request_id)
-                if session is not None:
-                    logger.error("a command of session %s failed; ending the session", request_id, exc_info=exc)
-                    self.core.fail(session, exc)
-                    continue
-                # It failed before creating its session: nothing in the core will ever answer the caller,
-                # who would wait forever unless the error goes straight to its sink.
-                logger.error("a command for %s failed before its session existed", request_id, exc_info=exc)
-                if sink is not None:
-                    sink(exc)
-        if appends:
-            self._apply_appends(appends)
-
-    def _apply_appends(self, appends: list["_Append"]) -> None:
-        try:
-            self.core.add_audio_many(appends)
-        except Exception as exc:  # noqa: BLE001 - an engine bug: end the sessions that appended, not the others
-            logger.error("applying %d audio appends failed; ending their sessions", len(appends), exc_info=exc)
-            for request_id in dict.fromkeys(append.request_id for append in appends):
-                session = self.core.sessions.get(request_id)
-                if session is not None:
-                    self.core.fail(session, exc)
-
-    def _fail_everything(self, exc: BaseException) -> None:
-        for session in list(self.core.sessions.values()):
-            self.core.fail(session, exc)
-
+    # -- engine thread (engine_thread.py) -------------------------------------------------------------
     def _send(self, command, request_id: str | None = None, sink=None) -> None:
-        """Runs `command` (a callable, or an `_Append`) on the engine thread before its next tick (commands
-        run in order). If it raises, its session ends with the error; with no session, the error goes to
-        `sink` (the caller's)."""
-        self._check_alive()
-        self._commands.put((request_id, command, sink))
-        self._wake.set()
-
-    def _check_alive(self) -> None:
-        if not self.healthy:
-            reason = self.dead_reason
-            raise EngineDeadError("the engine is shut down" if reason is None else
-                                  f"the engine thread died: {type(reason).__name__}: {reason}")
+        self._engine_thread.send(command, request_id, sink)
 
     def _register(self, request_id: str, target) -> None:
         """Marks a stream live (ended by the engine thread if it stops). Raises if the id is taken."""
@@ -302,32 +168,9 @@ class AsyncEngine:
                 del self._live[request_id]
 
     def _check_admitting(self) -> None:
-        self._check_alive()
+        self._engine_thread.check_alive()
         if self._draining:
             raise _rejected(DrainingError("the engine is draining: it takes no new sessions"))
-
-    def _sink(self, target: asyncio.Queue):
-        """A callable for the engine thread that hands items to `target` on the event loop."""
-        loop = asyncio.get_running_loop()
-
-        def sink(item):
-            self._outbox.append((loop, target, item))
-
-        return sink
-
-    def _flush_outbox(self) -> None:
-        if self._outbox:
-            items, self._outbox = self._outbox, []
-            post_to_loops(items)
-
-    def _abandon(self, error: ProcessGroupError) -> None:
-        """A multi-host engine lost a process (called from the leader's watchdog thread). The engine thread
-        may be blocked for good in a collective with the lost process, so this ends every live stream from
-        here, through the registry the event loops keep, without touching scheduler state."""
-        self.dead_reason = error
-        with self._live_lock:
-            live = list(self._live.values())
-        post_to_loops([(loop, target, error) for loop, target in live] + self._take_idle_waiters(last=True))
 
     # -- text generation ------------------------------------------------------------------------------
     async def generate(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None):
@@ -354,7 +197,7 @@ class AsyncEngine:
                 self._families.pop(request_id, None)
             return
         outputs: asyncio.Queue = asyncio.Queue()
-        sink = self._sink(outputs)
+        sink = self._engine_thread.sink(outputs)
         feeder = None
         self._register(request_id, outputs)
         ended, sent = False, [not streaming]  # `sent`: whether any of the request reached the engine (the feeder's)
@@ -509,7 +352,7 @@ class AsyncEngine:
             max_audio_seconds, n_delay, cfg.n_left_pad_tokens)
         link.events = events = _SessionEvents(session, self)
         self._register(session_id, events)
-        sink = self._sink(events)
+        sink = self._engine_thread.sink(events)
         try:
             self._send(lambda: self.core.add_session(session_id, n_delay=n_delay, prompt_ids=prompt, sink=sink,
                                                      backlog=session.backlog, max_slots=stream_slots),
@@ -543,17 +386,7 @@ class AsyncEngine:
     async def wait_until_idle(self) -> None:
         """Returns once every command sent so far is applied and no session has work the engine could do
         now (for tests, benchmarks and draining). Returns at once when the engine is stopped."""
-        if not self.healthy:
-            return
-        future = asyncio.get_running_loop().create_future()
-        with self._live_lock:
-            if self._idle_waiters is None:  # the thread has stopped since `healthy` was read
-                return
-            # Commands sent before this are queued ahead of the engine's next idle check, which waits for
-            # the queue to be empty.
-            self._idle_waiters.append((future.get_loop(), future))
-        self._wake.set()
-        await future
+        await self._engine_thread.wait_until_idle()
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def drain(self, timeout: float) -> bool:
@@ -571,10 +404,8 @@ class AsyncEngine:
 
     def close(self) -> None:
         """`shutdown` for synchronous code."""
-        self._stopping = True
-        self._wake.set()
         # An abandoned multi-host engine's thread may never return from a collective with a lost process.
-        self._thread.join(timeout=None if self._leader is None else _ABANDONED_JOIN_S)
+        self._engine_thread.stop(timeout=None if self._leader is None else _ABANDONED_JOIN_S)
         if self._leader is not None:
             self._leader.stop()
         if self.kind == "realtime":
@@ -593,15 +424,6 @@ def _rejected(error: EngineError) -> EngineError:
     return error
 
 
-class _Append(typing.NamedTuple):
-    """An audio append command; the engine thread applies consecutive ones with one `add_audio_many`."""
-
-    request_id: str
-    mel_slots: np.ndarray
-    samples: float
-    total_slots: int | None
-
-
 class _SessionLink:
     """What a `TranscriptionSession` may ask of its engine: commands for its own session id."""
 
@@ -611,7 +433,7 @@ class _SessionLink:
         self.events: _SessionEvents | None = None  # the session's registry entry, set once it exists
 
     def send_audio(self, mel_slots, samples: float, total_slots: int | None = None) -> None:
-        self._engine._send(_Append(self._session_id, mel_slots, samples, total_slots), self._session_id)
+        self._engine._send(AudioAppend(self._session_id, mel_slots, samples, total_slots), self._session_id)
 
     def abort(self, reason: str) -> None:
         engine, session_id = self._engine, self._session_id
