@@ -1,7 +1,7 @@
 """Static model configurations (frozen, hashable dataclasses passed to jit as static arguments).
 
-Parsed from Hugging Face `config.json` (model_type voxtral_realtime, mistral, llama) or Mistral-native
-`params.json`; `VOXTRAL_MINI_4B` is the real Voxtral-Mini-4B-Realtime-2602 configuration.
+Parsed from Hugging Face `config.json` (model_type voxtral_realtime, mistral, llama, qwen2, qwen3) or
+Mistral-native `params.json`; `VOXTRAL_MINI_4B` is the real Voxtral-Mini-4B-Realtime-2602 configuration.
 """
 import dataclasses
 import math
@@ -40,7 +40,11 @@ def _default_head_dim(hidden_size, num_heads):
 
 @dataclasses.dataclass(frozen=True)
 class TextConfig:
-    """A Mistral/Llama-style decoder; `ada_t_cond_dim > 0` adds Voxtral's delay-conditioned FFN norm."""
+    """A Mistral/Llama-style decoder; `ada_t_cond_dim > 0` adds Voxtral's delay-conditioned FFN norm.
+
+    Qwen2 adds biases to the q/k/v projections (`qkv_bias`); Qwen3 normalises each head's queries and keys
+    (`qk_norm`: an RMSNorm over the head dimension, before RoPE); Llama's and Qwen3's `attention_bias` puts
+    biases on all four projections (`qkv_bias` and `o_bias`)."""
 
     vocab_size: int
     hidden_size: int
@@ -58,6 +62,9 @@ class TextConfig:
     # Llama 3 style RoPE frequency scaling, as (factor, low_freq_factor, high_freq_factor,
     # original_max_positions); None for plain RoPE.
     rope_llama3_scaling: tuple[float, float, float, int] | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self):
         _check_fields(self, may_be_zero={"ada_t_cond_dim"})
@@ -123,6 +130,9 @@ VOXTRAL_MINI_4B = VoxtralConfig(
 )
 
 
+TEXT_MODEL_TYPES = ("mistral", "llama", "qwen2", "qwen3")  # Hugging Face model types TextLM serves
+
+
 def _rope_theta(cfg: dict[str, Any], default: float) -> float:
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     return float(params.get("rope_theta", cfg.get("rope_theta", default)))
@@ -139,10 +149,35 @@ def _llama3_scaling(cfg: dict[str, Any]) -> tuple[float, float, float, int] | No
             int(params["original_max_position_embeddings"]))
 
 
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    """The one attention window of every layer (None: full attention). Qwen2 / Qwen3 configs name each layer's
+    kind (`layer_types`, or `use_sliding_window` for the layers from `max_window_layers` on, and a
+    `sliding_window` that applies only then); one kind for some layers and another for the rest is refused."""
+    if cfg.get("model_type") not in ("qwen2", "qwen3"):
+        return cfg.get("sliding_window")
+    layers = cfg.get("num_hidden_layers")
+    kinds = cfg.get("layer_types")
+    if kinds is None and isinstance(layers, int):
+        sliding_from = cfg.get("max_window_layers", layers) if cfg.get("use_sliding_window") else layers
+        kinds = ["sliding_attention" if i >= sliding_from else "full_attention" for i in range(layers)]
+    kinds = set(kinds or ["full_attention"])
+    if not kinds <= {"full_attention", "sliding_attention"}:
+        raise ValueError(f"unsupported layer_types {sorted(kinds)}; supported: full_attention, sliding_attention")
+    if len(kinds) > 1:
+        raise ValueError("config.json gives some layers a sliding window and others full attention, which "
+                         "jaxstream's decoder (one window for every layer) does not support")
+    return cfg.get("sliding_window") if kinds == {"sliding_attention"} else None
+
+
 def text_config_from_hf(cfg: dict[str, Any], *, ada_t_cond_dim: int = 0) -> TextConfig:
-    for flag in ("attention_bias", "mlp_bias"):
-        if cfg.get(flag):
-            raise ValueError(f"config.json sets {flag}=true, which jaxstream's Mistral/Llama decoder does not support")
+    model_type = cfg.get("model_type")
+    if cfg.get("mlp_bias"):
+        raise ValueError("config.json sets mlp_bias=true, which jaxstream's decoder does not support")
+    # Mistral's projections never carry biases (transformers ignores the key); Llama's and Qwen3's carry them
+    # when it is set, and Qwen2's q/k/v always do.
+    attention_bias = bool(cfg.get("attention_bias")) and model_type in ("llama", "qwen3")
+    if cfg.get("attention_bias") and not attention_bias:
+        raise ValueError(f"config.json sets attention_bias=true, which a {model_type} decoder does not use")
     num_heads = cfg["num_attention_heads"]
     return TextConfig(
         vocab_size=cfg["vocab_size"],
@@ -154,21 +189,25 @@ def text_config_from_hf(cfg: dict[str, Any], *, ada_t_cond_dim: int = 0) -> Text
         head_dim=cfg.get("head_dim") or _default_head_dim(cfg["hidden_size"], num_heads),
         rope_theta=_rope_theta(cfg, 10000.0),
         norm_eps=cfg.get("rms_norm_eps", 1e-5),
-        sliding_window=cfg.get("sliding_window"),
+        sliding_window=_sliding_window(cfg),
         max_positions=cfg.get("max_position_embeddings", 131072),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         ada_t_cond_dim=ada_t_cond_dim,
         rope_llama3_scaling=_llama3_scaling(cfg),
+        qkv_bias=attention_bias or model_type == "qwen2",
+        o_bias=attention_bias,
+        qk_norm=model_type == "qwen3",
     )
 
 
 def config_from_hf(cfg: dict[str, Any]) -> TextConfig | VoxtralConfig:
-    """Parses a Hugging Face `config.json` dict (voxtral_realtime, mistral or llama)."""
+    """Parses a Hugging Face `config.json` dict (voxtral_realtime, mistral, llama, qwen2 or qwen3)."""
     model_type = cfg.get("model_type")
-    if model_type in ("mistral", "llama"):
+    if model_type in TEXT_MODEL_TYPES:
         return text_config_from_hf(cfg)
     if model_type != "voxtral_realtime":
-        raise ValueError(f"unsupported model_type {model_type!r}; supported: voxtral_realtime, mistral, llama")
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: voxtral_realtime, "
+                         f"{', '.join(TEXT_MODEL_TYPES)}")
     audio, text = cfg["audio_config"], cfg["text_config"]
     encoder = EncoderConfig(
         hidden_size=audio["hidden_size"],

@@ -69,10 +69,13 @@ class _Builder:
             self.vector(name + "input_layernorm", at + ("input_layernorm",), d)
             self.vector(name + "post_attention_layernorm", at + ("post_attention_layernorm",), d)
             attn, attn_at = name + "self_attn.", at + ("self_attn",)
-            self.linear(attn + "q_proj", attn_at + ("q_proj",), d, cfg.num_heads * hd)
-            self.linear(attn + "k_proj", attn_at + ("k_proj",), d, cfg.num_kv_heads * hd)
-            self.linear(attn + "v_proj", attn_at + ("v_proj",), d, cfg.num_kv_heads * hd)
-            self.linear(attn + "o_proj", attn_at + ("o_proj",), cfg.num_heads * hd, d)
+            self.linear(attn + "q_proj", attn_at + ("q_proj",), d, cfg.num_heads * hd, bias=cfg.qkv_bias)
+            self.linear(attn + "k_proj", attn_at + ("k_proj",), d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
+            self.linear(attn + "v_proj", attn_at + ("v_proj",), d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
+            self.linear(attn + "o_proj", attn_at + ("o_proj",), cfg.num_heads * hd, d, bias=cfg.o_bias)
+            if cfg.qk_norm:
+                self.vector(attn + "q_norm", attn_at + ("q_norm",), hd)
+                self.vector(attn + "k_norm", attn_at + ("k_norm",), hd)
             self._mlp(name + "mlp.", at + ("mlp",), d, cfg.intermediate_size, down_bias=False)
             if cfg.ada_t_cond_dim:
                 self.linear(name + "ada_rms_norm.linear1", at + ("ada_rms_norm", "linear1"), d, cfg.ada_t_cond_dim)

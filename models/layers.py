@@ -99,11 +99,12 @@ def chunk_positions(lengths, chunk: int):
 
 
 class Attention(nnx.Module):
-    """Multi-head / grouped-query self-attention with RoPE over a paged ring KV cache."""
+    """Multi-head / grouped-query self-attention with RoPE over a paged ring KV cache; `qk_norm_eps` adds Qwen3's
+    RMSNorm of each head's queries and keys before RoPE."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, window: int,
                  q_bias: bool = False, k_bias: bool = False, v_bias: bool = False, o_bias: bool = False,
-                 rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+                 qk_norm_eps: float | None = None, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         linear = functools.partial(nnx.Linear, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
@@ -111,6 +112,10 @@ class Attention(nnx.Module):
         self.k_proj = linear(hidden_size, num_kv_heads * head_dim, use_bias=k_bias)
         self.v_proj = linear(hidden_size, num_kv_heads * head_dim, use_bias=v_bias)
         self.o_proj = linear(num_heads * head_dim, hidden_size, use_bias=o_bias)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, eps=qk_norm_eps, dtype=dtype, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(head_dim, eps=qk_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.qk_norm = qk_norm_eps is not None
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.window = window
 
@@ -120,6 +125,8 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(num_sessions, chunk, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(num_sessions, chunk, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(num_sessions, chunk, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_pages, v_pages = kv
         out, k_pages, v_pages = ring_attention(q, k, v, k_pages, v_pages, page_table, lengths, num_new,

@@ -1,4 +1,4 @@
-"""Mistral/Llama decoder-only LM (`TextLM`) and the decoder stack Voxtral reuses (`TextDecoder`).
+"""Mistral/Llama/Qwen decoder-only LM (`TextLM`) and the decoder stack Voxtral reuses (`TextDecoder`).
 
 Attribute names mirror Hugging Face (`model.embed_tokens`, `model.layers[i].self_attn.q_proj`, ...), so
 checkpoint names map one to one (models/hf_weights.py).
@@ -32,7 +32,9 @@ class DecoderLayer(nnx.Module):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype, param_dtype=param_dtype)
         self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   window=cfg.attention_window, **kw)
+                                   window=cfg.attention_window, q_bias=cfg.qkv_bias, k_bias=cfg.qkv_bias,
+                                   v_bias=cfg.qkv_bias, o_bias=cfg.o_bias,
+                                   qk_norm_eps=cfg.norm_eps if cfg.qk_norm else None, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype,
                                                 param_dtype=param_dtype)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
@@ -104,7 +106,7 @@ def tied_logits(hidden, embedding):
 
 
 class TextLM(nnx.Module):
-    """Mistral/Llama causal LM over a paged ring KV cache (one call = chunked prefill or decode, C = 1)."""
+    """Mistral/Llama/Qwen causal LM over a paged ring KV cache (one call = chunked prefill or decode, C = 1)."""
 
     def __init__(self, cfg: TextConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         if cfg.ada_t_cond_dim:

@@ -86,6 +86,12 @@ class Tokenizer(abc.ABC):
     chat_template: ChatTemplate | None = None
     special_tokens: dict[str, str] = {}  # the named special tokens a jinja chat template sees (`bos_token`, ...)
 
+    @property
+    def prompt_prefix(self) -> tuple[int, ...]:
+        """The ids a prompt's text follows: what vLLM's `tokenizer.encode(prompt)` (special tokens added) puts
+        before the text's ids. BOS for Mistral's and sentencepiece tokenizers."""
+        return () if self.bos_id is None else (self.bos_id,)
+
     def encode(self, text: str) -> list[int]:
         """Text -> text ids (all >= 1000). ValueError for text no tokenizer can encode: a lone UTF-16 surrogate, which
         JSON's \\ud800 escapes and Python's str carry but is no Unicode character (the Rust tokenizers refuse it with a
@@ -336,7 +342,23 @@ class HFTokenizer(Tokenizer):
         self.streaming_pad_id = self.streaming_word_id = None
         self.special_tokens = named_special_tokens(path.parent)
         self.chat_template = self.chat_template_for(find_chat_template(path.parent))
-        self._piece_bytes = _piece_bytes_rule(json.loads(self._tokenizer.to_str()).get("decoder"))
+        spec = json.loads(self._tokenizer.to_str())
+        self._piece_bytes = _piece_bytes_rule(spec.get("decoder"))
+        self._prompt_prefix = self._special_prefix() if spec.get("post_processor") is not None else None
+
+    @property
+    def prompt_prefix(self) -> tuple[int, ...]:
+        """What the tokenizer's post-processor puts before a text's ids: `<|begin_of_text|>` for Llama 3 and
+        `<s>` for Mistral's tokenizer.json (a TemplateProcessing), nothing for Qwen's and GPT-2's (ByteLevel), whose
+        checkpoints still declare a `bos_token_id` that transformers uses only to start an empty prompt. A
+        tokenizer.json without a post-processor (a hand-made one) gets BOS when one is known."""
+        return super().prompt_prefix if self._prompt_prefix is None else self._prompt_prefix
+
+    def _special_prefix(self) -> tuple[int, ...]:
+        plain = self._tokenizer.encode("a", add_special_tokens=False).ids
+        full = self._tokenizer.encode("a", add_special_tokens=True).ids
+        start = next(i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain)
+        return tuple(full[:start])
 
     def _named_special_ids(self, config_path: Path) -> dict[str, int]:
         """`bos_token` / `eos_token` of a tokenizer_config.json (a string, or an AddedToken dict) -> ids."""

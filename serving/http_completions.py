@@ -131,12 +131,13 @@ def parse_prompt(body: dict, state):
 
 
 def prompt_ids(prompt, state) -> list[int]:
-    """A one-shot prompt as the engine's ids (its first chunk: BOS, then the text's ids)."""
+    """A one-shot prompt as the engine's ids (its first chunk: the tokenizer's `prompt_prefix`, BOS
+    for most, then the text's ids)."""
     if not isinstance(prompt, str):
         return prompt
     tokenizer = state.engine.tokenizer
     try:
-        return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
+        return [*tokenizer.prompt_prefix, *tokenizer.encode(prompt)]
     except ValueError as exc:  # a lone surrogate
         raise RequestError(400, "invalid_request", f"prompt: {exc}", "prompt") from None
 

@@ -6,6 +6,7 @@ Run by hand from the repository root (CI never runs this script; it only reads t
     python tests/make_reference_fixtures.py                 # every fixture
     python tests/make_reference_fixtures.py --only voxtral  # voxtral_tiny* (+ versions.json) only
     python tests/make_reference_fixtures.py --only text     # mistral_tiny*, llama_tiny* (+ versions.json) only
+    python tests/make_reference_fixtures.py --only qwen     # qwen2_tiny*, qwen3_tiny* only
 
 The committed fixtures were made with torch 2.13.0+cpu, transformers 5.23.0, mistral-common 1.13.1 and
 numpy 2.3 (exact versions in tests/fixtures/versions.json and in every npz under the key `versions`).
@@ -80,7 +81,13 @@ mistral_tiny/  (config.json, generation_config.json, model.safetensors)  Mistral
     hidden 64, ffn 96, 2 layers, 4 q + 2 kv heads x head_dim 24, sliding window 8, rope theta 1e4, untied.
 llama_tiny/    (same files)  LlamaForCausalLM: vocab 256, hidden 64, ffn 96, 2 layers, 8 q + 2 kv heads x
     head_dim 16, no sliding window, rope theta 5e5, tied embeddings.
-mistral_tiny_reference.npz and llama_tiny_reference.npz
+qwen2_tiny/    (same files)  Qwen2ForCausalLM: vocab 256, hidden 64, ffn 96, 2 layers, 4 q + 2 kv heads x
+    head_dim 16, q/k/v biases, rope theta 1e6, rms eps 1e-6, tied embeddings.
+qwen3_tiny/    (same files)  Qwen3ForCausalLM: vocab 256, hidden 64, ffn 96, 2 layers, 4 q + 2 kv heads x
+    head_dim 24, per-head q/k RMSNorm, attention_bias (all four projections), rope theta 1e6, untied.
+    (Made later than the others, with the versions their npz records: versions.json is not rewritten by
+    `--only qwen`.)
+mistral_tiny_reference.npz, llama_tiny_reference.npz, qwen2_tiny_reference.npz, qwen3_tiny_reference.npz
     input_ids                  (1, 40)    random ids in [3, 256) (length > 2 x the Mistral window)
     logits                     (1, 40, 256)
     prompt_ids                 (1, 5)     input_ids[:, :5]
@@ -119,6 +126,10 @@ from transformers import (
     MistralCommonBackend,
     MistralConfig,
     MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     VoxtralRealtimeConfig,
     VoxtralRealtimeFeatureExtractor,
     VoxtralRealtimeForConditionalGeneration,
@@ -537,6 +548,22 @@ def make_text_lms() -> None:
     make_text_lm("llama_tiny", LlamaForCausalLM, llama, seed=20)
 
 
+def make_qwen_lms() -> None:
+    qwen2 = Qwen2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        tie_word_embeddings=True, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+    )
+    make_text_lm("qwen2_tiny", Qwen2ForCausalLM, qwen2, seed=40)
+    qwen3 = Qwen3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=24, attention_bias=True, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
+        max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+    )
+    make_text_lm("qwen3_tiny", Qwen3ForCausalLM, qwen3, seed=50)
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -550,8 +577,9 @@ def save_npz(path: Path, arrays: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=("voxtral", "text"),
-                        help="regenerate only the Voxtral fixtures or only the text-LM ones (default: all)")
+    parser.add_argument("--only", choices=("voxtral", "text", "qwen"),
+                        help="regenerate only the Voxtral fixtures, the Mistral / Llama ones or the Qwen ones "
+                             "(default: all)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     FIXTURES.mkdir(parents=True, exist_ok=True)
@@ -559,7 +587,10 @@ def main() -> None:
         make_voxtral()
     if args.only in (None, "text"):
         make_text_lms()
-    (FIXTURES / "versions.json").write_text(json.dumps(library_versions(), indent=2, sort_keys=True) + "\n")
+    if args.only in (None, "qwen"):
+        make_qwen_lms()
+    if args.only != "qwen":  # the Qwen fixtures came later: their npz records their versions
+        (FIXTURES / "versions.json").write_text(json.dumps(library_versions(), indent=2, sort_keys=True) + "\n")
     total = sum(f.stat().st_size for f in FIXTURES.rglob("*") if f.is_file())
     print(f"tests/fixtures total {total / 1e6:.2f} MB")
 

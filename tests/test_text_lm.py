@@ -1,5 +1,6 @@
-"""TextLM (Mistral with a sliding window, Llama with tied embeddings) vs transformers fixtures, over shuffled
-paged rings: full-sequence logits, chunked prefill == one shot, greedy continuation == generate()."""
+"""TextLM (Mistral with a sliding window, Llama with tied embeddings, Qwen2 with q/k/v biases, Qwen3 with q/k
+norms and biases) vs transformers fixtures, over shuffled paged rings: full-sequence logits, chunked prefill ==
+one shot, greedy continuation == generate(); and how Hugging Face configs of these families parse."""
 import dataclasses
 import json
 from pathlib import Path
@@ -19,7 +20,7 @@ PAGE_SIZE = 4
 CHUNK = 8
 
 
-@pytest.fixture(scope="module", params=["mistral", "llama"])
+@pytest.fixture(scope="module", params=["mistral", "llama", "qwen2", "qwen3"])
 def lm(request):
     name = request.param
     cfg = config_from_hf(json.loads((FIXTURES / f"{name}_tiny" / "config.json").read_text()))
@@ -137,3 +138,40 @@ def test_text_lm_rejects_bad_inputs():
     del tensors["lm_head.weight"]  # untied: the head is required
     with pytest.raises(CheckpointMismatchError, match="1 missing: lm_head.weight"):
         load_hf_weights(model, tensors)
+
+
+def qwen_config(**edits):
+    return {**json.loads((FIXTURES / "qwen2_tiny" / "config.json").read_text()), **edits}
+
+
+@pytest.mark.parametrize("edits, window", [
+    # Qwen2.5 checkpoints saved by transformers 4 state a window that applies only with use_sliding_window.
+    ({"layer_types": None, "sliding_window": 32768, "use_sliding_window": False, "max_window_layers": 0}, None),
+    ({"layer_types": None, "sliding_window": 64, "use_sliding_window": True, "max_window_layers": 0}, 64),
+    ({"layer_types": None, "sliding_window": 64, "use_sliding_window": True, "max_window_layers": 2}, None),
+    ({"layer_types": ["sliding_attention"] * 2, "sliding_window": 64}, 64),
+    ({"layer_types": ["full_attention"] * 2, "sliding_window": 64}, None),
+], ids=["v4-window-off", "v4-all-sliding", "v4-none-sliding", "all-sliding", "all-full"])
+def test_a_qwen_window_applies_only_to_sliding_layers(edits, window):
+    assert config_from_hf(qwen_config(**edits)).sliding_window == window
+
+
+@pytest.mark.parametrize("edits, message", [
+    ({"layer_types": None, "sliding_window": 64, "use_sliding_window": True, "max_window_layers": 1},
+     "some layers a sliding window and others full attention"),
+    ({"layer_types": ["full_attention", "chunked_attention"]}, "unsupported layer_types"),
+    ({"mlp_bias": True}, "mlp_bias=true"),
+    ({"model_type": "mistral", "attention_bias": True}, "a mistral decoder does not use"),
+])
+def test_configs_the_decoder_cannot_serve_are_refused(edits, message):
+    with pytest.raises(ValueError, match=message):
+        config_from_hf(qwen_config(**edits))
+
+
+def test_which_projections_carry_biases_and_norms_per_family():
+    qwen2, qwen3 = (config_from_hf(json.loads((FIXTURES / f"{name}_tiny" / "config.json").read_text()))
+                    for name in ("qwen2", "qwen3"))
+    assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.qk_norm) == (True, False, False)
+    assert (qwen3.qkv_bias, qwen3.o_bias, qwen3.qk_norm) == (True, True, True)
+    llama = config_from_hf({**qwen_config(model_type="llama"), "attention_bias": True})
+    assert (llama.qkv_bias, llama.o_bias, llama.qk_norm) == (True, True, False)

@@ -12,6 +12,7 @@ import pytest
 import sentencepiece
 from mistral_common.tokens.tokenizers.tekken import Tekkenizer
 
+from jaxstream.engine.text_generation import prompt_token_ids
 from jaxstream.models.tokenizers import (
     HFTokenizer,
     SentencePieceTokenizer,
@@ -359,6 +360,31 @@ def test_tokenizer_json_special_ids(hf_tokenizer_dir, tmp_path):
     assert HFTokenizer(tmp_path / "tokenizer.json", eos_id=0).eos_id == 0
     with pytest.raises(ValueError, match="outside the tokenizer's vocabulary"):
         plain.decode([300])
+
+
+@pytest.mark.parametrize("post_processor, prefix", [
+    (None, (1,)),  # a hand-made tokenizer.json: BOS, as the checkpoint declares it
+    ({"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}, ()),  # Qwen, GPT-2
+    ({"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                                               {"Sequence": {"id": "A", "type_id": 0}}],
+      "pair": [{"Sequence": {"id": "A", "type_id": 0}}],
+      "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}}, (1,)),  # Llama 3, Mistral
+], ids=["none", "byte-level", "template"])
+def test_a_prompt_starts_with_what_the_tokenizers_post_processor_adds(hf_tokenizer_dir, tmp_path, post_processor,
+                                                                      prefix):
+    """vLLM tokenizes a prompt with the tokenizer's special tokens: Qwen's tokenizer.json adds none, though its
+    checkpoint declares `bos_token_id` 151643 (it used to start every Qwen prompt)."""
+    from tokenizers import Tokenizer
+
+    spec = json.loads((hf_tokenizer_dir / "tokenizer.json").read_text())
+    (tmp_path / "tokenizer.json").write_text(json.dumps({**spec, "post_processor": post_processor}))
+    tokenizer = HFTokenizer(tmp_path / "tokenizer.json", bos_id=1, eos_id=2)
+    assert tokenizer.prompt_prefix == prefix
+    if post_processor is not None:  # the tokenizers library's own encoding is the oracle
+        text = UTF8_TEXTS[0]
+        expected = Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode(text).ids
+        assert prompt_token_ids(tokenizer, text, first=True) == expected
+    assert prompt_token_ids(tokenizer, "ab", first=False) == tokenizer.encode("ab")
 
 
 # ------------------------------------------------------------------------------------------ load_tokenizer

@@ -10,8 +10,8 @@ from jaxstream.errors import InvalidRequestError
 
 
 def prompt_token_ids(tokenizer, prompt, *, first: bool) -> list[int]:
-    """The ids of `prompt`: token ids, text (tokenized; a session's first text starts with BOS) or vLLM's
-    {"prompt_token_ids": ...} / {"prompt": ...}."""
+    """The ids of `prompt`: token ids, text (tokenized; a session's first text starts with the tokenizer's
+    `prompt_prefix`, BOS for most) or vLLM's {"prompt_token_ids": ...} / {"prompt": ...}."""
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             return [int(t) for t in prompt["prompt_token_ids"]]
@@ -19,8 +19,7 @@ def prompt_token_ids(tokenizer, prompt, *, first: bool) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("text prompts need a tokenizer; pass token ids instead")
-        bos = [tokenizer.bos_id] if first and tokenizer.bos_id is not None else []
-        return bos + tokenizer.encode(prompt)
+        return [*(tokenizer.prompt_prefix if first else ()), *tokenizer.encode(prompt)]
     if isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):
         return [int(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
     raise TypeError(f"unsupported prompt type {type(prompt).__name__}")
