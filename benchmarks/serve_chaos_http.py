@@ -120,7 +120,7 @@ async def http_completions_refused(c, rng):
 @behaviour
 async def http_info(c, rng):
     for path in ("/health", "/healthz", "/ping"):
-        if json.loads(await c.call("GET", path, 200)) != {"status": "ok", "model": c.model}:
+        if json.loads(await c.call("GET", path, 200)) != {"status": "ok"}:  # open to all: it names no model
             raise Bad(f"{path} is not ok")
     if json.loads(await c.call("GET", "/v1/models", 200))["data"][0]["id"] != c.model:
         raise Bad("/v1/models does not list the served model")

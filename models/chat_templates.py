@@ -14,6 +14,10 @@ mistral-common's own `encode_chat_completion`, as vLLM's `--tokenizer-mode mistr
 
 Both raise `ChatTemplateError` (a ValueError) with a message for the client when the conversation cannot be
 rendered: the template's own `raise_exception` message (a bad role order), mistral-common's validation message.
+
+A message's `content` reaches a jinja template as vLLM gives it (its `--chat-template-content-format auto`): a string
+(a list of text parts joined with newlines) for most templates, the list of parts (`{"type": "text", "text": ...}`)
+for a template that loops over a message's content (`content_format`, read from the template's syntax tree).
 """
 import abc
 import dataclasses
@@ -36,6 +40,8 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 # vLLM's answer to a chat request for a model without a template (its ChatCompletionRequest documents it too).
 NO_TEMPLATE_MESSAGE = ("As of transformers v4.44, default chat template is no longer allowed, so you must provide a "
                        "chat template if the tokenizer does not define one.")
+# vLLM's test for a --chat-template value that is the template itself rather than a file's path.
+_JINJA_CHARS = "{}\n"
 # transformers' marker for `continue_final_message`: appended to the final message, the render is cut where it lands.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
@@ -51,8 +57,11 @@ class ChatPrompt:
 
 
 class ChatTemplate(abc.ABC):
-    """Renders and tokenizes a conversation: `messages` are dicts with `role` and a string `content` (and, where the
-    client sent them, `name`, `tool_calls`, `tool_call_id`)."""
+    """Renders and tokenizes a conversation: `messages` are dicts with `role` and `content` (and, where the client sent
+    them, `name`, `tool_calls`, `tool_call_id`), the content in the template's `content_format`: "string", or
+    "openai": a list of parts, `{"type": "text", "text": ...}` (vLLM's names)."""
+
+    content_format = "string"
 
     @abc.abstractmethod
     def encode(self, messages: list[dict], *, add_generation_prompt: bool = True,
@@ -73,6 +82,10 @@ class JinjaChatTemplate(ChatTemplate):
         self._special_tokens = dict(special_tokens)
         self._encode_text = encode_text
 
+    @property
+    def content_format(self) -> str:
+        return detect_content_format(self.source)
+
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
                continue_final_message: bool = False, variables: dict | None = None) -> str:
         import jinja2
@@ -82,11 +95,7 @@ class JinjaChatTemplate(ChatTemplate):
         # transformers drops None-valued keys: templates test for a key (`'tool_calls' in message`), not for None.
         messages = [{key: value for key, value in message.items() if value is not None} for message in messages]
         if continue_final_message:
-            final = messages[-1].get("content") if messages else None
-            if not isinstance(final, str):
-                raise ChatTemplateError("continue_final_message is set but the final message has no content to "
-                                        "continue")
-            messages[-1] = {**messages[-1], "content": final + _CONTINUE_TAG}
+            messages[-1], final = _with_continue_tag(messages[-1] if messages else {})
         # The request's own fields win over its variables, which win over the special tokens (transformers, vLLM).
         # `tools` and `documents` are None, not undefined, unless given: transformers passes both, and templates
         # test `tools is defined` / `tools is not none`.
@@ -109,6 +118,21 @@ class JinjaChatTemplate(ChatTemplate):
             return ChatPrompt(text, self._encode_text(text))
         except ValueError as exc:  # the tokenizer's refusal of what the conversation holds (a lone surrogate)
             raise ChatTemplateError(f"the conversation cannot be tokenized: {exc}") from None
+
+
+def _with_continue_tag(message: dict) -> tuple[dict, str]:
+    """transformers' `continue_final_message`: the final message with the tag after its text (a list of parts: after
+    its last text part's), and that text. ChatTemplateError for a message without text."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": content + _CONTINUE_TAG}, content
+    if isinstance(content, list):
+        for i in reversed(range(len(content))):
+            part = content[i]
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                tagged = {**part, "text": part["text"] + _CONTINUE_TAG}
+                return {**message, "content": [*content[:i], tagged, *content[i + 1:]]}, part["text"]
+    raise ChatTemplateError("continue_final_message is set but the final message has no content to continue")
 
 
 def _cut_at_continue_tag(text: str, final: str) -> str:
@@ -224,7 +248,7 @@ def load_chat_template(value: str) -> str:
     path = Path(value)
     if path.is_file():
         source = _read_text(path)
-    elif any(c in value for c in "{}\n"):
+    elif is_inline_template(value):
         source = value
     else:
         raise UserError(f"chat template {value!r} looks like a file path, but there is no such file")
@@ -236,6 +260,53 @@ def load_chat_template(value: str) -> str:
         raise UserError(f"chat template {value if path.is_file() else '(given inline)'}: line {exc.lineno}: "
                         f"{exc.message}") from None
     return source
+
+
+def is_inline_template(value: str) -> bool:
+    """Whether a `--chat-template` value that names no file is the template itself (vLLM's test)."""
+    return any(c in value for c in _JINJA_CHARS)
+
+
+# -- what a template takes as a message's content ---------------------------------------------------------------------
+@functools.lru_cache(maxsize=16)
+def detect_content_format(source: str) -> str:
+    """vLLM's `_detect_content_format`: "openai" when the template loops over a message's content (`{% for part in
+    message['content'] %}`, through filters, tests and slices, `message` being a loop over `messages` or over a
+    variable set from it), else "string"; "string" too for a template that does not parse (its chats fail anyway)."""
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        tree = _environment().parse(source)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    lists, assigns = {"messages"}, list(tree.find_all(nodes.Assign))
+    grown = True
+    while grown:  # `{% set loop_messages = messages[1:] %}` and what is set from that in turn
+        named = {assign.target.name for assign in assigns
+                 if isinstance(assign.target, nodes.Name) and _reads(assign.node, lists)}
+        grown, lists = not named <= lists, lists | named
+    loops = list(tree.find_all(nodes.For))
+    messages = {loop.target.name for loop in loops if isinstance(loop.target, nodes.Name) and _reads(loop.iter, lists)}
+    return "openai" if any(_reads(loop.iter, messages, "content") for loop in loops) else "string"
+
+
+def _reads(node, names: set[str], key: str | None = None) -> bool:
+    """Whether `node` is one of `names` (with `key`: its item or attribute `key`), seen through filters, tests and
+    slices (`messages | selectattr(...)`, `message['content'][1:]`)."""
+    from jinja2 import nodes
+
+    while isinstance(node, (nodes.Filter, nodes.Test)) or (
+            isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)):
+        node = node.node
+    if key is not None:
+        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == key:
+            node = node.node
+        elif isinstance(node, nodes.Getattr) and node.attr == key:
+            node = node.node
+        else:
+            return False
+    return isinstance(node, nodes.Name) and node.ctx == "load" and node.name in names
 
 
 # -- the jinja environment, as transformers builds it ----------------------------------------------------------------

@@ -26,6 +26,7 @@ import abc
 import codecs
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 from collections.abc import Iterable
@@ -71,7 +72,7 @@ def check_encodable(text: str, what: str = "text") -> None:
 
 
 class Tokenizer(abc.ABC):
-    """Common interface: `encode` gives text ids only (no BOS/EOS); `decode` skips control ids."""
+    """Common interface: `encode` gives text ids only (no BOS/EOS); `decode` skips control ids unless told not to."""
 
     bos_id: int | None  # None only for a tokenizer.json whose checkpoint names no BOS / EOS
     eos_id: int | None
@@ -121,8 +122,13 @@ class Tokenizer(abc.ABC):
     def _control_name(self, token_id: int) -> str:
         return ""
 
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of all text ids (control ids skipped), decoding their concatenated bytes as UTF-8."""
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of all text ids, decoding their concatenated bytes as UTF-8, control ids skipped; or, with
+        `skip_special_tokens=False` (vLLM's /detokenize), control ids by name between the texts of the runs of text
+        ids around them, as mistral-common decodes with SpecialTokenPolicy.KEEP."""
+        if not skip_special_tokens:
+            return "".join("".join(map(self._control_name, run)) if control else self.decode(run)
+                           for control, run in itertools.groupby(ids, self.is_control))
         decoder = self.stream_decoder()
         return decoder.push_many(ids) + decoder.flush()
 
@@ -386,8 +392,9 @@ class HFTokenizer(Tokenizer):
     def _encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: Iterable[int]) -> str:
-        return self._tokenizer.decode([self._checked(token_id) for token_id in ids], skip_special_tokens=True)
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode([self._checked(token_id) for token_id in ids],
+                                      skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes the token stands for (b"" for special tokens): read from its vocabulary piece where the decoder

@@ -16,7 +16,8 @@ Routes (specs/realtime_protocols.md §0):
                                            (http_chat.py)
     /v1/streaming_input/sessions/...       Mode B streaming-input sessions, audio or text (http_sessions.py)
     POST /tokenize, /detokenize            vLLM's: the served model's tokenizer (http_tokenize.py)
-    GET /health, /healthz, /ping           200 when ready, 503 while loading, draining or dead (no auth)
+    GET /health, /healthz, /ping           {"status": ...}: 200 when ready, 503 while loading, draining or dead
+                                           (no auth, so it names no model)
     GET /metrics                           Prometheus text (no auth, as vLLM)
     anything else                          404 `unknown_url` / 405 with Allow, in OpenAI's error shape; a WebSocket
                                            route asked without an upgrade: 426 (http_errors.routing_errors_middleware)
@@ -185,15 +186,18 @@ class ServerState:
         return not self.connections
 
     def health(self) -> tuple[int, dict]:
+        """/health's status and body: only the state, which the demo page and operators read. Open to anyone, it
+        names neither the model (its id may be a path on this machine: /v1/models, behind the key, has it) nor why
+        a load failed (the log and `jaxstream serve` say it), where vLLM answers with no body at all."""
         if self.load_error is not None:
-            return 503, {"status": "failed", "error": str(self.load_error)}
+            return 503, {"status": "failed"}
         if self.engine is None:
             return 503, {"status": "loading"}
         if self.draining:
             return 503, {"status": "draining"}
         if not self.engine.healthy:
             return 503, {"status": "engine_dead"}
-        return 200, {"status": "ok", "model": self.model_id}
+        return 200, {"status": "ok"}
 
 
 SERVER = web.AppKey("jaxstream_server", ServerState)

@@ -8,7 +8,9 @@ The TOML has up to four tables, each optional; command-line flags override it:
     [limits]   any field of serving.limits.Limits
     [engine]   any EngineConfig field with a plain value (max_sessions, default_delay_ms, buckets, ...)
 
-API keys are not read from it (a config file is often committed); use --api-key-file or $JAXSTREAM_API_KEY.
+A `chat_template` path is relative to the TOML's folder (`--chat-template` is relative to the working directory, as
+vLLM's); a value that names no file and holds a jinja character is the template itself, as vLLM takes the flag. API
+keys are not read from it (a config file is often committed); use --api-key-file or $JAXSTREAM_API_KEY.
 """
 import dataclasses
 import importlib.resources
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from jaxstream.engine.requests import GENERATION_CONFIGS
 from jaxstream.errors import UserError
+from jaxstream.models.chat_templates import is_inline_template
 from jaxstream.serving.cors import check_origins
 from jaxstream.serving.limits import Limits
 
@@ -38,7 +41,8 @@ class ServerConfig:
     # to completions that omit those fields; "vllm" ignores the file.
     generation_config: str = "auto"
     # vLLM's --chat-template: the jinja template /v1/chat/completions renders conversations with, in place of the
-    # tokenizer's (the text itself: `jaxstream serve` reads the file the flag or the TOML names). None: the tokenizer's.
+    # tokenizer's (the text itself: `jaxstream serve` reads the file the flag or the TOML names; load_server_file makes
+    # the TOML's path relative to the TOML). None: the tokenizer's.
     chat_template: str | None = None
     drain_timeout_s: float = 30.0  # SIGTERM: time running utterances get before their sockets close
     # The /ws envelope's rolling-window rate limits per connection (specs/realtime_protocols.md §5.6; the
@@ -106,6 +110,7 @@ def load_server_file(name: str) -> ServerFile:
     """Reads a server TOML from a path or a preset name in jaxstream.configs; UserError on any mistake."""
     path = Path(name)
     if path.is_file():
+        folder = path.parent
         try:
             text, source = path.read_text(encoding="utf-8"), str(path)
         except UnicodeDecodeError:
@@ -118,6 +123,7 @@ def load_server_file(name: str) -> ServerFile:
         if not preset.is_file():
             raise UserError(f"config {name!r} is neither a file nor a preset in jaxstream.configs")
         text, source = preset.read_text(), f"preset {name}"
+        folder = Path(str(preset)).parent
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -135,10 +141,19 @@ def load_server_file(name: str) -> ServerFile:
     limits = _table(data, "limits", {f.name for f in dataclasses.fields(Limits)}, source)
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"mesh", "compat"}
     engine = {key: _tuples(value) for key, value in _table(data, "engine", engine_fields, source).items()}
+    if isinstance(server.get("chat_template"), str):
+        server["chat_template"] = _beside(folder, server["chat_template"])
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise UserError(f"{source}: model must be a string")
     return ServerFile(model, server, limits, engine)
+
+
+def _beside(folder: Path, template: str) -> str:
+    """A [server] chat_template as a path relative to the TOML's folder, unless it is the template itself (a value
+    that names no file there and holds a jinja character); `jaxstream serve` reads the file."""
+    path = folder / template
+    return template if is_inline_template(template) and not path.is_file() else str(path)
 
 
 def _table(data: dict, name: str, allowed: set, source: str) -> dict:

@@ -1,15 +1,17 @@
 """OpenAI's `POST /v1/chat/completions` over a served text LM, as vLLM's serving_chat.py serves it.
 
 `messages` (roles system, developer, user, assistant, tool, or any the template takes; `content` a string, or a
-list of `{"type": "text", "text": ...}` parts joined with newlines as vLLM joins them for a template that takes
-strings; other part types are a 400: the model reads text only) are rendered with the model's chat template
+list of text parts: `{"type": "text", "text": ...}`, vLLM's `input_text` / `output_text` / `refusal` or a bare string;
+other part types are a 400: the model reads text only) are rendered with the model's chat template
 (models/chat_templates.py: the tokenizer's, or the server's `--chat-template`) and tokenized without another BOS,
-since templates write their own. A model without a template answers vLLM's 400, a speech model the completions
-route's. `add_generation_prompt` (default true), `continue_final_message` (not both, as vLLM),
-`chat_template_kwargs` (template variables) and vLLM's `documents` (RAG documents, a list of objects of strings,
-for the templates that read them) shape the prompt; vLLM's `add_special_tokens` (default false) puts the
-tokenizer's BOS before it. A `chat_template` in the request is refused, as vLLM refuses it without
---trust-request-chat-template.
+since templates write their own. The content reaches the template as vLLM's `--chat-template-content-format auto`
+gives it: a template that loops over a message's content gets a list of `{"type": "text", "text": ...}` parts (a
+string content is one), any other a string (the parts' texts joined with newlines). A model without a template
+answers vLLM's 400, a speech model the completions route's. `add_generation_prompt` (default true),
+`continue_final_message` (not both, as vLLM), `chat_template_kwargs` (template variables) and vLLM's `documents` (RAG
+documents, a list of objects of strings, for the templates that read them) shape the prompt; vLLM's
+`add_special_tokens` (default false) puts the tokenizer's `prompt_prefix` (BOS for most) before it. A `chat_template`
+in the request is refused, as vLLM refuses it without --trust-request-chat-template.
 
 Sampling and stopping are the completions route's (http_completions.py: `temperature`, `top_p`, `top_k`, `min_p`,
 `seed`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`, `stop`, `stop_token_ids`, `n`
@@ -43,6 +45,8 @@ from jaxstream.serving.http_errors import RequestError, check_kind, check_model
 from jaxstream.serving.limits import holds_stream
 
 ROUTE = "/v1/chat/completions"
+# The part types whose text a message's content takes (vLLM's MM_PARSER_MAP: OpenAI's chat and Responses text types).
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 # What chat cannot honour, with its "not used" value: the completions route's (but its prompt-only fields) and
 # chat's own. `parallel_tool_calls: true` is OpenAI's default.
 _PROMPT_ONLY = ("suffix", "add_special_tokens")  # chat takes add_special_tokens (default false)
@@ -66,9 +70,10 @@ def chat_template(state):
     return template
 
 
-def parse_messages(body: dict) -> list[dict]:
-    """The conversation as a template takes it: role, content as a string, and what else a message carries for
-    templates (`name`, `tool_call_id`, an assistant's `tool_calls` with their JSON arguments parsed, as vLLM)."""
+def parse_messages(body: dict, content_format: str = "string") -> list[dict]:
+    """The conversation as a template takes it: role, content in the template's `content_format` (ChatTemplate), and
+    what else a message carries for templates (`name`, `tool_call_id`, an assistant's `tool_calls` with their JSON
+    arguments parsed, as vLLM)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "invalid_request", "messages must be a non-empty list of messages", "messages")
@@ -76,7 +81,9 @@ def parse_messages(body: dict) -> list[dict]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
             raise RequestError(400, "invalid_request", f"messages[{i}] must be an object with a role", f"messages[{i}]")
-        parsed = {"role": message["role"], "content": _content(message.get("content"), f"messages[{i}].content")}
+        parts = _text_parts(message.get("content"), f"messages[{i}].content")
+        parsed = {"role": message["role"], "content": parts if content_format == "openai" else "\n".join(
+            part if isinstance(part, str) else part["text"] for part in parts)}
         parsed.update({key: message[key] for key in ("name", "tool_call_id") if isinstance(message.get(key), str)})
         if message["role"] == "assistant" and isinstance(message.get("tool_calls"), list) and message["tool_calls"]:
             parsed["tool_calls"] = [_tool_call(call) for call in message["tool_calls"]]
@@ -84,24 +91,26 @@ def parse_messages(body: dict) -> list[dict]:
     return conversation
 
 
-def _content(content, param: str) -> str:
-    if content is None:  # an assistant's tool calls carry none: vLLM renders it as ""
-        return ""
+def _text_parts(content, param: str) -> list:
+    """A message's content as vLLM's "openai" content format holds it: `{"type": "text", "text": ...}` for each text
+    part (a string content is one; none, an assistant's tool calls, is none), a bare string part kept as it came."""
+    if content is None:
+        return []
     if isinstance(content, str):
-        return content
+        return [{"type": "text", "text": content}]
     if not isinstance(content, list):
         raise RequestError(400, "invalid_request", f"{param} must be a string or a list of content parts", param)
-    texts = []
+    parts = []
     for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
         if isinstance(part, str):
-            texts.append(part)
-        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
+            parts.append(part)
+        elif isinstance(kind, str) and kind in _TEXT_PARTS and isinstance(part.get(_TEXT_PARTS[kind]), str):
+            parts.append({"type": "text", "text": part[_TEXT_PARTS[kind]]})
         else:
-            kind = part.get("type") if isinstance(part, dict) else None
             raise RequestError(400, "invalid_request", f"Unsupported content part type {kind!r}: this server serves "
                                "a text model, whose messages hold text parts only", f"{param}[{j}]")
-    return "\n".join(texts)
+    return parts
 
 
 def _tool_call(call):
@@ -121,9 +130,10 @@ def _tool_call(call):
 
 def render_chat(body: dict, state, *, add_special_tokens: bool) -> ChatPrompt:
     """The body's conversation rendered and tokenized with the served template (the chat route's and /tokenize's);
-    RequestError 400 for what the template or the body refuses. `add_special_tokens`: BOS before the template's."""
+    RequestError 400 for what the template or the body refuses. `add_special_tokens`: the tokenizer's prompt prefix
+    before the template's."""
     template = chat_template(state)
-    messages = parse_messages(body)
+    messages = parse_messages(body, template.content_format)
     add_generation_prompt = parse_flag(body, "add_generation_prompt", True)
     continue_final_message = parse_flag(body, "continue_final_message")
     if add_generation_prompt and continue_final_message:
@@ -148,9 +158,9 @@ def render_chat(body: dict, state, *, add_special_tokens: bool) -> ChatPrompt:
         raise RequestError(400, "invalid_request", str(exc), "messages") from None
     except ValueError as exc:  # the tokenizer's: text it cannot encode
         raise RequestError(400, "invalid_request", str(exc), "messages") from None
-    bos = state.engine.tokenizer.bos_id
-    if add_special_tokens and bos is not None:
-        return ChatPrompt(prompt.text, [bos, *prompt.token_ids])
+    prefix = state.engine.tokenizer.prompt_prefix
+    if add_special_tokens and prefix:
+        return ChatPrompt(prompt.text, [*prefix, *prompt.token_ids])
     return prompt
 
 

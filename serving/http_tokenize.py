@@ -1,15 +1,18 @@
 """vLLM's `POST /tokenize` and `POST /detokenize`: the served model's tokenizer over HTTP, so that a client can
 count a prompt's tokens against `max_model_len` or read the ids a completion returned (`return_token_ids`).
 
-`/tokenize` takes `prompt` (a string) with `add_special_tokens` (default true: the BOS the engine puts before a
-completion's prompt), or vLLM's chat form: `messages` with `add_generation_prompt` (default true),
-`continue_final_message`, `chat_template_kwargs` and `add_special_tokens` (default false: the template writes its
-own BOS), rendered and tokenized as `/v1/chat/completions` takes them (http_chat.py), for a text LM. It answers
+`/tokenize` takes `prompt` (a string) with `add_special_tokens` (default true: what the engine puts before a
+completion's prompt, the tokenizer's `prompt_prefix`: BOS for most, nothing for Qwen's), or vLLM's chat form:
+`messages` with `add_generation_prompt` (default true), `continue_final_message`, `chat_template_kwargs` and
+`add_special_tokens` (default false: the template writes its own BOS), rendered and tokenized as
+`/v1/chat/completions` takes them (http_chat.py), for a text LM. It answers
 `{"count", "max_model_len", "tokens", "token_strs"}`; `token_strs` (with `return_token_strs: true`) is the text each
 id stands for (a piece of a UTF-8 character shows as U+FFFD, a special token its name, as logprobs show them),
-where vLLM gives the tokenizer's own piece names. `/detokenize` takes `tokens` and answers `{"prompt": text}`, control
-ids left out as in a completion's text. `model` is optional, as in vLLM; named, it must be the served one. Any
-served model with a tokenizer answers, the transcription model included (its `max_model_len` is null).
+where vLLM gives the tokenizer's own piece names. `/detokenize` takes `tokens` and answers `{"prompt": text}` with the
+special tokens (BOS, EOS, control tokens) written by name, as vLLM's (its tokenizers decode with
+skip_special_tokens=False by default; a completion's text leaves them out). `model` is optional, as in vLLM; named,
+it must be the served one. Any served model with a tokenizer answers, the transcription model included (its
+`max_model_len` is null).
 """
 import functools
 
@@ -51,7 +54,7 @@ def _tokenized(body: dict, state, tokenizer) -> dict:
             raise RequestError(400, "invalid_request", "prompt must be a string (or send messages)", "prompt")
         special = parse_flag(body, "add_special_tokens", True)
         try:
-            ids = ([tokenizer.bos_id] if special and tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
+            ids = [*(tokenizer.prompt_prefix if special else ()), *tokenizer.encode(prompt)]
         except ValueError as exc:  # a lone surrogate
             raise RequestError(400, "invalid_request", f"prompt: {exc}", "prompt") from None
     strs = [tokenizer.token_string(i) for i in ids] if parse_flag(body, "return_token_strs") else None
@@ -72,7 +75,7 @@ def _detokenized(body: dict, state, tokenizer) -> dict:
     if not (isinstance(tokens, list) and all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in tokens)):
         raise RequestError(400, "invalid_request", f"tokens must be a list of token ids below {vocab}", "tokens")
-    return {"prompt": tokenizer.decode(tokens)}
+    return {"prompt": tokenizer.decode(tokens, skip_special_tokens=False)}
 
 
 def add_tokenize_routes(app: web.Application) -> None:

@@ -34,6 +34,7 @@ CASES = json.loads((FIXTURES / "cases.json").read_text())["cases"]
 BY_NAME = {case["name"]: case for case in CASES}
 VOXTRAL_TEKKEN = FIXTURES.parent / "voxtral_tiny" / "tekken.json"
 CHAT = "/v1/chat/completions"
+FIXTURE_TEMPLATES = sorted(path.name for path in TEMPLATES.glob("*.jinja"))
 
 
 def encode(tokenizer, case):
@@ -121,6 +122,23 @@ def test_a_tekken_tokenizer_encodes_chats_with_mistral_common():
         tokenizer.chat_template.encode([chat[0], {"role": "user", "content": "HI \ud800"}])
 
 
+@pytest.mark.parametrize("source, content_format", [
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "string"),
+    ("{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}", "openai"),
+    # Through a variable set from the messages, an attribute, a slice and a filter (Qwen2-VL's, Llama 3.2 Vision's).
+    ("{% set loop_messages = messages[1:] %}{% for m in loop_messages %}{% if m.content is string %}{{ m.content }}"
+     "{% else %}{% for p in m.content[1:] | selectattr('type', 'equalto', 'text') %}{{ p.text }}{% endfor %}"
+     "{% endif %}{% endfor %}", "openai"),
+    ("{% for p in content %}{{ p }}{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}", "string"),
+    ("{% for %}", "string"),  # it does not parse: its chats fail with the syntax error
+    *[((TEMPLATES / name).read_text(), "string") for name in FIXTURE_TEMPLATES],
+], ids=["string", "parts", "set-slice-filter", "another-loop", "broken", *FIXTURE_TEMPLATES])
+def test_a_template_that_loops_over_a_messages_content_takes_its_parts(source, content_format):
+    """vLLM's `--chat-template-content-format auto`: the parts for a template that loops over a message's content,
+    a string for any other (the fixtures' real templates)."""
+    assert JinjaChatTemplate(source, {}, str.split).content_format == content_format
+
+
 def test_chat_template_option_is_a_file_or_the_template(tmp_path):
     """vLLM's --chat-template: a path, else the template itself when it looks like one; a path that does not exist,
     or a template that does not compile, is a one-line mistake at start-up. The server TOML takes the key too."""
@@ -167,6 +185,45 @@ def test_serve_reads_its_chat_template_at_start_up(monkeypatch, tmp_path, capsys
         logging.getLogger("jaxstream").setLevel(level)
     err = capsys.readouterr().err
     assert "looks like a file path, but there is no such file" in err and err.count("\n") == 1, err
+
+
+def test_a_toml_chat_template_path_is_relative_to_the_toml(monkeypatch, tmp_path, capsys):
+    """`[server] chat_template = "chat.jinja"` is the file beside the TOML (it was read from the working directory),
+    `--chat-template chat.jinja` the one in the working directory, as vLLM's flag; a template given inline stays."""
+    from jaxstream.cli import main
+    from jaxstream.serving import app
+
+    configs = []
+
+    def create_app(config, **kwargs):
+        configs.append(config)
+        raise UserError("this test serves nothing")
+
+    monkeypatch.setattr(app, "create_app", create_app)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "chat.jinja").write_text("{{ 'beside the toml' }}")
+    (tmp_path / "chat.jinja").write_text("{{ 'in the working directory' }}")
+    toml = tmp_path / "conf" / "s.toml"
+
+    def served_template(value: str, *flags: str) -> str:
+        toml.write_text(f"[server]\nchat_template = {json.dumps(value)}\n")
+        assert main(["serve", "--host", "127.0.0.1", "--port", "0", "--config", "conf/s.toml", *flags]) == 2
+        return configs.pop().chat_template
+
+    level = logging.getLogger("jaxstream").level  # serve sets its own
+    try:
+        assert served_template("chat.jinja") == "{{ 'beside the toml' }}"
+        assert served_template("chat.jinja", "--chat-template", "chat.jinja") == "{{ 'in the working directory' }}"
+        assert served_template("{{ messages }}") == "{{ messages }}"
+        capsys.readouterr()
+        assert main(["serve", "--port", "0", "--config", str(toml), "--chat-template", "missing.jinja"]) == 2
+        toml.write_text('[server]\nchat_template = "missing.jinja"\n')
+        assert main(["serve", "--port", "0", "--config", str(toml)]) == 2 and not configs
+    finally:
+        logging.getLogger("jaxstream").setLevel(level)
+    err = capsys.readouterr().err.splitlines()
+    assert "'missing.jinja' looks like a file path" in err[0] and str(tmp_path / "conf" / "missing.jinja") in err[1]
 
 
 def test_a_chat_template_the_model_cannot_use_is_a_warning(caplog):

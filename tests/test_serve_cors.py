@@ -130,6 +130,19 @@ async def test_a_preflight_needs_no_key_and_the_request_still_does(keyed):
     assert status == 200 and headers["Access-Control-Allow-Origin"] == APP and headers["Vary"] == "Origin"
 
 
+async def test_an_options_request_that_is_no_preflight_needs_the_key(keyed):
+    """A preflight is an OPTIONS with both Origin and Access-Control-Request-Method (the Fetch standard; Starlette's
+    test): only it comes without the key. Any other OPTIONS is a request like the rest (a page's own
+    `fetch(url, {method: "OPTIONS"})` follows its preflight, with the key), and no route takes OPTIONS. vLLM lets
+    every OPTIONS past its key check only because that check runs before its CORS middleware."""
+    for asked in ({"Origin": APP}, {"Access-Control-Request-Method": "GET"}):
+        status, headers, body = await _request(keyed, "OPTIONS", "/v1/models", **asked)
+        assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key", asked
+        assert ("Access-Control-Allow-Origin" in headers) == ("Origin" in asked)  # the page can read why
+        status, headers, _ = await _request(keyed, "OPTIONS", "/v1/models", Authorization=f"Bearer {KEY}", **asked)
+        assert status == 405 and headers["Allow"] == "GET,HEAD", asked
+
+
 @pytest.mark.parametrize("origin, method, asked, refused", [
     (OTHER, "POST", None, "origin"),
     (APP, "DELETE", None, "method"),

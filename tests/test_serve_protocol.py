@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.sync.client import connect as sync_connect
 
+from jaxstream.serving.app import ServerState
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.testing import RealtimeClient, ServerThread, stream_utterance, wait_engine_baseline
 from serve_fixtures import INTERNAL_ERRORS, connected, expect_error, fuzz_text
@@ -417,13 +418,18 @@ async def test_connection_metrics_go_up_and_down(server, model, audio):
 
 
 async def test_health_and_models(server, model):
+    """/health, open to anyone, says the state alone: it named the model, whose id may be a path on the server
+    (/v1/models, behind the key, has it), and why a load failed (vLLM's has no body at all)."""
     async with aiohttp.ClientSession() as http:
         for path in ("/health", "/healthz", "/ping"):
             async with http.get(server.url(path, "http")) as response:
-                assert response.status == 200 and (await response.json())["status"] == "ok"
+                assert response.status == 200 and await response.json() == {"status": "ok"}
         async with http.get(server.url("/v1/models", "http")) as response:
             body = await response.json()
     assert body["object"] == "list" and [m["id"] for m in body["data"]] == [model]
+    failed = ServerState(ServerConfig(served_model_name="/srv/models/private"))
+    failed.load_error = FileNotFoundError("no params.json in /srv/models/private")
+    assert failed.health() == (503, {"status": "failed"})
 
 
 # -- SageMaker route ------------------------------------------------------------------------------------

@@ -39,13 +39,40 @@ async def test_tokenize_counts_the_prompt_a_completion_takes(engine, server, ref
         status, special = await call(http, server, "POST", "/tokenize",
                                      json={"prompt": "w5", "return_token_strs": True})
         assert status == 200 and special["token_strs"] == ["<s>", "w5"]  # a special token by its name, as vLLM's
-        status, text = await call(http, server, "POST", "/detokenize", json={"model": model, "tokens": body["tokens"]})
-        assert status == 200 and text == {"prompt": reference.decode(body["tokens"])}
+        # vLLM's decode keeps special tokens (it was "w5 w17 w40 w9").
+        eos = reference.token_to_id("</s>")
+        status, text = await call(http, server, "POST", "/detokenize", json={"model": model,
+                                                                            "tokens": [*body["tokens"], eos]})
+        assert status == 200 and text == {"prompt": "<s> w5 w17 w40 w9 </s>"}
+        assert text["prompt"] == reference.decode([*body["tokens"], eos], skip_special_tokens=False)
     client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0)
     completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=0,
                                            extra_body={"return_token_ids": True})
     assert completion.choices[0].prompt_token_ids == body["tokens"]
     assert completion.usage.prompt_tokens == body["count"]
+
+
+async def test_every_text_route_starts_a_prompt_with_the_tokenizers_prompt_prefix(engine, server, reference,
+                                                                                 monkeypatch):
+    """A tokenizer whose post-processor adds no BOS (Qwen's) gets none on /tokenize, a completion or a chat with
+    `add_special_tokens` (each put the checkpoint's declared BOS first)."""
+    monkeypatch.setattr(engine.tokenizer, "_prompt_prefix", ())  # noqa: SLF001 - what a ByteLevel post-processor gives
+    ids = reference.encode(PROMPT).ids
+    chat_server = ServerThread(engine, ServerConfig(chat_template=TEMPLATE))
+    try:
+        async with aiohttp.ClientSession() as http:
+            status, body = await call(http, server, "POST", "/tokenize", json={"prompt": PROMPT})
+            assert status == 200 and body["tokens"] == ids
+            status, chat = await call(http, chat_server, "POST", "/tokenize", json={"messages": MESSAGES})
+            status, special = await call(http, chat_server, "POST", "/tokenize",
+                                         json={"messages": MESSAGES, "add_special_tokens": True})
+            assert status == 200 and special["tokens"] == chat["tokens"]
+    finally:
+        chat_server.close()
+    client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0)
+    completion = client.completions.create(model=server.state.model_id, prompt=PROMPT, max_tokens=1, temperature=0,
+                                           extra_body={"return_token_ids": True})
+    assert completion.choices[0].prompt_token_ids == ids
 
 
 MESSAGES = [{"role": "system", "content": "w5 w17"}, {"role": "user", "content": [{"type": "text", "text": "w40"}]}]
@@ -74,6 +101,37 @@ async def test_tokenize_messages_counts_the_prompt_a_chat_takes(engine, server, 
         chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1,
                                               extra_body={"return_token_ids": True})
         assert chat.model_extra["prompt_token_ids"] == body["tokens"] and chat.usage.prompt_tokens == body["count"]
+    finally:
+        chat_server.close()
+
+
+# A template that loops over each message's content parts (vLLM's content format "openai").
+PARTS_TEMPLATE = ("{% for m in messages %}{% for part in m['content'] %}{{ part['text'] }} {% endfor %}{% endfor %}"
+                  "{% if add_generation_prompt %}w9{% endif %}")
+
+
+async def test_a_template_that_loops_over_the_content_gets_its_parts(engine, reference):
+    """As vLLM gives it, a template that loops over a message's content takes the list of text parts (a string content
+    is one part; a refusal part is text); it got the parts' texts joined into a string and rendered none of them.
+    Chats and /tokenize render alike, `continue_final_message` continuing the last text part."""
+    chat_server = ServerThread(engine, ServerConfig(chat_template=PARTS_TEMPLATE))
+    answer = [{"type": "text", "text": "w41"}, {"type": "refusal", "refusal": "w42"}]
+    try:
+        async with aiohttp.ClientSession() as http:
+            status, body = await call(http, chat_server, "POST", "/tokenize", json={"messages": MESSAGES})
+            assert status == 200 and body["tokens"] == reference.encode("w5 w17 w40 w9").ids
+            status, continued = await call(http, chat_server, "POST", "/tokenize", json={
+                "messages": [*MESSAGES, {"role": "assistant", "content": answer}], "add_generation_prompt": False,
+                "continue_final_message": True})
+            assert status == 200 and continued["tokens"] == reference.encode("w5 w17 w40 w41 w42").ids
+            image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+            status, refused = await call(http, chat_server, "POST", "/tokenize", json={
+                "messages": [{"role": "user", "content": [answer[0], image]}]})
+            assert (status, refused["error"]["param"]) == (400, "messages[0].content[1]")
+        client = openai.OpenAI(base_url=chat_server.url("/v1", "http"), api_key="unused", max_retries=0)
+        chat = client.chat.completions.create(model=chat_server.state.model_id, messages=MESSAGES, max_tokens=1,
+                                              extra_body={"return_token_ids": True})
+        assert chat.model_extra["prompt_token_ids"] == body["tokens"]
     finally:
         chat_server.close()
 

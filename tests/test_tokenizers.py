@@ -143,6 +143,22 @@ def test_tekken_control_ids_inside_a_character_and_truncated_tail(utf8_tekken_pa
     assert streamed == expected and deltas[-1].endswith("\ufffd")
 
 
+def test_tekken_decode_can_keep_control_ids_by_name_as_mistral_common(utf8_tekken_path):
+    """`skip_special_tokens=False` (vLLM's /detokenize): mistral-common's SpecialTokenPolicy.KEEP, each run of text ids
+    decoded on its own (a character split by a control id is two U+FFFD, as there)."""
+    from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
+
+    tokenizer = load_tokenizer(utf8_tekken_path)
+    raw = raw_tekken_bytes(utf8_tekken_path)
+    text_ids = tokenizer.encode(UTF8_TEXTS[0])
+    cut = next(k for k in range(1, len(text_ids)) if not is_valid_utf8(b"".join(raw[i] for i in text_ids[:k])))
+    ids = [1, *text_ids[:cut], 32, *text_ids[cut:], 33, 2]
+    kept = tokenizer.decode(ids, skip_special_tokens=False)
+    assert kept == Tekkenizer.from_file(utf8_tekken_path).decode(ids, SpecialTokenPolicy.KEEP)
+    assert kept.startswith("<s>") and kept.endswith("[STREAMING_WORD]</s>") and "\ufffd[STREAMING_PAD]\ufffd" in kept
+    assert tokenizer.decode(ids) == UTF8_TEXTS[0]
+
+
 def test_tekken_without_audio_block_or_streaming_specials(utf8_tekken_path, tmp_path):
     data = json.loads(utf8_tekken_path.read_text(encoding="utf-8"))
     del data["audio"]
