@@ -1,14 +1,16 @@
 """Prometheus metrics of one server (`GET /metrics`). Metric names are interface: add, never rename.
 
 Each app owns its `CollectorRegistry` (not prometheus-client's global one), so tests and embedders can
-build several apps in one process. Engine gauges are read from `engine.metrics()` at scrape time; engine
+build several apps in one process. Engine gauges and counters (a text engine's prefix cache:
+`jaxstream_prefix_cache_queries_total` and `jaxstream_prefix_cache_hits_total`, tokens, vLLM's
+`prefix_cache_queries` / `prefix_cache_hits`) are read from `engine.metrics()` at scrape time; engine
 tick durations are copied into a histogram by `observe_ticks`, called at every scrape and once a second by
 the app (the engine keeps only its latest tick durations, so a slow scraper alone would miss some).
 """
 import typing
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Latencies of a realtime stream: first delta ~ delay + compute, finalisation ~ delay + flush.
 _LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
@@ -80,13 +82,15 @@ class _EngineCollector:
     _NAMES = ("jaxstream_engine_sessions", "jaxstream_engine_waiting", "jaxstream_engine_running",
               "jaxstream_engine_parked", "jaxstream_engine_evicted", "jaxstream_engine_max_sessions",
               "jaxstream_engine_healthy", "jaxstream_kv_pages_used", "jaxstream_kv_pages_total")
+    _COUNTERS = ("jaxstream_prefix_cache_queries", "jaxstream_prefix_cache_hits")  # exposed with _total
 
     def __init__(self, metrics: ServerMetrics):
         self._metrics = metrics
 
     def describe(self):
         # Without describe() the registry would call collect() at registration, before any engine exists.
-        return [GaugeMetricFamily(name, name) for name in self._NAMES]
+        return ([GaugeMetricFamily(name, name) for name in self._NAMES]
+                + [CounterMetricFamily(name, name) for name in self._COUNTERS])
 
     def collect(self):
         engine = self._metrics._engine  # noqa: SLF001 - the collector is part of ServerMetrics
@@ -110,3 +114,9 @@ class _EngineCollector:
             for pool, value in sorted(pools.items()):
                 family.add_metric([pool], value)
             yield family
+        for name, help_text, value in (
+                ("jaxstream_prefix_cache_queries", "Tokens of the text requests looked up in the prefix cache",
+                 m.prefix_cache_queries),
+                ("jaxstream_prefix_cache_hits", "Tokens of the text requests found in the prefix cache (their "
+                 "prefill skipped)", m.prefix_cache_hits)):
+            yield CounterMetricFamily(name, help_text, value=value)

@@ -6,7 +6,8 @@ HTTP streaming-input sessions, a browser microphone demo at `/`, health, models 
                     [--delay-ms MS] [--max-session-seconds S] [--idle-timeout S] [--compat vllm]
                     [--generation-config {auto,vllm}] [--chat-template PATH]
                     [--allowed-origins JSON] [--allowed-methods JSON] [--allowed-headers JSON]
-                    [--allow-credentials] [--config server.toml]
+                    [--allow-credentials] [--enable-prefix-caching | --no-enable-prefix-caching]
+                    [--config server.toml]
 
 The server listens first, then loads the model and compiles every bucket before it reports ready (GET /health
 answers 503 until then); a host or port it cannot listen on fails at once, before any loading. SIGTERM or
@@ -96,6 +97,9 @@ def register(subparsers) -> None:
                         help="request headers cross-origin requests may send, a JSON list (default '[\"*\"]': any)")
     parser.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=None,
                         help="let cross-origin requests carry credentials (cookies, HTTP auth; default off)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="text LMs: requests whose prompts start alike share the KV of the common part "
+                             "(vLLM's automatic prefix caching; default on)")
     parser.add_argument("--config", default=None, metavar="TOML",
                         help="server TOML (path or preset name, e.g. 'server'); flags override it")
     parser.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"),
@@ -149,7 +153,8 @@ def _run(args) -> int:
               max_session_seconds=args.max_session_seconds, max_audio_seconds=args.max_audio_seconds,
               max_payload_per_session=args.max_payload_per_session, max_streams_per_key=args.max_streams_per_key,
               max_requests_per_minute_per_key=args.max_requests_per_minute)
-    _override(engine, max_sessions=args.max_sessions, default_delay_ms=args.delay_ms)
+    _override(engine, max_sessions=args.max_sessions, default_delay_ms=args.delay_ms,
+              enable_prefix_caching=args.enable_prefix_caching)
     if isinstance(server.get("chat_template"), str):  # the config holds the template, read once here
         from jaxstream.models.chat_templates import load_chat_template
 

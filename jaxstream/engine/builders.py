@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxstream.engine import kv_cache, sharding, steps
+from jaxstream.engine import kv_cache, sharding, steps, text_prefix_cache
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.requests import GENERATION_CONFIGS, SamplingParams
 from jaxstream.engine.text_scheduler import STACK, TextScheduler
@@ -120,10 +120,16 @@ def build_text_core(model, engine_cfg: EngineConfig, *, eos_token_id=None, prima
     [spec] = fit_pools([spec], engine_cfg, placement,
                        kv_cache.slot_row_bytes(slot_shapes) * engine_cfg.max_sessions * placement.size)
     check_pool(spec)
+    caching = engine_cfg.enable_prefix_caching and text_prefix_cache.supported(spec, max_model_len)
+    if engine_cfg.enable_prefix_caching and not caching:
+        logger.info("prefix caching is off: the %d-position page ring is shorter than max_model_len %d (a "
+                    "session would rewrite its own shared pages)", spec.pages_per_window * spec.page_size,
+                    max_model_len)
     cache = kv_cache.DeviceCache([spec], slot_shapes, engine_cfg.max_sessions,
                                  engine_dtype(engine_cfg),
                                  shardings={STACK: placement.kv_sharding(spec)},
-                                 slot_sharding=placement.replicated())
+                                 slot_sharding=placement.replicated(),
+                                 pool_types={STACK: text_prefix_cache.CachingPagePool} if caching else None)
     programs = steps.Programs(model, cache, **placement.program_shardings(model, cache))
     scheduler = TextScheduler(programs, engine_cfg, cfg, max_model_len=max_model_len, eos_token_id=eos_token_id,
                               primary_eos_token_id=primary_eos_token_id, detokenizer_factory=detokenizer_factory)

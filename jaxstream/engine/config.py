@@ -81,6 +81,11 @@ class EngineConfig:
     # Compute the 31 silent left-pad slots every transcription stream starts with once per delay, and
     # copy them into each new stream (engine/prefix_cache.py); False computes them in every stream.
     cache_silent_prefix: bool = True
+    # Text LMs: sessions whose contexts start alike share the KV pages of their common full blocks, and a session
+    # prefills from the end of the cached part (vLLM's automatic prefix caching; engine/text_prefix_cache.py). Off
+    # where the page ring is shorter than max_model_len (a sliding window shorter than it: sessions would rewrite
+    # shared pages). Transcription engines ignore it (cache_silent_prefix is theirs).
+    enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's maximum positions
     host_offload_bytes: int = 8 << 30
     max_queued_audio_seconds: float = 600.0
@@ -123,8 +128,9 @@ class EngineConfig:
             _set_buckets(self, "batch_buckets", pairs=False)
         if self.realtime_prefill_buckets is not None:
             _set_buckets(self, "realtime_prefill_buckets", pairs=True)
-        if not isinstance(self.cache_silent_prefix, bool):
-            _fail("cache_silent_prefix", self.cache_silent_prefix, "true or false")
+        for name in ("cache_silent_prefix", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "true or false")
         if self.compat not in ("vllm", "strict"):
             _fail("compat", self.compat, "'vllm' or 'strict'")
         if self.realtime_admission not in ("window", "demand"):

@@ -179,9 +179,11 @@ class DeviceCache:
     """
 
     def __init__(self, specs: list[StackSpec], slot_shapes: dict, max_sessions: int, dtype, shardings=None,
-                 slot_sharding=None, reserved_slots: int = 0):
+                 slot_sharding=None, reserved_slots: int = 0, pool_types: dict | None = None):
         self.specs = {spec.name: spec for spec in specs}
-        self.pools = {spec.name: PagePool(spec.num_pages) for spec in specs}
+        # A stack's pool class (default PagePool): the text stack's caches prefixes when enabled (text_prefix_cache).
+        pool_types = pool_types or {}
+        self.pools = {spec.name: pool_types.get(spec.name, PagePool)(spec.num_pages) for spec in specs}
         self.max_sessions = max_sessions
         self.dtype = dtype
         self._free_slots = list(range(max_sessions - 1, -1, -1))
@@ -227,7 +229,7 @@ class DeviceCache:
             session_pages.release(self.pools[name])
 
     def at_baseline(self) -> bool:
-        """True when no session holds a page or a slot."""
+        """True when no session holds a page or a slot (a cached page nobody holds is free)."""
         return (all(pool.num_free == pool.capacity for pool in self.pools.values())
                 and len(self._free_slots) == self.max_sessions)
 

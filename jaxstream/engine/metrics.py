@@ -24,6 +24,10 @@ class EngineMetrics:
     ticks: int  # ticks run so far; the last entry of `recent_tick_seconds` is tick number `ticks`
     recent_tick_seconds: tuple[float, ...]
     max_sessions: int
+    # Text engines' automatic prefix caching, in tokens so far (vLLM's counts): of the sessions that looked their
+    # context up, and of those found cached. 0 for transcription engines.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 def snapshot(scheduler: Residency) -> EngineMetrics:
@@ -34,6 +38,7 @@ def snapshot(scheduler: Residency) -> EngineMetrics:
         evicted += session.offloaded is not None
     pools = scheduler.cache.pools
     recorded = scheduler.ticks_recorded
+    queries, hits = scheduler.prefix_cache_counts
     return EngineMetrics(
         sessions=len(scheduler.sessions), waiting=counts[Status.WAITING], running=counts[Status.RUNNING],
         parked=counts[Status.PARKED], evicted=evicted,
@@ -41,4 +46,4 @@ def snapshot(scheduler: Residency) -> EngineMetrics:
         pages_total={name: pool.capacity for name, pool in pools.items()},
         host_offload_bytes=scheduler.host_bytes, evictions=scheduler.evictions, ticks=recorded,
         recent_tick_seconds=scheduler.tick_stats.durations(recorded - RECENT_TICKS, recorded),
-        max_sessions=scheduler.cache.max_sessions)
+        max_sessions=scheduler.cache.max_sessions, prefix_cache_queries=queries, prefix_cache_hits=hits)

@@ -153,6 +153,12 @@ class Residency:
         self.token_latency = LatencyHistogram()
 
     @property
+    def prefix_cache_counts(self) -> tuple[int, int]:
+        """Tokens of the sessions that looked their context up in a text engine's prefix cache, and of those the
+        tokens found there (vLLM's prefix_cache_queries and prefix_cache_hits); (0, 0) without one."""
+        return 0, 0
+
+    @property
     def ticks_recorded(self) -> int:
         """Every tick that did work, including those the tick log no longer holds."""
         return self.tick_stats.recorded

@@ -11,7 +11,8 @@ are looked for in its text as each token is detokenized, here on the host (stop_
 
 A tick schedules running sessions first (decodes, then unfinished prefills), then admits waiting ones in
 FIFO order, under a token budget; decode rows (one token) go to a C = 1 program and prefill rows to one
-prefill bucket; both are dispatched before one host sync.
+prefill bucket; both are dispatched before one host sync. Sessions whose contexts start alike share the KV pages
+of their common full blocks (automatic prefix caching, text_prefix_cache.py).
 """
 import collections
 import dataclasses
@@ -21,7 +22,7 @@ import time
 
 import numpy as np
 
-from jaxstream.engine import first_runs, sampling, steps
+from jaxstream.engine import first_runs, sampling, steps, text_prefix_cache
 from jaxstream.engine.requests import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
 from jaxstream.engine.residency import END_OF_STREAM, Residency, SessionBase, Status, TickStats, deliver
 from jaxstream.engine.stop_strings import StopStringText
@@ -61,6 +62,12 @@ class TextSession(SessionBase):
         self.stop_text: StopStringText | None = None  # the output text of a one-shot request with stop strings
         self.stop_token_ids: frozenset[int] = frozenset()  # the chunk's
         self.logit_bias: tuple[list[int], list[float]] | None = None  # the chunk's (ids, biases)
+        # Prefix caching (text_prefix_cache.py): the keys of the context's blocks hashed so far (a block's tokens
+        # never change once keyed), the leading blocks registered or found cached, and whether the penalty counts
+        # of the slot miss the tokens of a prefix the session took from the cache.
+        self.block_keys: list[tuple] = []
+        self.cached_blocks = 0
+        self.counts_stale = False
 
     @property
     def num_tokens(self) -> int:
@@ -105,6 +112,11 @@ class TextScheduler(Residency):
         self._seed_counter = 0
         self._preempted: set[TextSession] = set()
         self.preemptions = 0
+        pool = self.cache.pools[STACK]
+        # Automatic prefix caching, where the builder gave the text stack a caching pool (EngineConfig's
+        # enable_prefix_caching, on a stack that never wraps: text_prefix_cache.supported).
+        self.prefix = (text_prefix_cache.TextPrefixCache(pool, STACK, self.cache.specs[STACK].page_size)
+                       if isinstance(pool, text_prefix_cache.CachingPagePool) else None)
 
     # -- start-up -------------------------------------------------------------------------------------
     def warm_up(self) -> None:
@@ -206,6 +218,8 @@ class TextScheduler(Residency):
         session.logit_bias = (list(bias), list(bias.values())) if bias else None
         session.max_tokens = update.params.max_tokens or max(1, self.max_model_len - len(update.prompt_ids))
         session.seed = self._seed(update.params)
+        if session.counts_stale and _uses_penalties(update.params):
+            self._recompute(session)
         self.touch(session)
         if session.status is Status.RUNNING:
             self.running.remove(session)
@@ -231,8 +245,45 @@ class TextScheduler(Residency):
         return (self.cfg.seed * 1_000_003 + self._seed_counter) & _MASK32
 
     # -- residency hooks ------------------------------------------------------------------------------
+    @property
+    def prefix_cache_counts(self) -> tuple[int, int]:
+        return (self.prefix.queries, self.prefix.hits) if self.prefix is not None else (0, 0)
+
+    def _looks_up(self, session: TextSession) -> bool:
+        """Whether admitting `session` looks its context up in the prefix cache: it will compute from position 0,
+        and its chunk uses no penalty (whose counts would miss the tokens of the prefix it skips)."""
+        return (self.prefix is not None and session.num_computed == 0 and not session.resident
+                and session.offloaded is None and not _uses_penalties(session.params))
+
+    def admit(self, session: TextSession) -> bool:
+        """Residency's admission; a session that `_looks_up` then takes the cached pages of its leading blocks."""
+        looks_up = self._looks_up(session)
+        if not super().admit(session):
+            return False
+        if looks_up:
+            session.num_computed = self.prefix.lookup(session)
+            session.counts_stale = session.num_computed > 0
+        return True
+
     def _dropped_kv(self, session: TextSession) -> None:
-        session.num_computed = 0
+        session.num_computed = session.cached_blocks = 0
+
+    def _recompute(self, session: TextSession) -> None:
+        """Drops the KV of a session whose slot lacks the penalty counts of a prefix it took from the cache, for a
+        chunk that needs them: its next prefill computes its context from position 0 (which rebuilds the counts)
+        and looks nothing up."""
+        if session.resident:
+            self.cache.release_pages(session.pages)  # it keeps its slot
+        elif session.offloaded is not None:
+            self.host_bytes -= session.offloaded_bytes
+            session.offloaded, session.offloaded_bytes = None, 0
+        session.num_computed = session.cached_blocks = 0
+        session.counts_stale = False
+
+    def state_reset(self) -> None:
+        """The device state was rebuilt: no cached page holds its KV any more."""
+        if self.prefix is not None:
+            self.prefix.pool.drop()
 
     def _unschedule(self, session: TextSession) -> None:
         if session in self.running:
@@ -250,7 +301,7 @@ class TextScheduler(Residency):
         self.cache.release_pages(session.pages)
         self.cache.release_slot(session.slot)
         session.slot = None
-        session.num_computed = 0
+        session.num_computed = session.cached_blocks = 0
         session.status = Status.WAITING
         self.preemptions += 1
         self.waiting.appendleft(session)
@@ -305,12 +356,24 @@ class TextScheduler(Residency):
         for session in list(self.running):
             if session.status is Status.RUNNING:  # not preempted by an earlier row of this tick
                 plan(session)
-        while (budget > 0 and self.waiting and self.waiting[0] not in self._preempted
-               and self.admit(self.waiting[0])):
-            session = self.waiting.popleft()
+        deferred, pending = [], None
+        while budget > 0 and self.waiting and self.waiting[0] not in self._preempted:
+            session = self.waiting[0]
+            if self._looks_up(session):
+                if pending is None:
+                    pending = self.prefix.pending(self.running)
+                if self.prefix.waits_for(session, pending):  # a running session is computing its next block
+                    deferred.append(self.waiting.popleft())
+                    continue
+            if not self.admit(session):
+                break
+            self.waiting.popleft()
             session.status = Status.RUNNING
             self.running.append(session)
             plan(session)
+            if pending is not None:
+                pending |= self.prefix.pending([session])
+        self.waiting.extendleft(reversed(deferred))
         prefill, bucket = [], None
         candidates = [s for s in candidates if s.status is Status.RUNNING]
         if candidates and budget > 0:
@@ -392,6 +455,8 @@ class TextScheduler(Residency):
     # -- results --------------------------------------------------------------------------------------
     def _advance(self, session: TextSession, computed: int, token: int, logprob: float, top: dict) -> None:
         session.num_computed = computed
+        if self.prefix is not None:
+            self.prefix.register(session)
         if computed < session.num_tokens:
             return  # a prefill chunk that does not reach the end of the known tokens samples nothing
         session.outputs.append(token)
@@ -470,6 +535,10 @@ def _text_step(attention_impl):
         return steps.text_step(model, state, batch, stack=STACK, attention_impl=attention_impl)
 
     return step
+
+
+def _uses_penalties(params: SamplingParams) -> bool:
+    return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
 
 
 _NOT_ASKED: dict = {}  # the most likely ids of a token whose request asked for none (shared: never changed)
