@@ -149,7 +149,8 @@ def _cut_at_continue_tag(text: str, final: str) -> str:
 class MistralChatTemplate(ChatTemplate):
     """A tekken tokenizer's chat encoding: mistral-common's `encode_chat_completion`, as vLLM serves Mistral
     checkpoints. Its format has no generation prompt to add or leave out (a conversation ending with a user turn
-    ends with [/INST]); `continue_final_message` continues a final assistant message."""
+    ends with [/INST]); `continue_final_message` continues a final assistant message. Of the `variables`, it reads
+    the request's `tools` only, as vLLM passes them to mistral-common."""
 
     def __init__(self, tekken_path: str | os.PathLike):
         self._path = Path(tekken_path)
@@ -163,6 +164,12 @@ class MistralChatTemplate(ChatTemplate):
     def prepare(self) -> None:
         self._tokenizer  # noqa: B018 - mistral-common reads the whole vocabulary (0.6 s for tekken_240911)
 
+    @property
+    def version(self) -> int:
+        """mistral-common's tokenizer version (11 for v11): from v11 its models write tool calls as `name{arguments}`
+        after each [TOOL_CALLS], before as one JSON list."""
+        return int(self._tokenizer.instruct_tokenizer.tokenizer.version.value.lstrip("v"))
+
     def encode(self, messages: list[dict], *, add_generation_prompt: bool = True,
                continue_final_message: bool = False, variables: dict | None = None) -> ChatPrompt:
         from mistral_common.exceptions import MistralCommonException
@@ -173,7 +180,8 @@ class MistralChatTemplate(ChatTemplate):
             raise ChatTemplateError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         _check_unicode(messages)  # tiktoken panics on a lone surrogate (a BaseException, past every except below)
         try:
-            request = ChatCompletionRequest.from_openai(messages, continue_final_message=continue_final_message)
+            request = ChatCompletionRequest.from_openai(messages, tools=(variables or {}).get("tools"),
+                                                        continue_final_message=continue_final_message)
             tokenized = self._tokenizer.encode_chat_completion(request)
         except (MistralCommonException, ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
             raise ChatTemplateError(str(exc)) from None

@@ -119,14 +119,23 @@ class TextLM(nnx.Module):
 
     def __call__(self, token_ids, cache, page_table, lengths, num_new, *, logits_at=None, attention_impl=None):
         """token_ids [S, C] -> (float32 logits [S, C, V], or [S, V] at `logits_at`; updated cache)."""
+        hidden, cache = self.hidden_states(token_ids, cache, page_table, lengths, num_new,
+                                           attention_impl=attention_impl)
+        return self.logits(select_logit_rows(hidden, logits_at)), cache
+
+    def hidden_states(self, token_ids, cache, page_table, lengths, num_new, *, attention_impl=None):
+        """token_ids [S, C] -> (the decoder's final-normed hidden states [S, C, D], updated cache): what `logits`
+        takes, for a caller that wants the logits of more positions than one a row, a few at a time."""
         check_token_ids(token_ids)
         check_session_arrays(token_ids.shape[0], page_table, lengths=lengths, num_new=num_new)
-        hidden, cache = self.model(self.model.embed_tokens(token_ids), cache, page_table, lengths, num_new,
-                                   attention_impl=attention_impl)
-        hidden = select_logit_rows(hidden, logits_at)
+        return self.model(self.model.embed_tokens(token_ids), cache, page_table, lengths, num_new,
+                          attention_impl=attention_impl)
+
+    def logits(self, hidden):
+        """float32 logits [..., V] of final hidden states [..., D] (the LM head, tied or not)."""
         if self.cfg.tie_embeddings:
-            return tied_logits(hidden, self.model.embed_tokens.embedding[...]), cache
-        return self.lm_head(hidden).astype(jnp.float32), cache
+            return tied_logits(hidden, self.model.embed_tokens.embedding[...])
+        return self.lm_head(hidden).astype(jnp.float32)
 
     def with_attention_window(self, window: int) -> "TextLM":
         """This model attending over at most the last `window` positions, sharing its parameters.

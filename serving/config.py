@@ -3,8 +3,9 @@
 The TOML has up to four tables, each optional; command-line flags override it:
 
     model = "tiny"            # top level: what to serve
-    [server]   host, port, compat, served_model_name, generation_config, chat_template, drain_timeout_s, the /ws
-               rate limits (ws_*), CORS (allowed_origins, allowed_methods, allowed_headers, allow_credentials)
+    [server]   host, port, compat, served_model_name, generation_config, chat_template, enable_auto_tool_choice,
+               tool_call_parser, reasoning_parser, drain_timeout_s, the /ws rate limits (ws_*), CORS (allowed_origins,
+               allowed_methods, allowed_headers, allow_credentials)
     [limits]   any field of serving.limits.Limits
     [engine]   any EngineConfig field with a plain value (max_sessions, default_delay_ms, buckets, ...)
 
@@ -22,6 +23,8 @@ from jaxstream.errors import UserError
 from jaxstream.models.chat_templates import is_inline_template
 from jaxstream.serving.cors import check_origins
 from jaxstream.serving.limits import Limits
+from jaxstream.serving.reasoning_parsers import REASONING_PARSERS
+from jaxstream.serving.tool_parsers import TOOL_PARSERS
 
 COMPAT_MODES = ("strict", "vllm")
 CORS_LISTS = ("allowed_origins", "allowed_methods", "allowed_headers")
@@ -44,6 +47,12 @@ class ServerConfig:
     # tokenizer's (the text itself: `jaxstream serve` reads the file the flag or the TOML names; load_server_file makes
     # the TOML's path relative to the TOML). None: the tokenizer's.
     chat_template: str | None = None
+    # vLLM's --enable-auto-tool-choice, --tool-call-parser and --reasoning-parser: chat's tool_choice "auto" parses the
+    # calls the model writes with the named parser (serving/tool_parsers.py), and its reasoning goes out apart from its
+    # content (serving/reasoning_parsers.py). None: no parser.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     drain_timeout_s: float = 30.0  # SIGTERM: time running utterances get before their sockets close
     # The /ws envelope's rolling-window rate limits per connection (specs/realtime_protocols.md §5.6; the
     # guide's WS_* settings): messages but ping/pong/end, and cancels. 80 ms audio chunks alone are 750/min.
@@ -71,6 +80,13 @@ class ServerConfig:
             raise ValueError(f"compat must be one of {', '.join(COMPAT_MODES)}, got {self.compat!r}")
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             raise ValueError(f"chat_template must be a string, got {self.chat_template!r}")
+        if not isinstance(self.enable_auto_tool_choice, bool):
+            raise ValueError(f"enable_auto_tool_choice must be true or false, got {self.enable_auto_tool_choice!r}")
+        for name, parsers in (("tool_call_parser", TOOL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
+            if getattr(self, name) is not None and getattr(self, name) not in parsers:
+                raise ValueError(f"{name} must be one of {', '.join(parsers)}, got {getattr(self, name)!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")  # vLLM's words
         if self.generation_config not in GENERATION_CONFIGS:
             raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIGS)}, "
                              f"got {self.generation_config!r}")
@@ -135,7 +151,8 @@ def load_server_file(name: str) -> ServerFile:
     from jaxstream.engine.config import EngineConfig
 
     server = _table(data, "server", {"host", "port", "compat", "served_model_name", "generation_config",
-                                     "chat_template", "drain_timeout_s", "ws_max_messages_per_window",
+                                     "chat_template", "enable_auto_tool_choice", "tool_call_parser",
+                                     "reasoning_parser", "drain_timeout_s", "ws_max_messages_per_window",
                                      "ws_message_window_s", "ws_max_cancels_per_window", "ws_cancel_window_s",
                                      *CORS_LISTS, "allow_credentials"}, source)
     limits = _table(data, "limits", {f.name for f in dataclasses.fields(Limits)}, source)

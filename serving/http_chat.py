@@ -18,16 +18,26 @@ Sampling and stopping are the completions route's (http_completions.py: `tempera
 (a stream opens each choice with its role delta), `min_tokens`, `ignore_eos`, `include_stop_str_in_output`,
 `return_token_ids`, `stream`, `stream_options.include_usage`), but the length: `max_completion_tokens` (OpenAI's
 newer name, first) or `max_tokens`, and with neither the completion may run to the end of the context, as vLLM's
-chat. What the server cannot honour is refused (`NEUTRAL`: the completions route's, and chat's tools, tool_choice
-other than "none", audio output, predicted outputs, ...). `logprobs: true` with `top_logprobs: N` (up to 20) gives each
+chat. What the server cannot honour is refused (`NEUTRAL`: the completions route's, and chat's legacy `functions`,
+audio output, predicted outputs, ...). `logprobs: true` with `top_logprobs: N` (up to 20) gives each
 choice, and each streamed chunk for its own tokens, `logprobs.content`: every token's string, logprob and bytes
-with its step's N most likely tokens (token strings as http_completions.py makes them).
+with its step's N most likely tokens (token strings as http_completions.py makes them). vLLM's `prompt_logprobs: N`
+(not with `stream: true`) adds the body's `prompt_logprobs`, in the completions route's shape.
+
+Tools (chat_parsing.py): `tools` reach the template; `tool_choice` "auto" (the default with tools; the server needs
+`--enable-auto-tool-choice --tool-call-parser`) or "none" ("required" and named functions need guided decoding:
+refused); `parallel_tool_calls`. Assistant messages carry `tool_calls` (their JSON arguments parsed, as vLLM gives them
+to templates) and `reasoning` / `reasoning_content` (both, to templates that read either); a tool message's text
+parts are one string. With a tool-call parser a choice's calls are its `message.tool_calls` (streamed as
+`delta.tool_calls`) and its finish reason "tool_calls" (a stream's when the model stopped by itself, as vLLM's);
+with `--reasoning-parser` its reasoning is `reasoning` and `reasoning_content`, apart from its content.
 
 The answer is a `chat.completion` (`choices[0].message` {role: assistant, content}, vLLM's `stop_reason`, usage;
 with `return_token_ids` the choice's `token_ids` and the body's `prompt_token_ids`, vLLM's chat layout), or SSE
 `chat.completion.chunk` events: a first delta {role: assistant, content: ""}, the content deltas, the finish
-reason's chunk, the usage chunk with `include_usage`, then `data: [DONE]`. Without a generation prompt the role is
-the last message's, which the answer continues (vLLM's). Streaming input (`X-Streaming-Input`)
+reason's chunk, the usage chunk with `include_usage`, then `data: [DONE]`. A piece of output the parsers hold back
+(a tag that may be starting) makes no chunk, unless its logprobs or token ids must go out. Without a generation
+prompt the role is the last message's, which the answer continues (vLLM's). Streaming input (`X-Streaming-Input`)
 is served on /v1/completions and the Mode B sessions only: vLLM has no chat form of it.
 """
 import json
@@ -37,23 +47,24 @@ from aiohttp import web
 from jaxstream.engine.requests import MAX_LOGPROBS
 from jaxstream.models.chat_templates import NO_TEMPLATE_MESSAGE, ChatPrompt, ChatTemplateError
 from jaxstream.serving import sse
+from jaxstream.serving.chat_parsing import ChatParsing, parse_tool_choice, parse_tools
 from jaxstream.serving.http_completions import (
     NEUTRAL as COMPLETION_NEUTRAL, Choice, TextInput, check_context_length, finite_logprob, parse_flag, parse_stream,
     sampling_params, serve_one_shot,
 )
 from jaxstream.serving.http_errors import RequestError, check_kind, check_model
+from jaxstream.serving.http_prompt_logprobs import prompt_logprobs_field
 from jaxstream.serving.limits import holds_stream
 
 ROUTE = "/v1/chat/completions"
 # The part types whose text a message's content takes (vLLM's MM_PARSER_MAP: OpenAI's chat and Responses text types).
 _TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 # What chat cannot honour, with its "not used" value: the completions route's (but its prompt-only fields) and
-# chat's own. `parallel_tool_calls: true` is OpenAI's default.
+# chat's own.
 _PROMPT_ONLY = ("suffix", "add_special_tokens")  # chat takes add_special_tokens (default false)
 NEUTRAL = {**{name: unused for name, unused in COMPLETION_NEUTRAL.items() if name not in _PROMPT_ONLY},
-           "echo": False, "tools": None, "tool_choice": "none", "parallel_tool_calls": True,
-           "functions": None, "function_call": "none", "audio": None, "modalities": ["text"], "prediction": None,
-           "web_search_options": None}
+           "echo": False, "functions": None, "function_call": "none", "audio": None, "modalities": ["text"],
+           "prediction": None, "web_search_options": None}
 _UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is not set. "
                        "Refused request with untrusted chat template.")  # vLLM's words
 
@@ -73,7 +84,7 @@ def chat_template(state):
 def parse_messages(body: dict, content_format: str = "string") -> list[dict]:
     """The conversation as a template takes it: role, content in the template's `content_format` (ChatTemplate), and
     what else a message carries for templates (`name`, `tool_call_id`, an assistant's `tool_calls` with their JSON
-    arguments parsed, as vLLM)."""
+    arguments parsed and its reasoning as both `reasoning` and `reasoning_content`, as vLLM)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "invalid_request", "messages must be a non-empty list of messages", "messages")
@@ -82,11 +93,18 @@ def parse_messages(body: dict, content_format: str = "string") -> list[dict]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
             raise RequestError(400, "invalid_request", f"messages[{i}] must be an object with a role", f"messages[{i}]")
         parts = _text_parts(message.get("content"), f"messages[{i}].content")
-        parsed = {"role": message["role"], "content": parts if content_format == "openai" else "\n".join(
+        # A tool message's parts are one string whatever the template loops over (vLLM's: templates print tool
+        # results as text).
+        as_parts = content_format == "openai" and message["role"] != "tool"
+        parsed = {"role": message["role"], "content": parts if as_parts else "\n".join(
             part if isinstance(part, str) else part["text"] for part in parts)}
         parsed.update({key: message[key] for key in ("name", "tool_call_id") if isinstance(message.get(key), str)})
-        if message["role"] == "assistant" and isinstance(message.get("tool_calls"), list) and message["tool_calls"]:
-            parsed["tool_calls"] = [_tool_call(call) for call in message["tool_calls"]]
+        if message["role"] == "assistant":
+            if isinstance(message.get("tool_calls"), list) and message["tool_calls"]:
+                parsed["tool_calls"] = [_tool_call(call) for call in message["tool_calls"]]
+            reasoning = message.get("reasoning", message.get("reasoning_content"))
+            if isinstance(reasoning, str):
+                parsed["reasoning"] = parsed["reasoning_content"] = reasoning
         conversation.append(parsed)
     return conversation
 
@@ -129,9 +147,9 @@ def _tool_call(call):
 
 
 def render_chat(body: dict, state, *, add_special_tokens: bool) -> ChatPrompt:
-    """The body's conversation rendered and tokenized with the served template (the chat route's and /tokenize's);
-    RequestError 400 for what the template or the body refuses. `add_special_tokens`: the tokenizer's prompt prefix
-    before the template's."""
+    """The body's conversation (and its `tools`) rendered and tokenized with the served template (the chat route's and
+    /tokenize's); RequestError 400 for what the template or the body refuses. `add_special_tokens`: the tokenizer's
+    prompt prefix before the template's."""
     template = chat_template(state)
     messages = parse_messages(body, template.content_format)
     add_generation_prompt = parse_flag(body, "add_generation_prompt", True)
@@ -149,6 +167,9 @@ def render_chat(body: dict, state, *, add_special_tokens: bool) -> ChatPrompt:
                 for document in documents):
             raise RequestError(400, "invalid_request", "documents must be a list of objects of strings", "documents")
         variables = {**(variables or {}), "documents": documents}
+    tools = parse_tools(body)
+    if tools is not None:
+        variables = {**(variables or {}), "tools": tools}
     if body.get("chat_template") is not None:
         raise RequestError(400, "invalid_request", _UNTRUSTED_TEMPLATE, "chat_template")
     try:
@@ -164,16 +185,26 @@ def render_chat(body: dict, state, *, add_special_tokens: bool) -> ChatPrompt:
     return prompt
 
 
+class _ChatEventLog(sse.EventLog):
+    """A chat stream's events: a chunk of output the parsers held back entirely is None, and makes no event."""
+
+    def append(self, data: dict | str | None) -> int | None:
+        return None if data is None else super().append(data)
+
+
 class ChatInput(TextInput):
     """A completion answered in chat's shapes (`chat.completion`, `chat.completion.chunk`); its stream starts each
-    choice with its role's delta (the first carries the prompt's ids when the client asked for ids)."""
+    choice with its role's delta (the first carries the prompt's ids when the client asked for ids). With `parsing`
+    (chat_parsing.py), each choice's output goes through the server's reasoning and tool-call parsers."""
 
     def __init__(self, state, params, log: sse.EventLog | None, prompt_ids: list[int], *, role: str = "assistant",
-                 **options):
+                 parsing: ChatParsing | None = None, **options):
         super().__init__(state, params, log, one_shot=True, **options)
         self.id = f"chatcmpl-{self.id.removeprefix('cmpl-')}"
         self._prompt_ids = prompt_ids
         self._role = role
+        self.parsing = parsing
+        self._outputs = [parsing.output(prompt_ids) for _ in self.choices] if parsing is not None else []
 
     async def start(self) -> None:
         if self.log is not None:
@@ -203,18 +234,44 @@ class ChatInput(TextInput):
         delta = {"content": text} if text or finish_reason is None else {}
         return self._body([self._choice(choice or self.choices[0], delta, finish_reason, token_ids, logprobs)])
 
+    def streamed_chunk(self, choice: Choice, text: str, finish_reason: str | None, token_ids: list[int]) -> dict | None:
+        """A stream's chunk of a choice's output; through the parsers, None for a piece they hold back entirely when
+        no logprobs or token ids must go out with it. A choice that streamed a tool call and stopped by itself
+        finishes with "tool_calls" (vLLM's)."""
+        if self.parsing is None:
+            return super().streamed_chunk(choice, text, finish_reason, token_ids)
+        output = self._outputs[choice.index]
+        delta = output.delta(text, token_ids, final=finish_reason is not None)
+        shown = not self.parsing.hides_metadata
+        end = len(choice.token_ids)
+        logprobs = self.logprobs_body(choice, end - len(token_ids), end, 0) if shown else None
+        ids = list(token_ids) if shown else None
+        if finish_reason is None and not delta and logprobs is None and not (self.return_token_ids and ids):
+            return None
+        if finish_reason == "stop" and output.called:
+            finish_reason = "tool_calls"
+        return self._body([self._choice(choice, delta, finish_reason, ids, logprobs)])
+
     def completion(self) -> dict:
         choices = []
         for choice in self.choices:
             message = {"role": self._role, "content": choice.text, "refusal": None}
+            finish_reason, shown = choice.finish_reason or "stop", True
+            if self.parsing is not None:  # vLLM's: a choice that called tools finishes with "tool_calls"
+                fields, called = self._outputs[choice.index].message(choice.text, choice.token_ids)
+                message = {"role": self._role, "content": fields.pop("content"), "refusal": None, **fields}
+                finish_reason = "tool_calls" if called else finish_reason
+                shown = not self.parsing.hides_metadata
             choices.append({"index": choice.index, "message": message,
-                            "logprobs": self.logprobs_body(choice, 0, len(choice.token_ids), 0),
-                            "finish_reason": choice.finish_reason or "stop", "stop_reason": choice.stop_reason})
-            if self.return_token_ids:
+                            "logprobs": self.logprobs_body(choice, 0, len(choice.token_ids), 0) if shown else None,
+                            "finish_reason": finish_reason, "stop_reason": choice.stop_reason})
+            if self.return_token_ids and shown:
                 choices[-1]["token_ids"] = choice.token_ids
         body = self._body(choices, "chat.completion")
         if self.return_token_ids:
             body["prompt_token_ids"] = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None:  # vLLM's chat puts them on the body
+            body["prompt_logprobs"] = prompt_logprobs_field(self.prompt_logprobs)
         return {**body, "usage": self.usage()}
 
     def logprobs_body(self, choice: Choice, first: int, end: int, text_offset: int) -> dict | None:
@@ -258,15 +315,22 @@ def _chat(body: dict, state) -> tuple[ChatInput, list[int]]:
         if exc.param == "max_tokens":
             exc.param = name
         raise
-    prompt = render_chat(body, state, add_special_tokens=parse_flag(body, "add_special_tokens")).token_ids
+    template = chat_template(state)
+    tool_choice = parse_tool_choice(body, parse_tools(body), state, template)
+    parallel_tool_calls = parse_flag(body, "parallel_tool_calls", True)
+    include_reasoning = parse_flag(body, "include_reasoning", True)
+    rendered = render_chat(body, state, add_special_tokens=parse_flag(body, "add_special_tokens"))
+    prompt = rendered.token_ids
     if not prompt:
         raise RequestError(400, "invalid_request", "The chat template rendered an empty prompt", "messages")
     check_context_length(prompt, params, state, "messages")
     stream, include_usage = parse_stream(body)
+    parsing = ChatParsing(state, template, body, tool_choice, rendered.text, body.get("chat_template_kwargs"),
+                          include_reasoning=include_reasoning, parallel_tool_calls=parallel_tool_calls)
     # vLLM's answer role: the assistant's, or without a generation prompt the last message's, which it continues.
     role = "assistant" if parse_flag(body, "add_generation_prompt", True) else body["messages"][-1]["role"]
-    chat_input = ChatInput(state, params, sse.EventLog() if stream else None, prompt, role=role,
-                           include_usage=include_usage,
+    chat_input = ChatInput(state, params, _ChatEventLog() if stream else None, prompt, role=role,
+                           parsing=parsing if parsing.active else None, include_usage=include_usage,
                            return_token_ids=parse_flag(body, "return_token_ids"),
                            tokens_as_ids=parse_flag(body, "return_tokens_as_token_ids"))
     return chat_input, prompt

@@ -7,12 +7,12 @@ each chunk is one choice's, by its `index`), `presence_penalty` and `frequency_p
 (up to 300 {"token id": bias in [-100, 100]}, ids in the model's vocabulary), `stream`,
 `stream_options.include_usage`, and vLLM's `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
 `stop_token_ids`, `include_stop_str_in_output`, `return_token_ids`, with vLLM's meanings (SamplingParams), and
-`echo` (the prompt's text before the completion's; a stream sends it first, in a chunk of its own; not with
-`logprobs`, which would need the prompt's). `stream: true` answers with SSE `text_completion` chunks and `data:
-[DONE]`; `stream_options` without it is refused, as vLLM refuses it. OpenAI's fields it cannot honour (`best_of`,
-`suffix`, ...) and vLLM's extras (`truncate_prompt_tokens`, guided decoding, ...: `NEUTRAL`) are refused, 400
-`unsupported_parameter`, unless they hold their "not used" value: served and ignored, they would give other output
-than the client asked for. Other unknown fields are ignored, as vLLM ignores them.
+`echo` (the prompt's text before the completion's; a stream sends it first, in a chunk of its own). `stream: true`
+answers with SSE `text_completion` chunks and `data: [DONE]`; `stream_options` without it is refused, as vLLM refuses
+it. OpenAI's fields it cannot honour (`best_of`, `suffix`, ...) and vLLM's extras (`truncate_prompt_tokens`, guided
+decoding, ...: `NEUTRAL`) are refused, 400 `unsupported_parameter`, unless they hold their "not used" value: served
+and ignored, they would give other output than the client asked for. Other unknown fields are ignored, as vLLM
+ignores them.
 
 A plain request is one engine request (`generate` over its prompt), so stop strings work as in vLLM: the text
 ends before the first one generated (or after it with `include_stop_str_in_output`), the choice says
@@ -25,7 +25,11 @@ as vLLM does.
 OpenAI's legacy `logprobs`: `tokens`, `token_logprobs`, `top_logprobs` (the N most likely tokens of each step and
 the sampled one) and `text_offset`, from the engine's `CompletionOutput.logprobs` / `top_logprobs`. A token's
 string is its bytes as UTF-8, a piece of a character as U+FFFD, a control token by its name (vLLM's
-`return_tokens_as_token_ids`: "token_id:<id>", as always for a model without a tokenizer); -inf is -9999.0.
+`return_tokens_as_token_ids`: "token_id:<id>", as always for a model without a tokenizer); -inf is -9999.0. With
+`echo`, the prompt's tokens come first (the engine's prompt logprobs, vLLM's: the first token's logprob and
+`top_logprobs` null; streamed, in the echo's chunk, which then waits for the first output). vLLM's `prompt_logprobs: N`
+(up to 20; not with `stream: true`, as vLLM) gives each choice its `prompt_logprobs` (http_prompt_logprobs.py: null,
+then {token id: {logprob, rank, decoded_token}} a prompt token); `n` > 1 choices share the prompt's.
 
 `return_token_ids` (vLLM's) adds the engine's ids to the choice: `prompt_token_ids` (the prompt as the engine
 took it, BOS included) and `token_ids` (the generated ids). Streamed, `prompt_token_ids` comes in the first
@@ -57,6 +61,9 @@ from jaxstream.serving.http_errors import (
     RequestError, check_model, check_ready, engine_request_error, error_response, read_json,
     server_state,
 )
+from jaxstream.serving.http_prompt_logprobs import (
+    echoed_logprobs, finite_logprob, joined_logprobs, prompt_logprobs_field,
+)
 from jaxstream.serving.limits import drain_truncation, holds_stream
 
 logger = logging.getLogger(__name__)
@@ -71,7 +78,7 @@ _END = object()  # ends a TextInput's chunk queue
 # (an empty list or object is not used either). vLLM honours them all: taking one and ignoring it would give a
 # client other output than it asked for, without a word.
 NEUTRAL = {"suffix": None, "best_of": 1, "length_penalty": 1, "use_beam_search": False,
-            "allowed_token_ids": None, "bad_words": None, "prompt_logprobs": None, "truncate_prompt_tokens": None,
+            "allowed_token_ids": None, "bad_words": None, "truncate_prompt_tokens": None,
             "add_special_tokens": True, "skip_special_tokens": True, "spaces_between_special_tokens": True,
             "response_format": {"type": "text"}, "structured_outputs": None, "guided_json": None, "guided_regex": None,
             "guided_choice": None, "guided_grammar": None, "logits_processors": None}
@@ -94,7 +101,8 @@ def sampling_params(body: dict, defaults: SamplingParams, *, streaming: bool = T
     fields = {"n": 1, **{name: getattr(defaults, name) for name in DEFAULTED}, "min_tokens": 0, "ignore_eos": False,
               "include_stop_str_in_output": False}
     fields.update({name: body[name] for name in (*fields, "seed", "stop", "stop_token_ids", "logprobs",
-                                                 "presence_penalty", "frequency_penalty", "logit_bias")
+                                                 "prompt_logprobs", "presence_penalty", "frequency_penalty",
+                                                 "logit_bias")
                    if body.get(name) is not None})
     # null is the default too, as in vLLM: OpenAI's SDK sends null for an argument given as None.
     fields["max_tokens"] = default_max_tokens if body.get("max_tokens") is None else body["max_tokens"]
@@ -105,6 +113,9 @@ def sampling_params(body: dict, defaults: SamplingParams, *, streaming: bool = T
             params.check_vocabulary(vocab_size)
     except InvalidRequestError as exc:
         raise RequestError(400, "invalid_request", str(exc), _field_named(str(exc), fields)) from None
+    if params.prompt_logprobs and body.get("stream") is True:  # vLLM's: a stream's choices have no such field
+        raise RequestError(400, "invalid_request", "`prompt_logprobs` are not available when `stream=True`.",
+                           "prompt_logprobs")
     return params
 
 
@@ -215,6 +226,7 @@ class TextInput(streaming_input.EngineInput):
         self.created = int(time.time())
         self.choices = [Choice(index) for index in range(params.n)]  # n > 1: one-shot requests only
         self.prompt_token_ids: list[int] = []  # the engine's: the chunk prompts so far
+        self.prompt_logprobs = None  # the engine's, every choice's (`params.prompt_logprobs`), from the first output
         self._prompt_streamed = 0  # how many of them the stream carried
         self.error: EngineError | None = None
         self.aborted = False
@@ -299,11 +311,18 @@ class TextInput(streaming_input.EngineInput):
         try:
             # A one-shot request's prompt is its one append (its `finish` follows).
             prompt = await self._chunks.get() if self.one_shot else self._inputs()
-            if self.echo and self.log is not None:  # the prompt's text, in a chunk of its own before the first
-                for choice in self.choices:
-                    self.log.append(self.streamed_chunk(choice, self.echo, None, []))
+            # The prompt's text, in a chunk of its own before the first; with logprobs, once the engine gave the
+            # prompt's (with the first output).
+            echo = bool(self.echo) and self.log is not None
+            if echo and self.params.logprobs is None:
+                self._log_echo()
+                echo = False
             async for out in self.state.engine.generate(prompt, self.params, request_id=self.id):
                 self.prompt_token_ids = out.prompt_token_ids
+                self.prompt_logprobs = out.prompt_logprobs or self.prompt_logprobs  # DELTA's come once
+                if echo:
+                    self._log_echo()
+                    echo = False
                 finished = out.finished
                 for completion in out.outputs:
                     choice = self.choices[completion.index]
@@ -328,6 +347,12 @@ class TextInput(streaming_input.EngineInput):
             if self.log is not None:
                 self.log.close()
             self._done.set()
+
+    def _log_echo(self) -> None:
+        for choice in self.choices:
+            chunk = self.streamed_chunk(choice, self.echo, None, [])
+            chunk["choices"][0]["logprobs"] = self.echo_logprobs()[0]
+            self.log.append(chunk)
 
     def _carries(self, text: str, token_ids: list[int]) -> bool:
         # Ids that decode to no text yet (or a model without a tokenizer) still make a chunk for a client that asked
@@ -413,11 +438,23 @@ class TextInput(streaming_input.EngineInput):
         return self.chunk(text, finish_reason, list(prompt) or None, list(token_ids), logprobs, choice)
 
     def completion(self) -> dict:
-        body = self._body([self._text_choice(choice, self.echo + choice.text, choice.finish_reason or "stop",
-                                             list(self.prompt_token_ids), choice.token_ids,
-                                             self.logprobs_body(choice, 0, len(choice.token_ids), 0))
-                           for choice in self.choices])
-        return {**body, "usage": self.usage()}
+        echoed, offset = self.echo_logprobs()
+        choices = [self._text_choice(choice, self.echo + choice.text, choice.finish_reason or "stop",
+                                     list(self.prompt_token_ids), choice.token_ids,
+                                     joined_logprobs(echoed, self.logprobs_body(choice, 0, len(choice.token_ids),
+                                                                                offset)))
+                   for choice in self.choices]
+        if self.params.prompt_logprobs is not None:  # vLLM's field, on each choice (the same: one prompt)
+            field = prompt_logprobs_field(self.prompt_logprobs)
+            for choice in choices:
+                choice["prompt_logprobs"] = field
+        return {**self._body(choices), "usage": self.usage()}
+
+    def echo_logprobs(self) -> tuple[dict | None, int]:
+        """The echoed prompt's legacy `logprobs` (None without echo or logprobs) and the text offset after it."""
+        if not self.echo or self.params.logprobs is None:
+            return None, 0
+        return echoed_logprobs(self.prompt_token_ids, self.prompt_logprobs, self.token_string)
 
     def logprobs_body(self, choice: "Choice", first: int, end: int, text_offset: int) -> dict | None:
         """OpenAI's legacy `logprobs` of generated tokens first..end, as vLLM gives them: each token's string and
@@ -479,11 +516,6 @@ class Choice:
             self.finish_reason, self.stop_reason = completion.finish_reason, completion.stop_reason
 
 
-def finite_logprob(logprob: float) -> float:
-    """-inf (a token the filters ruled out) as the finite floor OpenAI and vLLM send: JSON has no infinity."""
-    return max(logprob, -9999.0)
-
-
 def _invalid_text(message: str) -> RequestError:
     return RequestError(422, "invalid_text", message, "payload")
 
@@ -529,6 +561,9 @@ def _completion(body: dict, state) -> tuple["TextInput", list[int]]:
     prompt = prompt_ids(given, state)
     params = sampling_params(body, state.engine.default_sampling_params(), streaming=False,
                              vocab_size=state.engine.model_config.vocab_size)
+    echo = _echoed(body, given, state)
+    if echo and params.logprobs is not None and params.prompt_logprobs is None:  # vLLM's: the echoed tokens' too
+        params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
     if params.stop:
         check_tokenizer(state, "stop", "stop strings need one; use stop_token_ids")
     check_context_length(prompt, params, state)
@@ -536,19 +571,15 @@ def _completion(body: dict, state) -> tuple["TextInput", list[int]]:
     text_input = TextInput(state, params, sse.EventLog() if stream else None, include_usage=include_usage,
                            return_token_ids=parse_flag(body, "return_token_ids"),
                            tokens_as_ids=parse_flag(body, "return_tokens_as_token_ids"), one_shot=True,
-                           echo=_echoed(body, given, params, state))
+                           echo=echo)
     return text_input, prompt
 
 
-def _echoed(body: dict, prompt: str | list[int], params: SamplingParams, state) -> str:
+def _echoed(body: dict, prompt: str | list[int], state) -> str:
     """OpenAI's `echo`: the prompt's text (`prompt` as given: text, or ids decoded with special tokens skipped, as
-    vLLM) to put before the completion's; "" without echo. With logprobs, echo would need the prompt's logprobs,
-    which the engine does not compute: refused."""
+    vLLM) to put before the completion's; "" without echo."""
     if not parse_flag(body, "echo"):
         return ""
-    if params.logprobs is not None:
-        raise RequestError(400, "unsupported_parameter", "`echo` with `logprobs` (the prompt's logprobs) is not "
-                           "supported by this server", "echo")
     if isinstance(prompt, str):
         return prompt
     check_tokenizer(state, "echo", "a prompt of token ids is echoed as its text")

@@ -19,6 +19,8 @@ templates/*.jinja    the templates, copied from public tokenizer_config.json con
                      mistral_v3.jinja  Mistral-7B-Instruct-v0.3's ([INST], tool calls, raise_exception on a bad
                                        role order)
                      chatml.jinja      ChatML, the "default" of a list of named templates (as Hermes 2 Pro ships)
+                     qwen3.jinja       Qwen3's (tools in <tools>, <tool_call> JSON, reasoning_content in <think>,
+                                       enable_thinking)
                      variables.jinja   not a checkpoint's: what transformers defines besides the messages
                                        (`tools` and `documents` None, vLLM's `documents` when given)
 cases.json           {"versions": {...}, "cases": [...]}; a case names its checkpoint `layout` (how the template is
@@ -28,6 +30,11 @@ cases.json           {"versions": {...}, "cases": [...]}; a case names its check
                      flags and `kwargs` (template variables; `documents` is apply_chat_template's own argument,
                      which jaxstream takes as a variable), and transformers' answer: `text` and `ids`
                      (`apply_chat_template(tokenize=False)` / `(tokenize=True)`), or the `error` it raised.
+tool_cases.json      {"versions": {...}, "cases": [...]}: chats with tools, assistant tool calls, tool results and
+                     reasoning, as a client sends them (OpenAI's shapes: `tools`, `tool_calls` with JSON-string
+                     arguments, `reasoning_content`) in `messages`, `tools` and `kwargs` (chat_template_kwargs), and
+                     transformers' `text` for what vLLM gives the template from them (`vllm_template_inputs`). Text
+                     only: the word-level vocabulary has no words for JSON, so their ids would be <unk>.
 """
 import json
 import shutil
@@ -88,6 +95,60 @@ CASES = [
 ]
 
 
+QWEN3 = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+                   "required": ["city"]}}}
+BARE_TOOL = {"type": "function", "function": {"name": "now"}}  # vLLM fills description and parameters with null
+CALL = {"id": "abc123XYZ", "type": "function",  # a 9-character id, which Mistral's template requires
+        "function": {"name": "get_weather", "arguments": '{"city":"Paris", "unit" :"c"}'}}
+ASK = {"role": "user", "content": "Weather in Paris?"}
+CALLED = {"role": "assistant", "content": None, "tool_calls": [CALL]}
+RESULT = {"role": "tool", "tool_call_id": "abc123XYZ", "content": "21 C, sunny"}
+
+
+def tool_case(name, template, special_tokens, messages, tools, kwargs=None) -> dict:
+    return {"name": name, "template": template, "layout": "config", "special_tokens": special_tokens,
+            "messages": messages, "tools": tools, "kwargs": kwargs or {}}
+
+
+TOOL_CASES = [
+    tool_case("qwen3_tools", "qwen3", QWEN3, [{"role": "system", "content": "Be brief."}, ASK], [WEATHER, BARE_TOOL]),
+    tool_case("qwen3_tool_round", "qwen3", QWEN3, [
+        ASK, {**CALLED, "content": "", "reasoning_content": "Paris is in France."}, RESULT], [WEATHER]),
+    tool_case("qwen3_reasoning_field", "qwen3", QWEN3, [  # vLLM's newer name for reasoning_content
+        ASK, {**CALLED, "content": "", "reasoning": "Looked it up."}, RESULT], None, {"enable_thinking": False}),
+    tool_case("qwen3_no_thinking", "qwen3", QWEN3, [ASK], [WEATHER], {"enable_thinking": False}),
+    tool_case("llama3_1_tools", "llama3_1", LLAMA3, [ASK, CALLED, RESULT], [WEATHER]),
+    tool_case("mistral_tools", "mistral_v3", MISTRAL, [ASK, CALLED, RESULT, {"role": "assistant", "content": "Sunny."},
+                                                       {"role": "user", "content": "And now?"}], [WEATHER]),
+]
+
+
+def vllm_template_inputs(case: dict) -> tuple[list[dict], list[dict] | None]:
+    """The messages and tools vLLM gives a chat template for the case's request: tools as its pydantic models dump
+    them (ChatCompletionToolsParam: a function's description and parameters null when left out), an assistant's
+    tool-call arguments parsed (chat_utils._postprocess_messages), its `reasoning` or `reasoning_content` under both
+    names (_parse_chat_message_content)."""
+    tools = None if case["tools"] is None else [
+        {"type": "function", "function": {"name": tool["function"]["name"], "description": None, "parameters": None,
+                                          **tool["function"]}}
+        for tool in case["tools"]]
+    messages = []
+    for message in case["messages"]:
+        message = dict(message)
+        if message.get("tool_calls"):
+            message["tool_calls"] = [{**call, "function": {**call["function"],
+                                                           "arguments": json.loads(call["function"]["arguments"])}}
+                                     for call in message["tool_calls"]]
+        reasoning = message.pop("reasoning", message.pop("reasoning_content", None))
+        if reasoning is not None:
+            message["reasoning"] = message["reasoning_content"] = reasoning
+        messages.append(message)
+    return messages, tools
+
+
 def vocabulary() -> dict[str, int]:
     vocab = {token: i for i, token in enumerate(SPECIALS + WORDS)}
     return {**vocab, **{f"w{i}": i for i in range(len(vocab), VOCAB_SIZE)}}
@@ -143,6 +204,16 @@ def main() -> None:
     versions = {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
                 "jinja2": jinja2.__version__}
     (FIXTURES / "cases.json").write_text(json.dumps({"versions": versions, "cases": results}, indent=1) + "\n")
+    tool_results = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for spec in TOOL_CASES:
+            tokenizer = AutoTokenizer.from_pretrained(checkpoint(Path(scratch) / spec["name"], spec))
+            messages, tools = vllm_template_inputs(spec)
+            text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                                 **spec["kwargs"])
+            tool_results.append({**spec, "text": text})
+    (FIXTURES / "tool_cases.json").write_text(json.dumps({"versions": versions, "cases": tool_results}, indent=1)
+                                              + "\n")
 
 
 if __name__ == "__main__":

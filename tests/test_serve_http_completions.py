@@ -164,7 +164,6 @@ def test_echo_puts_the_prompt_before_the_completion(engine, server, model):
     ({"stop": ["w9", ""]}, openai.BadRequestError, "invalid_request"),  # vLLM refuses an empty stop string
     ({"n": 129}, openai.BadRequestError, "invalid_request"),  # OpenAI's bound
     ({"prompt": [5, 999]}, openai.BadRequestError, "invalid_request"),
-    ({"echo": True, "logprobs": 2}, openai.BadRequestError, "unsupported_parameter"),  # would need prompt logprobs
 ])
 def test_sdk_errors_in_openai_shape(server, model, kwargs, error, code):
     client = openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0)

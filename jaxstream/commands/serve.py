@@ -4,7 +4,8 @@ HTTP streaming-input sessions, a browser microphone demo at `/`, health, models 
 
     jaxstream serve [MODEL] [--host H] [--port P] [--api-key K | --api-key-file F] [--max-sessions N]
                     [--delay-ms MS] [--max-session-seconds S] [--idle-timeout S] [--compat vllm]
-                    [--generation-config {auto,vllm}] [--chat-template PATH]
+                    [--generation-config {auto,vllm}] [--chat-template PATH] [--enable-auto-tool-choice]
+                    [--tool-call-parser {hermes,llama3_json,mistral}] [--reasoning-parser {deepseek_r1,qwen3}]
                     [--allowed-origins JSON] [--allowed-methods JSON] [--allowed-headers JSON]
                     [--allow-credentials] [--enable-prefix-caching | --no-enable-prefix-caching]
                     [--config server.toml]
@@ -38,6 +39,9 @@ _SERVER_MAX_QUEUED_AUDIO_S = 30.0
 
 
 def register(subparsers) -> None:
+    from jaxstream.serving.reasoning_parsers import REASONING_PARSERS
+    from jaxstream.serving.tool_parsers import TOOL_PARSERS
+
     parser = subparsers.add_parser("serve", help="serve the realtime WebSocket and HTTP APIs",
                                    description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
@@ -85,6 +89,14 @@ def register(subparsers) -> None:
     parser.add_argument("--chat-template", default=None, metavar="PATH",
                         help="jinja chat template for /v1/chat/completions, in place of the tokenizer's or for a "
                              "model without one (a file, or the template itself, as vLLM takes it)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                        help="chat: tool_choice \"auto\" (the default with tools) parses the model's tool calls "
+                             "into tool_calls (needs --tool-call-parser)")
+    parser.add_argument("--tool-call-parser", choices=tuple(TOOL_PARSERS), default=None,
+                        help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json "
+                             "(Llama 3.x), mistral")
+    parser.add_argument("--reasoning-parser", choices=tuple(REASONING_PARSERS), default=None,
+                        help="chat: the <think> reasoning goes out as reasoning_content, apart from the content")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="model id clients name in session.update (default: MODEL as given)")
     # CORS, with vLLM's flag names, JSON lists and defaults (serving/cors.py).
@@ -146,7 +158,9 @@ def _run(args) -> int:
     engine = dict(file.engine) if file else {}
     _override(server, host=args.host, port=args.port, compat=args.compat, drain_timeout_s=args.drain_timeout,
               served_model_name=args.served_model_name, generation_config=args.generation_config,
-              chat_template=args.chat_template, allowed_origins=args.allowed_origins,
+              chat_template=args.chat_template, enable_auto_tool_choice=args.enable_auto_tool_choice,
+              tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+              allowed_origins=args.allowed_origins,
               allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
               allow_credentials=args.allow_credentials)
     _override(limits, max_connections=args.max_connections, idle_timeout_s=args.idle_timeout,

@@ -27,6 +27,7 @@ from jaxstream.engine.audio_front_end import FrontEndWorker
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.engine_thread import AudioAppend, EngineThread
 from jaxstream.engine.loop_delivery import post_to_loops
+from jaxstream.engine.prompt_logprobs import FlatPromptLogprobs
 from jaxstream.engine.requests import RequestOutputKind, SamplingParams
 from jaxstream.engine.residency import END_OF_STREAM
 from jaxstream.engine.text_generation import aborted_before_start, checked_chunk, merge_pending, prompt_token_ids
@@ -217,6 +218,8 @@ class AsyncEngine:
                     ended = True
                     raise item
                 item = merge_pending(item, outputs, delta=params.output_kind is RequestOutputKind.DELTA)
+                if isinstance(item.prompt_logprobs, FlatPromptLogprobs):  # tokens named as read, by this tokenizer
+                    item.prompt_logprobs.tokenizer = self.tokenizer
                 if item.finished:
                     ended = True
                 if params.output_kind is RequestOutputKind.FINAL_ONLY and not item.finished:

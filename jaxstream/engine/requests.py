@@ -1,8 +1,9 @@
-"""Request-side types with vLLM's names: `SamplingParams`, `StreamingInput`, `RequestOutput`."""
+"""Request-side types with vLLM's names: `SamplingParams`, `StreamingInput`, `RequestOutput`, `Logprob`."""
 import dataclasses
 import enum
 import math
 import numbers
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -69,6 +70,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep a matched stop string at the end of the text
     # When set, outputs carry the sampled token's logprob and (`top_logprobs`) the `logprobs` most likely ones'.
     logprobs: int | None = None
+    # When set, the request's first output carries `RequestOutput.prompt_logprobs`: each prompt token's logprob and
+    # rank and the `prompt_logprobs` most likely ids' at its position. One-shot requests only (refused with streaming
+    # input); such a request computes its whole prompt, the prefix cache's hits included (they have no logits).
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -90,6 +95,8 @@ class SamplingParams:
             "max_tokens": None if self.max_tokens is None else _int("max_tokens", self.max_tokens, 1),
             "min_tokens": _int("min_tokens", self.min_tokens, 0),
             "logprobs": None if self.logprobs is None else _int("logprobs", self.logprobs, 0, MAX_LOGPROBS),
+            "prompt_logprobs": (None if self.prompt_logprobs is None
+                                else _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)),
             "stop": _stop_strings(self.stop),
             "stop_token_ids": _stop_token_ids(self.stop_token_ids),
             "presence_penalty": _float("presence_penalty", self.presence_penalty),
@@ -137,6 +144,10 @@ class SamplingParams:
             raise InvalidRequestError("stop strings are not supported with streaming input; use stop_token_ids")
         if streaming and self.output_kind is RequestOutputKind.FINAL_ONLY:
             raise InvalidRequestError("output_kind FINAL_ONLY is not supported with streaming input")
+        # vLLM computes a request's prompt logprobs once, over its first prompt: a session's later chunks would get
+        # none, so jaxstream refuses them rather than answer for the first chunk alone.
+        if streaming and self.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs is not supported with streaming input")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +157,21 @@ class StreamingInput:
 
     prompt: Any
     sampling_params: SamplingParams | None = None
+
+
+@dataclasses.dataclass
+class Logprob:
+    """vLLM's: a token's logprob at a position, its rank there (1: the likeliest; ids at least as likely count) and its
+    text (the tokenizer's `token_string`; None without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's `PromptLogprobs`: None for the first prompt token, then for each later one {token id: Logprob} holding it and
+# the `SamplingParams.prompt_logprobs` most likely ids at its position (N or N + 1 entries).
+PromptLogprobs = Sequence[dict[int, Logprob] | None]
 
 
 @dataclasses.dataclass
@@ -171,6 +197,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt: str | None = None
+    # With `SamplingParams.prompt_logprobs`: on the first output with tokens (DELTA; then empty, as vLLM's), or on
+    # every output from then on (CUMULATIVE, FINAL_ONLY); None before, and for a request that asks none.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 def _int(name: str, value, minimum: int, maximum: int | None = None) -> int:

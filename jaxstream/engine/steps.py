@@ -17,6 +17,7 @@ from flax import nnx
 from jaxstream.engine import sampling
 from jaxstream.engine.kv_cache import NULL_PAGE
 from jaxstream.engine.requests import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from jaxstream.models.text_lm import select_logit_rows
 from jaxstream.models.voxtral import ConvState
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,13 @@ def _merged_step(step, graphdef, param_tree, params, state, batch):
 # State: stack "text"; slot rows "context_counts" [V] int32 and "counts_start" (sampling.count_fed_tokens: what
 # the penalties read).
 
+# The most logits a block of prompt positions holds at once (float32 [rows, positions, V]): 64 MB, whatever the
+# bucket and the vocabulary, where the logits of a whole (4, 512) bucket over a 131k vocabulary would take 1 GB.
+PROMPT_BLOCK_ELEMENTS = 1 << 24
+# The outputs only a prefill (C > 1) program has: the prompt logprobs of its positions (`prompt_logprobs`).
+PROMPT_OUTPUTS = ("prompt_logprob", "prompt_rank", "prompt_top_ids", "prompt_top_logprobs")
+
+
 def text_slot_shapes(vocab_size: int) -> dict:
     """The per-slot rows of a text engine's state (`DeviceCache` slot shapes): one int32 per vocabulary id (0.5 MB
     a slot for a 131k vocabulary). Counts rather than each slot's token history, which vLLM bincounts every step: a
@@ -136,15 +144,16 @@ def text_batch(rows: int, chunk: int, pages_per_window: int) -> dict[str, np.nda
         "min_p": np.zeros(rows, np.float32),
         "bias_ids": np.full((rows, MAX_LOGIT_BIAS), -1, np.int32),
         "bias_values": np.zeros((rows, MAX_LOGIT_BIAS), np.float32),
+        # Per position, the prompt token after it where the row's request asks for prompt logprobs, else -1.
+        "prompt_targets": np.full((rows, chunk), -1, np.int32),
     }
 
 
 def text_step(model, state, batch, *, stack, attention_impl):
-    """Chunked prefill or decode of S rows, then per-row sampling at each row's last valid position."""
-    cache = state["stacks"][stack]
-    logits_at = jnp.maximum(batch["num_new"] - 1, 0)
-    logits, cache = model(batch["token_ids"], cache, batch["page_table"], batch["lengths"], batch["num_new"],
-                          logits_at=logits_at, attention_impl=attention_impl)
+    """Chunked prefill or decode of S rows, then per-row sampling at each row's last valid position; a prefill
+    also gives the prompt logprobs of the positions `prompt_targets` names (`prompt_logprobs`)."""
+    features, head, cache = _forward(model, state["stacks"][stack], batch, attention_impl)
+    logits = head(select_logit_rows(features, jnp.maximum(batch["num_new"] - 1, 0)))
     slots = state["slots"]
     counts, start = sampling.count_fed_tokens(slots["context_counts"], slots["counts_start"], batch)
     penalties = sampling.Penalties(counts, jnp.clip(batch["slot"], 0, counts.shape[0] - 1), batch["presence"],
@@ -164,7 +173,58 @@ def text_step(model, state, batch, *, stack, attention_impl):
         None)
     state = {"stacks": {**state["stacks"], stack: cache}, "slots": {**slots, "context_counts": counts,
                                                                    "counts_start": start}}
-    return {"tokens": tokens, "logprobs": logprobs, "top_ids": top_ids, "top_logprobs": top_logprobs}, state
+    outputs = {"tokens": tokens, "logprobs": logprobs, "top_ids": top_ids, "top_logprobs": top_logprobs}
+    if batch["token_ids"].shape[1] > 1:  # a decode position is never a prompt token's predecessor
+        outputs.update(prompt_logprobs(head, features, batch["prompt_targets"], model.cfg.vocab_size))
+    return outputs, state
+
+
+def _forward(model, cache, batch, attention_impl):
+    """The model over the batch: (features [S, C, ...], head, cache), head(features) being logits. A model with
+    `hidden_states` (TextLM) gives its final hidden states and its LM head, so that logits are made only where they
+    are wanted; any other (ToyLM) its logits at every position and the identity."""
+    args = (batch["token_ids"], cache, batch["page_table"], batch["lengths"], batch["num_new"])
+    if hasattr(model, "hidden_states"):
+        hidden, cache = model.hidden_states(*args, attention_impl=attention_impl)
+        return hidden, model.logits, cache
+    logits, cache = model(*args, attention_impl=attention_impl)
+    return logits, lambda logits: logits, cache
+
+
+def prompt_logprobs(head, features, targets, vocab_size: int) -> dict:
+    """vLLM's prompt logprobs of a prefill's positions: where `targets` [S, C] names the prompt token after a position
+    (-1 elsewhere), the raw log-softmax of its logits at that token, the token's rank (the ids at least as likely,
+    itself included: vLLM's) and the MAX_LOGPROBS most likely ids and their logprobs, most likely first.
+
+    Only a batch with a target pays for them: it makes the logits of every position, a block of positions at a time
+    (at most PROMPT_BLOCK_ELEMENTS logits), for every row."""
+    rows, chunk = targets.shape
+    top = min(MAX_LOGPROBS, vocab_size)
+    size = max([size for size in range(1, chunk + 1)
+                if chunk % size == 0 and rows * size * vocab_size <= PROMPT_BLOCK_ELEMENTS], default=1)
+
+    def block(pieces):
+        features, targets = pieces  # [S, size, ...], [S, size]
+        logprobs = jax.nn.log_softmax(head(features).astype(jnp.float32), axis=-1)
+        chosen = jnp.take_along_axis(logprobs, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
+        rank = jnp.sum(logprobs >= chosen[..., None], axis=-1, dtype=jnp.int32)
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, top)
+        return chosen, rank, top_ids, top_logprobs
+
+    def by_block(x):  # [S, C, ...] -> [C / size, S, size, ...]
+        return jnp.swapaxes(x.reshape(rows, chunk // size, size, *x.shape[2:]), 0, 1)
+
+    def compute(_):
+        if size == chunk:  # one block: no loop to compile
+            return block((features, targets))
+        blocks = jax.lax.map(block, (by_block(features), by_block(targets)))
+        return tuple(jnp.swapaxes(out, 0, 1).reshape(rows, chunk, *out.shape[3:]) for out in blocks)
+
+    def skip(_):
+        return (jnp.zeros((rows, chunk), jnp.float32), jnp.zeros((rows, chunk), jnp.int32),
+                jnp.zeros((rows, chunk, top), jnp.int32), jnp.zeros((rows, chunk, top), jnp.float32))
+
+    return dict(zip(PROMPT_OUTPUTS, jax.lax.cond(jnp.any(targets >= 0), compute, skip, None)))
 
 
 # -- Voxtral Realtime transcription ----------------------------------------------------------------------

@@ -59,7 +59,9 @@ def _merged(first: RequestOutput, second: RequestOutput) -> RequestOutput:
     top = a.top_logprobs + b.top_logprobs if a.top_logprobs is not None and b.top_logprobs is not None else None
     completion = dataclasses.replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids,
                                      logprobs=logprobs, top_logprobs=top)
-    return dataclasses.replace(second, outputs=[completion])
+    # A DELTA request's prompt logprobs come once: the later output's empty list must not hide them.
+    return dataclasses.replace(second, outputs=[completion], prompt_logprobs=first.prompt_logprobs or
+                               second.prompt_logprobs)
 
 
 def aborted_before_start(request_id: str) -> RequestOutput:

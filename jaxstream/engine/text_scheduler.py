@@ -12,7 +12,8 @@ are looked for in its text as each token is detokenized, here on the host (stop_
 A tick schedules running sessions first (decodes, then unfinished prefills), then admits waiting ones in
 FIFO order, under a token budget; decode rows (one token) go to a C = 1 program and prefill rows to one
 prefill bucket; both are dispatched before one host sync. Sessions whose contexts start alike share the KV pages
-of their common full blocks (automatic prefix caching, text_prefix_cache.py).
+of their common full blocks (automatic prefix caching, text_prefix_cache.py). A request with `prompt_logprobs` gets
+those of its prompt positions from its prefills and with its first token (prompt_logprobs.py).
 """
 import collections
 import dataclasses
@@ -23,6 +24,7 @@ import time
 import numpy as np
 
 from jaxstream.engine import first_runs, sampling, steps, text_prefix_cache
+from jaxstream.engine.prompt_logprobs import FlatPromptLogprobs
 from jaxstream.engine.requests import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
 from jaxstream.engine.residency import END_OF_STREAM, Residency, SessionBase, Status, TickStats, deliver
 from jaxstream.engine.stop_strings import StopStringText
@@ -68,6 +70,10 @@ class TextSession(SessionBase):
         self.block_keys: list[tuple] = []
         self.cached_blocks = 0
         self.counts_stale = False
+        # Prompt logprobs (a request that asks them): those still being computed, then those delivered (with the
+        # first token: later outputs refer to them, and a recompute after a preemption computes none again).
+        self.collecting: FlatPromptLogprobs | None = None
+        self.prompt_logprobs: FlatPromptLogprobs | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -217,6 +223,8 @@ class TextScheduler(Residency):
         bias = update.params.logit_bias
         session.logit_bias = (list(bias), list(bias.values())) if bias else None
         session.max_tokens = update.params.max_tokens or max(1, self.max_model_len - len(update.prompt_ids))
+        if update.params.prompt_logprobs is not None:  # a one-shot request's one chunk (check_supported)
+            session.collecting = FlatPromptLogprobs(session.prompt_ids, update.params.prompt_logprobs)
         session.seed = self._seed(update.params)
         if session.counts_stale and _uses_penalties(update.params):
             self._recompute(session)
@@ -251,9 +259,11 @@ class TextScheduler(Residency):
 
     def _looks_up(self, session: TextSession) -> bool:
         """Whether admitting `session` looks its context up in the prefix cache: it will compute from position 0,
-        and its chunk uses no penalty (whose counts would miss the tokens of the prefix it skips)."""
+        and its chunk uses no penalty (whose counts would miss the tokens of the prefix it skips) and asks no prompt
+        logprobs (a cached prefix has no logits: vLLM's skip_reading_prefix_cache; its blocks are still cached)."""
         return (self.prefix is not None and session.num_computed == 0 and not session.resident
-                and session.offloaded is None and not _uses_penalties(session.params))
+                and session.offloaded is None and not _uses_penalties(session.params)
+                and session.params.prompt_logprobs is None)
 
     def admit(self, session: TextSession) -> bool:
         """Residency's admission; a session that `_looks_up` then takes the cached pages of its leading blocks."""
@@ -324,6 +334,8 @@ class TextScheduler(Residency):
         for rows, fetched in results:
             for i, (session, start_pos, count) in enumerate(rows):
                 try:
+                    if session.collecting is not None:
+                        session.collecting.record(start_pos, count, fetched, i)
                     self._advance(session, start_pos + count, int(fetched["tokens"][i]),
                                   float(fetched["logprobs"][i]), _top(session.params, fetched, i))
                 except Exception as exc:  # noqa: BLE001 - isolate host-side failures to their session
@@ -415,13 +427,19 @@ class TextScheduler(Residency):
         dispatched = []
         if decode:
             rows = next(b for b in self.cfg.decode_batch_buckets if b >= len(decode))
-            dispatched.append((decode, self.programs.run(("text", rows, 1), self._batch(decode, rows, 1))))
+            dispatched.append((decode, self._run(("text", rows, 1), self._batch(decode, rows, 1))))
         if prefill:
             rows, chunk = bucket
-            dispatched.append((prefill, self.programs.run(("text", rows, chunk),
-                                                          self._batch(prefill, rows, chunk))))
+            dispatched.append((prefill, self._run(("text", rows, chunk), self._batch(prefill, rows, chunk))))
         fetched, waited = self.fetch([outputs for _, outputs in dispatched])
         return [(rows, out) for (rows, _), out in zip(dispatched, fetched)], waited
+
+    def _run(self, key, batch) -> dict:
+        """Dispatches a text program; its prompt logprobs stay on the device unless a row asked for them."""
+        outputs = self.programs.run(key, batch)
+        if batch["prompt_targets"].max() < 0:
+            outputs = {name: value for name, value in outputs.items() if name not in steps.PROMPT_OUTPUTS}
+        return outputs
 
     def _batch(self, rows, num_rows: int, chunk: int):
         batch = steps.text_batch(num_rows, chunk, self.cache.specs[STACK].pages_per_window)
@@ -450,6 +468,9 @@ class TextScheduler(Residency):
             if len(session.outputs) < params.min_tokens:
                 bans = self._min_tokens_bans(params)
                 batch["banned_ids"][i, :len(bans)] = bans
+            if session.collecting is not None:
+                targets = session.collecting.targets(start, count)
+                batch["prompt_targets"][i, :len(targets)] = targets
         return batch
 
     # -- results --------------------------------------------------------------------------------------
@@ -527,7 +548,14 @@ class TextScheduler(Residency):
             logprobs=lps if params.logprobs is not None else None,
             finish_reason=reason, stop_reason=stop_reason,
             top_logprobs=tops if params.logprobs is not None else None)
-        return RequestOutput(session.request_id, session.chunk_prompts, [completion], finished)
+        prompt_logprobs = session.prompt_logprobs
+        if tokens and session.collecting is not None:  # the first token: every prompt position is computed
+            prompt_logprobs = session.prompt_logprobs = session.collecting
+            session.collecting = None
+        elif prompt_logprobs is not None and delta:
+            prompt_logprobs = []  # vLLM's DELTA outputs carry them once
+        return RequestOutput(session.request_id, session.chunk_prompts, [completion], finished,
+                             prompt_logprobs=prompt_logprobs)
 
 
 def _text_step(attention_impl):
