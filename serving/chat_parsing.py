@@ -72,7 +72,8 @@ def parse_tool_choice(body: dict, tools: list[dict] | None, state, template) -> 
         if "name" not in function:
             raise RequestError(400, "invalid_request", "Expected field `name` in `function` in `tool_choice`! "
                                f"{_NAMED_USAGE}", "tool_choice.function.name")
-        if function["name"] not in {tool["function"]["name"] for tool in tools}:
+        if not isinstance(function["name"], str) or function["name"] not in {tool["function"]["name"]
+                                                                               for tool in tools}:
             raise RequestError(400, "invalid_request", "The tool specified in `tool_choice` does not match any of "
                                "the specified `tools`", "tool_choice")
     elif choice not in ("auto", "required"):

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import random
+import re
 import string
 import uuid
 
@@ -30,6 +31,7 @@ from jaxstream.serving.json_stream import JsonError, JsonReader, normal_text
 logger = logging.getLogger(__name__)
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+_HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 PYTHON_TAG = "<|python_tag|>"
 MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
 _WHITESPACE = " \t\n\r"
@@ -248,9 +250,10 @@ class HermesToolParser(ToolParser):
             return text, []
         calls = []
         try:
-            for region in text[start:].split(HERMES_START)[1:]:
-                end = region.find(HERMES_END)
-                call = json.loads(region if end < 0 else region[:end])
+            # vLLM's regions: from a start tag to the first end tag after it (or to the end of the text), so a start
+            # tag inside a call's argument string is the argument's text.
+            for match in _HERMES_CALL.finditer(text, start):
+                call = json.loads(match.group(1) if match.group(1) is not None else match.group(2))
                 arguments = call["arguments"]
                 arguments = (_string_arguments(arguments) if isinstance(arguments, str)
                              else json.dumps(arguments, ensure_ascii=False))
@@ -404,7 +407,8 @@ class MistralToolParser(ToolParser):
                 raise TypeError("a name is not a string")
         except (ValueError, KeyError, TypeError) as exc:
             logger.debug("mistral tool call parser: no tool call in the output (%s)", exc)
-            return (listed if len(raw_calls) == 1 else text), []
+            # vLLM's content: the output without its [TOOL_CALLS] markers, stripped (its `tool_content`).
+            return (content + "".join(raw_calls)).strip(), []
         return content or None, calls
 
     def _step(self, final: bool) -> None:

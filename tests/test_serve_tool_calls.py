@@ -129,6 +129,7 @@ WHOLE_ONLY = [
      'more?', None, [("getOpenIncidentsTool", "{}")]),
     ("llama3_json", '{"name": "invalidTool", "parameters": {invalid json}', None, None),  # streamed, the name went out
     ("hermes", '<tool_call>\n{"name": "final_answer", "arguments": {"trigger": true}', None, None),  # cut short
+    ("mistral", "Let me check.[TOOL_CALLS] oops", "Let me check. oops", []),  # the text before the marker too
 ]
 MISTRAL_V11 = [
     ('[TOOL_CALLS]add_this_and_that{"a": 3.5, "b": 4}', None, [("add_this_and_that", '{"a": 3.5, "b": 4}')]),
@@ -140,6 +141,9 @@ MISTRAL_V11 = [
      [("bash", '{"command": "print(\\"hello world!\\")\\nre.compile(r\'{}\')')]),
     ("[TOOL_CALLS]toolname_no_args", None, []),
 ]
+# A start tag inside an argument's string is the argument's text (vLLM's regions end at the first end tag).
+WHOLE["hermes"].append(('<tool_call>{"name": "f", "arguments": {"a": "<tool_call>"}}</tool_call>', None,
+                        [("f", '{"a": "<tool_call>"}')]))
 CASES = [(name, *case) for name, cases in WHOLE.items() for case in cases]
 
 
@@ -424,6 +428,8 @@ def test_tool_choice_none_and_a_server_without_tool_parsing(engine, monkeypatch)
      "unsupported_parameter", "tool_choice", "guided decoding"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "invalid_request",
      "tool_choice", "The tool specified in `tool_choice` does not match any of the specified `tools`"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": ["get_weather"]}}},
+     "invalid_request", "tool_choice", "does not match any of the specified `tools`"),  # was a 500
     ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "invalid_request", "tool_choice.function",
      "Invalid value for `function`"),
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "invalid_request", "parallel_tool_calls", "true, false"),

@@ -69,6 +69,7 @@ class TextSession(SessionBase):
         # of the slot miss the tokens of a prefix the session took from the cache.
         self.block_keys: list[tuple] = []
         self.cached_blocks = 0
+        self.probed_blocks = 0
         self.counts_stale = False
         # Prompt logprobs (a request that asks them): those still being computed, then those delivered (with the
         # first token: later outputs refer to them, and a recompute after a preemption computes none again).
