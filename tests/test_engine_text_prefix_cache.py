@@ -4,6 +4,7 @@ transformers' greedy output where the committed fixture gives it): tokens equal 
 rounding, while the cached engine computes fewer positions, exactly as many fewer as its hit count says."""
 import asyncio
 import dataclasses
+import hashlib
 import logging
 
 import jax
@@ -166,6 +167,13 @@ def test_a_deferred_session_walks_on_from_the_blocks_it_found_cached():
         [], 0, 0, len(tokens))
     session.tokens = lambda start, stop: tokens[start:stop]
     keys = cache._keys(session, blocks)  # noqa: SLF001
+    # A key is the SHA-256 chain of its prefix's blocks (Python's hash, the first keys, is steerable wherever
+    # PYTHONHASHSEED is fixed: two prefixes could then share KV).
+    parent = b""
+    for block, key in enumerate(keys):
+        row = np.asarray(tokens[block * size:(block + 1) * size], np.int32)
+        parent = hashlib.sha256(parent + row.tobytes()).digest()
+        assert key == parent
     for block, page in enumerate(pool.allocate(blocks - 1)):  # all but the last block cached
         pool.register(int(page), keys[block])
     looked_up = []

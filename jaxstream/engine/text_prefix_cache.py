@@ -8,10 +8,11 @@ pages are shared, ref-counted, vLLM's way (v1/core/block_pool.py, kv_cache_utils
 
 * Only full blocks are cached, and a hit is capped at `num_tokens - 1`: the last known token is computed so that
   the step samples after it. So a hit is whole blocks below the last token.
-* Keys chain: a block's key is (the hash of its parent block's key, its token ids as int32 bytes), so a key names
-  the whole prefix up to its block. The map compares keys whole, so two blocks share a page only if their token
-  ids are equal and their prefixes hash alike; the bytes' hash is Python's keyed SipHash, which a client cannot
-  steer to a collision. A session keeps its blocks' keys: each block is hashed once. Only the leader of a
+* Keys chain: a block's key is the SHA-256 of its parent block's key and its token ids (int32 bytes), so a key
+  names the whole prefix up to its block, and no client can make two prefixes share one (vLLM made SHA-256 its
+  default after CVE-2025-25183: Python's `hash` is steerable wherever PYTHONHASHSEED is fixed, as deployments do
+  for reproducibility; it costs under a microsecond a block). A session keeps its blocks' keys: each block is
+  hashed once. Only the leader of a
   multi-host engine schedules, so only it hashes; followers get page tables in the batches they replay.
 * A page's reference count is the number of sessions whose page table holds it. A cached page nobody holds stays
   cached and goes to the tail of an LRU queue; it loses its key only when the allocator hands it out again, and
@@ -42,12 +43,13 @@ does a request that asks prompt logprobs look up (vLLM's skip_reading_prefix_cac
 logits; it computes its whole prompt, and its blocks are cached for the others all the same.
 """
 import collections
+import hashlib
 
 import numpy as np
 
 from jaxstream.engine.kv_cache import NULL_PAGE, PagePool, StackSpec
 
-ROOT = 0  # the parent hash of a context's first block
+ROOT = b""  # the parent key of a context's first block
 
 
 def supported(spec: StackSpec, max_model_len: int) -> bool:
@@ -65,8 +67,8 @@ class CachingPagePool(PagePool):
         super().__init__(num_pages)
         self._refs = np.zeros(num_pages, np.int32)
         self._cached = np.zeros(num_pages, bool)
-        self._page_of: dict[tuple, int] = {}
-        self._key_of: dict[int, tuple] = {}
+        self._page_of: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # the next to evict first
 
     @property
@@ -109,7 +111,7 @@ class CachingPagePool(PagePool):
         for page in unheld[cached][::-1].tolist():
             self._idle[page] = None
 
-    def register(self, page: int, key: tuple) -> None:
+    def register(self, page: int, key: bytes) -> None:
         """Caches held `page` under `key`; a key already cached keeps its page (this one stays private)."""
         assert self._refs[page] > 0 and not self._cached[page], page
         if key not in self._page_of:
@@ -117,7 +119,7 @@ class CachingPagePool(PagePool):
             self._key_of[page] = key
             self._cached[page] = True
 
-    def is_cached(self, key: tuple) -> bool:
+    def is_cached(self, key: bytes) -> bool:
         return key in self._page_of
 
     def matched(self, keys) -> list[int]:
@@ -161,17 +163,16 @@ class TextPrefixCache:
         self.queries = 0  # tokens of the sessions that looked up (vLLM's prefix_cache_queries)
         self.hits = 0  # of which found cached (vLLM's prefix_cache_hits)
 
-    def _keys(self, session, blocks: int) -> list[tuple]:
+    def _keys(self, session, blocks: int) -> list[bytes]:
         """`session.block_keys`, extended to at least `blocks` blocks (their tokens must be final)."""
         keys = session.block_keys
         if len(keys) < blocks:
             size = self.page_size
             rows = np.asarray(session.tokens(len(keys) * size, blocks * size), np.int32).reshape(-1, size)
-            parent = hash(keys[-1]) if keys else ROOT
+            parent = keys[-1] if keys else ROOT
             for row in rows:
-                key = (parent, row.tobytes())
-                keys.append(key)
-                parent = hash(key)
+                parent = hashlib.sha256(parent + row.tobytes()).digest()
+                keys.append(parent)
         return keys
 
     def _limit(self, session) -> int:
@@ -199,7 +200,7 @@ class TextPrefixCache:
                 self.pool.register(int(table[block]), keys[block])
             session.cached_blocks = full
 
-    def pending(self, sessions) -> set[tuple]:
+    def pending(self, sessions) -> set[bytes]:
         """Keys of the prompt blocks `sessions` (running ones) will compute and have not yet."""
         keys = set()
         for session in sessions:
@@ -208,7 +209,7 @@ class TextPrefixCache:
                 keys.update(self._keys(session, blocks)[session.cached_blocks:blocks])
         return keys
 
-    def waits_for(self, session, pending: set[tuple]) -> bool:
+    def waits_for(self, session, pending: set[bytes]) -> bool:
         """Whether the first block of `session`'s context that a hit could cover but that is not cached is about to
         be computed by a running session (`pending`): admitted a tick later, it finds the block cached.
 

@@ -67,7 +67,7 @@ class TextSession(SessionBase):
         # Prefix caching (text_prefix_cache.py): the keys of the context's blocks hashed so far (a block's tokens
         # never change once keyed), the leading blocks registered or found cached, and whether the penalty counts
         # of the slot miss the tokens of a prefix the session took from the cache.
-        self.block_keys: list[tuple] = []
+        self.block_keys: list[bytes] = []
         self.cached_blocks = 0
         self.probed_blocks = 0
         self.counts_stale = False
