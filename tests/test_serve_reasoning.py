@@ -70,6 +70,23 @@ def test_qwen3_ends_reasoning_at_an_xml_tool_call(output, reasoning, content):
     assert whole(reasoning_parser("deepseek_r1", {}, ""), QWEN3_CASES[0][0]) == (QWEN3_CASES[0][0], None)
 
 
+def test_whitespace_before_a_tag_is_held_only_so_far():
+    """Whitespace that might precede a tag was held and rescanned with every delta: 200,000 spaces after <tool_call>,
+    4 a delta, took 3.5 s of the event loop. Past MAX_SPACE_BEFORE_TAG no tag is read there, whole and streamed."""
+    from jaxstream.serving.reasoning_parsers import MAX_SPACE_BEFORE_TAG
+
+    spaces = " " * (MAX_SPACE_BEFORE_TAG + 1)
+    for output in ("x <tool_call>" + spaces + CALL_XML[len("<tool_call>"):], spaces + "<think>r</think>c"):
+        expected = (output.split("</think>")[0], "c" if output.endswith("c") else None)
+        assert whole(reasoning_parser("qwen3", {}, ""), output) == expected
+        assert streamed(reasoning_parser("qwen3", {}, ""), output, 4) == expected
+    parser = reasoning_parser("qwen3", {}, "")
+    parser.feed("x <tool_call>")
+    for _ in range(1000):
+        parser.feed("    ")
+    assert len(parser._held) <= MAX_SPACE_BEFORE_TAG + len("<tool_call>")  # noqa: SLF001
+
+
 @pytest.mark.parametrize("output", ["This is plain content", "I need to read the file.\n\n" + CALL_XML,
                                     "<think>not reasoning</think> either"])
 def test_without_thinking_the_output_is_content(output):
