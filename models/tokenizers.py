@@ -360,11 +360,13 @@ class HFTokenizer(Tokenizer):
         tokenizer.json without a post-processor (a hand-made one) gets BOS when one is known."""
         return super().prompt_prefix if self._prompt_prefix is None else self._prompt_prefix
 
-    def _special_prefix(self) -> tuple[int, ...]:
+    def _special_prefix(self) -> tuple[int, ...] | None:
+        """The ids the post-processor puts before a text's; None (BOS when known) where its output does not hold
+        the text's ids in one run, which no tokenizer we know does."""
         plain = self._tokenizer.encode("a", add_special_tokens=False).ids
         full = self._tokenizer.encode("a", add_special_tokens=True).ids
-        start = next(i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain)
-        return tuple(full[:start])
+        start = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), None)
+        return None if start is None else tuple(full[:start])
 
     def _named_special_ids(self, config_path: Path) -> dict[str, int]:
         """`bos_token` / `eos_token` of a tokenizer_config.json (a string, or an AddedToken dict) -> ids."""
