@@ -11,6 +11,7 @@ _LAZY = {
     "StreamingInput": "jaxstream.engine.requests",
     "RequestOutput": "jaxstream.engine.requests",
     "CompletionOutput": "jaxstream.engine.requests",
+    "Logprob": "jaxstream.engine.requests",
     "RequestOutputKind": "jaxstream.engine.requests",
     "TranscriptionSession": "jaxstream.engine.transcription_session",
     "TranscriptionDelta": "jaxstream.engine.transcription_session",

@@ -14,7 +14,7 @@ from jaxstream.engine import steps
 from jaxstream.engine.builders import build_text_core
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.prompt_logprobs import FlatPromptLogprobs
-from jaxstream.engine.requests import Logprob, RequestOutputKind, SamplingParams
+from jaxstream import Logprob, RequestOutputKind, SamplingParams  # the public names
 from jaxstream.errors import InvalidRequestError
 from test_engine_text_model import FIXTURE, LLAMA, tiny_lm
 
