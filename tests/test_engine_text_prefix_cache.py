@@ -366,9 +366,10 @@ def test_a_dispatch_that_consumed_the_device_state_drops_the_cache(cached, plain
     assert run.cost[1] == 0
 
 
-def test_a_penalty_chunk_after_a_hit_recomputes_the_prefix(cached, plain):
+def test_penalty_chunks_count_the_prefix_they_take_from_the_cache(cached, plain):
     """The penalty counts come from the tokens a step feeds: a session that took its prefix from the cache computes
-    it after all when a later chunk uses a penalty (and a penalty chunk looks nothing up)."""
+    it after all when a later chunk uses a penalty; a penalty chunk that hits gets the prefix's counts written into
+    its slot (it looked nothing up, so Qwen2.5's default repetition_penalty 1.05 missed the cache every time)."""
     system = prompt_of(90, 16)
     both(cached, plain, [("warm", system + [3], greedy(2))])
     both(cached, plain, [("other", prompt_of(91, 16), greedy(2))])  # the slot "s" takes next: its counts are other's
@@ -381,8 +382,15 @@ def test_a_penalty_chunk_after_a_hit_recomputes_the_prefix(cached, plain):
         runs.append(run)
     assert_same(*runs, ["s"])
     assert runs[0].cost[1] == 16
-    run, _ = both(cached, plain, [("one-shot", system + [5], penalized)])
-    assert run.cost[1] == 0
+    run, _ = both(cached, plain, [("one-shot", system + [5], penalized)])  # the same tokens as computing it all
+    assert run.cost[1] == 16
+    # A prefix holding what the model would say next: without its counts the penalties would not push them down.
+    start = prompt_of(202, 10)
+    said = Run(plain).add("said", start, greedy(6)).run().items["said"]
+    system = (start + [t for out in said if hasattr(out, "outputs") for t in out.outputs[0].token_ids])[:16]
+    both(cached, plain, [("warm2", system + [3], greedy(2))])
+    run, _ = both(cached, plain, [("repeats", system + [5], penalized)])
+    assert run.cost[1] == 16
 
 
 # -- configuration --------------------------------------------------------------------------------------------------

@@ -122,6 +122,24 @@ def text_slot_shapes(vocab_size: int) -> dict:
     return {"context_counts": ((vocab_size,), jnp.int32), "counts_start": ((), jnp.int32)}
 
 
+def count_row_batch(vocab_size: int) -> dict[str, np.ndarray]:
+    """The batch of `write_count_row`: a slot (-1: none), its `2 * count + seen` row and the output start."""
+    return {"slot": np.full(1, -1, np.int32), "row": np.zeros((1, vocab_size), np.int32),
+            "output_start": np.zeros(1, np.int32)}
+
+
+def write_count_row(model, state, batch):
+    """Sets a slot's penalty counts (sampling.count_fed_tokens' row and output start) to the batch's: those of the
+    prefix a session took from the prefix cache, counted on the host, as if its prefill had fed that prefix."""
+    del model
+    slots = state["slots"]
+    num_slots = slots["context_counts"].shape[0]
+    slot = jnp.where(batch["slot"] >= 0, batch["slot"], num_slots)
+    counts = slots["context_counts"].at[slot].set(batch["row"], mode="drop")
+    start = slots["counts_start"].at[slot].set(batch["output_start"], mode="drop")
+    return {}, {**state, "slots": {**slots, "context_counts": counts, "counts_start": start}}
+
+
 def text_batch(rows: int, chunk: int, pages_per_window: int) -> dict[str, np.ndarray]:
     """An all-padding batch of the text step (rows with num_new = 0, or slot -1, write nothing)."""
     return {

@@ -37,8 +37,10 @@ whose next missing block a running session is about to compute waits for it (`wa
 deferred, without holding a slot, until that block is cached.
 
 The sampling penalties read per-slot counts that the step builds from the tokens it feeds (sampling.py), so a
-session that skipped its prefix has no counts of it: a session looks up only when its chunk uses no penalty, and
-the scheduler recomputes a hit session's KV from 0 before a later chunk that uses one (`TextScheduler._apply`). Nor
+session that skipped its prefix has no counts of it: when its chunk uses a penalty, the scheduler counts the prefix
+on the host and writes the slot's row before its prefill (`TextScheduler._write_counts`; a checkpoint's defaults
+may set one for every request: Qwen2.5's repetition_penalty 1.05), and it recomputes a hit session's KV from 0
+before a later chunk that uses one when the first did not (`TextScheduler._apply`). Nor
 does a request that asks prompt logprobs look up (vLLM's skip_reading_prefix_cache): a cached block has KV but no
 logits; it computes its whole prompt, and its blocks are cached for the others all the same.
 """

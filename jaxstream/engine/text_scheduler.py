@@ -32,6 +32,7 @@ from jaxstream.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 STACK = "text"
+COUNT_ROW = ("count_row",)  # the program that writes a slot's penalty counts (steps.write_count_row)
 _MASK32 = 0xFFFFFFFF
 
 
@@ -139,6 +140,8 @@ class TextScheduler(Residency):
             batch = dict(steps.text_batch(rows, chunk, spec.pages_per_window), num_new=np.full(rows, chunk, np.int32))
             first_runs.run_once_per_bucket(self.programs, ("text", rows, chunk), batch, lengths,
                                            tables={STACK: "page_table"}, length_key="lengths")
+        if self.prefix is not None:
+            self.programs.compile(COUNT_ROW, steps.write_count_row, steps.count_row_batch(self.vocab_size))
         self.cache.warm_up()
 
     # -- commands (engine thread) ---------------------------------------------------------------------
@@ -259,11 +262,11 @@ class TextScheduler(Residency):
         return (self.prefix.queries, self.prefix.hits) if self.prefix is not None else (0, 0)
 
     def _looks_up(self, session: TextSession) -> bool:
-        """Whether admitting `session` looks its context up in the prefix cache: it will compute from position 0,
-        and its chunk uses no penalty (whose counts would miss the tokens of the prefix it skips) and asks no prompt
-        logprobs (a cached prefix has no logits: vLLM's skip_reading_prefix_cache; its blocks are still cached)."""
+        """Whether admitting `session` looks its context up in the prefix cache: it will compute from position 0 and
+        asks no prompt logprobs (a cached prefix has no logits: vLLM's skip_reading_prefix_cache; its blocks are
+        still cached). A chunk with a penalty gets the prefix's counts written into its slot (`_write_counts`)."""
         return (self.prefix is not None and session.num_computed == 0 and not session.resident
-                and session.offloaded is None and not _uses_penalties(session.params)
+                and session.offloaded is None
                 and session.params.prompt_logprobs is None)
 
     def admit(self, session: TextSession) -> bool:
@@ -273,8 +276,23 @@ class TextScheduler(Residency):
             return False
         if looks_up:
             session.num_computed = self.prefix.lookup(session)
-            session.counts_stale = session.num_computed > 0
+            if session.num_computed and _uses_penalties(session.params):
+                self._write_counts(session)
+            # Without a penalty now the slot's counts miss the prefix: a later chunk with one recomputes.
+            session.counts_stale = session.num_computed > 0 and not _uses_penalties(session.params)
         return True
+
+    def _write_counts(self, session: TextSession) -> None:
+        """The penalty counts of the prefix a session took from the cache, as its prefill would have built them
+        (sampling.count_fed_tokens): every token seen, the current chunk's outputs among them counted."""
+        prefix = np.asarray(session.tokens(0, session.num_computed), np.int64)
+        outputs = prefix[len(session.prompt_ids):]
+        batch = steps.count_row_batch(self.vocab_size)
+        batch["slot"][0] = session.slot
+        batch["row"][0] = 2 * np.bincount(outputs, minlength=self.vocab_size) + (
+            np.bincount(prefix, minlength=self.vocab_size) > 0)
+        batch["output_start"][0] = len(session.prompt_ids)
+        self.programs.run(COUNT_ROW, batch)
 
     def _dropped_kv(self, session: TextSession) -> None:
         session.num_computed = session.cached_blocks = 0
