@@ -167,6 +167,19 @@ class ToolParser:
         return content, list(self._deltas.values())
 
     def _step(self, final: bool) -> None:
+        """Reads the buffer state by state: the shared states here, the parser's own in its `_read`."""
+        while self._buffer or final:
+            if self._state == "passthrough":  # no call (any more): the rest is content
+                self._emit(self._buffer)
+                self._buffer = ""
+            elif self._state == "done":  # after the calls: the rest is dropped
+                self._buffer = ""
+            elif self._read(final):
+                continue
+            break
+
+    def _read(self, final: bool) -> bool:
+        """Reads some of the buffer in one of the parser's own states; whether to read on."""
         raise NotImplementedError
 
     # -- shared pieces -----------------------------------------------------------------------------------------
@@ -197,6 +210,17 @@ class ToolParser:
         stripped = self._buffer.lstrip(_WHITESPACE)
         self._take(len(self._buffer) - len(stripped))
         return bool(self._buffer)
+
+    def _open_json(self, opening: str, depth: int, state: str, what: str) -> bool:
+        """Past whitespace, begins reading a JSON value that must open with `opening` (a call at `depth` 0, a list of
+        calls at 1), in `state` from then on; False while only whitespace has come."""
+        if not self._skip_whitespace():
+            return False
+        if self._buffer[0] != opening:
+            raise JsonError(f"{what} with {self._buffer[0]!r}")
+        self._start_json(depth)
+        self._state = state
+        return True
 
     def _start_json(self, depth: int) -> None:
         self._reader = JsonReader()
@@ -265,49 +289,37 @@ class HermesToolParser(ToolParser):
             return text, []
         return text[:start] or None, calls
 
-    def _step(self, final: bool) -> None:
-        while self._buffer or final:
-            if self._state == "passthrough":
-                self._emit(self._buffer)
-                self._buffer = ""
-            elif self._state == "done":
-                self._buffer = ""
-            elif self._state in ("content", "between"):
-                start = self._buffer.find(HERMES_START)
-                if start >= 0:
-                    text = self._buffer[:start]
-                    self._buffer = self._buffer[start:]
-                    if self._state == "content":
-                        self._emit(text)
-                    self._take(len(HERMES_START))
-                    self._state = "open"
-                    continue
-                keep = 0 if final else partial_tag(self._buffer, HERMES_START)
+    def _read(self, final: bool) -> bool:
+        if self._state in ("content", "between"):
+            start = self._buffer.find(HERMES_START)
+            if start >= 0:
+                text = self._buffer[:start]
+                self._buffer = self._buffer[start:]
                 if self._state == "content":
-                    self._emit(self._buffer[:len(self._buffer) - keep])
-                self._buffer = self._buffer[len(self._buffer) - keep:]
-            elif self._state == "open":
-                if not self._skip_whitespace():
-                    break
-                if self._buffer[0] != "{":
-                    raise JsonError(f"a tool call starts with {self._buffer[0]!r}")
-                self._start_json(0)
-                self._state = "call"
-                continue
-            elif self._state == "call":
-                if self._read_json():
-                    self._state = "close"
-                    continue
-            elif self._state == "close":
-                if not self._skip_whitespace():
-                    break
-                if self._buffer.startswith(HERMES_END):
-                    self._take(len(HERMES_END))
-                    self._state = "between"
-                    continue
-                if final or not HERMES_END.startswith(self._buffer):
-                    raise JsonError(f"text after a tool call's JSON: {self._buffer[:20]!r}")
-            break
+                    self._emit(text)
+                self._take(len(HERMES_START))
+                self._state = "open"
+                return True
+            keep = 0 if final else partial_tag(self._buffer, HERMES_START)
+            if self._state == "content":
+                self._emit(self._buffer[:len(self._buffer) - keep])
+            self._buffer = self._buffer[len(self._buffer) - keep:]
+        elif self._state == "open":
+            return self._open_json("{", 0, "call", "a tool call starts")
+        elif self._state == "call":
+            if self._read_json():
+                self._state = "close"
+                return True
+        elif self._state == "close":
+            if not self._skip_whitespace():
+                return False
+            if self._buffer.startswith(HERMES_END):
+                self._take(len(HERMES_END))
+                self._state = "between"
+                return True
+            if final or not HERMES_END.startswith(self._buffer):
+                raise JsonError(f"text after a tool call's JSON: {self._buffer[:20]!r}")
+        return False
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -329,45 +341,39 @@ class Llama3JsonToolParser(ToolParser):
                 calls.append(ToolCall(value["name"], json.dumps(value[key], ensure_ascii=False), self.new_id()))
         return (None, calls) if calls else (text, [])
 
-    def _step(self, final: bool) -> None:
-        while self._buffer or final:
-            if self._state == "passthrough":
-                self._emit(self._buffer)
-                self._buffer = ""
-            elif self._state == "done":
-                self._buffer = ""
-            elif self._state == "content":  # the output's start: a call, or content throughout
-                if self._buffer.startswith(PYTHON_TAG):
-                    self._take(len(PYTHON_TAG))
-                    self._state = "next"
-                    continue
-                if self._buffer.startswith("{"):
-                    self._state = "next"
-                    continue
-                if not final and PYTHON_TAG.startswith(self._buffer):
-                    break
-                self._state = "passthrough"
-                continue
-            elif self._state in ("next", "separator"):
-                if not self._skip_whitespace():
-                    break
-                if self._state == "separator" and self._buffer[0] == ";":
-                    self._take(1)
-                    self._state = "next"
-                    continue
-                if self._buffer[0] != "{":
-                    if not self._streamed:
-                        raise JsonError(f"a tool call starts with {self._buffer[0]!r}")
-                    self._state = "done"  # text after the calls: dropped, as the whole text's parse drops it
-                    continue
-                self._start_json(0)
-                self._state = "call"
-                continue
-            elif self._state == "call":
-                if self._read_json():
-                    self._state = "separator"
-                    continue
-            break
+    def _read(self, final: bool) -> bool:
+        if self._state == "content":  # the output's start: a call, or content throughout
+            if self._buffer.startswith(PYTHON_TAG):
+                self._take(len(PYTHON_TAG))
+                self._state = "next"
+                return True
+            if self._buffer.startswith("{"):
+                self._state = "next"
+                return True
+            if not final and PYTHON_TAG.startswith(self._buffer):
+                return False
+            self._state = "passthrough"
+            return True
+        elif self._state in ("next", "separator"):
+            if not self._skip_whitespace():
+                return False
+            if self._state == "separator" and self._buffer[0] == ";":
+                self._take(1)
+                self._state = "next"
+                return True
+            if self._buffer[0] != "{":
+                if not self._streamed:
+                    raise JsonError(f"a tool call starts with {self._buffer[0]!r}")
+                self._state = "done"  # text after the calls: dropped, as the whole text's parse drops it
+                return True
+            self._start_json(0)
+            self._state = "call"
+            return True
+        elif self._state == "call":
+            if self._read_json():
+                self._state = "separator"
+                return True
+        return False
 
 
 class MistralToolParser(ToolParser):
@@ -411,42 +417,28 @@ class MistralToolParser(ToolParser):
             return (content + "".join(raw_calls)).strip(), []
         return content or None, calls
 
-    def _step(self, final: bool) -> None:
-        while self._buffer or final:
-            if self._state == "passthrough":
-                self._emit(self._buffer)
-                self._buffer = ""
-            elif self._state == "done":
-                self._buffer = ""
-            elif self._state == "content":
-                start = self._buffer.find(MISTRAL_TOOL_CALLS)
-                if start >= 0:  # the tag is no content, even when what follows turns out to be
-                    self._emit(self._buffer[:start])
-                    self._buffer = self._buffer[start + len(MISTRAL_TOOL_CALLS):]
-                    self._state = "name" if self.v11 else "list"
-                    continue
-                keep = 0 if final else partial_tag(self._buffer, MISTRAL_TOOL_CALLS)
-                self._emit(self._buffer[:len(self._buffer) - keep])
-                self._buffer = self._buffer[len(self._buffer) - keep:]
-            elif self._state == "list":
-                if not self._skip_whitespace():
-                    break
-                if self._buffer[0] != "[":
-                    raise JsonError(f"the tool calls start with {self._buffer[0]!r}")
-                self._start_json(1)
-                self._state = "calls"
-                continue
-            elif self._state == "calls":
-                if self._read_json():
-                    self._state = "passthrough"  # text after the list is content, as vLLM streams it
-                    continue
-            elif self._state == "name":
-                if self._v11_name(final):
-                    continue
-            elif self._state == "arguments":
-                if self._v11_arguments(final):
-                    continue
-            break
+    def _read(self, final: bool) -> bool:
+        if self._state == "content":
+            start = self._buffer.find(MISTRAL_TOOL_CALLS)
+            if start >= 0:  # the tag is no content, even when what follows turns out to be
+                self._emit(self._buffer[:start])
+                self._buffer = self._buffer[start + len(MISTRAL_TOOL_CALLS):]
+                self._state = "name" if self.v11 else "list"
+                return True
+            keep = 0 if final else partial_tag(self._buffer, MISTRAL_TOOL_CALLS)
+            self._emit(self._buffer[:len(self._buffer) - keep])
+            self._buffer = self._buffer[len(self._buffer) - keep:]
+        elif self._state == "list":
+            return self._open_json("[", 1, "calls", "the tool calls start")
+        elif self._state == "calls":
+            if self._read_json():
+                self._state = "passthrough"  # text after the list is content, as vLLM streams it
+                return True
+        elif self._state == "name":
+            return self._v11_name(final)
+        elif self._state == "arguments":
+            return self._v11_arguments(final)
+        return False
 
     def _v11_name(self, final: bool) -> bool:
         """Reads a call's name, up to its arguments' "{"; whether they began."""
