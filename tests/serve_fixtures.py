@@ -1,6 +1,7 @@
 """Fixtures every `tests/test_serve_*.py` module shares: one engine per process, a server over it, the
 model id it serves, the bundled sample, and the check that each test leaves the engine at its baseline.
 A module imports the ones it uses (pytest finds fixtures among a module's names) and may override any."""
+import openai
 import pytest
 from hypothesis import strategies as st
 
@@ -22,6 +23,12 @@ def server(engine):
 @pytest.fixture(scope="module")
 def model(server):
     return server.state.model_id
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The openai SDK over the module's `server`."""
+    return openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from jaxstream.models.tokenizers import load_tokenizer
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.testing import ServerThread, shared_engine, wait_engine_baseline
 from make_chat_fixtures import FIXTURES, TEMPLATES, checkpoint
-from serve_fixtures import server  # noqa: F401 - a pytest fixture over this module's engine
+from serve_fixtures import client, server  # noqa: F401 - pytest fixtures over this module's engine
 from test_engine_text_model import LLAMA
 from test_serve_http import call, read_sse
 from test_serve_http_completions import engine_run, text_engine
@@ -273,11 +273,6 @@ def engine(tmp_path_factory):
     assert engine.tokenizer.bos_id == bos
     yield engine
     engine.close()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
 
 
 def greedy(max_tokens: int) -> SamplingParams:

@@ -57,6 +57,14 @@ def engine(tmp_path_factory):
     engine.close()
 
 
+@pytest.fixture(scope="module")
+def chat_server(engine):
+    """A server over `engine` that renders chats with TEMPLATE (modules import it as their `server`)."""
+    server = ServerThread(engine, ServerConfig(chat_template=TEMPLATE))
+    yield server
+    server.close()
+
+
 def greedy(max_tokens=MAX_TOKENS, **fields) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **fields)
 

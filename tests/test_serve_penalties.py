@@ -11,29 +11,16 @@ import openai
 import pytest
 
 from jaxstream.engine.requests import SamplingParams
-from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.http_completions import sampling_params
-from jaxstream.serving.testing import ServerThread
-from serve_fixtures import engine_returns_to_baseline, model  # noqa: F401 - pytest fixtures
+from serve_fixtures import client, engine_returns_to_baseline, model  # noqa: F401 - pytest fixtures
 from test_serve_http import read_sse
-from test_serve_http_completions import CHUNKS, TEMPLATE, engine, engine_run, ndjson_lines  # noqa: F401 - fixture
+from test_serve_http_completions import CHUNKS, engine, engine_run, ndjson_lines  # noqa: F401 - fixture
+from test_serve_http_completions import chat_server as server  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "w9 w9 w30"  # its greedy tokens repeat: every field changes them
 MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    server = ServerThread(engine, ServerConfig(chat_template=TEMPLATE))
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
 
 
 def engine_ids(engine, prompt, **fields) -> list[int]:

@@ -12,28 +12,15 @@ import pytest
 
 from jaxstream.engine.requests import RequestOutputKind, SamplingParams, StreamingInput
 from jaxstream.errors import InvalidRequestError
-from jaxstream.serving.config import ServerConfig
-from jaxstream.serving.testing import ServerThread
-from serve_fixtures import engine_returns_to_baseline, model  # noqa: F401 - pytest fixtures
+from serve_fixtures import client, engine_returns_to_baseline, model  # noqa: F401 - pytest fixtures
 from test_engine_prompt_logprobs import reference
 from test_engine_text_model import LLAMA
 from test_serve_http import call
-from test_serve_http_completions import SESSIONS, TEMPLATE, engine, ndjson_lines  # noqa: F401 - a fixture
+from test_serve_http_completions import SESSIONS, engine, ndjson_lines  # noqa: F401 - a fixture
+from test_serve_http_completions import chat_server as server  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.slow
 IDS, ORACLE = reference(LLAMA)
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    server = ServerThread(engine, ServerConfig(chat_template=TEMPLATE))
-    yield server
-    server.close()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
 
 
 def check_prompt_part(logprobs: dict, tokenizer, num: int) -> None:

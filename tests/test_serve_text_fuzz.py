@@ -9,10 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxstream.serving.config import ServerConfig
-from jaxstream.serving.testing import ServerThread
 from serve_fixtures import fuzz_text
-from test_serve_http_completions import TEMPLATE, engine  # noqa: F401 - a pytest fixture
+from test_serve_http_completions import chat_server as server, engine  # noqa: F401 - pytest fixtures
 
 pytestmark = pytest.mark.slow
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
@@ -50,13 +48,6 @@ FIELDS = {
 # A few fields a body: with many, one is nearly always refused first and the rest go untried.
 bodies = st.tuples(st.sampled_from(ROUTES), st.lists(st.sampled_from(sorted(FIELDS)), max_size=4, unique=True).flatmap(
     lambda names: st.fixed_dictionaries({name: FIELDS[name] for name in names})))
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    server = ServerThread(engine, ServerConfig(chat_template=TEMPLATE))
-    yield server
-    server.close()
 
 
 def post(connection: http.client.HTTPConnection, path: str, body: bytes) -> tuple[int, str, bytes]:
