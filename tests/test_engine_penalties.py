@@ -25,7 +25,7 @@ from jaxstream.engine.requests import MAX_LOGIT_BIAS, SamplingParams
 from jaxstream.errors import InvalidRequestError
 from jaxstream.models import loading
 from test_engine_sampling import offline_logits
-from test_engine_scheduler import Collector, add, run
+from test_engine_scheduler import Collector, add, leave_at_baseline, run
 from test_engine_text_model import FIXTURE, LLAMA, tiny_lm
 
 REFERENCE = Path(__file__).parent / "fixtures" / "penalties_reference.npz"
@@ -55,11 +55,7 @@ def back_to_baseline(request):
     yield
     for name in ("mistral", "llama"):
         if name in request.fixturenames:
-            core = request.getfixturevalue(name)
-            leftover = list(core.sessions)
-            for request_id in leftover:
-                core.abort(request_id)
-            assert not leftover and core.cache.at_baseline()
+            leave_at_baseline(request.getfixturevalue(name))
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,13 @@ import jax
 import numpy as np
 import pytest
 
+from jaxstream import Logprob, RequestOutputKind, SamplingParams  # the public names
 from jaxstream.engine import steps
 from jaxstream.engine.builders import build_text_core
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.prompt_logprobs import FlatPromptLogprobs
-from jaxstream import Logprob, RequestOutputKind, SamplingParams  # the public names
 from jaxstream.errors import InvalidRequestError
+from test_engine_scheduler import leave_at_baseline
 from test_engine_text_model import FIXTURE, LLAMA, tiny_lm
 
 CFG = EngineConfig(max_sessions=4, page_size=4, num_pages=33, max_model_len=96, batch_buckets=(4,),
@@ -40,13 +41,7 @@ def llama():
 def back_to_baseline(request):
     yield
     if "llama" in request.fixturenames:
-        core = request.getfixturevalue("llama")
-        leftover = list(core.sessions)
-        try:
-            assert core.at_baseline(), "a session leaked pages, a slot or host memory"
-        finally:
-            for request_id in leftover:
-                core.abort(request_id)
+        leave_at_baseline(request.getfixturevalue("llama"))
 
 
 def run(core, requests) -> dict:

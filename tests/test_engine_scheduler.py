@@ -21,17 +21,22 @@ def core():
     return build_text_core(ToyLM(CFG), engine_cfg)
 
 
-@pytest.fixture(autouse=True)
-def back_to_baseline(core):
-    """Each test leaves the core at its baseline; sessions a failed test left behind are aborted either
-    way, so the next test starts clean instead of failing for this one."""
-    yield
+def leave_at_baseline(core) -> None:
+    """The check after each test of a module of cores: the core is at its baseline (no session, page, slot or host
+    memory held); sessions a failed test left behind are aborted either way, so the next test starts clean instead of
+    failing for this one."""
     leftover = list(core.sessions)
     try:
         assert core.at_baseline(), "a session leaked pages, a slot or host memory"
     finally:
         for request_id in leftover:
             core.abort(request_id)
+
+
+@pytest.fixture(autouse=True)
+def back_to_baseline(core):
+    yield
+    leave_at_baseline(core)
 
 
 def greedy(max_tokens, stop=None, **kw):

@@ -24,6 +24,7 @@ from jaxstream.engine.residency import END_OF_STREAM
 from jaxstream.engine.text_prefix_cache import CachingPagePool, supported
 from jaxstream.errors import InvalidRequestError
 from jaxstream.serving.metrics import ServerMetrics
+from test_engine_scheduler import leave_at_baseline
 from test_engine_text_model import LLAMA, tiny_lm
 
 # 32 usable pages of 4 positions: a few sessions fill the pool. max_model_len 96 keeps one window within it.
@@ -48,13 +49,7 @@ def back_to_baseline(request):
     yield
     for name in ("cached", "plain"):
         if name in request.fixturenames:
-            core = request.getfixturevalue(name)
-            leftover = list(core.sessions)
-            try:
-                assert core.at_baseline(), f"{name}: a session leaked pages, a slot or host memory"
-            finally:
-                for request_id in leftover:
-                    core.abort(request_id)
+            leave_at_baseline(request.getfixturevalue(name))
 
 
 def greedy(max_tokens, **kw):
