@@ -5,6 +5,7 @@ import openai
 import pytest
 from hypothesis import strategies as st
 
+from jaxstream.errors import UserError
 from jaxstream.serving.testing import RealtimeClient, ServerThread, sample_audio, shared_engine, wait_engine_baseline
 
 
@@ -41,6 +42,21 @@ async def engine_returns_to_baseline(engine):
     yield
     await wait_engine_baseline(engine)
     assert engine.healthy
+
+
+def captured_server_configs(monkeypatch) -> list:
+    """The ServerConfig of every `jaxstream serve` run from now on in the test, each of which then stops with a
+    UserError instead of serving (its app is never built)."""
+    from jaxstream.serving import app
+
+    configs = []
+
+    def create_app(config, **kwargs):
+        configs.append(config)
+        raise UserError("this test serves nothing")
+
+    monkeypatch.setattr(app, "create_app", create_app)
+    return configs
 
 
 def fuzz_text(max_size: int):

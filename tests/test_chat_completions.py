@@ -25,7 +25,7 @@ from jaxstream.models.tokenizers import load_tokenizer
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.testing import ServerThread, shared_engine, wait_engine_baseline
 from make_chat_fixtures import FIXTURES, TEMPLATES, checkpoint
-from serve_fixtures import client, server  # noqa: F401 - pytest fixtures over this module's engine
+from serve_fixtures import captured_server_configs, client, server  # noqa: F401 - pytest fixtures
 from test_engine_text_model import LLAMA
 from test_serve_http import call, read_sse
 from test_serve_http_completions import engine_run, text_engine
@@ -158,15 +158,7 @@ def test_serve_reads_its_chat_template_at_start_up(monkeypatch, tmp_path, capsys
     """`serve --chat-template PATH` or `[server] chat_template`: the server's config holds the file's template; a
     path that does not exist is a one-line mistake before anything loads."""
     from jaxstream.cli import main
-    from jaxstream.serving import app
-
-    configs = []
-
-    def create_app(config, **kwargs):
-        configs.append(config)
-        raise UserError("this test serves nothing")
-
-    monkeypatch.setattr(app, "create_app", create_app)
+    configs = captured_server_configs(monkeypatch)
     template = tmp_path / "chat.jinja"
     template.write_text("{{ messages[0].content }}")
     toml = tmp_path / "s.toml"
@@ -191,15 +183,7 @@ def test_a_toml_chat_template_path_is_relative_to_the_toml(monkeypatch, tmp_path
     """`[server] chat_template = "chat.jinja"` is the file beside the TOML (it was read from the working directory),
     `--chat-template chat.jinja` the one in the working directory, as vLLM's flag; a template given inline stays."""
     from jaxstream.cli import main
-    from jaxstream.serving import app
-
-    configs = []
-
-    def create_app(config, **kwargs):
-        configs.append(config)
-        raise UserError("this test serves nothing")
-
-    monkeypatch.setattr(app, "create_app", create_app)
+    configs = captured_server_configs(monkeypatch)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "conf").mkdir()
     (tmp_path / "conf" / "chat.jinja").write_text("{{ 'beside the toml' }}")

@@ -21,7 +21,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxstream.engine.requests import CompletionOutput, RequestOutput, SamplingParams
-from jaxstream.errors import UserError
 from jaxstream.models.tokenizers import load_tokenizer
 from jaxstream.serving.chat_parsing import parse_tools
 from jaxstream.serving.config import ServerConfig
@@ -30,6 +29,7 @@ from jaxstream.serving.json_stream import JsonReader, normal_text
 from jaxstream.serving.testing import ServerThread
 from jaxstream.serving.tool_parsers import TOOL_PARSERS
 from make_chat_fixtures import FIXTURES, checkpoint
+from serve_fixtures import captured_server_configs
 from test_chat_completions import engine_returns_to_baseline  # noqa: F401 - autouse: engine tests leave it idle
 from test_engine_text_model import LLAMA
 from test_serve_http_completions import engine_run, text_engine
@@ -530,15 +530,7 @@ def test_serve_takes_vllms_tool_and_reasoning_flags(monkeypatch, tmp_path, capsy
     """--enable-auto-tool-choice, --tool-call-parser, --reasoning-parser and the same [server] keys; the flag without
     a parser is vLLM's one-line mistake."""
     from jaxstream.cli import main
-    from jaxstream.serving import app
-
-    configs = []
-
-    def create_app(config, **kwargs):
-        configs.append(config)
-        raise UserError("this test serves nothing")
-
-    monkeypatch.setattr(app, "create_app", create_app)
+    configs = captured_server_configs(monkeypatch)
     toml = tmp_path / "s.toml"
     toml.write_text('[server]\nreasoning_parser = "deepseek_r1"\n')
     level = logging.getLogger("jaxstream").level  # serve sets its own
