@@ -9,6 +9,7 @@ _LAZY = {
     "EngineConfig": "jaxstream.engine.config",
     "SamplingParams": "jaxstream.engine.requests",
     "StreamingInput": "jaxstream.engine.requests",
+    "StructuredOutputsParams": "jaxstream.engine.requests",
     "RequestOutput": "jaxstream.engine.requests",
     "CompletionOutput": "jaxstream.engine.requests",
     "Logprob": "jaxstream.engine.requests",

@@ -243,6 +243,11 @@ class TekkenTokenizer(Tokenizer):
         self.audio_config = self._audio_config(tekkenizer.audio)
         self.chat_template = MistralChatTemplate(path)
 
+    @property
+    def tekkenizer(self):
+        """mistral-common's Tekkenizer (what its llguidance wrapper reads: structured outputs)."""
+        return self._tekkenizer
+
     def chat_template_for(self, source: str | None) -> ChatTemplate:
         """mistral-common's encoding whatever `source` says: the text of a jinja template would be tokenized as
         plain text, its control tokens too (vLLM ignores a template given for a Mistral tokenizer as well)."""
@@ -351,6 +356,10 @@ class HFTokenizer(Tokenizer):
         spec = json.loads(self._tokenizer.to_str())
         self._piece_bytes = _piece_bytes_rule(spec.get("decoder"))
         self._prompt_prefix = self._special_prefix() if spec.get("post_processor") is not None else None
+
+    def to_json(self) -> str:
+        """The tokenizer.json as the library holds it (what llguidance's own tokenizer reads: structured outputs)."""
+        return self._tokenizer.to_str()
 
     @property
     def prompt_prefix(self) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ _LAZY = {
     "RequestOutputKind": "jaxstream.engine.requests",
     "SamplingParams": "jaxstream.engine.requests",
     "StreamingInput": "jaxstream.engine.requests",
+    "StructuredOutputsParams": "jaxstream.engine.requests",
     "TranscriptionDelta": "jaxstream.engine.transcription_session",
     "TranscriptionDone": "jaxstream.engine.transcription_session",
     "TranscriptionSession": "jaxstream.engine.transcription_session",
@@ -20,8 +21,8 @@ _LAZY = {
 
 __all__ = [
     "AsyncEngine", "CompletionOutput", "EngineConfig", "RequestOutput", "RequestOutputKind",
-    "SamplingParams", "StreamingInput", "TranscriptionDelta", "TranscriptionDone", "TranscriptionSession",
-    "TranscriptionUsage", "WordTiming",
+    "SamplingParams", "StreamingInput", "StructuredOutputsParams", "TranscriptionDelta", "TranscriptionDone",
+    "TranscriptionSession", "TranscriptionUsage", "WordTiming",
 ]
 
 

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from jaxstream.engine import metrics as engine_metrics
-from jaxstream.engine import parallel_sampling
+from jaxstream.engine import parallel_sampling, structured_outputs
 from jaxstream.engine.audio_front_end import FrontEndWorker
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.engine_thread import AudioAppend, EngineThread
@@ -75,6 +75,8 @@ class AsyncEngine:
             self.core.hand_off_barrier = self._engine_thread.flush_outbox
         else:
             self.kind = "text"
+            self._grammars = structured_outputs.Grammars(tokenizer, self.model_config.vocab_size,
+                                                         self.core.eos_token_ids)
         self._draining = False
         # Request / session ids whose stream has not ended -> (loop, target): the engine thread's registry (it
         # ends these streams if it stops), which only the event loops change, under its lock.
@@ -189,6 +191,12 @@ class AsyncEngine:
             raise _rejected(exc) from None
         self._check_admitting()
         ids = None if streaming else prompt_token_ids(self.tokenizer, prompt, first=True)
+        guide = None
+        if params.structured_outputs is not None:  # compiled off the event loop (and off the engine thread)
+            try:
+                guide = await asyncio.to_thread(self._grammars.guide, params.structured_outputs)
+            except EngineError as exc:
+                raise _rejected(exc) from None
         if params.n > 1:  # vLLM's parallel sampling: n child requests (parallel_sampling.py)
             self._families[request_id] = parallel_sampling.child_ids(request_id, params.n)
             try:
@@ -208,7 +216,7 @@ class AsyncEngine:
                 feeder = asyncio.create_task(self._feed(prompt, request_id, params, sink, outputs, sent))
             else:
                 self._send(lambda: self.core.add_chunk(request_id, ids, params, first=True, resumable=False,
-                                                       sink=sink), request_id, sink)
+                                                       sink=sink, guide=guide), request_id, sink)
             while True:
                 item = await outputs.get()
                 if item is END_OF_STREAM:

@@ -1,6 +1,8 @@
-"""Request-side types with vLLM's names: `SamplingParams`, `StreamingInput`, `RequestOutput`, `Logprob`."""
+"""Request-side types with vLLM's names: `SamplingParams`, `StructuredOutputsParams`, `StreamingInput`,
+`RequestOutput`, `Logprob`."""
 import dataclasses
 import enum
+import json
 import math
 import numbers
 from collections.abc import Sequence
@@ -38,6 +40,81 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # one output at the end (not allowed for streaming input)
 
 
+# The kinds of constraint a `StructuredOutputsParams` holds exactly one of (vLLM's fields).
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# Characters of a request's schema, regex or grammar: it is compiled (on a worker thread) and its parser runs on the
+# engine thread every step, so an unbounded one could slow everyone; vLLM sets no bound.
+MAX_STRUCTURED_OUTPUT_CHARS = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's structured outputs: the tokens sampled must spell text that `json` (a JSON schema: a dict, or its JSON
+    text), `regex`, `choice` (one of these strings), `grammar` (Lark or GBNF) or `json_object` (any JSON object)
+    accepts; exactly one of them. `disable_any_whitespace` allows no whitespace between JSON tokens,
+    `disable_additional_properties` closes every object schema that does not say (vLLM's options). The engine
+    compiles it with llguidance (structured_outputs.py); an invalid one raises `InvalidRequestError` from
+    `generate`."""
+
+    json: dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self):
+        given = [kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) is not None]
+        if len(given) != 1:
+            raise InvalidRequestError("structured outputs take exactly one of json, regex, choice, grammar and "
+                                      f"json_object, got {', '.join(given) or 'none'}")
+        schema = self.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise InvalidRequestError(f"structured outputs' json is not a JSON schema: {exc}") from None
+        if self.json is not None and not isinstance(schema, dict):
+            raise InvalidRequestError(f"structured outputs' json must be a JSON schema (an object), got {schema!r}")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise InvalidRequestError(f"structured outputs' {name} must be a string, got {getattr(self, name)!r}")
+        choice = self.choice
+        if choice is not None:
+            if isinstance(choice, str) or not isinstance(choice, Sequence) or not choice \
+                    or not all(isinstance(text, str) for text in choice):
+                raise InvalidRequestError(f"structured outputs' choice must be a non-empty list of strings, "
+                                          f"got {choice!r}")
+            choice = tuple(choice)
+        if self.json_object is not None and self.json_object is not True:
+            raise InvalidRequestError(f"structured outputs' json_object must be true, got {self.json_object!r}")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"structured outputs' {name} must be a bool, got {getattr(self, name)!r}")
+        object.__setattr__(self, "json", schema)
+        object.__setattr__(self, "choice", choice)
+        try:
+            text = self.key[1]
+        except (TypeError, ValueError) as exc:  # a Python caller's schema holding what JSON cannot
+            raise InvalidRequestError(f"structured outputs' json is not JSON: {exc}") from None
+        if len(text) > MAX_STRUCTURED_OUTPUT_CHARS:
+            raise InvalidRequestError(f"structured outputs' {self.kind} takes at most {MAX_STRUCTURED_OUTPUT_CHARS} "
+                                      "characters")
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) is not None)
+
+    @property
+    def key(self) -> tuple[str, str, bool, bool]:
+        """What the compiled grammar depends on: (kind, the constraint as text, the two options). Key order is kept:
+        a schema's properties are generated in its order."""
+        value = getattr(self, self.kind)
+        text = value if isinstance(value, str) else json.dumps(value)
+        return self.kind, text, self.disable_any_whitespace, self.disable_additional_properties
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-chunk sampling and stopping parameters (vLLM's names and meanings).
@@ -48,13 +125,14 @@ class SamplingParams:
     streaming input. Invalid values raise `InvalidRequestError` here (`bool` is not accepted where a number
     is expected).
 
-    The logits a token is chosen from go through vLLM's steps, in its order (sampling.py): `logit_bias` ({token id:
+    The logits a token is chosen from go through vLLM's steps, in its order (sampling.py): `structured_outputs`' grammar
+    (ids it does not allow at this step get -inf: the logprobs are those of the masked logits); `logit_bias` ({token id:
     bias in [-100, 100]: OpenAI's range, refused outside it, where vLLM clamps}, up to 300 ids, added) and
     min_tokens' bans; `repetition_penalty` (> 0: the logit of every id in the chunk's context, cumulative prompt and
     outputs, divided by it when positive, multiplied when not), `frequency_penalty` and `presence_penalty` (in [-2,
     2], OpenAI's: minus the penalty times the id's count among the chunk's outputs, and once more if it occurs
     there); then temperature; `min_p` (in [0, 1]: drops ids less likely than min_p times the likeliest); top-k;
-    top-p. Logprobs are the raw logits'.
+    top-p. Logprobs are the raw logits' (the grammar's masked ones, for structured outputs).
     """
 
     n: int = 1
@@ -79,6 +157,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None  # token ids as ints or decimal strings (JSON's keys)
+    # The text the outputs must form (a `StructuredOutputsParams`, or a dict of its fields). One-shot requests only.
+    structured_outputs: "StructuredOutputsParams | None" = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
 
@@ -104,6 +184,7 @@ class SamplingParams:
             "repetition_penalty": _float("repetition_penalty", self.repetition_penalty),
             "min_p": _float("min_p", self.min_p),
             "logit_bias": _logit_bias(self.logit_bias),
+            "structured_outputs": _structured_outputs(self.structured_outputs),
         }
         if fields["temperature"] < 0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
@@ -148,6 +229,9 @@ class SamplingParams:
         # none, so jaxstream refuses them rather than answer for the first chunk alone.
         if streaming and self.prompt_logprobs is not None:
             raise InvalidRequestError("prompt_logprobs is not supported with streaming input")
+        # A session's grammar would have to span its chunks, each of which may end anywhere in it.
+        if streaming and self.structured_outputs is not None:
+            raise InvalidRequestError("structured outputs are not supported with streaming input")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,3 +347,14 @@ def _stop_token_ids(ids) -> tuple[int, ...] | None:
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
         raise InvalidRequestError(f"stop_token_ids must be a list of token ids, got {ids!r}")
     return tuple(_int("stop_token_ids entry", token, 0, _INT32_MAX) for token in ids)
+
+
+def _structured_outputs(value) -> StructuredOutputsParams | None:
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"structured_outputs must be an object, got {value!r}")
+    unknown = sorted(set(value) - {field.name for field in dataclasses.fields(StructuredOutputsParams)})
+    if unknown:
+        raise InvalidRequestError(f"structured_outputs has unknown fields: {', '.join(map(str, unknown))}")
+    return StructuredOutputsParams(**value)

@@ -92,6 +92,18 @@ def filtered_logits(logits, temperature, top_k, top_p, min_p=None):
     return jnp.where((scaled >= cutoff) & (scaled >= kth), scaled, -jnp.inf)
 
 
+def allowed_only(logits, masks, guided):
+    """`logits` [S, V] with -inf where a `guided` [S] row's bitmask `masks` [S, ceil(V / 32)] (int32, bit i of word w
+    for id 32 w + i) has a 0: structured outputs' allowed ids. A batch without such a row is left as it was."""
+
+    def apply(logits):
+        bits = (masks[:, :, None] >> jnp.arange(32, dtype=masks.dtype)) & 1
+        allowed = bits.reshape(masks.shape[0], -1)[:, :logits.shape[-1]].astype(bool)
+        return jnp.where(guided[:, None] & ~allowed, -jnp.inf, logits)
+
+    return jax.lax.cond(jnp.any(guided), apply, lambda logits: logits, logits)
+
+
 def _with_logit_bias(logits, ids, biases):
     """Adds `biases` [S, MAX_LOGIT_BIAS] at `ids` (-1 pads), when some row has any."""
     vocab = logits.shape[-1]

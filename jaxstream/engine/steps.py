@@ -119,7 +119,9 @@ def text_slot_shapes(vocab_size: int) -> dict:
     a slot for a 131k vocabulary). Counts rather than each slot's token history, which vLLM bincounts every step: a
     fixed size whatever `max_model_len` (the history of a 128k context is as large), and a step touches only the
     ids it feeds, and whole rows only of the rows that use penalties or start a session or a chunk."""
-    return {"context_counts": ((vocab_size,), jnp.int32), "counts_start": ((), jnp.int32)}
+    return {"context_counts": ((vocab_size,), jnp.int32), "counts_start": ((), jnp.int32),
+            # Structured outputs: the ids a slot's grammar allows at its next sampled position, one bit an id.
+            "token_mask": (((vocab_size + 31) // 32,), jnp.int32)}
 
 
 def count_row_batch(vocab_size: int) -> dict[str, np.ndarray]:
@@ -138,6 +140,16 @@ def write_count_row(model, state, batch):
     counts = slots["context_counts"].at[slot].set(batch["row"], mode="drop")
     start = slots["counts_start"].at[slot].set(batch["output_start"], mode="drop")
     return {}, {**state, "slots": {**slots, "context_counts": counts, "counts_start": start}}
+
+
+def write_token_masks(model, state, batch):
+    """Sets slots' structured-output bitmasks ("token_mask") to the batch's (structured_outputs.write_masks)."""
+    del model
+    slots = state["slots"]
+    num_slots = slots["token_mask"].shape[0]
+    masks = slots["token_mask"].at[jnp.where(batch["slot"] >= 0, batch["slot"], num_slots)].set(batch["mask"],
+                                                                                               mode="drop")
+    return {}, {**state, "slots": {**slots, "token_mask": masks}}
 
 
 def text_batch(rows: int, chunk: int, pages_per_window: int) -> dict[str, np.ndarray]:
@@ -164,6 +176,8 @@ def text_batch(rows: int, chunk: int, pages_per_window: int) -> dict[str, np.nda
         "bias_values": np.zeros((rows, MAX_LOGIT_BIAS), np.float32),
         # Per position, the prompt token after it where the row's request asks for prompt logprobs, else -1.
         "prompt_targets": np.full((rows, chunk), -1, np.int32),
+        # Rows sampled under their slot's structured-output bitmask ("token_mask").
+        "guided": np.zeros(rows, bool),
     }
 
 
@@ -173,6 +187,9 @@ def text_step(model, state, batch, *, stack, attention_impl):
     features, head, cache = _forward(model, state["stacks"][stack], batch, attention_impl)
     logits = head(select_logit_rows(features, jnp.maximum(batch["num_new"] - 1, 0)))
     slots = state["slots"]
+    # Before everything else, as vLLM applies a grammar's bitmask: the logprobs are the masked logits'.
+    row_slot = jnp.clip(batch["slot"], 0, slots["token_mask"].shape[0] - 1)
+    logits = sampling.allowed_only(logits, slots["token_mask"][row_slot], batch["guided"])
     counts, start = sampling.count_fed_tokens(slots["context_counts"], slots["counts_start"], batch)
     penalties = sampling.Penalties(counts, jnp.clip(batch["slot"], 0, counts.shape[0] - 1), batch["presence"],
                                    batch["frequency"], batch["repetition"])

@@ -23,11 +23,12 @@ import time
 
 import numpy as np
 
-from jaxstream.engine import first_runs, sampling, steps, text_prefix_cache
+from jaxstream.engine import first_runs, sampling, steps, structured_outputs, text_prefix_cache
 from jaxstream.engine.prompt_logprobs import FlatPromptLogprobs
-from jaxstream.engine.requests import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
+from jaxstream.engine.requests import SamplingParams
 from jaxstream.engine.residency import END_OF_STREAM, Residency, SessionBase, Status, TickStats, deliver
 from jaxstream.engine.stop_strings import StopStringText
+from jaxstream.engine.text_outputs import session_output, top_logprobs
 from jaxstream.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ _MASK32 = 0xFFFFFFFF
 class ChunkUpdate:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
+    guide: structured_outputs.Guide | None = None
 
 
 class TextSession(SessionBase):
@@ -76,6 +78,7 @@ class TextSession(SessionBase):
         # first token: later outputs refer to them, and a recompute after a preemption computes none again).
         self.collecting: FlatPromptLogprobs | None = None
         self.prompt_logprobs: FlatPromptLogprobs | None = None
+        self.guide: structured_outputs.Guide | None = None  # structured outputs: the grammar's matcher
 
     @property
     def num_tokens(self) -> int:
@@ -142,13 +145,16 @@ class TextScheduler(Residency):
                                            tables={STACK: "page_table"}, length_key="lengths")
         if self.prefix is not None:
             self.programs.compile(COUNT_ROW, steps.write_count_row, steps.count_row_batch(self.vocab_size))
+        self.programs.compile(structured_outputs.TOKEN_MASKS, steps.write_token_masks,
+                              structured_outputs.token_masks_batch(self.vocab_size))
         self.cache.warm_up()
 
     # -- commands (engine thread) ---------------------------------------------------------------------
     def add_chunk(self, request_id: str, prompt_ids, params: SamplingParams, *, first: bool, resumable: bool,
-                  sink) -> None:
+                  sink, guide: structured_outputs.Guide | None = None) -> None:
         """A request's first chunk creates its session; later chunks queue, or apply at once if parked.
-        A chunk for an unknown id that is not a first chunk is dropped: an ended session never revives."""
+        A chunk for an unknown id that is not a first chunk is dropped: an ended session never revives.
+        `guide`: the compiled grammar of `params.structured_outputs` (structured_outputs.Grammars)."""
         session = self.sessions.get(request_id)
         created = session is None
         if created:
@@ -158,7 +164,9 @@ class TextScheduler(Residency):
                                   detokenizer=self.detokenizer_factory() if self.detokenizer_factory else None)
             self.sessions[request_id] = session
         try:
-            update = ChunkUpdate(self._validated(prompt_ids), params)
+            update = ChunkUpdate(self._validated(prompt_ids), params, guide)
+            if (guide is None) != (params.structured_outputs is None):
+                raise ValueError("structured outputs need their compiled grammar (AsyncEngine.generate compiles it)")
             params.check_supported(streaming=resumable)  # stop strings: one-shot requests only
             params.check_vocabulary(self.vocab_size)
             if params.stop and session.detokenizer is None:
@@ -187,7 +195,7 @@ class TextScheduler(Residency):
         if session.status is Status.PARKED:
             self.release(session)
             if self.cfg.compat == "strict":
-                deliver(session, self._output(session, [], [], [], None, None, finished=True))
+                deliver(session, session_output(session, [], [], [], None, None, finished=True))
             deliver(session, END_OF_STREAM)
         else:
             session.queue.append(None)
@@ -197,7 +205,7 @@ class TextScheduler(Residency):
         if session is None:
             return
         self.release(session)
-        deliver(session, self._output(session, [], [], [], "abort", None, finished=True))
+        deliver(session, session_output(session, [], [], [], "abort", None, finished=True))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -230,6 +238,7 @@ class TextScheduler(Residency):
         if update.params.prompt_logprobs is not None:  # a one-shot request's one chunk (check_supported)
             session.collecting = FlatPromptLogprobs(session.prompt_ids, update.params.prompt_logprobs)
         session.seed = self._seed(update.params)
+        session.guide = update.guide
         if session.counts_stale and _uses_penalties(update.params):
             self._recompute(session)
         self.touch(session)
@@ -238,7 +247,7 @@ class TextScheduler(Residency):
         session.status = Status.WAITING
         if len(session.prompt_ids) >= self.max_model_len:
             self.release(session)
-            deliver(session, self._output(session, [], [], [], "length", None, finished=True))
+            deliver(session, session_output(session, [], [], [], "length", None, finished=True))
             return
         self.waiting.append(session)
 
@@ -356,7 +365,7 @@ class TextScheduler(Residency):
                     if session.collecting is not None:
                         session.collecting.record(start_pos, count, fetched, i)
                     self._advance(session, start_pos + count, int(fetched["tokens"][i]),
-                                  float(fetched["logprobs"][i]), _top(session.params, fetched, i))
+                                  float(fetched["logprobs"][i]), top_logprobs(session.params, fetched, i))
                 except Exception as exc:  # noqa: BLE001 - isolate host-side failures to their session
                     logger.exception("request %s: processing its token failed; ending it", session.request_id)
                     self.fail(session, exc)
@@ -443,6 +452,10 @@ class TextScheduler(Residency):
         return True
 
     def _execute(self, decode, prefill, bucket):
+        guided = [(session.slot, session.guide) for session, start, count in decode + prefill
+                  if session.guide is not None and start + count == session.num_tokens]
+        if guided:  # into the slots before the steps that read them
+            structured_outputs.write_masks(self.programs, self.vocab_size, guided)
         dispatched = []
         if decode:
             rows = next(b for b in self.cfg.decode_batch_buckets if b >= len(decode))
@@ -490,6 +503,7 @@ class TextScheduler(Residency):
             if session.collecting is not None:
                 targets = session.collecting.targets(start, count)
                 batch["prompt_targets"][i, :len(targets)] = targets
+            batch["guided"][i] = session.guide is not None and start + count == session.num_tokens
         return batch
 
     # -- results --------------------------------------------------------------------------------------
@@ -500,6 +514,8 @@ class TextScheduler(Residency):
         if computed < session.num_tokens:
             return  # a prefill chunk that does not reach the end of the known tokens samples nothing
         session.outputs.append(token)
+        if session.guide is not None:
+            structured_outputs.advance(session.guide.matcher, token, session.request_id)
         reason, stop_reason, session_over = self._check_stop(session)
         # vLLM's detokenizer leaves out the text of the token that stopped the chunk (EOS or a stop id) unless
         # the request keeps its stops in the text (`include_stop_str_in_output`); the id is still reported.
@@ -511,11 +527,11 @@ class TextScheduler(Residency):
             if matched is not None:
                 reason, stop_reason = "stop", matched
         if reason is None:
-            deliver(session, self._output(session, [token], [logprob], [top], None, None, finished=False, text=text))
+            deliver(session, session_output(session, [token], [logprob], [top], None, None, finished=False, text=text))
             return
         head = session.queue[0] if session.queue else False
         finished = session_over or not session.resumable or head is None
-        deliver(session, self._output(session, [token], [logprob], [top], reason, stop_reason,
+        deliver(session, session_output(session, [token], [logprob], [top], reason, stop_reason,
                                       finished=finished, text=text))
         self.touch(session)
         if finished:
@@ -543,39 +559,6 @@ class TextScheduler(Residency):
             return "stop", last, False
         return None, None, False
 
-    def _output(self, session: TextSession, tokens, logprobs, tops, reason, stop_reason, *, finished,
-                text: str = "") -> RequestOutput:
-        """The output for `tokens` (already pushed to the detokenizer, which gave `text`), their logprobs and
-        most likely ids (`tops`)."""
-        session.streamed += tokens
-        session.streamed_logprobs += logprobs
-        session.streamed_top += tops
-        session.text += text
-        session.cumulative_logprob += sum(logprobs)
-        params = session.params
-        delta = params.output_kind is RequestOutputKind.DELTA
-        if delta:
-            ids, lps, tops = list(tokens), list(logprobs), list(tops)
-        else:
-            ids, lps, tops = list(session.streamed), list(session.streamed_logprobs), list(session.streamed_top)
-            text = session.text
-        if session.stop_text is not None:  # the text cut at a stop string, its tail held back until the end
-            text = session.stop_text.visible(finished=finished, delta=delta)
-        completion = CompletionOutput(
-            index=0, text=text, token_ids=ids,
-            cumulative_logprob=session.cumulative_logprob if params.logprobs is not None else None,
-            logprobs=lps if params.logprobs is not None else None,
-            finish_reason=reason, stop_reason=stop_reason,
-            top_logprobs=tops if params.logprobs is not None else None)
-        prompt_logprobs = session.prompt_logprobs
-        if tokens and session.collecting is not None:  # the first token: every prompt position is computed
-            prompt_logprobs = session.prompt_logprobs = session.collecting
-            session.collecting = None
-        elif prompt_logprobs is not None and delta:
-            prompt_logprobs = []  # vLLM's DELTA outputs carry them once
-        return RequestOutput(session.request_id, session.chunk_prompts, [completion], finished,
-                             prompt_logprobs=prompt_logprobs)
-
 
 def _text_step(attention_impl):
     def step(model, state, batch):
@@ -586,15 +569,3 @@ def _text_step(attention_impl):
 
 def _uses_penalties(params: SamplingParams) -> bool:
     return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
-
-
-_NOT_ASKED: dict = {}  # the most likely ids of a token whose request asked for none (shared: never changed)
-
-
-def _top(params: SamplingParams, fetched: dict, row: int) -> dict[int, float]:
-    """The `params.logprobs` most likely ids of `row`'s sampled position and their logprobs, most likely first."""
-    if not params.logprobs:
-        return _NOT_ASKED
-    ids, values = fetched["top_ids"][row, :params.logprobs], fetched["top_logprobs"][row, :params.logprobs]
-    return dict(zip(ids.tolist(), values.tolist()))
-
