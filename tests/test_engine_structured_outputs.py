@@ -180,6 +180,26 @@ async def test_a_schema_is_compiled_for_its_own_property_order(engine):
         assert list(json.loads(text)) == list(names)
 
 
+async def test_a_grammar_after_the_reasoning_end_leaves_the_thinking_free(engine, tokenizer):
+    """vLLM's reasoning-parser rule: the model thinks freely until the end-of-reasoning id; the grammar applies after
+    it, or from the start when the prompt holds it."""
+    prompt = list(tokenizer.prompt_prefix) + tokenizer.encode("the weather is")
+    free, _, _, _ = await run(engine, prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    end = next(token for i, token in enumerate(free) if i >= 2 and token not in free[:i])  # first seen at i >= 2
+    thinks = free.index(end) + 1
+    after = dict(CONSTRAINTS["regex"], reasoning_end_token_id=end)
+    tokens, _, _, reason = await run(engine, prompt, SamplingParams(temperature=0.0, max_tokens=40,
+                                                                    structured_outputs=after))
+    assert tokens[:thinks] == free[:thinks] and reason == "stop"
+    assert satisfies("regex", tokenizer.decode(tokens[thinks:]))
+    # Ended in the prompt: the grammar applies from the first token, as without a reasoning end.
+    ended, _, _, _ = await run(engine, prompt + [end], SamplingParams(temperature=0.0, max_tokens=40,
+                                                                      structured_outputs=after))
+    plain, _, _, _ = await run(engine, prompt + [end], SamplingParams(temperature=0.0, max_tokens=40,
+                                                                      structured_outputs=CONSTRAINTS["regex"]))
+    assert ended == plain and satisfies("regex", tokenizer.decode(ended))
+
+
 @pytest.mark.parametrize("constraint, message", [
     (dict(regex="(unclosed"), "invalid structured outputs regex"),
     (dict(json={"type": "no-such-type"}), "invalid structured outputs json"),
@@ -216,6 +236,7 @@ def test_a_model_without_a_tokenizer_llguidance_reads_refuses_structured_outputs
     (dict(json=[1, 2]), "must be a JSON schema"),
     (dict(json_object=False), "must be true"),
     (dict(regex="a", disable_any_whitespace="yes"), "must be a bool"),
+    (dict(regex="a", reasoning_end_token_id="</think>"), "must be an integer"),
 ])
 def test_malformed_structured_outputs_params_are_refused(fields, message):
     with pytest.raises(InvalidRequestError, match=message):

@@ -54,7 +54,8 @@ class StructuredOutputsParams:
     accepts; exactly one of them. `disable_any_whitespace` allows no whitespace between JSON tokens,
     `disable_additional_properties` closes every object schema that does not say (vLLM's options). The engine
     compiles it with llguidance (structured_outputs.py); an invalid one raises `InvalidRequestError` from
-    `generate`."""
+    `generate`. `reasoning_end_token_id` (jaxstream's): the constraint applies only after that id, in the prompt or
+    the outputs; vLLM does so with a reasoning parser (`--reasoning-parser`), whose model thinks freely first."""
 
     json: dict | None = None
     regex: str | None = None
@@ -63,6 +64,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
+    reasoning_end_token_id: int | None = None
 
     def __post_init__(self):
         given = [kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) is not None]
@@ -92,6 +94,9 @@ class StructuredOutputsParams:
         for name in ("disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"structured outputs' {name} must be a bool, got {getattr(self, name)!r}")
+        if self.reasoning_end_token_id is not None:
+            object.__setattr__(self, "reasoning_end_token_id",
+                               _int("reasoning_end_token_id", self.reasoning_end_token_id, 0, _INT32_MAX))
         object.__setattr__(self, "json", schema)
         object.__setattr__(self, "choice", choice)
         try:

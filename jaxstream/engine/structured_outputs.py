@@ -12,8 +12,10 @@ As vLLM's guidance backend: JSON schemas compile with flexible whitespace unless
 schema {"type": "object"}; once the grammar is complete only the EOS ids are allowed, so the request stops; masking
 happens before the sampler, so logprobs are those of the masked logits. llguidance reads the tokenizer itself: a
 tokenizer.json (Llama, Qwen, ...) or Mistral's tekken; sentencepiece `.model` files are refused (vLLM's guidance
-backend takes fast tokenizers and tekken only). Not served: vLLM's `whitespace_pattern` and `structural_tag`, and
-its reasoning-parser integration (a grammar that starts after the reasoning ends).
+backend takes fast tokenizers and tekken only). With a reasoning parser vLLM applies a grammar only once the
+reasoning ends; here a request says so itself (`StructuredOutputsParams.reasoning_end_token_id`: the grammar starts
+after that id, in the prompt or the outputs), which the server sets for its `--reasoning-parser`. Not served: vLLM's
+`whitespace_pattern` and `structural_tag`.
 """
 import collections
 import copy
@@ -39,12 +41,35 @@ def mask_words(vocab_size: int) -> int:
 
 
 class Guide:
-    """A request's llguidance matcher and the width of its bitmasks (llguidance's vocabulary, >= the model's)."""
+    """A request's llguidance matcher, the width of its bitmasks (llguidance's vocabulary, >= the model's) and the
+    reasoning end id it still waits for (None: the grammar applies)."""
 
-    __slots__ = ("matcher", "words")
+    __slots__ = ("matcher", "words", "waits_for")
 
-    def __init__(self, matcher, words: int):
-        self.matcher, self.words = matcher, words
+    def __init__(self, matcher, words: int, waits_for: int | None = None):
+        self.matcher, self.words, self.waits_for = matcher, words, waits_for
+
+    def start(self, prompt_ids) -> None:
+        """A prompt that already ends the reasoning (a template that closed the thinking) starts the grammar."""
+        if self.waits_for in prompt_ids:
+            self.waits_for = None
+
+    @property
+    def applies(self) -> bool:
+        return self.waits_for is None
+
+    def advance(self, token: int, request_id: str) -> None:
+        """The sampled id moves the matcher on (the reasoning end id starts the grammar instead). The matcher refuses an
+        id only when the mask let nothing through (min_tokens banning the EOS a complete grammar allows alone): it then
+        allows EOS alone, and the request ends there."""
+        if self.waits_for is not None:
+            if token == self.waits_for:
+                self.waits_for = None
+            return
+        if self.matcher.is_stopped() or self.matcher.consume_token(token):
+            return
+        logger.warning("request %s: structured outputs: sampled id %d is outside the grammar: %s", request_id, token,
+                       _first_line(self.matcher.get_error()))
 
 
 class Grammars:
@@ -68,7 +93,7 @@ class Grammars:
             template = self._compiled.get(params.key)
             if template is not None:
                 self._compiled.move_to_end(params.key)
-                return Guide(template.deep_copy(), self._words)
+                return Guide(template.deep_copy(), self._words, params.reasoning_end_token_id)
             tokenizer = self._llguidance_tokenizer()
         grammar = grammar_text(params)
         template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
@@ -78,7 +103,7 @@ class Grammars:
             self._compiled[params.key] = template
             while len(self._compiled) > _CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
-        return Guide(template.deep_copy(), self._words)
+        return Guide(template.deep_copy(), self._words, params.reasoning_end_token_id)
 
     def _llguidance_tokenizer(self):
         if self._ll_tokenizer is None:
@@ -172,12 +197,3 @@ def write_masks(programs, vocab_size: int, rows) -> None:
             batch["slot"][i] = slot
             batch["mask"][i] = row[:batch["mask"].shape[1]]
         programs.run(TOKEN_MASKS, batch)
-
-
-def advance(matcher, token: int, request_id: str) -> None:
-    """The matcher takes the sampled id. It refuses one only when the mask let nothing through (min_tokens banning
-    the EOS a complete grammar allows alone): it then allows EOS alone, and the request ends there."""
-    if matcher.is_stopped() or matcher.consume_token(token):
-        return
-    logger.warning("request %s: structured outputs: sampled id %d is outside the grammar: %s", request_id, token,
-                   _first_line(matcher.get_error()))

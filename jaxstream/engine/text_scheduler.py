@@ -239,6 +239,8 @@ class TextScheduler(Residency):
             session.collecting = FlatPromptLogprobs(session.prompt_ids, update.params.prompt_logprobs)
         session.seed = self._seed(update.params)
         session.guide = update.guide
+        if session.guide is not None:
+            session.guide.start(session.prompt_ids)
         if session.counts_stale and _uses_penalties(update.params):
             self._recompute(session)
         self.touch(session)
@@ -453,7 +455,7 @@ class TextScheduler(Residency):
 
     def _execute(self, decode, prefill, bucket):
         guided = [(session.slot, session.guide) for session, start, count in decode + prefill
-                  if session.guide is not None and start + count == session.num_tokens]
+                  if _guided(session, start, count)]
         if guided:  # into the slots before the steps that read them
             structured_outputs.write_masks(self.programs, self.vocab_size, guided)
         dispatched = []
@@ -503,7 +505,7 @@ class TextScheduler(Residency):
             if session.collecting is not None:
                 targets = session.collecting.targets(start, count)
                 batch["prompt_targets"][i, :len(targets)] = targets
-            batch["guided"][i] = session.guide is not None and start + count == session.num_tokens
+            batch["guided"][i] = _guided(session, start, count)
         return batch
 
     # -- results --------------------------------------------------------------------------------------
@@ -515,7 +517,7 @@ class TextScheduler(Residency):
             return  # a prefill chunk that does not reach the end of the known tokens samples nothing
         session.outputs.append(token)
         if session.guide is not None:
-            structured_outputs.advance(session.guide.matcher, token, session.request_id)
+            session.guide.advance(token, session.request_id)
         reason, stop_reason, session_over = self._check_stop(session)
         # vLLM's detokenizer leaves out the text of the token that stopped the chunk (EOS or a stop id) unless
         # the request keeps its stops in the text (`include_stop_str_in_output`); the id is still reported.
@@ -565,6 +567,11 @@ def _text_step(attention_impl):
         return steps.text_step(model, state, batch, stack=STACK, attention_impl=attention_impl)
 
     return step
+
+
+def _guided(session: TextSession, start: int, count: int) -> bool:
+    """Whether a row of `session` from `start` samples under its grammar's mask."""
+    return session.guide is not None and session.guide.applies and start + count == session.num_tokens
 
 
 def _uses_penalties(params: SamplingParams) -> bool:
