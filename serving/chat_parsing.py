@@ -5,13 +5,15 @@ reach the chat template whenever given, in the shape vLLM's pydantic models give
 `parameters` null when left out), `tool_choice: "none"` included (vLLM's --exclude-tools-when-tool-choice-none is off
 by default). `tool_choice` defaults to "auto" with tools and "none" without; "auto" needs the server's
 `--enable-auto-tool-choice` and `--tool-call-parser` (vLLM's 400 otherwise, but for a Mistral tokenizer, which vLLM
-lets through unparsed). "required" and a named function are refused: vLLM forces them with guided decoding
-(structured outputs), which jaxstream does not have. `parallel_tool_calls: false` keeps a choice's first call only.
+lets through unparsed). "required" and a named function force the call with structured outputs, as vLLM does, flags
+or not (forced_tool_calls.py). `parallel_tool_calls: false` keeps a choice's first call only.
 
 The output (`ChoiceOutput`, one per choice): the text as the engine decoded it, with the control tokens the parsers
 read written in by name (a tokenizer that holds `[TOOL_CALLS]` or `<tool_call>` as special tokens skips them when
 decoding; vLLM decodes those with skip_special_tokens=False), goes through the reasoning parser (`--reasoning-parser`:
-reasoning_parsers.py), then its content through the tool-call parser when the request parses calls (tool_parsers.py).
+reasoning_parsers.py), then its content through the tool-call parser when the request parses calls (tool_parsers.py),
+or the forced call's reader (forced_tool_calls.py). A request's structured outputs (a forced call's too) apply once the
+reasoning ends, as vLLM applies them with a reasoning parser: from the parser's `</think>` id on (`grammar_start_id`).
 Reasoning is sent as `reasoning` (vLLM's field) and `reasoning_content` (its older name, which it sent alongside while
 deprecating it); `include_reasoning: false` (vLLM's) leaves it out, with the logprobs and token ids that would show it.
 """
@@ -20,8 +22,9 @@ import functools
 
 from jaxstream.models.chat_templates import MistralChatTemplate
 from jaxstream.models.tokenizers import NUM_CONTROL_IDS
+from jaxstream.serving import forced_tool_calls
 from jaxstream.serving.http_errors import RequestError
-from jaxstream.serving.reasoning_parsers import reasoning_parser
+from jaxstream.serving.reasoning_parsers import THINK_END, reasoning_parser
 from jaxstream.serving.tool_parsers import TOOL_PARSERS
 
 # vLLM's words
@@ -56,9 +59,10 @@ def parse_tools(body: dict) -> list[dict] | None:
     return shaped
 
 
-def parse_tool_choice(body: dict, tools: list[dict] | None, state, template) -> str | None:
-    """The request's tool choice, checked as vLLM checks it: "none", "auto", or None (an explicit null with tools,
-    which vLLM parses as "auto" without asking for the flags). RequestError 400 otherwise."""
+def parse_tool_choice(body: dict, tools: list[dict] | None, state, template) -> str | dict | None:
+    """The request's tool choice, checked as vLLM checks it: "none", "auto", "required", a named function (the body's
+    object), or None (an explicit null with tools, which vLLM parses as "auto" without asking for the flags).
+    RequestError 400 otherwise."""
     choice = body.get("tool_choice", "auto" if tools else "none")
     if choice == "none" or choice is None:
         return choice
@@ -80,11 +84,7 @@ def parse_tool_choice(body: dict, tools: list[dict] | None, state, template) -> 
         raise RequestError(400, "invalid_request", f"Invalid value for `tool_choice`: {choice}! Only named tools, "
                            "\"none\", \"auto\" or \"required\" are supported.", "tool_choice")
     if choice != "auto":
-        what = "a named function" if isinstance(choice, dict) else '"required"'
-        raise RequestError(400, "unsupported_parameter", f"`tool_choice` {what} is not supported by this server: "
-                           "vLLM forces the call with guided decoding (structured outputs), which it does not have. "
-                           'Send tool_choice "auto" (the model decides; the server needs --enable-auto-tool-choice) '
-                           'or "none"', "tool_choice")
+        return choice
     config = state.config
     if not (config.enable_auto_tool_choice and config.tool_call_parser) and not isinstance(
             template, MistralChatTemplate):
@@ -102,23 +102,38 @@ class ChatParsing:
         self.reasoning_name = config.reasoning_parser
         self.tool_name = config.tool_call_parser if (
             config.enable_auto_tool_choice and body.get("tools") and tool_choice in ("auto", None)) else None
-        self.v11 = isinstance(template, MistralChatTemplate) and template.version >= 11
+        self.forced = tool_choice if forced_tool_calls.is_forced(tool_choice) else None
+        self.mistral = isinstance(template, MistralChatTemplate)
+        self.v11 = self.mistral and template.version >= 11
         self.prompt_text = prompt_text
         self.variables = variables
         self.include_reasoning = include_reasoning
         self.parallel_tool_calls = parallel_tool_calls
         self.tokenizer = state.engine.tokenizer
-        self.active = bool(self.reasoning_name or self.tool_name)
+        self.active = bool(self.reasoning_name or self.tool_name or self.forced)
 
     @property
     def hides_metadata(self) -> bool:
         """vLLM's: without the reasoning, no logprobs or token ids either (they would show it)."""
         return self.reasoning_name is not None and not self.include_reasoning
 
+    def grammar_start_id(self) -> int | None:
+        """The id after which the request's structured outputs apply: the reasoning parser's `</think>` when the
+        output starts with reasoning (vLLM's rule: a grammar applies once the reasoning ends), None when they apply
+        from the first token (no parser, thinking off, a tokenizer without `</think>` as one token)."""
+        if not self.reasoning_name or reasoning_parser(self.reasoning_name, self.variables,
+                                                       self.prompt_text).reasoning is None:
+            return None
+        ids = self.tokenizer.encode(THINK_END)
+        return ids[0] if len(ids) == 1 else None
+
     def output(self, prompt_ids: list[int]) -> "ChoiceOutput":
         reasoning = (reasoning_parser(self.reasoning_name, self.variables, self.prompt_text)
                      if self.reasoning_name else None)
-        tools = TOOL_PARSERS[self.tool_name](self.v11) if self.tool_name else None
+        if self.forced is not None:
+            tools = forced_tool_calls.parser(self.forced, mistral_ids=self.mistral)
+        else:
+            tools = TOOL_PARSERS[self.tool_name](self.v11) if self.tool_name else None
         markers = tuple(marker for parser in (reasoning, tools) if parser is not None for marker in parser.markers)
         return ChoiceOutput(self, reasoning, tools, control_markers(self.tokenizer, markers), prompt_ids)
 
@@ -177,7 +192,7 @@ class ChoiceOutput:
         if self._tools and content is not None:
             content, calls = self._tools.extract(content)
             if calls and content is not None and not content.strip():
-                content = None
+                content = "" if self._parsing.forced is not None else None  # vLLM's
         if not self._parsing.parallel_tool_calls:
             calls = calls[:1]
         message = {"content": content, **fields}

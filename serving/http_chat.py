@@ -24,13 +24,17 @@ choice, and each streamed chunk for its own tokens, `logprobs.content`: every to
 with its step's N most likely tokens (token strings as http_completions.py makes them). vLLM's `prompt_logprobs: N`
 (not with `stream: true`) adds the body's `prompt_logprobs`, in the completions route's shape.
 
+Structured outputs (`structured_outputs`, `response_format`, the old `guided_*` fields: structured_output_fields.py)
+constrain the answer as on the completions route; with `--reasoning-parser`, once the reasoning ends.
+
 Tools (chat_parsing.py): `tools` reach the template; `tool_choice` "auto" (the default with tools; the server needs
-`--enable-auto-tool-choice --tool-call-parser`) or "none" ("required" and named functions need guided decoding:
-refused); `parallel_tool_calls`. Assistant messages carry `tool_calls` (their JSON arguments parsed, as vLLM gives them
-to templates) and `reasoning` / `reasoning_content` (both, to templates that read either); a tool message's text
-parts are one string. With a tool-call parser a choice's calls are its `message.tool_calls` (streamed as
-`delta.tool_calls`) and its finish reason "tool_calls" (a stream's when the model stopped by itself, as vLLM's);
-with `--reasoning-parser` its reasoning is `reasoning` and `reasoning_content`, apart from its content.
+`--enable-auto-tool-choice --tool-call-parser`), "none", or "required" and named functions, forced with structured
+outputs (forced_tool_calls.py: no flags needed); `parallel_tool_calls`. Assistant messages carry `tool_calls` (their
+JSON arguments parsed, as vLLM gives them to templates) and `reasoning` / `reasoning_content` (both, to templates that
+read either); a tool message's text parts are one string. With a tool-call parser a choice's calls are its
+`message.tool_calls` (streamed as `delta.tool_calls`) and its finish reason "tool_calls" (a stream's when the model
+stopped by itself, as vLLM's); with `--reasoning-parser` its reasoning is `reasoning` and `reasoning_content`, apart
+from its content.
 
 The answer is a `chat.completion` (`choices[0].message` {role: assistant, content}, vLLM's `stop_reason`, usage;
 with `return_token_ids` the choice's `token_ids` and the body's `prompt_token_ids`, vLLM's chat layout), or SSE
@@ -40,13 +44,14 @@ reason's chunk, the usage chunk with `include_usage`, then `data: [DONE]`. A pie
 prompt the role is the last message's, which the answer continues (vLLM's). Streaming input (`X-Streaming-Input`)
 is served on /v1/completions and the Mode B sessions only: vLLM has no chat form of it.
 """
+import dataclasses
 import json
 
 from aiohttp import web
 
 from jaxstream.engine.requests import MAX_LOGPROBS
 from jaxstream.models.chat_templates import NO_TEMPLATE_MESSAGE, ChatPrompt, ChatTemplateError
-from jaxstream.serving import sse
+from jaxstream.serving import forced_tool_calls, sse, structured_output_fields
 from jaxstream.serving.chat_parsing import ChatParsing, parse_tool_choice, parse_tools
 from jaxstream.serving.http_completions import (
     NEUTRAL as COMPLETION_NEUTRAL, Choice, TextInput, check_context_length, finite_logprob, parse_flag, parse_stream,
@@ -55,6 +60,7 @@ from jaxstream.serving.http_completions import (
 from jaxstream.serving.http_errors import RequestError, check_kind, check_model
 from jaxstream.serving.http_prompt_logprobs import prompt_logprobs_field
 from jaxstream.serving.limits import holds_stream
+from jaxstream.serving.structured_output_fields import Requested
 
 ROUTE = "/v1/chat/completions"
 # The part types whose text a message's content takes (vLLM's MM_PARSER_MAP: OpenAI's chat and Responses text types).
@@ -248,7 +254,9 @@ class ChatInput(TextInput):
         ids = list(token_ids) if shown else None
         if finish_reason is None and not delta and logprobs is None and not (self.return_token_ids and ids):
             return None
-        if finish_reason == "stop" and output.called:
+        if self.parsing.forced is not None and finish_reason is not None:
+            finish_reason = forced_tool_calls.finish_reason(self.parsing.forced, finish_reason, output.called)
+        elif finish_reason == "stop" and output.called:
             finish_reason = "tool_calls"
         return self._body([self._choice(choice, delta, finish_reason, ids, logprobs)])
 
@@ -260,7 +268,10 @@ class ChatInput(TextInput):
             if self.parsing is not None:  # vLLM's: a choice that called tools finishes with "tool_calls"
                 fields, called = self._outputs[choice.index].message(choice.text, choice.token_ids)
                 message = {"role": self._role, "content": fields.pop("content"), "refusal": None, **fields}
-                finish_reason = "tool_calls" if called else finish_reason
+                if self.parsing.forced is not None:
+                    finish_reason = forced_tool_calls.finish_reason(self.parsing.forced, finish_reason, called)
+                elif called:
+                    finish_reason = "tool_calls"
                 shown = not self.parsing.hides_metadata
             choices.append({"index": choice.index, "message": message,
                             "logprobs": self.logprobs_body(choice, 0, len(choice.token_ids), 0) if shown else None,
@@ -307,17 +318,23 @@ def _logprobs(body: dict) -> int | None:
 def _chat(body: dict, state) -> tuple[ChatInput, list[int]]:
     check_model(state, body.get("model"), "text")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    try:
+    structured = structured_output_fields.requested(body)
+    try:  # structured outputs join once the tools and the prompt are known
         params = sampling_params({**body, "max_tokens": body.get(name), "logprobs": _logprobs(body)},
                                  state.engine.default_sampling_params(), streaming=False, neutral=NEUTRAL,
-                                 default_max_tokens=None, vocab_size=state.engine.model_config.vocab_size)
+                                 default_max_tokens=None, vocab_size=state.engine.model_config.vocab_size,
+                                 structured=Requested({}))
     except RequestError as exc:
         if exc.param == "max_tokens":
             exc.param = name
         raise
     template = chat_template(state)
-    tool_choice = parse_tool_choice(body, parse_tools(body), state, template)
+    tools = parse_tools(body)
+    tool_choice = parse_tool_choice(body, tools, state, template)
     parallel_tool_calls = parse_flag(body, "parallel_tool_calls", True)
+    if forced_tool_calls.is_forced(tool_choice):
+        structured = structured.forcing(forced_tool_calls.schema(tool_choice, tools,
+                                                                 parallel_tool_calls=parallel_tool_calls))
     include_reasoning = parse_flag(body, "include_reasoning", True)
     rendered = render_chat(body, state, add_special_tokens=parse_flag(body, "add_special_tokens"))
     prompt = rendered.token_ids
@@ -327,12 +344,16 @@ def _chat(body: dict, state) -> tuple[ChatInput, list[int]]:
     stream, include_usage = parse_stream(body)
     parsing = ChatParsing(state, template, body, tool_choice, rendered.text, body.get("chat_template_kwargs"),
                           include_reasoning=include_reasoning, parallel_tool_calls=parallel_tool_calls)
+    if structured.fields:
+        params = dataclasses.replace(params, structured_outputs=structured.params(
+            reasoning_end_token_id=parsing.grammar_start_id()))
     # vLLM's answer role: the assistant's, or without a generation prompt the last message's, which it continues.
     role = "assistant" if parse_flag(body, "add_generation_prompt", True) else body["messages"][-1]["role"]
     chat_input = ChatInput(state, params, _ChatEventLog() if stream else None, prompt, role=role,
                            parsing=parsing if parsing.active else None, include_usage=include_usage,
                            return_token_ids=parse_flag(body, "return_token_ids"),
-                           tokens_as_ids=parse_flag(body, "return_tokens_as_token_ids"))
+                           tokens_as_ids=parse_flag(body, "return_tokens_as_token_ids"),
+                           structured_param=structured.param)
     return chat_input, prompt
 
 

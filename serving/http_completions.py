@@ -9,10 +9,11 @@ each chunk is one choice's, by its `index`), `presence_penalty` and `frequency_p
 `stop_token_ids`, `include_stop_str_in_output`, `return_token_ids`, with vLLM's meanings (SamplingParams), and
 `echo` (the prompt's text before the completion's; a stream sends it first, in a chunk of its own). `stream: true`
 answers with SSE `text_completion` chunks and `data: [DONE]`; `stream_options` without it is refused, as vLLM refuses
-it. OpenAI's fields it cannot honour (`best_of`, `suffix`, ...) and vLLM's extras (`truncate_prompt_tokens`, guided
-decoding, ...: `NEUTRAL`) are refused, 400 `unsupported_parameter`, unless they hold their "not used" value: served
-and ignored, they would give other output than the client asked for. Other unknown fields are ignored, as vLLM
-ignores them.
+it. Structured outputs (vLLM's guided decoding: `structured_outputs`, OpenAI's `response_format`, the old `guided_*`
+fields) constrain the text to a JSON schema, regex, choice or grammar (structured_output_fields.py). OpenAI's fields it
+cannot honour (`best_of`, `suffix`, ...) and vLLM's extras (`truncate_prompt_tokens`, `bad_words`, ...: `NEUTRAL`) are
+refused, 400 `unsupported_parameter`, unless they hold their "not used" value: served and ignored, they would give
+other output than the client asked for. Other unknown fields are ignored, as vLLM ignores them.
 
 A plain request is one engine request (`generate` over its prompt), so stop strings work as in vLLM: the text
 ends before the first one generated (or after it with `include_stop_str_in_output`), the choice says
@@ -56,15 +57,15 @@ from aiohttp import web
 
 from jaxstream.engine.requests import SamplingParams, StreamingInput
 from jaxstream.errors import EngineError, InvalidRequestError
-from jaxstream.serving import sse, streaming_input
+from jaxstream.serving import sse, streaming_input, structured_output_fields
 from jaxstream.serving.http_errors import (
-    RequestError, check_model, check_ready, engine_request_error, error_response, read_json,
-    server_state,
+    RequestError, check_model, check_ready, error_response, read_json, server_state,
 )
 from jaxstream.serving.http_prompt_logprobs import (
     echoed_logprobs, finite_logprob, joined_logprobs, prompt_logprobs_field,
 )
 from jaxstream.serving.limits import drain_truncation, holds_stream
+from jaxstream.serving.structured_output_fields import Requested
 
 logger = logging.getLogger(__name__)
 
@@ -80,24 +81,25 @@ _END = object()  # ends a TextInput's chunk queue
 NEUTRAL = {"suffix": None, "best_of": 1, "length_penalty": 1, "use_beam_search": False,
             "allowed_token_ids": None, "bad_words": None, "truncate_prompt_tokens": None,
             "add_special_tokens": True, "skip_special_tokens": True, "spaces_between_special_tokens": True,
-            "response_format": {"type": "text"}, "structured_outputs": None, "guided_json": None, "guided_regex": None,
-            "guided_choice": None, "guided_grammar": None, "logits_processors": None}
+            "logits_processors": None}
 
 
 def sampling_params(body: dict, defaults: SamplingParams, *, streaming: bool = True, neutral: dict = NEUTRAL,
-                    default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
-                    vocab_size: int | None = None) -> SamplingParams:
+                    default_max_tokens: int | None = DEFAULT_MAX_TOKENS, vocab_size: int | None = None,
+                    structured: Requested | None = None) -> SamplingParams:
     """SamplingParams from OpenAI completion fields (and vLLM's extras) for a streaming-input session, or a
     one-shot request (`streaming=False`: stop strings allowed); RequestError 400 when invalid, and when
     `logit_bias` names an id outside a `vocab_size` given (else the engine refuses the request). A field of
     `DEFAULTED` the body omits or sends as null takes its value in `defaults` (the engine's
     `default_sampling_params()`), as vLLM's `to_sampling_params` merges the model's generation config. The fields
     of `neutral` are refused unless they hold their "not used" value; `max_tokens` omitted or null is
-    `default_max_tokens` (None: up to the end of the context)."""
+    `default_max_tokens` (None: up to the end of the context). Structured outputs are the body's
+    (structured_output_fields.py), or `structured` when the caller read them (chat's forced tool calls)."""
     for name, unused in neutral.items():
         value = body.get(name)
         if value is not None and value != unused and value not in ({}, []):
             raise RequestError(400, "unsupported_parameter", f"`{name}` is not supported by this server", name)
+    structured = structured_output_fields.requested(body) if structured is None else structured
     fields = {"n": 1, **{name: getattr(defaults, name) for name in DEFAULTED}, "min_tokens": 0, "ignore_eos": False,
               "include_stop_str_in_output": False}
     fields.update({name: body[name] for name in (*fields, "seed", "stop", "stop_token_ids", "logprobs",
@@ -106,6 +108,10 @@ def sampling_params(body: dict, defaults: SamplingParams, *, streaming: bool = T
                    if body.get(name) is not None})
     # null is the default too, as in vLLM: OpenAI's SDK sends null for an argument given as None.
     fields["max_tokens"] = default_max_tokens if body.get("max_tokens") is None else body["max_tokens"]
+    fields["structured_outputs"] = structured.params()
+    if streaming and structured.fields:  # the engine's refusal, naming the field the client sent
+        raise RequestError(400, "invalid_request", "structured outputs are not supported with streaming input",
+                           structured.param or "structured_outputs")
     try:
         params = SamplingParams(**fields)
         params.check_supported(streaming=streaming)
@@ -212,8 +218,9 @@ class TextInput(streaming_input.EngineInput):
 
     def __init__(self, state, params: SamplingParams, log: sse.EventLog | None = None, *,
                  include_usage: bool = False, return_token_ids: bool = False, tokens_as_ids: bool = False,
-                 one_shot: bool = False, echo: str = ""):
+                 one_shot: bool = False, echo: str = "", structured_param: str | None = None):
         super().__init__(state, log)
+        self.structured_param = structured_param  # the body field that asked for `params.structured_outputs`
         self.echo = echo  # OpenAI's `echo`: the prompt's text, before the completion's in the choice
         self.params = params
         # One prompt, one engine request (what stop strings need); else a session of StreamingInput chunks.
@@ -230,6 +237,7 @@ class TextInput(streaming_input.EngineInput):
         self._prompt_streamed = 0  # how many of them the stream carried
         self.error: EngineError | None = None
         self.aborted = False
+        self.first_output = asyncio.Event()  # set at the engine's first output, or at the end without one
         self._chunks: asyncio.Queue = asyncio.Queue()
         # Chunks are bytes cut anywhere: a character may span two of them, so the input is decoded as one.
         self._utf8 = codecs.getincrementaldecoder("utf-8")()
@@ -318,6 +326,7 @@ class TextInput(streaming_input.EngineInput):
                 self._log_echo()
                 echo = False
             async for out in self.state.engine.generate(prompt, self.params, request_id=self.id):
+                self.first_output.set()
                 self.prompt_token_ids = out.prompt_token_ids
                 self.prompt_logprobs = out.prompt_logprobs or self.prompt_logprobs  # DELTA's come once
                 if echo:
@@ -346,6 +355,7 @@ class TextInput(streaming_input.EngineInput):
         finally:
             if self.log is not None:
                 self.log.close()
+            self.first_output.set()
             self._done.set()
 
     def _log_echo(self) -> None:
@@ -539,11 +549,13 @@ async def serve_one_shot(request: web.Request, prepare, on_streaming_input) -> w
         await text_input.start()
         await text_input.append(prompt)
         await text_input.finish()
-        response = await text_input.serve_output(request)
+        response = await structured_output_fields.before_stream(text_input, request)
+        if response is None:
+            response = await text_input.serve_output(request)
         if response is not None:
             return response
         if text_input.error is not None:
-            return engine_request_error(text_input.error).response()
+            return structured_output_fields.refusal(text_input).response()
         if text_input.finish_reason is None:
             return error_response(500, "aborted", "The completion produced no output")
         return web.json_response(text_input.completion())
@@ -559,8 +571,9 @@ def _completion(body: dict, state) -> tuple["TextInput", list[int]]:
     check_model(state, body.get("model"), "text")
     given = parse_prompt(body, state)
     prompt = prompt_ids(given, state)
+    structured = structured_output_fields.requested(body)
     params = sampling_params(body, state.engine.default_sampling_params(), streaming=False,
-                             vocab_size=state.engine.model_config.vocab_size)
+                             vocab_size=state.engine.model_config.vocab_size, structured=structured)
     echo = _echoed(body, given, state)
     if echo and params.logprobs is not None and params.prompt_logprobs is None:  # vLLM's: the echoed tokens' too
         params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
@@ -571,7 +584,7 @@ def _completion(body: dict, state) -> tuple["TextInput", list[int]]:
     text_input = TextInput(state, params, sse.EventLog() if stream else None, include_usage=include_usage,
                            return_token_ids=parse_flag(body, "return_token_ids"),
                            tokens_as_ids=parse_flag(body, "return_tokens_as_token_ids"), one_shot=True,
-                           echo=echo)
+                           echo=echo, structured_param=structured.param)
     return text_input, prompt
 
 

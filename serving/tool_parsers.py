@@ -227,6 +227,11 @@ class ToolParser:
         if depth == 0:
             self._call = _Call(1, self.argument_keys, self.unwrap_string_arguments)
 
+    def _start_named_call(self, name: str) -> None:
+        """Begins a call whose name is known and whose arguments follow as text (`self._call.arguments`)."""
+        self._call = _Call(1, (), False)
+        self._call.name, self._call.arguments_key = name, "arguments"
+
     def _read_json(self) -> bool:
         """Feeds the buffer to the JSON value being read, streaming its calls; whether the value ended."""
         events, end = self._reader.feed(self._buffer)
@@ -448,8 +453,7 @@ class MistralToolParser(ToolParser):
             if final:
                 self._state = "done"  # a call without arguments is left out
             return False
-        self._call = _Call(1, (), False)
-        self._call.name, self._call.arguments_key = self._name, "arguments"
+        self._start_named_call(self._name)
         self._name, self._state = "", "arguments"
         return True
 

@@ -219,12 +219,14 @@ async def test_streaming_input_refuses_structured_outputs(engine):
             pass
 
 
-@pytest.mark.parametrize("source", ["none", "sentencepiece"])
+@pytest.mark.parametrize("source", ["none", "sentencepiece", "word-level"])
 def test_a_model_without_a_tokenizer_llguidance_reads_refuses_structured_outputs(source):
     from jaxstream.engine.structured_outputs import Grammars
 
-    tokenizer = None if source == "none" else load_tokenizer(Path(__file__).parents[1] / "models" / "assets" / "tiny")
-    with pytest.raises(InvalidRequestError, match="need"):
+    tokenizer = {"none": None, "sentencepiece": Path(__file__).parents[1] / "models" / "assets" / "tiny",
+                 "word-level": FIXTURES / "chat" / "tokenizer.json"}[source]
+    tokenizer = tokenizer and load_tokenizer(tokenizer)
+    with pytest.raises(InvalidRequestError, match="need|cannot use"):
         Grammars(tokenizer, VOCAB, {EOS}).guide(StructuredOutputsParams(regex="a+"))
 
 

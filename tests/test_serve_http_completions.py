@@ -185,7 +185,7 @@ def test_sdk_errors_in_openai_shape(server, model, kwargs, error, code):
     ({"repetition_penalty": 0}, "invalid_request", "repetition_penalty"),
     ({"add_special_tokens": False}, "unsupported_parameter", "add_special_tokens"),
     ({"truncate_prompt_tokens": 3}, "unsupported_parameter", "truncate_prompt_tokens"),
-    ({"response_format": {"type": "json_object"}}, "unsupported_parameter", "response_format"),
+    ({"response_format": {"type": "structural_tag", "format": {}}}, "unsupported_parameter", "response_format"),
     ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "unsupported_parameter", "stream_options"),
     ({"temperature": -1}, "invalid_request", "temperature"),
     ({"top_p": 0}, "invalid_request", "top_p"),
@@ -194,7 +194,7 @@ def test_sdk_errors_in_openai_shape(server, model, kwargs, error, code):
     ({"prompt": ""}, "invalid_request", "prompt"),
 ])
 def test_fields_it_cannot_honour_and_bad_values_are_400s_naming_the_field(server, model, extra, code, param):
-    """vLLM's sampling extras it does not serve (truncate_prompt_tokens, guided decoding, ...) were taken and
+    """vLLM's sampling extras it does not serve (truncate_prompt_tokens, structural tags, ...) were taken and
     ignored: a 200 with other output than asked for. They are refused as OpenAI's unsupported fields are; a bad
     value names its field (`param` was null), and an empty prompt is refused as vLLM refuses it (it was a BOS-only
     completion)."""

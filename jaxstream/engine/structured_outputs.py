@@ -120,14 +120,18 @@ def llguidance_tokenizer(tokenizer, vocab_size: int, eos_ids):
 
     if tokenizer is None:
         raise InvalidRequestError("structured outputs need the model's tokenizer, and this model is served without one")
-    if isinstance(tokenizer, HFTokenizer):
-        return llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=max(vocab_size, tokenizer.vocab_size),
-                                      eos_token=list(eos_ids))
-    if isinstance(tokenizer, TekkenTokenizer):
-        from mistral_common.guidance.tokenizer import MistralLLGTokenizer
+    n_vocab = max(vocab_size, tokenizer.vocab_size)
+    try:
+        if isinstance(tokenizer, HFTokenizer):
+            return llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=n_vocab, eos_token=list(eos_ids))
+        if isinstance(tokenizer, TekkenTokenizer):
+            from mistral_common.guidance.tokenizer import MistralLLGTokenizer
 
-        wrapped = llguidance.TokenizerWrapper(MistralLLGTokenizer(tokenizer.tekkenizer))
-        return llguidance.LLTokenizer(wrapped, n_vocab=max(vocab_size, tokenizer.vocab_size), eos_token=list(eos_ids))
+            wrapped = llguidance.TokenizerWrapper(MistralLLGTokenizer(tokenizer.tekkenizer))
+            return llguidance.LLTokenizer(wrapped, n_vocab=n_vocab, eos_token=list(eos_ids))
+    except ValueError as exc:  # a tokenizer.json llguidance cannot read (a word-level one has no byte decoder)
+        raise InvalidRequestError(f"structured outputs cannot use this model's tokenizer: {_first_line(str(exc))}") \
+            from None
     raise InvalidRequestError("structured outputs need a tokenizer.json or tekken.json tokenizer; this model's is a "
                               "sentencepiece model")
 
