@@ -12,6 +12,7 @@ from flax import nnx
 
 from jaxstream.models.config import TextConfig
 from jaxstream.models.layers import Attention, RMSNorm, SwiGLU, chunk_positions, rope_cos_sin, rope_frequencies
+from jaxstream.models.quantization import Int8Embed
 
 
 class AdaRMSNorm(nnx.Module):
@@ -105,6 +106,13 @@ def tied_logits(hidden, embedding):
                       preferred_element_type=jnp.float32)
 
 
+def embedding_logits(hidden, embed):
+    """float32 logits of the tied head over `embed`, an `nnx.Embed` or its int8 form (models/quantization.py)."""
+    if isinstance(embed, Int8Embed):
+        return embed.attend(hidden)
+    return tied_logits(hidden, embed.embedding[...])
+
+
 class TextLM(nnx.Module):
     """Mistral/Llama/Qwen causal LM over a paged ring KV cache (one call = chunked prefill or decode, C = 1)."""
 
@@ -134,7 +142,7 @@ class TextLM(nnx.Module):
     def logits(self, hidden):
         """float32 logits [..., V] of final hidden states [..., D] (the LM head, tied or not)."""
         if self.cfg.tie_embeddings:
-            return tied_logits(hidden, self.model.embed_tokens.embedding[...])
+            return embedding_logits(hidden, self.model.embed_tokens)
         return self.lm_head(hidden).astype(jnp.float32)
 
     def with_attention_window(self, window: int) -> "TextLM":

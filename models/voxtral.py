@@ -20,7 +20,7 @@ from jaxstream.models.layers import (
     rope_frequencies,
 )
 from jaxstream.models.text_lm import (
-    TextDecoder, check_session_arrays, check_token_ids, select_logit_rows, tied_logits,
+    TextDecoder, check_session_arrays, check_token_ids, embedding_logits, select_logit_rows,
 )
 
 # Causal left padding of the two stem convolutions (kernel - stride): the input frames carried over.
@@ -215,7 +215,7 @@ class VoxtralRealtime(nnx.Module):
         t_cond = time_condition(n_delay, self.cfg.text.hidden_size, embed.dtype)
         hidden, cache = self.language_model(embeds, cache, page_table, lengths, num_new, t_cond=t_cond,
                                             attention_impl=attention_impl)
-        return tied_logits(select_logit_rows(hidden, logits_at), embed.embedding[...]), cache
+        return embedding_logits(select_logit_rows(hidden, logits_at), embed), cache
 
     def init_caches(self, num_sessions: int, *, cache_dtype=None):
         """Fresh one-shot state for S sessions: (conv_state, (enc_cache, enc_page_table), (cache, page_table)),

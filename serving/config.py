@@ -7,7 +7,8 @@ The TOML has up to four tables, each optional; command-line flags override it:
                tool_call_parser, reasoning_parser, drain_timeout_s, the /ws rate limits (ws_*), CORS (allowed_origins,
                allowed_methods, allowed_headers, allow_credentials)
     [limits]   any field of serving.limits.Limits
-    [engine]   any EngineConfig field with a plain value (max_sessions, default_delay_ms, buckets, ...)
+    [engine]   any EngineConfig field with a plain value (max_sessions, default_delay_ms, buckets,
+               quantization = "int8", ...)
 
 A `chat_template` path is relative to the TOML's folder (`--chat-template` is relative to the working directory, as
 vLLM's); a value that names no file and holds a jinja character is the template itself, as vLLM takes the flag. API

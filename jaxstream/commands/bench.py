@@ -3,7 +3,7 @@ host work per tick p50/p99, token latency of every generated id over the whole r
 keep up with real time, tokens/s, memory-bound floor)."""
 import json
 
-from jaxstream.commands.transcribe import checked_delay_ms, model_source
+from jaxstream.commands.transcribe import add_quantization_argument, checked_delay_ms, model_source
 from jaxstream.errors import InvalidRequestError, UserError
 
 
@@ -51,6 +51,7 @@ def register(subparsers) -> None:
                         "the engine's prefix cache (for comparing the two)")
     parser.add_argument("--dtype", default=None, help="compute and KV dtype, e.g. bfloat16 (default: float32 on "
                         "CPU, bfloat16 on accelerators)")
+    add_quantization_argument(parser)
     parser.add_argument("--attention", choices=("xla", "cpu", "pallas", "pallas_tpu"), default=None,
                         help="ring attention implementation (default: the best on this backend: pallas_tpu on TPU, "
                         "pallas on GPU, cpu (the C++ kernel) on CPU, xla where none of those can run)")
@@ -103,7 +104,7 @@ async def _run(args, counts, steps, buckets) -> int:
                               batch_buckets=buckets, max_queued_audio_seconds=max(600.0, 2 * args.seconds),
                               cache_silent_prefix=not args.no_prefix_cache, attention_impl=args.attention,
                               num_pages=args.num_pages, encoder_num_pages=args.encoder_num_pages,
-                              realtime_admission=args.admission, **tuning)
+                              realtime_admission=args.admission, quantization=args.quantization, **tuning)
     except InvalidRequestError as exc:  # a flag's value the engine rejects (--page-size 0, --batch-wait-ms -5)
         raise UserError(str(exc)) from None
     if args.config:
@@ -158,4 +159,8 @@ def _random_model(name: str, engine_config, seed: int):
     def create():
         return VoxtralRealtime(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=dtype)
 
+    if engine_config.quantization:  # here, so that the float weights are gone before the engine sizes its pools
+        from jaxstream.models.quantization import quantize_model
+
+        return quantize_model(create(), engine_config.quantization), SyntheticTokenizer(cfg.text.vocab_size)
     return create(), SyntheticTokenizer(cfg.text.vocab_size)

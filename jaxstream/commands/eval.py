@@ -19,7 +19,9 @@ import logging
 import sys
 
 from jaxstream import distributed
-from jaxstream.commands.transcribe import checked_delay_ms, model_source, speech_model_config
+from jaxstream.commands.transcribe import (
+    add_quantization_argument, checked_delay_ms, model_source, speech_model_config,
+)
 from jaxstream.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,7 @@ def register(subparsers) -> None:
     parser.add_argument("--resume", action="store_true", help="continue the run recorded in --report")
     parser.add_argument("--merge", nargs="+", default=None, metavar="REPORT",
                         help="join the reports of the shards of one corpus instead of running")
+    add_quantization_argument(parser)
     distributed.add_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -226,7 +229,8 @@ def _run(evaluation, args, save) -> None:
         return pcm
 
     async def main():
-        engine = AsyncEngine.from_pretrained(evaluation.model, config=EngineConfig(max_sessions=args.concurrency))
+        engine = AsyncEngine.from_pretrained(evaluation.model, config=EngineConfig(
+            max_sessions=args.concurrency, quantization=args.quantization))
         async with engine:
             await run_evaluation(evaluation, engine, load_audio=load_and_judge, save=save)
 

@@ -1,6 +1,6 @@
 """`jaxstream transcribe`: transcribe audio files through the engine's realtime sessions.
 
-    jaxstream transcribe [--model MODEL] AUDIO... [--delay-ms MS] [--json] [--concurrency N]
+    jaxstream transcribe [--model MODEL] AUDIO... [--delay-ms MS] [--json] [--concurrency N] [--quantization int8]
 
 Prints the transcript of each file (`FILE: text` when there are several), or with `--json` one JSON object
 per line: {"file", "text", "token_ids", "words": [{"word", "start", "end"}], "audio_seconds", "delay_ms"};
@@ -35,7 +35,21 @@ def register(subparsers) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per file")
     parser.add_argument("--concurrency", type=int, default=8, metavar="N",
                         help="files transcribed at once (default 8)")
+    add_quantization_argument(parser)
     parser.set_defaults(func=run)
+
+
+# models/quantization.py's QUANTIZATION_METHODS, written out: the parsers are built without importing jax
+# (tests/test_quantization.py checks that the two agree).
+QUANTIZATION_CHOICES = ("int8",)
+
+
+def add_quantization_argument(parser) -> None:
+    """`--quantization` (vLLM's flag), as EngineConfig.quantization takes it."""
+    parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None,
+                        help="int8: weights stored as int8 with one scale per output channel, quantized as they load "
+                        "(half the weight memory of bfloat16, left to more streams' KV; slower on a CPU; default: "
+                        "the weights as stored)")
 
 
 def run(args) -> int:
@@ -82,7 +96,8 @@ async def _transcribe_all(args, paths: list[str]) -> int:
     from jaxstream.models.audio_checks import file_narrowband_reason, narrowband_warning
 
     concurrency = min(args.concurrency, len(paths))  # fewer sessions compile fewer batch shapes
-    engine = AsyncEngine.from_pretrained(model_source(args.model), config=EngineConfig(max_sessions=concurrency))
+    engine = AsyncEngine.from_pretrained(model_source(args.model), config=EngineConfig(
+        max_sessions=concurrency, quantization=args.quantization))
     failed = 0
     async with engine:
         slots = asyncio.Semaphore(concurrency)

@@ -32,13 +32,15 @@ def engine_dtype(engine_cfg: EngineConfig):
 
 def load_pretrained(model_source, engine_cfg: EngineConfig, *, dtype=None):
     """(model, tokenizer, declared EOS ids or None) of a built-in name, local directory or hub id, with the
-    parameters placed as `engine_cfg`'s mesh wants them (each process reads only its own shards)."""
+    parameters placed as `engine_cfg`'s mesh wants them (each process reads only its own shards) and quantized as
+    they are read when `engine_cfg.quantization` says so."""
     from jaxstream.models import loading
 
     placement = sharding.Placement(engine_cfg.mesh, engine_cfg.tp_axis)
     rule = placement.param_sharding if engine_cfg.mesh is not None else None
     directory = loading.resolve_model_dir(model_source)
-    loaded = loading.load_model(directory, dtype=dtype or engine_dtype(engine_cfg), sharding=rule)
+    loaded = loading.load_model(directory, dtype=dtype or engine_dtype(engine_cfg), sharding=rule,
+                                quantization=engine_cfg.quantization)
     tokenizer = loading.load_checkpoint_tokenizer(directory, loaded.tokenizer_path)
     _, eos_ids = loading.declared_token_ids(directory)
     return loaded.model, tokenizer, eos_ids or None
@@ -80,11 +82,15 @@ def build_core(model, engine_cfg: EngineConfig, *, tokenizer=None, eos_token_id=
     """The engine core that serves `model`: Voxtral Realtime's transcription scheduler, or the text scheduler
     (stopping at `eos_token_id`, else the tokenizer's EOS; the EOS a tokenizer_config.json names is the model's
     own, as vLLM takes it, and any other reports its id as stop_reason). Every program is compiled before it returns.
+    With `engine_cfg.quantization`, a float `model` is served quantized (`quantization.quantize_model`).
 
     Over a mesh that spans processes, parked sessions are never offloaded to host memory: an offload is a
     program of its own that the followers would have to mirror, so such sessions stay (or recompute)."""
     from jaxstream.engine import multihost
+    from jaxstream.models import quantization
 
+    if engine_cfg.quantization and not quantization.is_quantized(model):
+        model = quantization.quantize_model(model, engine_cfg.quantization)
     if multihost.spans_processes(engine_cfg.mesh) and engine_cfg.host_offload_bytes:
         logger.info("multi-host engine: parked sessions stay on the devices (no host offload)")
         engine_cfg = dataclasses.replace(engine_cfg, host_offload_bytes=0)
@@ -229,15 +235,12 @@ def check_pool(spec: kv_cache.StackSpec) -> None:
                          f"session's window ({spec.pages_per_window} pages of {spec.page_size})")
 
 
-def build_realtime_core(model, engine_cfg: EngineConfig, tokenizer, *, warm_up=True):
-    from jaxstream.engine import prefix_cache
-    from jaxstream.engine.transcription_scheduler import RealtimeScheduler
-    from jaxstream.models.audio import ALLOWED_DELAYS_MS, n_delay_from_ms, prompt_length
-
-    cfg = model_config(model)
+def realtime_stack_specs(cfg: VoxtralConfig, engine_cfg: EngineConfig) -> list[kv_cache.StackSpec]:
+    """The encoder and decoder KV stacks of a Voxtral engine, their pools as `engine_cfg` sizes them (before
+    `fit_pools`)."""
     enc, text = cfg.encoder, cfg.text
     common = dict(max_sessions=engine_cfg.max_sessions)
-    specs = [
+    return [
         kv_cache.stack_spec("encoder", num_layers=enc.num_layers, num_kv_heads=enc.num_heads, head_dim=enc.head_dim,
                             page_size=engine_cfg.encoder_page_size, ring=enc.sliding_window,
                             num_pages=engine_cfg.encoder_num_pages, **common),
@@ -245,8 +248,17 @@ def build_realtime_core(model, engine_cfg: EngineConfig, tokenizer, *, warm_up=T
                             head_dim=text.head_dim, page_size=engine_cfg.page_size, ring=text.attention_window,
                             num_pages=engine_cfg.num_pages, **common),
     ]
+
+
+def build_realtime_core(model, engine_cfg: EngineConfig, tokenizer, *, warm_up=True):
+    from jaxstream.engine import prefix_cache
+    from jaxstream.engine.transcription_scheduler import RealtimeScheduler
+    from jaxstream.models.audio import ALLOWED_DELAYS_MS, n_delay_from_ms, prompt_length
+
+    cfg = model_config(model)
+    enc = cfg.encoder
     placement = sharding.Placement(engine_cfg.mesh, engine_cfg.tp_axis)
-    specs = fit_pools(specs, engine_cfg, placement)
+    specs = fit_pools(realtime_stack_specs(cfg, engine_cfg), engine_cfg, placement)
     for spec in specs:
         check_pool(spec)
     # The prefix cache's pages come on top of the pools sized above.

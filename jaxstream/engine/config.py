@@ -92,6 +92,13 @@ class EngineConfig:
     default_delay_ms: int | None = None  # None: the model's default transcription delay
     seed: int = 0  # base of the sampling seeds of requests that do not set one
     dtype: str | None = None  # compute/KV dtype; None: float32 on CPU, bfloat16 elsewhere
+    # Weight-only quantization (vLLM's `quantization`): "int8" stores the weights as int8 with one float32 scale
+    # per output channel (models/quantization.py), activations and KV staying in `dtype`: half the weight memory of
+    # bfloat16, which the page pools get (they are sized from the memory left after the parameters). None: the
+    # weights as loaded. `from_pretrained` quantizes each tensor as it is read; a float model given to the engine
+    # is quantized when the engine is built (the caller's float copy then still takes its memory). On a CPU, int8
+    # decode steps are slower (1.25-2x: its backend converts each kernel before the matmul).
+    quantization: str | None = None
     # ring_attention implementation; None picks per backend. A named one must run on this backend and dtype.
     attention_impl: str | None = None
     mesh: Any = None  # jax.sharding.Mesh for tensor parallelism (params and KV heads on `tp_axis`)
@@ -184,7 +191,7 @@ def _set_buckets(cfg: EngineConfig, name: str, *, pairs: bool) -> None:
 
 
 def _check_choices(cfg: EngineConfig) -> None:
-    """The fields whose valid values another module owns (delays, dtypes, kernels, mesh axes)."""
+    """The fields whose valid values another module owns (delays, dtypes, quantizations, kernels, mesh axes)."""
     if cfg.default_delay_ms is not None:
         from jaxstream.models.audio import n_delay_from_ms
 
@@ -201,6 +208,11 @@ def _check_choices(cfg: EngineConfig) -> None:
             floating = False
         if not floating:
             _fail("dtype", cfg.dtype, "a floating-point dtype name (e.g. 'float32', 'bfloat16') or None")
+    if cfg.quantization is not None:
+        from jaxstream.models.quantization import QUANTIZATION_METHODS
+
+        if cfg.quantization not in QUANTIZATION_METHODS:
+            _fail("quantization", cfg.quantization, f"one of {', '.join(map(repr, QUANTIZATION_METHODS))} or None")
     if cfg.attention_impl is not None:
         from jaxstream.tpu_kernels.ring_attention import IMPLEMENTATIONS
 

@@ -3,17 +3,21 @@
 Projections into heads / the MLP hidden layer are split on their output features, projections back to
 the model width on their input features, embeddings on the vocabulary; KV pages are split on the KV-head
 axis. A dimension that does not divide by the mesh axis stays replicated, so any model runs on any
-mesh (tiny test models included). Without a mesh everything stays on the default device.
+mesh (tiny test models included). Without a mesh everything stays on the default device. The per-channel
+scales of int8 weights (models/quantization.py) go with their weight's output channels: split where the weight
+is split on them (projections into heads, embeddings), replicated where it is split on its inputs.
 """
 import jax
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-# (path fragment, dimension of the parameter split over the tensor-parallel axis)
+# (path fragment, dimension of the weight split over the tensor-parallel axis, whether that dimension holds its
+# output channels: the one its int8 scales run along)
 _RULES = (
-    ("q_proj", -1), ("k_proj", -1), ("v_proj", -1), ("gate_proj", -1), ("up_proj", -1),
-    ("o_proj", 0), ("down_proj", 0), ("embed_tokens", 0), ("lm_head", -1),
+    ("q_proj", -1, True), ("k_proj", -1, True), ("v_proj", -1, True), ("gate_proj", -1, True),
+    ("up_proj", -1, True), ("o_proj", 0, False), ("down_proj", 0, False), ("embed_tokens", 0, True),
+    ("lm_head", -1, True),
 )
 
 
@@ -45,8 +49,15 @@ class Placement:
     def param_sharding(self, path, shape: tuple[int, ...]):
         """The sharding of the parameter at NNX state `path` (also the `load_model` sharding rule)."""
         name = "/".join(str(part) for part in path)
-        for fragment, dim in _RULES:
-            if fragment in name and len(shape) >= 2 and shape[dim] % self.size == 0:
+        is_scale = bool(path) and str(path[-1]) == "scale"
+        for fragment, dim, outputs in _RULES:
+            if fragment not in name:
+                continue
+            if is_scale:  # [outputs]: divides exactly when the weight's output dimension does
+                dim = 0 if outputs else None
+            elif len(shape) < 2:
+                continue
+            if dim is not None and shape[dim] % self.size == 0:
                 spec = [None] * len(shape)
                 spec[dim] = self.axis
                 return self._sharding(P(*spec))
