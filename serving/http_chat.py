@@ -53,10 +53,10 @@ from jaxstream.engine.requests import MAX_LOGPROBS
 from jaxstream.models.chat_templates import NO_TEMPLATE_MESSAGE, ChatPrompt, ChatTemplateError
 from jaxstream.serving import forced_tool_calls, sse, structured_output_fields
 from jaxstream.serving.chat_parsing import ChatParsing, parse_tool_choice, parse_tools
-from jaxstream.serving.http_completions import (
-    NEUTRAL as COMPLETION_NEUTRAL, Choice, TextInput, check_context_length, finite_logprob, parse_flag, parse_stream,
-    sampling_params, serve_one_shot,
+from jaxstream.serving.completion_fields import (
+    NEUTRAL as COMPLETION_NEUTRAL, check_context_length, parse_flag, parse_stream, sampling_params,
 )
+from jaxstream.serving.http_completions import Choice, TextInput, finite_logprob, serve_one_shot
 from jaxstream.serving.http_errors import RequestError, check_kind, check_model
 from jaxstream.serving.http_prompt_logprobs import prompt_logprobs_field
 from jaxstream.serving.limits import holds_stream

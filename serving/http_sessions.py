@@ -50,7 +50,8 @@ import uuid
 from aiohttp import web
 
 from jaxstream.serving import sse, streaming_input
-from jaxstream.serving.http_completions import TextInput, check_tokenizer, parse_flag, sampling_params
+from jaxstream.serving.completion_fields import check_tokenizer, parse_flag, sampling_params
+from jaxstream.serving.http_completions import TextInput
 from jaxstream.serving.http_errors import (
     RETRYABLE_ENGINE_CODES, RequestError, check_model, check_ready, engine_request_error, read_json,
 )

@@ -19,7 +19,7 @@ import functools
 from aiohttp import web
 
 from jaxstream.serving.http_chat import render_chat
-from jaxstream.serving.http_completions import parse_flag
+from jaxstream.serving.completion_fields import parse_flag
 from jaxstream.serving.http_errors import (
     RequestError, check_kind, check_model_name, check_ready, read_json, server_state,
 )

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from jaxstream.engine.requests import SamplingParams
-from jaxstream.serving.http_completions import sampling_params
+from jaxstream.serving.completion_fields import sampling_params
 from serve_fixtures import client, engine_returns_to_baseline, model  # noqa: F401 - pytest fixtures
 from test_serve_http import read_sse
 from test_serve_http_completions import CHUNKS, engine, engine_run, ndjson_lines  # noqa: F401 - fixture

@@ -344,7 +344,7 @@ def log_sampling_defaults(engine) -> None:
     """One INFO line naming the checkpoint's sampling defaults completions take, when there are any (vLLM's
     "Using default completion sampling params from model")."""
     from jaxstream.engine.requests import SamplingParams
-    from jaxstream.serving.http_completions import DEFAULTED
+    from jaxstream.serving.completion_fields import DEFAULTED
 
     defaults, unset = engine.default_sampling_params(), SamplingParams()
     applied = {name: getattr(defaults, name) for name in DEFAULTED if getattr(defaults, name) != getattr(unset, name)}
