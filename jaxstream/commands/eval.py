@@ -169,7 +169,8 @@ def _plan(args, group):
     default_delay = _default_delay_ms(model)  # also checks, before any loading, that the model transcribes
     delays = requested or [default_delay]
     evaluation = Evaluation(corpus, model=model, delays=delays,
-                            options=RunOptions(concurrency=args.concurrency, realtime=args.realtime),
+                            options=RunOptions(concurrency=args.concurrency, realtime=args.realtime,
+                                               quantization=args.quantization),
                             normalizer_name=args.normalizer, limit=args.limit, shard=shard)
     excluded = evaluation.corpus["excluded"]
     note = f" ({len(excluded)} with an empty reference excluded)" if excluded else ""

@@ -11,7 +11,8 @@ JSON schema `jaxstream-eval/1` (fractions, not percentages; times in seconds or 
                  "selected": int,                                   # after --limit / --shard
                  "limit": int | null, "shard": "i/N" | null,
                  "excluded": [id, ...]},                            # empty normalized references, not run
-      "settings": {"concurrency": int, "realtime": bool, "normalizer": "english" | "basic" | "none"},
+      "settings": {"concurrency": int, "realtime": bool, "normalizer": "english" | "basic" | "none",
+                   "quantization": null | "int8"},
       "runs": [{                                                    # one per --delay-ms value
         "delay_ms": int | null,                                     # null: the model's default
         "complete": bool,
@@ -123,6 +124,9 @@ _SHARED_SETTINGS = (
     lambda report: f"with --layout {report['corpus']['layout']}",
     lambda report: "with --realtime" if report["settings"]["realtime"] else "without --realtime",
     lambda report: f"with --normalizer {report['settings']['normalizer']}",
+    # Reports written before --quantization existed ran float weights.
+    lambda report: (f"with --quantization {report['settings']['quantization']}"
+                    if report["settings"].get("quantization") else "without --quantization"),
 )
 
 
@@ -289,7 +293,8 @@ def format_markdown(report: dict) -> str:
         f"- corpus: `{corpus['path']}` ({corpus['layout']}), {corpus['selected']} of {corpus['utterances']} "
         f"utterances" + (f", shard {corpus['shard']}" if corpus["shard"] else "")
         + (f", {len(corpus['excluded'])} excluded (empty reference)" if corpus["excluded"] else ""),
-        f"- {settings['concurrency']} concurrent sessions, audio {mode}; normalizer `{settings['normalizer']}`",
+        f"- {settings['concurrency']} concurrent sessions, audio {mode}; normalizer `{settings['normalizer']}`"
+        + (f"; weights `{settings['quantization']}`" if settings.get("quantization") else ""),
         f"- status: {'complete' if report['complete'] else 'partial'} (updated {report['updated']})",
         "",
     ]

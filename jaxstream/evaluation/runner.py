@@ -62,6 +62,7 @@ class RunOptions:
     delay_ms: int | None = None  # None: the engine's default
     concurrency: int = 8
     realtime: bool = False
+    quantization: str | None = None  # the engine's weights (`--quantization`): results of another are not this run's
 
 
 class StreamTracker:
@@ -272,7 +273,7 @@ class Evaluation:
         self.model = model
         self.options = options
         self.settings = {"concurrency": options.concurrency, "realtime": options.realtime,
-                         "normalizer": normalizer_name}
+                         "normalizer": normalizer_name, "quantization": options.quantization}
         self.delays = list(delays)
         self._results = {delay: {} for delay in self.delays}  # delay -> id -> UtteranceResult
         self._wall = dict.fromkeys(self.delays, 0.0)
