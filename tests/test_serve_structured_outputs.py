@@ -32,6 +32,7 @@ from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.http_errors import RequestError
 from jaxstream.serving.structured_output_fields import requested
 from jaxstream.serving.testing import ServerThread, wait_engine_baseline
+from serve_fixtures import client  # noqa: F401 - the openai SDK over this module's server
 from test_serve_http import call
 from test_serve_http_completions import SESSIONS, b64
 
@@ -242,11 +243,6 @@ def server(engine):
     server = ServerThread(engine, ServerConfig(chat_template=TEMPLATE))
     yield server
     server.close()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url("/v1", "http"), api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(autouse=True)
