@@ -7,6 +7,8 @@ import dataclasses
 import json
 import os
 import shutil
+from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,12 +22,18 @@ from jaxstream.models.config import EncoderConfig, TextConfig, VoxtralConfig
 from jaxstream.models.tokenizers import SentencePieceTokenizer
 from jaxstream.models.voxtral import VoxtralRealtime
 from jaxstream.training import data, targets
+from jaxstream.training.config import TrainConfig
 from jaxstream.training.decode import transcribe_batch
-from jaxstream.training.step import (OptimizerConfig, aligned_targets, init_ctc_head, learning_rate_schedule,
-                                     make_optimizer, make_train_step, stream_logits)
+from jaxstream.training.step import (aligned_targets, init_ctc_head, learning_rate_schedule, make_optimizer,
+                                     make_train_step, stream_logits)
 from training_fixtures import TINY_TOML
 
 SPM_VOCAB = 300
+# The recipe of the steps that train here (three_step_runs), so that they share one compiled step: the tests' tiny
+# one with the auxiliary losses (configs/tiny.toml trains with both), at a rate and over a schedule on which 10 steps
+# of test_train_step_lowers_the_loss_on_a_fixed_batch learn.
+RECIPE = TINY_TOML.replace("learning_rate = 0.003", "learning_rate = 0.01").replace(
+    "total_steps = 3", "total_steps = 12\nctc_weight = 0.3\naligned_piece_weight = 0.3")
 
 
 def tiny_config(vocab_size: int = 1000 + SPM_VOCAB) -> VoxtralConfig:
@@ -139,27 +147,6 @@ def test_greedy_decode_agrees_with_teacher_forced_argmax(corpus):
         assert np.argmax(np.asarray(logits[0, prompt - 1 : num_slots - 1]), -1).tolist() == generated
 
 
-def test_train_step_lowers_the_loss_on_a_fixed_batch(corpus, tokenizer):
-    corpus_dir, records = corpus
-    cfg = tiny_config()
-    examples = [data.load_example(corpus_dir, r, tokenizer, 6) for r in records[:2]]
-    batch = data.collate(examples, [6, 6], data.bucket_slots(max(e.tokens.size for e in examples)))
-    graphdef, params = nnx.split(VoxtralRealtime(cfg, rngs=nnx.Rngs(3)), nnx.Param)
-    weights = {"model": params, "ctc_head": init_ctc_head(cfg)}
-    optimizer_cfg = OptimizerConfig(learning_rate=1e-2, warmup_steps=1, total_steps=20, ctc_weight=0.3,
-                                    aligned_piece_weight=0.3)
-    opt_state = make_optimizer(optimizer_cfg).init(weights)
-    step = make_train_step(graphdef, cfg, optimizer_cfg)
-    losses, ctc, aligned = [], [], []
-    for _ in range(10):
-        weights, opt_state, metrics = step(weights, opt_state, batch)
-        losses.append(float(metrics["loss"]))
-        ctc.append(float(metrics["ctc"]))
-        aligned.append(float(metrics["aligned"]))
-    assert losses[-1] < 0.7 * losses[0] and ctc[-1] < 0.85 * ctc[0] and aligned[-1] < 0.85 * aligned[0], \
-        (losses, ctc, aligned)
-
-
 def test_train_command_checks_steps_against_the_cooldown(corpus, tmp_path, capsys):
     from jaxstream.cli import main
 
@@ -172,48 +159,6 @@ def test_train_command_checks_steps_against_the_cooldown(corpus, tmp_path, capsy
                  "--out", os.fspath(tmp_path / "run"), "--until-step", "0", "--no-progress"]) == 2
     assert "--until-step must be at least 1, got 0" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
-
-
-def test_init_from_starts_from_the_models_weights_and_tokenizer(corpus, tmp_path, monkeypatch):
-    from jaxstream.errors import UserError
-    from jaxstream.models.loading import load_model
-    from jaxstream.training import load_train_config, train
-
-    corpus_dir, _ = corpus
-    (tmp_path / "tiny.toml").write_text(TINY_TOML)
-    cfg = load_train_config(tmp_path / "tiny.toml")
-    source = tmp_path / "stage1"
-    train(cfg, corpus_dir, os.fspath(source), until_step=2, progress=False)  # step 1 runs at the warmup's lr of 0
-    # At a zero learning rate AdamW moves nothing: the fine-tuned run must hold the source's weights, bit for
-    # bit: the exported model's from a model directory, and the CTC head's too from a run directory (named
-    # relative to the working directory: Orbax restores only from absolute paths).
-    frozen = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, learning_rate=0.0))
-    monkeypatch.chdir(tmp_path)
-    for name, init_from in (("from_model", source / "model"), ("from_run", "stage1")):
-        train(frozen, corpus_dir, os.fspath(tmp_path / name), steps=1, init_from=os.fspath(init_from),
-              progress=False)
-        assert (tmp_path / name / "tokenizer.model").read_bytes() == (source / "tokenizer.model").read_bytes()
-        before, after = (nnx.to_pure_dict(nnx.state(load_model(path, dtype=jnp.float32).model, nnx.Param))
-                         for path in (source / "model", tmp_path / name / "model"))
-        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    source_head, from_run_head, from_model_head = (
-        _checkpoint_weights(path)["ctc_head"] for path in (source, tmp_path / "from_run", tmp_path / "from_model"))
-    np.testing.assert_array_equal(from_run_head["kernel"], source_head["kernel"])
-    assert not np.array_equal(from_model_head["kernel"], source_head["kernel"])  # a model carries no CTC head
-
-    wider = load_train_config(tmp_path / "tiny.toml")
-    wider = dataclasses.replace(wider, model=dataclasses.replace(
-        wider.model, encoder=dataclasses.replace(wider.model.encoder, intermediate_size=96)))
-    with pytest.raises(UserError, match=r"differs from the recipe's \[model\]: encoder.intermediate_size: model 64, "
-                                        r"recipe 96$"):
-        train(wider, corpus_dir, os.fspath(tmp_path / "wider"), steps=1, init_from=os.fspath(source / "model"),
-              progress=False)
-    other = tmp_path / "other"
-    other.mkdir()
-    shutil.copyfile(tmp_path / "tiny.toml", other / "tokenizer.model")  # any other bytes
-    with pytest.raises(UserError, match="different tokenizer"):
-        train(cfg, corpus_dir, os.fspath(other), steps=1, init_from=os.fspath(source / "model"), progress=False)
 
 
 def _checkpoint_weights(run):
@@ -249,9 +194,9 @@ def test_vtlp_range_warps_every_training_example(corpus, tokenizer, tmp_path):
     assert not np.array_equal(batches["warped"].mel, batches["plain"].mel)
 
 
-def test_phoneme_ctc_targets_reach_the_batch_and_size_the_head(corpus, tokenizer, tmp_path):
+def test_phoneme_ctc_targets_reach_the_batch_and_size_the_head(corpus, tokenizer, tmp_path, monkeypatch):
     from jaxstream.errors import UserError
-    from jaxstream.training import load_train_config, train
+    from jaxstream.training import load_train_config, loop, train
     from jaxstream.training.phonemes import PHONEME_CLASSES, PhonemeLexicon
 
     (tmp_path / "bad.toml").write_text(TINY_TOML + 'ctc_targets = "graphemes"\n')
@@ -270,9 +215,23 @@ def test_phoneme_ctc_targets_reach_the_batch_and_size_the_head(corpus, tokenizer
     for row in range(2):
         np.testing.assert_array_equal(batch.chars[row][batch.char_padding[row] == 0], lexicon.ctc_labels(records[0]))
 
+    # What the targets change is the batch and the head, both in place before the first step runs, so the run's
+    # step only records its batches: a compiled one (~13 s) would check nothing more (the recipe's ctc_weight of
+    # 0 leaves the head out of the loss).
+    trained = []
+
+    def recording_step(weights, opt_state, batch):
+        trained.append(batch)
+        return weights, opt_state, {"loss": 0.0, "accuracy": 0.0}
+
+    monkeypatch.setattr(loop, "make_train_step", lambda *key: recording_step)
     run = tmp_path / "run"
     train(cfg, corpus_dir, os.fspath(run), steps=1, progress=False)
     assert _checkpoint_weights(run)["ctc_head"]["bias"].shape == (PHONEME_CLASSES,)
+    expected = [lexicon.ctc_labels(record) for record in records]
+    (trained_batch,) = trained
+    for labels, padding in zip(trained_batch.chars, trained_batch.char_padding):
+        assert any(np.array_equal(labels[padding == 0], phonemes) for phonemes in expected), labels
     (tmp_path / "characters.toml").write_text(TINY_TOML)
     characters = load_train_config(tmp_path / "characters.toml")
     with pytest.raises(UserError, match=rf"its CTC head predicts {PHONEME_CLASSES} classes; the recipe's "
@@ -326,22 +285,90 @@ def test_a_failing_batch_loader_stops_training_instead_of_hanging(corpus, tokeni
             stream.close()
 
 
-@pytest.fixture(scope="module")
-def three_step_runs(corpus, tmp_path_factory):
-    """The tests' recipe trained 3 steps in one call ("whole") and in three, resumed after steps 1 and 2
-    ("resumed"; the model it exported after step 1 kept as "model_after_step_1")."""
-    from jaxstream.training import load_train_config, train
+class ThreeStepRuns(NamedTuple):
+    root: Path
+    cfg: TrainConfig
+    batch_shapes: list  # the shapes of the arrays of each batch the runs trained on, in order
+    programs: int  # the programs their train step compiled
 
-    corpus_dir, _ = corpus
+
+def _first_batches(cfg: TrainConfig, corpus_dir: str, tokenizer, count: int) -> list[data.Batch]:
+    """The first `count` batches a run of `cfg` on the corpus trains on (the loop's stream, seeded alike)."""
+    from jaxstream.training.loop import read_corpora
+
+    stream = data.BatchStream("", read_corpora([corpus_dir]), tokenizer, batch_size=cfg.batch_size, seed=cfg.seed,
+                              delays_slots=tuple(front_end.n_delay_from_ms(ms) for ms in cfg.delays_ms))
+    try:
+        return [next(stream) for _ in range(count)]
+    finally:
+        stream.close()
+
+
+@pytest.fixture(scope="module")
+def three_step_runs(corpus, tmp_path_factory) -> ThreeStepRuns:
+    """RECIPE trained 3 steps (of its 12) in one call ("whole") and in three, resumed after steps 1 and 2
+    ("resumed"; the model it exported after step 1 kept as "model_after_step_1"). The runs share a train step
+    of their own, not make_train_step's process-wide one, which other runs in this process fill, so that the
+    programs it compiled can be counted; their seed is the first whose three batches pad to one shape, so that
+    there is one program to compile (~10 s on CI's CPU), not one per shape."""
+    from jaxstream.training import load_train_config, loop, train
+
+    corpus_dir, records = corpus
     root = tmp_path_factory.mktemp("three_steps")
-    (root / "tiny.toml").write_text(TINY_TOML)
+    (root / "tiny.toml").write_text(RECIPE)
     cfg = load_train_config(root / "tiny.toml")
-    train(cfg, corpus_dir, os.fspath(root / "whole"), progress=False)
-    train(cfg, corpus_dir, os.fspath(root / "resumed"), until_step=1, progress=False)
-    shutil.copytree(root / "resumed" / "model", root / "model_after_step_1")
-    train(cfg, corpus_dir, os.fspath(root / "resumed"), until_step=2, progress=False)
-    train(cfg, corpus_dir, os.fspath(root / "resumed"), progress=False)
-    return root, cfg
+    # The runs' own tokenizer: a word model gives every word of the corpus one piece.
+    tokenizer = loop.ensure_tokenizer(loop.RunPaths(root), records, cfg.spm_vocab_size, cfg.spm_model_type)
+
+    def one_shape(seed: int) -> bool:
+        batches = _first_batches(dataclasses.replace(cfg, seed=seed), corpus_dir, tokenizer, 3)
+        return len({tuple(array.shape for array in batch) for batch in batches}) == 1
+
+    seed = next(seed for seed in range(100) if one_shape(seed))
+    (root / "tiny.toml").write_text(RECIPE + f"seed = {seed}\n")
+    cfg = load_train_config(root / "tiny.toml")
+    own_steps, shapes = {}, []
+
+    def own_step(*key):
+        if key not in own_steps:
+            own_steps[key] = make_train_step.__wrapped__(*key)
+
+        def step(weights, opt_state, batch):
+            shapes.append(tuple(array.shape for array in batch))
+            return own_steps[key](weights, opt_state, batch)
+        return step
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop, "make_train_step", own_step)
+        train(cfg, corpus_dir, os.fspath(root / "whole"), until_step=3, progress=False)
+        train(cfg, corpus_dir, os.fspath(root / "resumed"), until_step=1, progress=False)
+        shutil.copytree(root / "resumed" / "model", root / "model_after_step_1")
+        train(cfg, corpus_dir, os.fspath(root / "resumed"), until_step=2, progress=False)
+        train(cfg, corpus_dir, os.fspath(root / "resumed"), until_step=3, progress=False)
+    (step,) = own_steps.values()
+    return ThreeStepRuns(root, cfg, shapes, step._cache_size())
+
+
+def test_train_step_lowers_the_loss_on_a_fixed_batch(corpus, three_step_runs):
+    from jaxstream.training.config import with_vocab_size
+
+    # The runs' step on their first batch, with arguments like the loop's: the program three_step_runs compiled.
+    root, cfg = three_step_runs.root, three_step_runs.cfg
+    tokenizer = SentencePieceTokenizer(root / "whole" / "tokenizer.model")
+    cfg = with_vocab_size(cfg, tokenizer.vocab_size)
+    (batch,) = _first_batches(cfg, corpus[0], tokenizer, 1)
+    graphdef, params = nnx.split(VoxtralRealtime(cfg.model, rngs=nnx.Rngs(cfg.seed)), nnx.Param)
+    weights = jax.device_put({"model": params, "ctc_head": init_ctc_head(cfg.model, cfg.seed)}, jax.local_devices()[0])
+    opt_state = jax.device_put(make_optimizer(cfg.optimizer).init(weights), jax.local_devices()[0])
+    step = make_train_step(graphdef, cfg.model, cfg.optimizer)
+    losses, ctc, aligned = [], [], []
+    for _ in range(10):
+        weights, opt_state, metrics = step(weights, opt_state, batch)
+        losses.append(float(metrics["loss"]))
+        ctc.append(float(metrics["ctc"]))
+        aligned.append(float(metrics["aligned"]))
+    assert losses[-1] < 0.7 * losses[0] and ctc[-1] < 0.85 * ctc[0] and aligned[-1] < 0.85 * aligned[0], \
+        (losses, ctc, aligned)
 
 
 def _logged_losses(run):
@@ -354,7 +381,7 @@ def test_train_resumes_and_exports_a_loadable_model(three_step_runs):
     from jaxstream.training.config import with_vocab_size
     from jaxstream.training.spelling import init_word_embeddings
 
-    root, cfg = three_step_runs
+    root, cfg = three_step_runs.root, three_step_runs.cfg
     out = root / "resumed"
     # The recipe's word tokenizer sizes the decoder; spelling_init set the word rows before step 1.
     word_tokenizer = SentencePieceTokenizer(out / "tokenizer.model")
@@ -382,12 +409,21 @@ def test_train_resumes_and_exports_a_loadable_model(three_step_runs):
 
 
 def test_a_resumed_run_trains_on_the_batches_of_an_uninterrupted_one(three_step_runs):
-    root, _ = three_step_runs
+    root = three_step_runs.root
     assert [step for step, _, _ in _logged_losses(root / "resumed")] == [1, 2, 3]
     assert _logged_losses(root / "resumed") == _logged_losses(root / "whole")
     for a, b in zip(jax.tree.leaves(_checkpoint_weights(root / "whole")),
                     jax.tree.leaves(_checkpoint_weights(root / "resumed")), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_run_compiles_its_step_once_per_batch_shape(three_step_runs):
+    """A fresh run's first step must get arguments of the kind a step returns (committed to the device), or its
+    batch's shape compiles twice: for step 1, and again for the next batch of that shape (~10 s each for the tiny
+    model). Oracle: the programs the three-step runs' own step compiled for their batches of one shape."""
+    shapes = three_step_runs.batch_shapes
+    assert len(shapes) == 6 and len(set(shapes)) == 1
+    assert three_step_runs.programs == 1
 
 
 def test_train_refuses_a_target_below_the_runs_step(corpus, three_step_runs, capsys):
@@ -396,7 +432,7 @@ def test_train_refuses_a_target_below_the_runs_step(corpus, three_step_runs, cap
     from jaxstream.training import train
 
     corpus_dir, _ = corpus
-    root, cfg = three_step_runs
+    root, cfg = three_step_runs.root, three_step_runs.cfg
     run = root / "whole"
     with pytest.raises(UserError, match="already at step 3, past the requested last step 2"):
         train(cfg, corpus_dir, os.fspath(run), until_step=2, progress=False)
@@ -413,7 +449,7 @@ def test_resuming_with_another_architecture_names_the_differences(corpus, three_
     from jaxstream.training import train
 
     corpus_dir, _ = corpus
-    root, cfg = three_step_runs
+    root, cfg = three_step_runs.root, three_step_runs.cfg
     shutil.copytree(root / "resumed", tmp_path / "run")
     wider = dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, encoder=dataclasses.replace(cfg.model.encoder, intermediate_size=96)))
@@ -422,12 +458,54 @@ def test_resuming_with_another_architecture_names_the_differences(corpus, three_
         train(wider, corpus_dir, os.fspath(tmp_path / "run"), steps=5, progress=False)
 
 
+def test_init_from_starts_from_the_models_weights_and_tokenizer(corpus, three_step_runs, tmp_path, monkeypatch):
+    from jaxstream.errors import UserError
+    from jaxstream.models.loading import load_model
+    from jaxstream.training import train
+
+    corpus_dir, _ = corpus
+    root, cfg = three_step_runs.root, three_step_runs.cfg
+    source = root / "whole"
+    # A fine-tune starts a fresh schedule, whose first step runs at the warmup's lr of 0, where AdamW moves
+    # nothing: a run stopped there must hold the source's weights, bit for bit: the exported model's from a model
+    # directory, and the CTC head's too from a run directory (named relative to the working directory: Orbax
+    # restores only from absolute paths). Its step is the recipe's on the recipe's first batch: the program
+    # three_step_runs compiled, read back from the tests' compilation cache.
+    monkeypatch.chdir(root)
+    for name, init_from in (("from_model", source / "model"), ("from_run", "whole")):
+        train(cfg, corpus_dir, os.fspath(tmp_path / name), until_step=1, init_from=os.fspath(init_from),
+              progress=False)
+        logged = [json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
+        assert [(entry["step"], entry["learning_rate"]) for entry in logged] == [(1, 0.0)]
+        assert (tmp_path / name / "tokenizer.model").read_bytes() == (source / "tokenizer.model").read_bytes()
+        before, after = (nnx.to_pure_dict(nnx.state(load_model(path, dtype=jnp.float32).model, nnx.Param))
+                         for path in (source / "model", tmp_path / name / "model"))
+        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    source_head, from_run_head, from_model_head = (
+        _checkpoint_weights(path)["ctc_head"] for path in (source, tmp_path / "from_run", tmp_path / "from_model"))
+    np.testing.assert_array_equal(from_run_head["kernel"], source_head["kernel"])
+    assert not np.array_equal(from_model_head["kernel"], source_head["kernel"])  # a model carries no CTC head
+
+    wider = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, encoder=dataclasses.replace(cfg.model.encoder, intermediate_size=96)))
+    with pytest.raises(UserError, match=r"differs from the recipe's \[model\]: encoder.intermediate_size: model 64, "
+                                        r"recipe 96$"):
+        train(wider, corpus_dir, os.fspath(tmp_path / "wider"), steps=1, init_from=os.fspath(source / "model"),
+              progress=False)
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copyfile(root / "tiny.toml", other / "tokenizer.model")  # any other bytes
+    with pytest.raises(UserError, match="different tokenizer"):
+        train(cfg, corpus_dir, os.fspath(other), steps=1, init_from=os.fspath(source / "model"), progress=False)
+
+
 def test_a_failed_init_from_writes_nothing_to_the_run(corpus, three_step_runs, tmp_path):
     from jaxstream.errors import UserError
     from jaxstream.training import train
 
     corpus_dir, _ = corpus
-    root, cfg = three_step_runs
+    root, cfg = three_step_runs.root, three_step_runs.cfg
     wider = dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, encoder=dataclasses.replace(cfg.model.encoder, intermediate_size=96)))
     with pytest.raises(UserError, match="its architecture differs"):

@@ -207,10 +207,11 @@ def train(cfg: TrainConfig, corpus_dir: str | list[str], out_dir: str, *, eval_c
     # Built after the checks above: it asks espeak-ng for the whole vocabulary (~10 s for eight accents).
     lexicon = PhonemeLexicon(records) if cfg.ctc_targets == "phonemes" else None
     graphdef, params = nnx.split(model, nnx.Param)
-    # Committed to one device, like the arrays a resume restores, so a fresh run and a resumed one in the same
-    # process share one compiled step (jit keys committed and uncommitted arguments apart).
+    # Committed to one device, like the arrays a resume restores and the step returns, so a fresh run, a resumed
+    # one and every later step share one compiled program per batch shape (jit keys committed and uncommitted
+    # arguments apart; optax creates its step counts uncommitted).
     weights = jax.device_put({"model": params, "ctc_head": ctc_head}, jax.local_devices()[0])
-    opt_state = optimizer.init(weights)
+    opt_state = jax.device_put(optimizer.init(weights), jax.local_devices()[0])
     manager = ocp.CheckpointManager(paths.checkpoints, options=ocp.CheckpointManagerOptions(max_to_keep=3))
     if start:
         restored = manager.restore(start, args=ocp.args.StandardRestore({"weights": weights, "opt_state": opt_state}))
