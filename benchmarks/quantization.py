@@ -58,7 +58,8 @@ def pages_at(memory_bytes: float, weights_bytes: int, engine_cfg: EngineConfig) 
     placement = sharding.Placement(None, engine_cfg.tp_axis)
     free = memory_bytes - weights_bytes
     with mock.patch.object(builders, "_free_device_bytes", return_value=free):  # that device's reading
-        return builders.fit_pools(builders.realtime_stack_specs(VOXTRAL_MINI_4B, engine_cfg), engine_cfg, placement)
+        return builders.fit_pools(builders.realtime_stack_specs(VOXTRAL_MINI_4B, engine_cfg), engine_cfg, placement,
+                                  stream_pages=builders.planned_stream_pages(VOXTRAL_MINI_4B, engine_cfg))
 
 
 def report_pages(memory_gb: float, stream_seconds: float) -> None:

@@ -57,6 +57,8 @@ def test_bench_user_errors(capsys):
     assert main(["bench", "--batch-wait-ms", "-5"]) == 2  # values the engine rejects: one line, not a traceback
     assert main(["bench", "--page-size", "0"]) == 2
     assert "error" in capsys.readouterr().err
+    assert main(["bench", "--planned-stream-seconds", "0"]) == 2
+    assert "planned_stream_seconds must be a finite number > 0" in capsys.readouterr().err
 
 
 def test_latency_histogram_percentiles_match_numpy_within_a_bin():

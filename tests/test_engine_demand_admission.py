@@ -82,6 +82,44 @@ async def test_streams_share_pools_that_hold_one_full_window(engine):
     assert engine.metrics().evictions == before
 
 
+async def test_pools_planned_for_the_streams_length_hold_them_all_at_once(monkeypatch):
+    """Default-sized pools on a device whose memory holds three 4.4 s streams' pages (and a whole window of each
+    pool) but not three streams' whole windows. Planned for 4.4 s streams (`planned_stream_seconds`), the pools
+    hold all three at once: none moves to host memory, and each has the tokens of a stream run alone. Scaled
+    alike (planned for whole windows), the same memory holds two."""
+    from jaxstream.engine import builders, sharding
+    from jaxstream.models.audio import SAMPLING_RATE
+
+    seconds = len(SAMPLE) / SAMPLING_RATE
+    model, _ = long_window_tiny_voxtral(encoder_window=512, decoder_window=256)
+    config = EngineConfig(max_sessions=STREAMS, page_size=PAGE, encoder_page_size=ENCODER_PAGE,
+                          planned_stream_seconds=seconds)
+    specs = builders.realtime_stack_specs(model.cfg, config)
+    planned = builders.planned_stream_pages(model.cfg, config)
+    dtype = builders.engine_dtype(config)
+    needed = sum(max(STREAMS * planned[spec.name], spec.pages_per_window) * spec.bytes_per_page(dtype)
+                 for spec in specs)
+    monkeypatch.setattr(builders, "_free_device_bytes", lambda placement: needed / config.kv_memory_fraction)
+
+    def streams(pools):
+        return min((spec.num_pages - 1) // planned[spec.name] for spec in pools)
+
+    alike = builders.fit_pools(specs, EngineConfig(max_sessions=STREAMS, page_size=PAGE, encoder_page_size=ENCODER_PAGE,
+                                                   planned_stream_seconds=None), sharding.Placement(None, "tp"))
+    assert streams(alike) == STREAMS - 1
+    engine = _build(num_pages=None, encoder_num_pages=None, planned_stream_seconds=seconds)
+    try:
+        assert streams(engine.core.cache.specs.values()) == STREAMS
+        expected = (await engine.transcribe(SAMPLE)).token_ids
+        before = engine.metrics().evictions
+        done = await _run_together(engine, SAMPLE, chunks=3, wait=False)
+        assert [d.token_ids for d in done] == [expected] * STREAMS
+        await engine.wait_until_idle()
+        assert engine.metrics().evictions == before
+    finally:
+        engine.close()
+
+
 async def test_streams_that_outgrow_the_pools_take_turns_newest_first(engine, caplog):
     """Three 4.4 s streams need ~12 encoder pages each (36 > 30), all their audio queued at once: as they
     grow, newer streams move to host memory so the older ones can go on, and come back bit for bit: every

@@ -418,6 +418,8 @@ def test_serving_never_compiles(core):
     (dict(kv_memory_fraction=float("nan")), r"kv_memory_fraction must be a number in \(0, 1\]"),
     (dict(max_queued_audio_seconds=0), "max_queued_audio_seconds must be a finite number > 0"),
     (dict(max_queued_audio_seconds=float("inf")), "max_queued_audio_seconds must be a finite number > 0"),
+    (dict(planned_stream_seconds=0), "planned_stream_seconds must be a finite number > 0 or None"),
+    (dict(planned_stream_seconds="60"), "planned_stream_seconds must be a finite number > 0 or None"),
     (dict(batch_buckets=()), "batch_buckets must be a non-empty sequence of ints >= 1"),
     (dict(batch_buckets=(4, 0)), "batch_buckets must be a non-empty sequence of ints >= 1"),
     (dict(prefill_buckets=()), "prefill_buckets must be a non-empty sequence of"),
@@ -517,25 +519,41 @@ def test_default_pools_fit_the_hosts_memory_on_a_cpu():
         cfg.kv_memory_fraction * free, fitted.pages_per_window * fitted.bytes_per_page(jnp.bfloat16))
 
 
+def _voxtral_4b_specs(max_sessions: int):
+    from jaxstream.engine import kv_cache
+
+    return [kv_cache.stack_spec("decoder", num_layers=26, num_kv_heads=8, head_dim=128, page_size=64, ring=8192,
+                                num_pages=None, max_sessions=max_sessions),
+            kv_cache.stack_spec("encoder", num_layers=32, num_kv_heads=32, head_dim=64, page_size=64, ring=750,
+                                num_pages=None, max_sessions=max_sessions)]
+
+
+def _planned_pages(specs, seconds: float) -> dict[str, int]:
+    """The pages of each of `specs` that a stream of `seconds` at Voxtral's default delay holds."""
+    from jaxstream.engine.realtime_admission import stream_pages
+    from jaxstream.models.audio import DEFAULT_DELAY_MS, n_delay_from_ms, stream_slot_bound
+
+    return stream_pages({spec.name: spec for spec in specs}, stream_slot_bound(seconds, n_delay_from_ms(
+        DEFAULT_DELAY_MS)), downsample_factor=4)
+
+
 def test_demand_admission_keeps_the_smaller_pools_whole_and_scales_the_largest(monkeypatch):
     """Voxtral 4B's pools for 128 streams in 120 GB (bf16: 1.07 GB of full windows each, 137 GB in all):
-    window admission scales both pools alike; demand admission keeps the encoder pool whole (a stream past
-    15 s fills its encoder window) and gives the decoder pool the rest of the budget."""
+    window admission scales both pools alike; demand admission, planned for 5-minute streams (which fill the
+    encoder window), keeps the encoder pool whole and gives the decoder pool the rest of the budget."""
     import jax.numpy as jnp
 
     from jaxstream.engine import builders, kv_cache, sharding, steps
 
     free = 120e9
     monkeypatch.setattr(builders, "_free_device_bytes", lambda placement: free)
-    specs = [kv_cache.stack_spec("decoder", num_layers=26, num_kv_heads=8, head_dim=128, page_size=64, ring=8192,
-                                 num_pages=None, max_sessions=128),
-             kv_cache.stack_spec("encoder", num_layers=32, num_kv_heads=32, head_dim=64, page_size=64, ring=750,
-                                 num_pages=None, max_sessions=128)]
+    specs = _voxtral_4b_specs(128)
     placement = sharding.Placement(None, "tp")
     fitted = {}
     for admission in ("window", "demand"):
         cfg = EngineConfig(max_sessions=128, dtype="bfloat16", realtime_admission=admission)
-        fitted[admission] = {spec.name: spec for spec in builders.fit_pools(specs, cfg, placement)}
+        fitted[admission] = {spec.name: spec for spec in builders.fit_pools(
+            specs, cfg, placement, stream_pages=_planned_pages(specs, cfg.planned_stream_seconds))}
     page_bytes = {spec.name: spec.bytes_per_page(jnp.bfloat16) for spec in specs}
     full = {spec.name: spec.num_pages for spec in specs}
     budget = EngineConfig().kv_memory_fraction * free
@@ -553,3 +571,39 @@ def test_demand_admission_keeps_the_smaller_pools_whole_and_scales_the_largest(m
     assert budget - reserved - sum(page_bytes.values()) < used <= budget - reserved
     # A slot's counts, their chunk start and its structured-output bitmask (one bit an id).
     assert kv_cache.slot_row_bytes(steps.text_slot_shapes(131072)) == (131072 + 1 + 131072 // 32) * 4
+
+
+@pytest.mark.parametrize("seconds", [10.0, 60.0, 300.0])
+def test_demand_admission_plans_the_pools_for_streams_of_the_planned_length(monkeypatch, seconds):
+    """Voxtral 4B in bfloat16 on a 16 GB chip (~6 GB of KV: neither pool fits 64 sessions' windows). Scaled
+    alike, the pools hold 5 streams of 10 s (the encoder pool, 0.18 of the memory, runs out first). Planned for
+    streams of `seconds`, both pools hold as many such streams as the memory does, and what is left goes to the decoder pool, where a longer stream still grows."""
+    import jax.numpy as jnp
+
+    from jaxstream.engine import builders, sharding
+
+    free = 6.5e9
+    monkeypatch.setattr(builders, "_free_device_bytes", lambda placement: free)
+    specs = _voxtral_4b_specs(64)
+    placement = sharding.Placement(None, "tp")
+    cfg = EngineConfig(dtype="bfloat16", planned_stream_seconds=seconds)
+    planned = _planned_pages(specs, seconds)
+    fitted = {spec.name: spec for spec in builders.fit_pools(specs, cfg, placement, stream_pages=planned)}
+    alike = {spec.name: spec for spec in builders.fit_pools(specs, cfg, placement)}
+    page_bytes = {spec.name: spec.bytes_per_page(jnp.bfloat16) for spec in specs}
+    budget = cfg.kv_memory_fraction * free
+
+    def streams(pools, pages):
+        return min((pools[name].num_pages - 1) // pages[name] for name in pages)
+
+    used = sum((fitted[name].num_pages - 1) * page_bytes[name] for name in fitted)
+    assert budget - page_bytes["decoder"] < used <= budget
+    # As many as fit beside one whole window of each pool (a single stream may fill its windows).
+    assert streams(fitted, planned) == max(n for n in range(1, 65) if sum(
+        max(n * planned[spec.name], spec.pages_per_window) * page_bytes[spec.name] for spec in specs) <= budget)
+    # A stream past 15 s fills its encoder window: a longer one grows in the decoder pool alone.
+    if seconds > 15:
+        assert fitted["encoder"].num_pages - 1 == streams(fitted, planned) * planned["encoder"]
+    assert fitted["decoder"].num_pages - 1 > streams(fitted, planned) * planned["decoder"]
+    assert streams(alike, _planned_pages(specs, 10.0)) == 5
+    assert streams(fitted, planned) >= 1.5 * streams(alike, planned)

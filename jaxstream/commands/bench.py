@@ -38,6 +38,10 @@ def register(subparsers) -> None:
                         help="demand: KV pages as streams grow, newer streams moving to host memory for older ones; "
                         "window: each stream is committed its whole windows at admission "
                         "(EngineConfig.realtime_admission; default: demand)")
+    parser.add_argument("--planned-stream-seconds", type=float, default=None, metavar="S",
+                        help="demand admission, when the pools do not fit whole: split memory between the encoder "
+                        "and decoder pools for streams of S seconds (EngineConfig.planned_stream_seconds; default: "
+                        "the engine's, 300)")
     parser.add_argument("--steps-per-dispatch", default="1,4", metavar="K[,K...]",
                         help="80 ms steps one dispatch may run per stream when audio is queued (catch-up); each "
                         "value is compiled (default: 1,4)")
@@ -97,7 +101,9 @@ async def _run(args, counts, steps, buckets) -> int:
     from jaxstream.engine.config import EngineConfig
 
     max_streams = max(counts)
-    tuning = {} if args.batch_wait_ms is None else {"realtime_batch_wait_ms": args.batch_wait_ms}
+    tuning = {name: value for name, value in (("realtime_batch_wait_ms", args.batch_wait_ms),
+                                              ("planned_stream_seconds", args.planned_stream_seconds))
+              if value is not None}
     try:
         config = EngineConfig(max_sessions=max_streams, page_size=args.page_size,
                               encoder_page_size=args.encoder_page_size, realtime_step_buckets=steps, dtype=args.dtype,

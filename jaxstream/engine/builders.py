@@ -170,17 +170,19 @@ def freeze_startup_heap() -> None:
 
 
 def fit_pools(specs: list[kv_cache.StackSpec], engine_cfg: EngineConfig, placement,
-              reserved_bytes: int = 0) -> list[kv_cache.StackSpec]:
+              reserved_bytes: int = 0, stream_pages: dict[str, int] | None = None) -> list[kv_cache.StackSpec]:
     """Scales default-sized pools down to `kv_memory_fraction` of the device's free memory (on CPU, the
     host's available memory), less `reserved_bytes` that other state takes (a text engine's penalty counts: one
     int32 per slot and vocabulary id, 33.5 MB for 64 slots of a 131k vocabulary).
 
     Pools the user sized explicitly are kept. A smaller pool holds fewer sessions at once: text sessions
     hold only the pages they use, while a transcription stream is committed its full windows, or its whole
-    length when it has an audio limit (the limit rules of `EngineConfig`). Under demand admission streams
-    hold the pages they use, and the largest pool alone is scaled down when the others fit whole: Voxtral's
-    encoder window (750 frames, 15 s) is full in any stream past 15 s, while its decoder window (8,192
-    slots, 11 minutes) is what a voice-agent turn mostly leaves empty.
+    length when it has an audio limit (the limit rules of `EngineConfig`), so under window admission every pool
+    is scaled alike. Under demand admission streams hold the pages they use, and with `stream_pages` (the pages
+    of each pool a stream of `EngineConfig.planned_stream_seconds` holds) the pools are planned for such
+    streams (`_planned_split`): scaling them alike would give most of the memory to Voxtral's decoder window
+    (8,192 slots, 11 minutes), which a voice turn leaves mostly empty, while its encoder window (750 frames,
+    15 s) is full in any stream past 15 s and runs out first.
     """
     explicit = {"text": engine_cfg.num_pages, "decoder": engine_cfg.num_pages,
                 "encoder": engine_cfg.encoder_num_pages}
@@ -194,20 +196,49 @@ def fit_pools(specs: list[kv_cache.StackSpec], engine_cfg: EngineConfig, placeme
         spec.num_pages * spec.bytes_per_page(dtype) for spec in specs if spec not in defaulted)
     if wanted <= budget:
         return specs
-    if engine_cfg.realtime_admission == "demand" and len(defaulted) > 1:
-        largest = max(defaulted, key=lambda spec: (spec.num_pages - 1) * spec.bytes_per_page(dtype))
-        room = budget - (wanted - (largest.num_pages - 1) * largest.bytes_per_page(dtype))
-        pages = int(room // largest.bytes_per_page(dtype))
-        if pages >= largest.pages_per_window:
-            logger.info("page pools: %s scaled to %d pages (%.0f %% of %d sessions' full windows) to fit %.1f GB "
-                        "of free memory, the others whole (demand admission)", largest.name, pages,
-                        100 * pages / (largest.num_pages - 1), engine_cfg.max_sessions, free / 1e9)
-            return [dataclasses.replace(spec, num_pages=1 + pages) if spec is largest else spec for spec in specs]
+    if engine_cfg.realtime_admission == "demand" and stream_pages is not None and len(defaulted) > 1:
+        planned = _planned_split(defaulted, budget, dtype, stream_pages, engine_cfg.max_sessions)
+        if planned is not None:
+            streams, pages = planned
+            logger.info("page pools planned for %d streams of %g s in %.1f GB of free memory (demand admission): %s; "
+                        "longer streams grow into the rest (EngineConfig.planned_stream_seconds)", streams,
+                        engine_cfg.planned_stream_seconds, free / 1e9, ", ".join(
+                            f"{spec.name} {pages[spec.name]} pages ({pages[spec.name] / spec.pages_per_window:.1f} "
+                            f"full windows)" for spec in defaulted))
+            return [dataclasses.replace(spec, num_pages=1 + pages[spec.name]) if spec in defaulted else spec
+                    for spec in specs]
     scale = max(budget, 0) / wanted
     logger.info("page pools scaled to %.0f %% of %d sessions' full windows to fit %.1f GB of free memory",
                 100 * scale, engine_cfg.max_sessions, free / 1e9)
     return [dataclasses.replace(spec, num_pages=1 + max(spec.pages_per_window, int((spec.num_pages - 1) * scale)))
             if spec in defaulted else spec for spec in specs]
+
+
+def _planned_split(specs, budget: float, dtype, stream_pages: dict[str, int], max_sessions: int):
+    """(streams, pages by pool) that give each pool in `specs` the `stream_pages` of as many streams as `budget`
+    bytes hold (at most `max_sessions`; at least one whole window a pool, which one stream may fill), and the bytes
+    left to the pools that a longer stream still grows in, in proportion to that growth (Voxtral's decoder: its
+    encoder window is full by then); None when not one such stream fits."""
+    page_bytes = {spec.name: spec.bytes_per_page(dtype) for spec in specs}
+
+    def floor(streams):  # pages by pool that hold `streams` planned streams and one whole window
+        return {spec.name: max(spec.pages_per_window, streams * stream_pages[spec.name]) for spec in specs}
+
+    def cost(pages):
+        return sum(pages[name] * page_bytes[name] for name in pages)
+
+    streams = min(max_sessions, int(budget // sum(stream_pages[name] * page_bytes[name] for name in page_bytes)))
+    while streams >= 1 and cost(floor(streams)) > budget:
+        streams -= 1
+    if streams < 1:
+        return None
+    pages = floor(streams)
+    growth = {spec.name: (spec.pages_per_window - stream_pages[spec.name]) * page_bytes[spec.name] for spec in specs}
+    if not any(growth.values()):  # planned past every window: what is left is shared as the windows are
+        growth = {name: stream_pages[name] * page_bytes[name] for name in page_bytes}
+    left = budget - cost(pages)
+    return streams, {name: pages[name] + int(left * growth[name] / sum(growth.values()) // page_bytes[name])
+                     for name in pages}
 
 
 def _free_device_bytes(placement) -> int | None:
@@ -250,6 +281,20 @@ def realtime_stack_specs(cfg: VoxtralConfig, engine_cfg: EngineConfig) -> list[k
     ]
 
 
+def planned_stream_pages(cfg: VoxtralConfig, engine_cfg: EngineConfig) -> dict[str, int] | None:
+    """The pages of each pool that a stream of `engine_cfg.planned_stream_seconds` at the default delay holds at
+    its end (None: no plan, full windows)."""
+    from jaxstream.engine.realtime_admission import stream_pages
+    from jaxstream.models.audio import n_delay_from_ms, stream_slot_bound
+
+    if engine_cfg.planned_stream_seconds is None:
+        return None
+    n_delay = n_delay_from_ms(engine_cfg.default_delay_ms or cfg.default_delay_ms)
+    slots = stream_slot_bound(engine_cfg.planned_stream_seconds, n_delay, cfg.n_left_pad_tokens)
+    return stream_pages({spec.name: spec for spec in realtime_stack_specs(cfg, engine_cfg)}, slots,
+                        cfg.downsample_factor)
+
+
 def build_realtime_core(model, engine_cfg: EngineConfig, tokenizer, *, warm_up=True):
     from jaxstream.engine import prefix_cache
     from jaxstream.engine.transcription_scheduler import RealtimeScheduler
@@ -258,7 +303,8 @@ def build_realtime_core(model, engine_cfg: EngineConfig, tokenizer, *, warm_up=T
     cfg = model_config(model)
     enc = cfg.encoder
     placement = sharding.Placement(engine_cfg.mesh, engine_cfg.tp_axis)
-    specs = fit_pools(realtime_stack_specs(cfg, engine_cfg), engine_cfg, placement)
+    specs = fit_pools(realtime_stack_specs(cfg, engine_cfg), engine_cfg, placement,
+                      stream_pages=planned_stream_pages(cfg, engine_cfg))
     for spec in specs:
         check_pool(spec)
     # The prefix cache's pages come on top of the pools sized above.

@@ -57,8 +57,9 @@ class EngineConfig:
     max_sessions: int = 64
     page_size: int = 64  # decoder / text KV positions per page
     encoder_page_size: int = 64  # Voxtral encoder KV frames per page
-    # Pages per pool including the null page. None: `max_sessions` full windows, scaled down (all pools
-    # alike) to fit `kv_memory_fraction` of the free device memory (a CPU's: the host's available memory).
+    # Pages per pool including the null page. None: `max_sessions` full windows, scaled down to fit
+    # `kv_memory_fraction` of the free device memory (a CPU's: the host's available memory): all pools alike, or
+    # under demand admission as `planned_stream_seconds` says.
     num_pages: int | None = None
     encoder_num_pages: int | None = None
     kv_memory_fraction: float = 0.85
@@ -111,6 +112,14 @@ class EngineConfig:
     # 10 s streams keep up with demand admission, 128 fall behind with window admission (README, "Tests and
     # benchmarks").
     realtime_admission: str = "demand"
+    # Demand admission, when the default pools do not fit whole: memory is split between Voxtral's encoder and
+    # decoder pools so that both hold as many streams of this many seconds as it can (up to `max_sessions`), the
+    # rest going to the decoder pool, which a longer stream still grows in (its encoder window is full after 15 s).
+    # None plans full windows (the decoder's is 11 minutes). Voxtral 4B in bfloat16 on a 16 GB chip holds streams of
+    # 10 s / 1 min / 5 min / 11 min at once: 6 / 5 / 5 / 5 planned for full windows, 9 / 9 / 9 / 4 for 300 s, 21 /
+    # 20 / 4 / 2 for 60 s (benchmarks/pool_plan.py; start-up logs the split). Set it to your streams' usual length:
+    # a voice agent's turns want less, streams that run past 11 minutes None.
+    planned_stream_seconds: float | None = 300.0
 
     def __post_init__(self):
         """Rejects, with `InvalidRequestError`, every value the engine would misuse rather than fail on at
@@ -128,6 +137,8 @@ class EngineConfig:
         _check_int(self, "seed")
         _check_real(self, "kv_memory_fraction", lambda f: 0 < f <= 1, "a number in (0, 1]")
         _check_real(self, "max_queued_audio_seconds", lambda s: 0 < s < math.inf, "a finite number > 0")
+        if self.planned_stream_seconds is not None:
+            _check_real(self, "planned_stream_seconds", lambda s: 0 < s < math.inf, "a finite number > 0 or None")
         _check_real(self, "realtime_batch_wait_ms", lambda ms: 0 <= ms <= 1000, "a number of ms in [0, 1000]")
         _set_buckets(self, "prefill_buckets", pairs=True)
         _set_buckets(self, "realtime_step_buckets", pairs=False)

@@ -43,6 +43,16 @@ STARVED_SECONDS = 1.0
 PARKED = STATUS_CODE[Status.PARKED]
 
 
+def stream_pages(specs, max_slots: int | None, downsample_factor: int) -> dict[str, int]:
+    """The most pages of each pool (`specs`: the encoder and decoder stacks by name) that a stream of at most
+    `max_slots` decoder slots holds (None: any length, its whole windows); its encoder holds `downsample_factor`
+    frames a slot."""
+    positions = {"decoder": max_slots, "encoder": None if max_slots is None else max_slots * downsample_factor}
+    return {name: spec.pages_per_window if positions[name] is None
+            else min(spec.pages_per_window, -(-positions[name] // spec.page_size))
+            for name, spec in specs.items()}
+
+
 class RealtimeAdmission(Residency):
     """Admission, commitments and victims of `RealtimeScheduler` (which owns `rows`, `model_cfg` and the
     placing of each tick's rows)."""
@@ -88,11 +98,7 @@ class RealtimeAdmission(Residency):
         """Pages per pool admission commits to a stream of at most `max_slots` slots (None: any length)."""
         if self.demand:
             return {name: 0 for name in self.cache.specs}
-        positions = {"decoder": max_slots, "encoder": None if max_slots is None
-                     else max_slots * self.model_cfg.downsample_factor}
-        return {name: spec.pages_per_window if positions[name] is None
-                else min(spec.pages_per_window, -(-positions[name] // spec.page_size))
-                for name, spec in self.cache.specs.items()}
+        return stream_pages(self.cache.specs, max_slots, self.model_cfg.downsample_factor)
 
     def _commitment_fits(self, session) -> bool:
         return all(self._committed[name] + session.commitment[name] <= self.cache.pools[name].capacity
