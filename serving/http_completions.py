@@ -63,7 +63,7 @@ from jaxstream.serving.completion_fields import (
     check_context_length, check_tokenizer, parse_flag, parse_prompt, parse_stream, prompt_ids, sampling_params,
 )
 from jaxstream.serving.http_errors import (
-    RequestError, check_model, check_ready, error_response, read_json, server_state,
+    RequestError, check_model, check_ready, engine_request_error, error_response, read_json, server_state,
 )
 from jaxstream.serving.http_prompt_logprobs import (
     echoed_logprobs, finite_logprob, joined_logprobs, prompt_logprobs_field,
@@ -103,7 +103,6 @@ class TextInput(streaming_input.EngineInput):
         self._prompt_streamed = 0  # how many of them the stream carried
         self.error: EngineError | None = None
         self.aborted = False
-        self.first_output = asyncio.Event()  # set at the engine's first output, or at the end without one
         self._chunks: asyncio.Queue = asyncio.Queue()
         # Chunks are bytes cut anywhere: a character may span two of them, so the input is decoded as one.
         self._utf8 = codecs.getincrementaldecoder("utf-8")()
@@ -192,7 +191,6 @@ class TextInput(streaming_input.EngineInput):
                 self._log_echo()
                 echo = False
             async for out in self.state.engine.generate(prompt, self.params, request_id=self.id):
-                self.first_output.set()
                 self.prompt_token_ids = out.prompt_token_ids
                 self.prompt_logprobs = out.prompt_logprobs or self.prompt_logprobs  # DELTA's come once
                 if echo:
@@ -221,7 +219,6 @@ class TextInput(streaming_input.EngineInput):
         finally:
             if self.log is not None:
                 self.log.close()
-            self.first_output.set()
             self._done.set()
 
     def _log_echo(self) -> None:
@@ -406,6 +403,8 @@ async def serve_one_shot(request: web.Request, prepare, on_streaming_input) -> w
         if streaming_input.is_streaming_input(request):
             return await on_streaming_input(request, state)
         text_input, prompt = prepare(await read_json(request), state)
+        # Refused before the request waits for its turn, and before any answer: a stream then opens at once.
+        await structured_output_fields.check_grammar(state.engine, text_input.params, text_input.structured_param)
         handle = streaming_input.DrainHandle(text_input)
         await streaming_input.admit_in_turn(state, handle, request)
     except RequestError as exc:
@@ -415,13 +414,11 @@ async def serve_one_shot(request: web.Request, prepare, on_streaming_input) -> w
         await text_input.start()
         await text_input.append(prompt)
         await text_input.finish()
-        response = await structured_output_fields.before_stream(text_input, request)
-        if response is None:
-            response = await text_input.serve_output(request)
+        response = await text_input.serve_output(request)
         if response is not None:
             return response
         if text_input.error is not None:
-            return structured_output_fields.refusal(text_input).response()
+            return engine_request_error(text_input.error).response()
         if text_input.finish_reason is None:
             return error_response(500, "aborted", "The completion produced no output")
         return web.json_response(text_input.completion())

@@ -23,20 +23,17 @@ an object without a constraint); a `json_schema` without `schema` is a 400 (vLLM
 `structured_outputs` constraint of another kind, which it then applies). Every refusal is a 400 whose `param` names
 the field the client sent.
 
-The engine compiles the grammar before the request runs, and refuses an invalid schema, regex or grammar, a model
-without a tokenizer and a tokenizer llguidance cannot read (a sentencepiece model) there: a 400 too. vLLM checks the
-grammar before it answers, so a stream (`stream: true`) opens only with the engine's first output (`before_stream`),
-and such a refusal is a 400 rather than an `error` event in a 200 stream. Structured outputs with streaming input
-(`X-Streaming-Input`, Mode B sessions) are refused: a grammar cannot span chunks that each end anywhere in it.
+Before a request is admitted, the engine compiles its grammar (`check_grammar`: `AsyncEngine.check_sampling_params`,
+into the cache the request's run takes it from), and refuses an invalid schema, regex or grammar, a model without a
+tokenizer and a tokenizer llguidance cannot read (a sentencepiece model): a 400 too, before any byte of a stream, as
+vLLM's front end checks the grammar before it queues the request. A valid request's stream (`stream: true`) opens at
+once, as an unconstrained one's. Structured outputs with streaming input (`X-Streaming-Input`, Mode B sessions) are
+refused: a grammar cannot span chunks that each end anywhere in it.
 """
-import asyncio
 import dataclasses
 
-from aiohttp import web
-
-from jaxstream.engine.requests import STRUCTURED_OUTPUT_KINDS, StructuredOutputsParams
-from jaxstream.errors import InvalidRequestError
-from jaxstream.serving import sse
+from jaxstream.engine.requests import STRUCTURED_OUTPUT_KINDS, SamplingParams, StructuredOutputsParams
+from jaxstream.errors import EngineError, InvalidRequestError
 from jaxstream.serving.http_errors import RequestError, engine_request_error
 
 OPTIONS = ("disable_any_whitespace", "disable_additional_properties")
@@ -46,7 +43,6 @@ _UNSUPPORTED = ("whitespace_pattern", "structural_tag")
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 _NOT_BOTH = "You can only either use constraints for structured outputs or tools, not both."  # vLLM's words
-_CLIENT_POLL_S = 0.25  # how often a request waiting for its first output checks that its client is still there
 
 
 @dataclasses.dataclass
@@ -150,34 +146,14 @@ def _unsupported(name: str) -> RequestError:
     return RequestError(400, "unsupported_parameter", f"`{name}` is not supported by this server", name)
 
 
-async def before_stream(text_input, request: web.Request) -> web.StreamResponse | None:
-    """For a streamed request with structured outputs (a `TextInput` started), the answer to give instead of the
-    stream: the engine's refusal as a 400, or a 499 if the client left first; None: stream it. Waits for the engine's
-    first output or the request's end, at most the stream's first-event timeout (past it the stream opens, and that
-    timeout applies)."""
-    if text_input.log is None or text_input.params.structured_outputs is None:
-        return None
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + sse.FIRST_EVENT_TIMEOUT_S
-    while not text_input.first_output.is_set() and loop.time() < deadline:
-        try:
-            async with asyncio.timeout(_CLIENT_POLL_S):
-                await text_input.first_output.wait()
-        except TimeoutError:
-            pass
-        if sse.client_gone(request):
-            await text_input.abort("client_disconnected")
-            return web.Response(status=499)  # nobody reads it; aiohttp logs the status
-    if text_input.done and text_input.error is not None:
-        return refusal(text_input).response()
-    return None
-
-
-def refusal(text_input) -> RequestError:
-    """The engine's refusal of a `TextInput` as its answer. An invalid request before any output of a request with
-    structured outputs is about them (the grammar compiles first): it names the field the client sent them in."""
-    refused = engine_request_error(text_input.error)
-    if (refused.code == "invalid_request" and text_input.params.structured_outputs is not None
-            and not any(choice.token_ids for choice in text_input.choices)):
-        refused.param = text_input.structured_param
-    return refused
+async def check_grammar(engine, params: SamplingParams, param: str | None) -> None:
+    """The engine's check of the structured outputs of `params`, asked for in the body field `param`: RequestError
+    naming that field when it refuses them (the only check of the engine's the server has not made itself)."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await engine.check_sampling_params(params)
+    except EngineError as exc:
+        refused = engine_request_error(exc)
+        refused.param = param or "structured_outputs"
+        raise refused from None

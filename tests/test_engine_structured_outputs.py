@@ -4,10 +4,12 @@ tokenizer.json (tests/fixtures/byte_bpe).
 Oracles: greedy tokens and their logprobs equal an offline forward over the final context whose logits at each
 step are masked by llguidance's own bitmask and numpy masking (a matcher of the test's, fed the same tokens);
 sampled texts are checked by `re.fullmatch`, `jsonschema` and the choice list; under preemption and alongside
-unconstrained requests every request gets what it gets alone on a roomy engine."""
+unconstrained requests every request gets what it gets alone on a roomy engine; `check_sampling_params` compiles a
+grammar once for the request that follows it (compiles counted where the grammar text is made)."""
 import asyncio
 import json
 import re
+import threading
 from pathlib import Path
 
 import jax
@@ -17,20 +19,17 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 import pytest
-from flax import nnx
 
-from jaxstream.engine.async_engine import AsyncEngine
+from engine_fixtures import BYTE_BPE as TOKENIZER, BYTE_BPE_EOS as EOS, FIXTURES, byte_bpe_engine, byte_bpe_llama
+from jaxstream.engine import structured_outputs
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.requests import SamplingParams, StreamingInput, StructuredOutputsParams
 from jaxstream.errors import InvalidRequestError
-from jaxstream.models import TextLM, config_from_hf, contiguous_page_table, init_kv_cache
+from jaxstream.models import contiguous_page_table, init_kv_cache
 from jaxstream.models.tokenizers import load_tokenizer
 from test_engine_scheduler import leave_at_baseline
 
-FIXTURES = Path(__file__).parent / "fixtures"
-TOKENIZER = FIXTURES / "byte_bpe"
 VOCAB = 320
-EOS = 2
 BASE = dict(max_sessions=4, page_size=4, batch_buckets=(4,), prefill_buckets=((2, 8),), max_num_batched_tokens=20,
             max_model_len=64)
 PERSON = {"type": "object", "properties": {"name": {"enum": ["alice", "bob", "carol"]},
@@ -44,11 +43,6 @@ CONSTRAINTS = {
 }
 
 
-def model():
-    cfg = json.loads((FIXTURES / "llama_tiny" / "config.json").read_text())
-    return TextLM(config_from_hf({**cfg, "vocab_size": VOCAB}), rngs=nnx.Rngs(0))
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer(TOKENIZER)
@@ -56,7 +50,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def engine(tokenizer):
-    engine = AsyncEngine(model(), config=EngineConfig(**BASE), tokenizer=tokenizer, eos_token_id=EOS)
+    engine = byte_bpe_engine(EngineConfig(**BASE), tokenizer)
     yield engine
     engine.close()
 
@@ -94,7 +88,7 @@ async def run(engine, prompt, params):
 
 def oracle_logits(engine, context) -> np.ndarray:
     """Log-softmax logits [len(context), V] of one offline forward over `context`."""
-    lm, cfg = model(), engine.model_config
+    lm, cfg = byte_bpe_llama(), engine.model_config
     window = cfg.attention_window
     table, num_pages = contiguous_page_table(1, window, window)
     cache = init_kv_cache(cfg.num_layers, num_pages, cfg.num_kv_heads, window, cfg.head_dim)
@@ -149,13 +143,13 @@ async def test_guided_and_free_requests_under_preemption_get_what_they_get_alone
     requests = [(f"prompt {i}", SamplingParams(temperature=1.0 if i % 2 else 0.0, seed=i, max_tokens=24,
                                                structured_outputs=CONSTRAINTS[kind] if kind else None))
                 for i, kind in enumerate([*CONSTRAINTS, None, None, "json", None])]
-    alone = AsyncEngine(model(), config=EngineConfig(**BASE), tokenizer=tokenizer, eos_token_id=EOS)
+    alone = byte_bpe_engine(EngineConfig(**BASE), tokenizer)
     try:
         expected = [await run(alone, prompt, params) for prompt, params in requests]
     finally:
         alone.close()
     # Pages for about two sessions: running ones are preempted and recompute, slots are reused.
-    short = AsyncEngine(model(), config=EngineConfig(**BASE, num_pages=1 + 16), tokenizer=tokenizer, eos_token_id=EOS)
+    short = byte_bpe_engine(EngineConfig(**BASE, num_pages=1 + 16), tokenizer)
     try:
         got = await asyncio.gather(*(run(short, prompt, params) for prompt, params in requests))
         assert short.core.preemptions > 0
@@ -206,8 +200,13 @@ async def test_a_grammar_after_the_reasoning_end_leaves_the_thinking_free(engine
     (dict(grammar="start: undefined_rule"), "invalid structured outputs grammar"),
 ])
 async def test_an_invalid_constraint_is_refused_before_any_output(engine, constraint, message):
-    with pytest.raises(InvalidRequestError, match=message):
-        await run(engine, "hello", SamplingParams(structured_outputs=constraint))
+    """By `generate`, and the same by `check_sampling_params` without running it."""
+    params = SamplingParams(structured_outputs=constraint)
+    with pytest.raises(InvalidRequestError, match=message) as checked:
+        await engine.check_sampling_params(params)
+    with pytest.raises(InvalidRequestError, match=message) as generated:
+        await run(engine, "hello", params)
+    assert str(checked.value) == str(generated.value)
 
 
 async def test_streaming_input_refuses_structured_outputs(engine):
@@ -217,6 +216,39 @@ async def test_streaming_input_refuses_structured_outputs(engine):
     with pytest.raises(InvalidRequestError, match="not supported with streaming input"):
         async for _ in engine.generate(chunks(), SamplingParams(structured_outputs=dict(regex="a+"))):
             pass
+    with pytest.raises(InvalidRequestError, match="not supported with streaming input"):
+        await engine.check_sampling_params(SamplingParams(structured_outputs=dict(regex="a+")), streaming=True)
+
+
+@pytest.fixture
+def compiles(monkeypatch):
+    """The grammars the engines compile, as (kind, the thread that compiled it): counted where their text is made."""
+    made, text = [], structured_outputs.grammar_text
+
+    def counted(params):
+        made.append((params.kind, threading.current_thread()))
+        return text(params)
+
+    monkeypatch.setattr(structured_outputs, "grammar_text", counted)
+    return made
+
+
+async def test_a_checked_grammar_is_compiled_once_off_the_event_loop(engine, compiles):
+    """`check_sampling_params` compiles the grammar on a worker thread, into the cache `generate` takes it from: the
+    request that follows is not compiled again, and its text follows the grammar."""
+    constraint = dict(regex=r"[a-z]{3}_[0-9]{3}")  # this test's own: the module's engine has compiled none like it
+    params = SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=constraint)
+    assert await engine.check_sampling_params(params) is None
+    assert [kind for kind, _ in compiles] == ["regex"] and compiles[0][1] is not threading.current_thread()
+    _, _, text, reason = await run(engine, "hello", params)
+    assert reason == "stop" and re.fullmatch(constraint["regex"], text), text
+    assert len(compiles) == 1
+    # Without a check, `generate` compiles it itself, once; a check after it finds it compiled.
+    fresh = SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=dict(regex=r"[0-9]{2}_[a-z]{2}"))
+    _, _, text, reason = await run(engine, "hello", fresh)
+    await engine.check_sampling_params(fresh)
+    assert reason == "stop" and re.fullmatch(r"[0-9]{2}_[a-z]{2}", text), text
+    assert len(compiles) == 2
 
 
 @pytest.mark.parametrize("source", ["none", "sentencepiece", "word-level"])

@@ -7,27 +7,26 @@ parser) is driven with the openai SDK and aiohttp. Oracles: the constraint itsel
 `jsonschema` over the answer or a tool call's arguments), Python's json for arguments (`json.dumps(json.loads(...))`),
 and the non-streamed answer for the streamed one (greedy). A random model writes whitespace and strings without end
 where a grammar lets it: schemas here close their objects and bound their strings, JSON is compact
-(`disable_any_whitespace`), and `json_object` is steered by `logit_bias`."""
+(`disable_any_whitespace`), and `json_object` is steered by `logit_bias`. A constrained stream opens before the
+engine's first output (held back by the test), as an unconstrained one."""
 import asyncio
 import json
 import re
-from pathlib import Path
+import threading
 
 import aiohttp
 import jsonschema
 import openai
 import pytest
-from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer
 
-from jaxstream.engine.async_engine import AsyncEngine
+from engine_fixtures import BYTE_BPE, byte_bpe_engine
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.requests import StructuredOutputsParams
-from jaxstream.models import TextLM, config_from_hf
 from jaxstream.models.tokenizers import load_tokenizer
-from jaxstream.serving import forced_tool_calls
+from jaxstream.serving import forced_tool_calls, sse
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.http_errors import RequestError
 from jaxstream.serving.structured_output_fields import requested
@@ -38,8 +37,6 @@ from test_serve_http_completions import SESSIONS, b64
 
 pytestmark = pytest.mark.slow
 
-FIXTURES = Path(__file__).parent / "fixtures"
-EOS = 2
 TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
 PERSON = {"type": "object", "properties": {"name": {"enum": ["alice", "bob", "carol"]},
@@ -53,6 +50,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 COMPACT = {"disable_any_whitespace": True, "disable_additional_properties": True}
 ASK = [{"role": "user", "content": "the weather in paris?"}]
 ID = re.compile(r"chatcmpl-tool-[0-9a-f]{32}")
+HANG_GUARD_S = 60  # how long a test waits for an answer the server may never give (not a measure of its speed)
 
 
 # -- the request fields -> the engine's StructuredOutputsParams ----------------------------------------------------
@@ -219,21 +217,18 @@ def test_forced_calls_of_a_mistral_tokenizer_take_its_ids():
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("byte_bpe_think")
-    tokenizer = Tokenizer.from_file(str(FIXTURES / "byte_bpe" / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(BYTE_BPE / "tokenizer.json"))
     tokenizer.add_special_tokens([AddedToken("<think>", special=True), AddedToken("</think>", special=True)])
     tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text((FIXTURES / "byte_bpe" / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text((BYTE_BPE / "tokenizer_config.json").read_text())
     return directory
 
 
 @pytest.fixture(scope="module")
 def engine(tokenizer_dir):
-    tokenizer = load_tokenizer(tokenizer_dir)
-    config = json.loads((FIXTURES / "llama_tiny" / "config.json").read_text())
-    model = TextLM(config_from_hf({**config, "vocab_size": tokenizer.vocab_size}), rngs=nnx.Rngs(0))
-    engine = AsyncEngine(model, config=EngineConfig(
+    engine = byte_bpe_engine(EngineConfig(
         max_sessions=4, page_size=16, batch_buckets=(4,), prefill_buckets=((4, 32),), max_num_batched_tokens=64,
-        max_model_len=192), tokenizer=tokenizer, eos_token_id=EOS)
+        max_model_len=192), load_tokenizer(tokenizer_dir))
     yield engine
     engine.close()
 
@@ -357,6 +352,40 @@ async def test_grammars_the_engine_refuses_are_400s_streamed_or_not(server):
                 error = answer["error"]
                 assert (status, error["code"], error["param"]) == (400, "invalid_request", param), error
                 assert message in error["message"]
+
+
+async def test_a_constrained_stream_opens_before_the_first_output(server, engine, monkeypatch):
+    """The engine checks the grammar before the request runs, so a stream with a valid constraint opens at once, as
+    an unconstrained one: its 200 and SSE headers arrive while the engine's first output is held back (they came with
+    the first output: the grammar was compiled in the run, and an invalid one had to be a 400, not a stream's error
+    event). Released, the stream carries text of the grammar."""
+    release, generate = threading.Event(), engine.generate
+
+    async def held(*args, **kwargs):  # on the server's loop: each output waits for the test's release
+        async for out in generate(*args, **kwargs):
+            await asyncio.to_thread(release.wait)
+            yield out
+
+    monkeypatch.setattr(engine, "generate", held)
+    # No first-event timeout opens the stream within the wait below: headers come only when the server sends them
+    # before the output.
+    monkeypatch.setattr(sse, "FIRST_EVENT_TIMEOUT_S", 10 * HANG_GUARD_S)
+    body = {"model": server.state.model_id, "prompt": "hello", "max_tokens": 20, "temperature": 0, "stream": True,
+            "structured_outputs": {"regex": "[a-z]{2}=[0-9]{2}"}}
+    try:
+        async with aiohttp.ClientSession() as http:
+            response = await asyncio.wait_for(http.post(server.url("/v1/completions", "http"), json=body),
+                                              HANG_GUARD_S)
+            assert response.status == 200 and response.headers["Content-Type"] == "text/event-stream"
+            release.set()
+            events = [line.removeprefix("data: ") for line in (await response.text()).splitlines()
+                      if line.startswith("data: ")]
+    finally:
+        release.set()  # a failed test must not leave the server's worker thread waiting
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event)["choices"][0] for event in events[:-1]]
+    assert re.fullmatch("[a-z]{2}=[0-9]{2}", "".join(chunk["text"] for chunk in chunks))
+    assert chunks[-1]["finish_reason"] == "stop"
 
 
 async def test_streaming_input_refuses_structured_outputs(server):

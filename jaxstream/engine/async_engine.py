@@ -8,8 +8,9 @@ session's appends in batches and answers each `append` on its event loop.
 
 The contract a server needs: `start_transcription` answers `CapacityError` / `DrainingError` at once
 instead of waiting; `append` awaits under backpressure; `drain` stops admitting and lets sessions end;
-`healthy` turns False when the engine thread dies; `metrics()` is a thread-safe snapshot; every failure
-a caller sees is an `EngineError` with a stable `code` (jaxstream/errors.py).
+`healthy` turns False when the engine thread dies; `metrics()` is a thread-safe snapshot; `check_sampling_params`
+refuses a text request's parameters (its grammar compiled) before anything runs; every failure a caller sees is an
+`EngineError` with a stable `code` (jaxstream/errors.py).
 """
 import asyncio
 import logging
@@ -180,23 +181,15 @@ class AsyncEngine:
         """vLLM's `generate`: `prompt` is a prompt (token ids, text, {"prompt_token_ids": ...}) or an async
         iterator of `StreamingInput` chunks (one session). Yields `RequestOutput`s. Without `sampling_params`
         it samples with `default_sampling_params()`, the checkpoint's, as vLLM's `LLM.generate` does."""
-        if self.kind != "text":
-            raise ValueError("generate() serves text models; use start_transcription() for Voxtral Realtime")
         request_id = request_id or uuid.uuid4().hex
         params = sampling_params or self._default_sampling_params
         streaming = hasattr(prompt, "__aiter__")
-        try:
-            params.check_supported(streaming=streaming)
-        except EngineError as exc:
-            raise _rejected(exc) from None
+        self._check_params(params, streaming)
         self._check_admitting()
         ids = None if streaming else prompt_token_ids(self.tokenizer, prompt, first=True)
         guide = None
-        if params.structured_outputs is not None:  # compiled off the event loop (and off the engine thread)
-            try:
-                guide = await asyncio.to_thread(self._grammars.guide, params.structured_outputs)
-            except EngineError as exc:
-                raise _rejected(exc) from None
+        if params.structured_outputs is not None:
+            guide = await self._off_loop(self._grammars.guide, params.structured_outputs)
         if params.n > 1:  # vLLM's parallel sampling: n child requests (parallel_sampling.py)
             self._families[request_id] = parallel_sampling.child_ids(request_id, params.n)
             try:
@@ -244,6 +237,32 @@ class AsyncEngine:
             if feeder is not None and not feeder.done():
                 feeder.cancel()
                 await asyncio.gather(feeder, return_exceptions=True)
+
+    async def check_sampling_params(self, sampling_params: SamplingParams, *, streaming: bool = False) -> None:
+        """Raises the `InvalidRequestError` that `generate` would raise for `sampling_params` (a one-shot request's, or
+        a streaming-input session's), without running anything: what the engine does not serve, and a structured-outputs
+        grammar that does not compile. vLLM's front end checks a request so before it queues it: a server calls this to
+        refuse a request before it answers, then streams the answer at once. The grammar compiles off the event loop,
+        into the cache `generate` takes it from: a request checked first is compiled once."""
+        self._check_params(sampling_params, streaming)
+        if sampling_params.structured_outputs is not None:
+            await self._off_loop(self._grammars.compile, sampling_params.structured_outputs)
+
+    def _check_params(self, params: SamplingParams, streaming: bool) -> None:
+        if self.kind != "text":
+            raise ValueError("text generation needs a text model; use start_transcription() for Voxtral Realtime")
+        try:
+            params.check_supported(streaming=streaming)
+        except EngineError as exc:
+            raise _rejected(exc) from None
+
+    async def _off_loop(self, compile_grammar, structured_outputs):
+        """`compile_grammar(structured_outputs)` on a worker thread (a large grammar takes long: neither the event loop
+        nor the engine thread waits for it)."""
+        try:
+            return await asyncio.to_thread(compile_grammar, structured_outputs)
+        except EngineError as exc:
+            raise _rejected(exc) from None
 
     async def _feed(self, stream, request_id, default_params, sink, outputs, sent: list) -> None:
         """Forwards a session's input chunks; closes the input at exhaustion; fails the session on error."""

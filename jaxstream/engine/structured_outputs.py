@@ -1,7 +1,8 @@
 """Structured outputs (vLLM's guided decoding) with llguidance: a request's grammar allows some tokens at each step.
 
 `Grammars` (one an engine) compiles a request's `StructuredOutputsParams` into an llguidance matcher, off the engine
-thread (`AsyncEngine.generate` awaits it), keeping the last compiled ones so a repeated schema costs a copy. The
+thread (`AsyncEngine.generate` awaits it, and `AsyncEngine.check_sampling_params` for a server that refuses an invalid
+grammar before it answers), keeping the last compiled ones so a repeated or checked schema costs a copy. The
 scheduler keeps the matcher with its session: before a step that samples for it, the matcher's bitmask of allowed
 ids (one bit an id) goes into the session's slot on the device (`write_masks`, program `TOKEN_MASKS`), the step
 sets every other id's logit to -inf (steps.text_step), and the sampled id advances the matcher (`advance`).
@@ -85,15 +86,21 @@ class Grammars:
         self._compiled: collections.OrderedDict = collections.OrderedDict()
 
     def guide(self, params: StructuredOutputsParams) -> Guide:
-        """A fresh `Guide` for `params` (InvalidRequestError when the model's tokenizer cannot serve one
-        or the schema, regex or grammar is invalid). Slow for a large grammar: call it off the engine thread."""
+        """A fresh `Guide` for `params`: a copy of `compile`'s template (its errors)."""
+        return Guide(self.compile(params).deep_copy(), self._words, params.reasoning_end_token_id)
+
+    def compile(self, params: StructuredOutputsParams):
+        """The compiled template of `params`' grammar (an llguidance matcher at its start, never advanced), kept for
+        the next request with the same key. InvalidRequestError when the model's tokenizer cannot serve one or the
+        schema, regex or grammar is invalid. Slow for a large grammar: call it off the event loop and the engine
+        thread."""
         import llguidance
 
         with self._lock:
             template = self._compiled.get(params.key)
             if template is not None:
                 self._compiled.move_to_end(params.key)
-                return Guide(template.deep_copy(), self._words, params.reasoning_end_token_id)
+                return template
             tokenizer = self._llguidance_tokenizer()
         grammar = grammar_text(params)
         template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
@@ -103,7 +110,7 @@ class Grammars:
             self._compiled[params.key] = template
             while len(self._compiled) > _CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
-        return Guide(template.deep_copy(), self._words, params.reasoning_end_token_id)
+        return template
 
     def _llguidance_tokenizer(self):
         if self._ll_tokenizer is None:
