@@ -486,10 +486,10 @@ def parse_delay_ms(fields: dict, state, param: str) -> int | None:
 
 
 async def _start_when_free(audio_input: AudioInput, state, request: web.Request, wait_s: float) -> None:
-    """Starts the upload's engine session; while the engine holds its max_live_sessions, waits its turn, first come
-    first served, up to `wait_s` (what is left of `request_queue_s` after its wait for a connection: request_queue.py),
-    then the engine's CapacityError (503), as vLLM queues requests. A drain ends the wait (503), and so does a client
-    that leaves (400 client_disconnected)."""
+    """Starts the upload's engine session; while the engine holds its max_live_sessions, waits its turn (turns go
+    round the client keys: request_queue.py), up to `wait_s` (what is left of `request_queue_s` after its wait for a
+    connection), then the engine's CapacityError (503), as vLLM queues requests. A drain ends the wait (503), and so
+    does a client that leaves (400 client_disconnected)."""
     engine = state.engine
 
     async def attempt():
@@ -503,7 +503,8 @@ async def _start_when_free(audio_input: AudioInput, state, request: web.Request,
             return None
         return True
 
-    if not await state.session_queue.take(attempt, wait_s, lambda: sse.client_gone(request)):
+    if not await state.session_queue.take(attempt, wait_s, lambda: sse.client_gone(request),
+                                          key=state.key_limits.key_of(request)):
         if sse.client_gone(request):
             raise RequestError(400, "client_disconnected", "The client went away while its upload waited")
         raise CapacityError(f"the engine holds its {engine.max_live_sessions} sessions (the upload waited "

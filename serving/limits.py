@@ -62,7 +62,9 @@ class Limits:
     # may send (the RFC's max_payload_per_session; 256 MiB of PCM16 is about 2 h 20 min at 16 kHz).
     max_payload_per_session: int = 256 << 20
     # Per key, over every route (KeyLimits); None: no limit.
-    max_streams_per_key: int | None = None  # open WebSockets + streaming HTTP requests + Mode B sessions
+    # Open WebSockets + Mode B sessions + HTTP requests that run the model (Mode A, and an upload, completion or chat
+    # from its arrival: waiting in the queue counts), so a key never holds more than N of the server's places.
+    max_streams_per_key: int | None = None
     max_requests_per_minute_per_key: int | None = None  # HTTP requests and WebSocket handshakes
     # A request body the server reads before it admits the request (an upload's form, a Mode A request's first
     # line, a JSON body: a completion, a Mode B session's creation or chunk) must keep arriving: after
@@ -256,11 +258,15 @@ async def read_at_min_rate(read, limits: Limits, received, *, from_first_byte: b
 
 # -- per-key limits, shared by the WebSocket and HTTP routes ---------------------------------------------------
 class KeyLimits:
-    """At most `max_streams_per_key` open streams (WebSocket connections, streaming HTTP requests, Mode B
-    sessions) and `max_requests_per_minute_per_key` requests (HTTP calls and WebSocket handshakes) per
-    client key: the API key presented when it is one of the server's keys, else the client's address (a key
-    the server does not accept would let a client pick a fresh identity per request: routes that check the
-    key after the upgrade, /ws and Kyutai's, see wrong ones too)."""
+    """At most `max_streams_per_key` open streams (WebSocket connections, Mode B sessions, and HTTP requests that
+    run the model: a Mode A request, and an upload, completion or chat from its arrival to its answer, its wait in
+    the server's queue included, so that a key never holds more than N of the server's places, waiting or running)
+    and `max_requests_per_minute_per_key` requests (HTTP calls and WebSocket handshakes) per client key: the API
+    key presented when it is one of the server's keys, else the client's address (a key the server does not accept
+    would let a client pick a fresh identity per request: routes that check the key after the upgrade, /ws and
+    Kyutai's, see wrong ones too). Limit or not, a key cannot hold the others up in the server's queue: its turns
+    alternate with theirs, and at a full queue it gives its newest place up to another key's newcomer
+    (request_queue.py)."""
 
     _SWEEP_AT = 4096  # rate windows kept before the idle ones are dropped
 
@@ -304,7 +310,8 @@ class KeyLimits:
 
 
 def holds_stream(handler):
-    """Marks an HTTP route handler whose request counts as an open stream of its key while it runs."""
+    """Marks an HTTP route handler whose request counts as an open stream of its key while it runs (from before it
+    reads its body, so a request waiting in the server's queue counts too)."""
     handler.holds_key_stream = True
     return handler
 

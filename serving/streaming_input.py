@@ -42,6 +42,7 @@ from jaxstream.serving.http_errors import (
     RequestError, body_read, engine_request_error, parse_json_object, read_before_admission,
 )
 from jaxstream.serving.limits import Breach, drain_notice, duration_breach
+from jaxstream.serving.request_queue import OverShare
 
 logger = logging.getLogger(__name__)
 
@@ -372,18 +373,24 @@ def admit(state, handle: DrainHandle) -> None:
 
 async def admit_in_turn(state, handle: DrainHandle, request: web.Request) -> None:
     """`admit` for a one-shot request (an upload, a completion, a chat): at the server's connection limit it waits
-    its turn, first come first served, up to `request_queue_s` (request_queue.py), then the 429; so does one that
-    finds WAITING_PER_CONNECTION times the limit waiting (each holds its body). A client that leaves while it waits
-    is a 400 client_disconnected (no one reads it)."""
+    its turn, in turns that go round the client keys, up to `request_queue_s` (request_queue.py), then the 429
+    `capacity`; so does one that finds WAITING_PER_CONNECTION times the limit waiting (each holds its body) and no
+    key holding more places than its own. One whose key holds its share of that full room, or whose place another
+    key's newcomer took, is a 429 `rate_limit_exceeded` with Retry-After, as the other per-key limits answer. A
+    client that leaves while it waits is a 400 client_disconnected (no one reads it)."""
     async def attempt():
         refusal = state.admit(handle)
         if refusal is not None and refusal.error_code != "capacity":
             raise _refused(refusal)  # draining, loading, dead: waiting would not help
         return refusal is None or None
 
-    if not await state.connection_queue.take(attempt, state.config.limits.request_queue_s,
-                                             lambda: sse.client_gone(request),
-                                             max_waiting=WAITING_PER_CONNECTION * state.max_connections):
+    try:
+        admitted = await state.connection_queue.take(
+            attempt, state.config.limits.request_queue_s, lambda: sse.client_gone(request),
+            max_waiting=WAITING_PER_CONNECTION * state.max_connections, key=state.key_limits.key_of(request))
+    except OverShare as exc:
+        raise RequestError(429, "rate_limit_exceeded", str(exc)) from None
+    if not admitted:
         if sse.client_gone(request):
             raise RequestError(400, "client_disconnected", "The client went away while its request waited")
         raise RequestError(429, "capacity", f"The server is at its limit of {state.max_connections} connections "

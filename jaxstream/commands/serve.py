@@ -73,8 +73,11 @@ def register(subparsers) -> None:
     parser.add_argument("--max-payload-per-session", type=int, default=None, metavar="BYTES",
                         help="payload one HTTP streaming-input request or session may send (default 268435456)")
     parser.add_argument("--max-streams-per-key", type=int, default=None, metavar="N",
-                        help="open WebSockets, streaming HTTP requests and sessions per API key (per client "
-                             "address without keys; default unlimited)")
+                        help="open WebSockets, streaming-input sessions and HTTP requests that run the model "
+                             "(uploads, completions, chats: waiting in the queue or running) per API key (per "
+                             "client address without keys; default unlimited; a request past it: 429 with "
+                             "Retry-After). Limit or not, a key's queued requests take turns with other keys' and "
+                             "give their places up to them when the queue is full")
     parser.add_argument("--max-requests-per-minute", type=int, default=None, metavar="N",
                         help="HTTP requests and WebSocket handshakes per API key (or client address) in any "
                              "60 s (default unlimited)")
