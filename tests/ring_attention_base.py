@@ -153,7 +153,8 @@ def with_history(case, args, history, k_history, v_history):
 
 class RingAttentionTestBase:
     """Subclasses set `implementation` and `interpret`, and may narrow the sweep with `dtypes` and drop the
-    reach cases (`reach_cases`: the XLA path's buckets; a Pallas kernel runs them once, in one interpreter).
+    reach cases (`reach_cases`: the XLA path's buckets; a Pallas kernel runs them once, in one interpreter)
+    and the fp8 pages (`takes_fp8_pages`: the C++ kernel takes float32 pages only).
     `hides_visible_non_finite`: the Pallas kernels zero every non-finite value, even one a query can see (the
     op's one documented difference from the float64 oracle, api.ring_attention). `marks_whole_heads`: a
     query head that sees one is non-finite in its whole output, not only where the oracle is (the XLA path's
@@ -166,6 +167,7 @@ class RingAttentionTestBase:
     tolerance = TOLERANCE
     hides_visible_non_finite = False
     marks_whole_heads = False
+    takes_fp8_pages = True
 
     def run(self, args, window, **kwargs):
         return api.ring_attention(**args, window=window, implementation=self.implementation,
@@ -205,6 +207,33 @@ class RingAttentionTestBase:
                                                       history["lengths"], stop)
             np.testing.assert_array_equal(np.asarray(written.astype(jnp.float32)), expected_pool,
                                           err_msg=f"{name}_pages after the write")
+
+    @pytest.mark.parametrize("case_name", ["paged_prefill_wrap", "paged_decode_gqa8"])
+    @pytest.mark.parametrize("page_dtype", ["float8_e4m3fn", "float8_e5m2"])
+    def test_fp8_pages_match_dense_oracle_over_the_stored_values(self, case_name, page_dtype):
+        """float32 queries and new keys/values over fp8 pages (an fp8 KV cache): the output is the float64
+        oracle's over the whole history as fp8 stores it, the chunk's own rows included (rounded before they are
+        attended to, not only when written), and the pages after the write hold the chunk rounded to fp8."""
+        case = CASES[case_name]
+        if not self.takes_fp8_pages:
+            pytest.skip("this implementation refuses pages other than float32")
+        args, history = build(case, "float32", seed=zlib.crc32(f"{case_name}/{page_dtype}".encode()))
+        stored = {name: round_to(history[f"{name}_history"], page_dtype) for name in ("k", "v")}
+        rounded_args, rounded = with_history(case, args, history, stored["k"], stored["v"])
+        args = dict(args, k_pages=rounded_args["k_pages"].astype(page_dtype),
+                    v_pages=rounded_args["v_pages"].astype(page_dtype))  # k_new / v_new stay unrounded
+        out, k_pages, v_pages = self.run(args, case.window, scale=case.scale)
+        assert out.dtype == jnp.float32 and k_pages.dtype == v_pages.dtype == jnp.dtype(page_dtype)
+        expected = reference.dense_attention(history["q"], stored["k"], stored["v"], history["lengths"],
+                                             history["num_new"], window=case.window, scale=case.scale)
+        valid = np.arange(case.chunk)[None, :] < history["num_new"][:, None]
+        np.testing.assert_allclose(np.asarray(out)[valid], expected[valid], atol=self.tolerance["float32"],
+                                   rtol=self.tolerance["float32"])
+        stop = history["lengths"] + history["num_new"]
+        for name, written in (("k", k_pages), ("v", v_pages)):
+            expected_pool = reference.write_positions(rounded[f"{name}_pool"], history["page_table"], stored[name],
+                                                      history["lengths"], stop)
+            np.testing.assert_array_equal(np.asarray(written.astype(jnp.float32)), round_to(expected_pool, page_dtype))
 
     @pytest.mark.parametrize("case_name", ["paged_prefill_wrap", "fixed_ring_decode"])
     def test_stale_nan_never_reaches_the_output(self, case_name):

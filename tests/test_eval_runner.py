@@ -204,6 +204,7 @@ def test_a_resume_that_cannot_continue_its_report_says_what_to_pass(tmp_path, ca
              "without --realtime and with --normalizer english", "with --realtime and with --normalizer basic"),
             (["--limit", "3", "--shard", "0/2"], "without --shard", "with --shard 0/2"),
             (["--limit", "3", "--quantization", "int8"], "without --quantization", "with --quantization int8"),
+            (["--limit", "3", "--kv-cache-dtype", "fp8"], "without --kv-cache-dtype", "with --kv-cache-dtype fp8"),
             (["--limit", "2"], "with --limit 3", "with --limit 2")]:
         assert _eval(corpus, *flags, *again) == 2
         assert capsys.readouterr().err.splitlines()[-1] == (

@@ -35,6 +35,7 @@ class TestCpu(RingAttentionTestBase):
     """The C++ kernel (float32 only: other dtypes take the XLA path)."""
     implementation = "cpu"
     dtypes = ("float32",)
+    takes_fp8_pages = False
 
 
 class TestPallasInterpret(RingAttentionTestBase):

@@ -53,6 +53,19 @@ def test_kernel_lowers(kernel, platform, shape):
     assert CUSTOM_CALL[platform] in module
 
 
+@pytest.mark.parametrize("kernel,platform", [("pallas_tpu", "tpu"), ("pallas", "tpu"), ("pallas", "cuda")])
+def test_kernel_lowers_over_fp8_pages(kernel, platform):
+    """An fp8 KV cache (`EngineConfig.kv_cache_dtype`): bfloat16 queries and new rows over float8_e4m3fn pages."""
+    sizes = SHAPES["decoder_decode"]
+    if kernel == "pallas" and platform == "tpu":
+        sizes = sizes[:7] + (24,)
+    arguments = list(_arguments(*sizes))
+    arguments[3] = arguments[4] = jax.ShapeDtypeStruct(arguments[3].shape, jnp.float8_e4m3fn)
+    function = {"pallas": pallas.ring_attention_pallas, "pallas_tpu": pallas_tpu.ring_attention_pallas_tpu}[kernel]
+    module = _export(functools.partial(function, window=sizes[6], platform=platform), platform, arguments)
+    assert CUSTOM_CALL[platform] in module and "f8E4M3FN" in module
+
+
 def test_tpu_kernel_is_refused_for_gpu():
     arguments = _arguments(*SHAPES["decoder_decode"])
     with pytest.raises(NotImplementedError, match="needs a TPU"):

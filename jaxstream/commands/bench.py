@@ -3,7 +3,7 @@ host work per tick p50/p99, token latency of every generated id over the whole r
 keep up with real time, tokens/s, memory-bound floor)."""
 import json
 
-from jaxstream.commands.transcribe import add_quantization_argument, checked_delay_ms, model_source
+from jaxstream.commands.transcribe import add_precision_arguments, checked_delay_ms, model_source
 from jaxstream.errors import InvalidRequestError, UserError
 
 
@@ -55,7 +55,7 @@ def register(subparsers) -> None:
                         "the engine's prefix cache (for comparing the two)")
     parser.add_argument("--dtype", default=None, help="compute and KV dtype, e.g. bfloat16 (default: float32 on "
                         "CPU, bfloat16 on accelerators)")
-    add_quantization_argument(parser)
+    add_precision_arguments(parser)
     parser.add_argument("--attention", choices=("xla", "cpu", "pallas", "pallas_tpu"), default=None,
                         help="ring attention implementation (default: the best on this backend: pallas_tpu on TPU, "
                         "pallas on GPU, cpu (the C++ kernel) on CPU, xla where none of those can run)")
@@ -102,7 +102,8 @@ async def _run(args, counts, steps, buckets) -> int:
 
     max_streams = max(counts)
     tuning = {name: value for name, value in (("realtime_batch_wait_ms", args.batch_wait_ms),
-                                              ("planned_stream_seconds", args.planned_stream_seconds))
+                                              ("planned_stream_seconds", args.planned_stream_seconds),
+                                              ("kv_cache_dtype", args.kv_cache_dtype))
               if value is not None}
     try:
         config = EngineConfig(max_sessions=max_streams, page_size=args.page_size,

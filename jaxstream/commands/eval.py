@@ -20,7 +20,7 @@ import sys
 
 from jaxstream import distributed
 from jaxstream.commands.transcribe import (
-    add_quantization_argument, checked_delay_ms, model_source, speech_model_config,
+    add_precision_arguments, checked_delay_ms, model_source, speech_model_config,
 )
 from jaxstream.errors import UserError
 
@@ -62,7 +62,7 @@ def register(subparsers) -> None:
     parser.add_argument("--resume", action="store_true", help="continue the run recorded in --report")
     parser.add_argument("--merge", nargs="+", default=None, metavar="REPORT",
                         help="join the reports of the shards of one corpus instead of running")
-    add_quantization_argument(parser)
+    add_precision_arguments(parser)
     distributed.add_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -170,7 +170,8 @@ def _plan(args, group):
     delays = requested or [default_delay]
     evaluation = Evaluation(corpus, model=model, delays=delays,
                             options=RunOptions(concurrency=args.concurrency, realtime=args.realtime,
-                                               quantization=args.quantization),
+                                               quantization=args.quantization,
+                                               kv_cache_dtype=args.kv_cache_dtype or "auto"),
                             normalizer_name=args.normalizer, limit=args.limit, shard=shard)
     excluded = evaluation.corpus["excluded"]
     note = f" ({len(excluded)} with an empty reference excluded)" if excluded else ""
@@ -231,7 +232,8 @@ def _run(evaluation, args, save) -> None:
 
     async def main():
         engine = AsyncEngine.from_pretrained(evaluation.model, config=EngineConfig(
-            max_sessions=args.concurrency, quantization=args.quantization))
+            max_sessions=args.concurrency, quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype or "auto"))
         async with engine:
             await run_evaluation(evaluation, engine, load_audio=load_and_judge, save=save)
 

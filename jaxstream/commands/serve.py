@@ -8,7 +8,7 @@ HTTP streaming-input sessions, a browser microphone demo at `/`, health, models 
                     [--tool-call-parser {hermes,llama3_json,mistral}] [--reasoning-parser {deepseek_r1,qwen3}]
                     [--allowed-origins JSON] [--allowed-methods JSON] [--allowed-headers JSON]
                     [--allow-credentials] [--enable-prefix-caching | --no-enable-prefix-caching]
-                    [--quantization int8] [--config server.toml]
+                    [--quantization int8] [--kv-cache-dtype fp8] [--config server.toml]
 
 The server listens first, then loads the model and compiles every bucket before it reports ready (GET /health
 answers 503 until then); a host or port it cannot listen on fails at once, before any loading. SIGTERM or
@@ -39,7 +39,7 @@ _SERVER_MAX_QUEUED_AUDIO_S = 30.0
 
 
 def register(subparsers) -> None:
-    from jaxstream.commands.transcribe import add_quantization_argument
+    from jaxstream.commands.transcribe import add_precision_arguments
     from jaxstream.serving.reasoning_parsers import REASONING_PARSERS
     from jaxstream.serving.tool_parsers import TOOL_PARSERS
 
@@ -116,7 +116,7 @@ def register(subparsers) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="text LMs: requests whose prompts start alike share the KV of the common part "
                              "(vLLM's automatic prefix caching; default on)")
-    add_quantization_argument(parser)
+    add_precision_arguments(parser)
     parser.add_argument("--config", default=None, metavar="TOML",
                         help="server TOML (path or preset name, e.g. 'server'); flags override it")
     parser.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"),
@@ -173,7 +173,8 @@ def _run(args) -> int:
               max_payload_per_session=args.max_payload_per_session, max_streams_per_key=args.max_streams_per_key,
               max_requests_per_minute_per_key=args.max_requests_per_minute)
     _override(engine, max_sessions=args.max_sessions, default_delay_ms=args.delay_ms,
-              enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization)
+              enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     if isinstance(server.get("chat_template"), str):  # the config holds the template, read once here
         from jaxstream.models.chat_templates import load_chat_template
 

@@ -1,6 +1,7 @@
 """`jaxstream transcribe`: transcribe audio files through the engine's realtime sessions.
 
     jaxstream transcribe [--model MODEL] AUDIO... [--delay-ms MS] [--json] [--concurrency N] [--quantization int8]
+                         [--kv-cache-dtype fp8]
 
 Prints the transcript of each file (`FILE: text` when there are several), or with `--json` one JSON object
 per line: {"file", "text", "token_ids", "words": [{"word", "start", "end"}], "audio_seconds", "delay_ms"};
@@ -35,21 +36,26 @@ def register(subparsers) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per file")
     parser.add_argument("--concurrency", type=int, default=8, metavar="N",
                         help="files transcribed at once (default 8)")
-    add_quantization_argument(parser)
+    add_precision_arguments(parser)
     parser.set_defaults(func=run)
 
 
-# models/quantization.py's QUANTIZATION_METHODS, written out: the parsers are built without importing jax
-# (tests/test_quantization.py checks that the two agree).
+# models/quantization.py's QUANTIZATION_METHODS and engine/config.py's KV_CACHE_DTYPES, written out: the parsers are
+# built without importing jax (tests/test_quantization.py and tests/test_kv_cache_dtype.py check that they agree).
 QUANTIZATION_CHOICES = ("int8",)
+KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
-def add_quantization_argument(parser) -> None:
-    """`--quantization` (vLLM's flag), as EngineConfig.quantization takes it."""
+def add_precision_arguments(parser) -> None:
+    """`--quantization` and `--kv-cache-dtype` (vLLM's flags), as EngineConfig takes them."""
     parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES, default=None,
                         help="int8: weights stored as int8 with one scale per output channel, quantized as they load "
                         "(half the weight memory of bfloat16, left to more streams' KV; slower on a CPU; default: "
                         "the weights as stored)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default=None,
+                        help="dtype of the KV cache: fp8 (= fp8_e4m3) or fp8_e5m2 store keys and values in 8 bits "
+                        "(twice the streams of bfloat16 in the same memory; attention still computed in the "
+                        "model's dtype); default auto: the compute dtype")
 
 
 def run(args) -> int:
@@ -97,7 +103,7 @@ async def _transcribe_all(args, paths: list[str]) -> int:
 
     concurrency = min(args.concurrency, len(paths))  # fewer sessions compile fewer batch shapes
     engine = AsyncEngine.from_pretrained(model_source(args.model), config=EngineConfig(
-        max_sessions=concurrency, quantization=args.quantization))
+        max_sessions=concurrency, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype or "auto"))
     failed = 0
     async with engine:
         slots = asyncio.Semaphore(concurrency)
@@ -156,10 +162,10 @@ def model_source(model: str | None) -> str:
 def speech_model_config(model: str, command: str):
     """The checkpoint's VoxtralConfig, read without its weights; UserError for a text model, before anything
     loads or compiles."""
-    from jaxstream.models import loading
+    from jaxstream.models import checkpoint_metadata, loading
     from jaxstream.models.config import VoxtralConfig
 
-    config = loading.inspect_checkpoint(loading.resolve_model_dir(model)).config
+    config = checkpoint_metadata.inspect_checkpoint(loading.resolve_model_dir(model)).config
     if not isinstance(config, VoxtralConfig):
         raise UserError(f"model {model!r} is a text model; jaxstream {command} needs a speech-to-text (Voxtral "
                         "Realtime) model")

@@ -30,6 +30,14 @@ def engine_dtype(engine_cfg: EngineConfig):
     return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
 
 
+def kv_dtype(engine_cfg: EngineConfig):
+    """The dtype the KV pages are stored in (`EngineConfig.kv_cache_dtype`)."""
+    from jaxstream.engine.config import KV_CACHE_DTYPES
+
+    stored = KV_CACHE_DTYPES[engine_cfg.kv_cache_dtype]
+    return engine_dtype(engine_cfg) if stored is None else jnp.dtype(stored)
+
+
 def load_pretrained(model_source, engine_cfg: EngineConfig, *, dtype=None):
     """(model, tokenizer, declared EOS ids or None) of a built-in name, local directory or hub id, with the
     parameters placed as `engine_cfg`'s mesh wants them (each process reads only its own shards) and quantized as
@@ -131,8 +139,7 @@ def build_text_core(model, engine_cfg: EngineConfig, *, eos_token_id=None, prima
         logger.info("prefix caching is off: the %d-position page ring is shorter than max_model_len %d (a "
                     "session would rewrite its own shared pages)", spec.pages_per_window * spec.page_size,
                     max_model_len)
-    cache = kv_cache.DeviceCache([spec], slot_shapes, engine_cfg.max_sessions,
-                                 engine_dtype(engine_cfg),
+    cache = kv_cache.DeviceCache([spec], slot_shapes, engine_cfg.max_sessions, kv_dtype(engine_cfg),
                                  shardings={STACK: placement.kv_sharding(spec)},
                                  slot_sharding=placement.replicated(),
                                  pool_types={STACK: text_prefix_cache.CachingPagePool} if caching else None)
@@ -189,7 +196,7 @@ def fit_pools(specs: list[kv_cache.StackSpec], engine_cfg: EngineConfig, placeme
     free = _free_device_bytes(placement)
     if free is None:
         return specs
-    dtype = engine_dtype(engine_cfg)
+    dtype = kv_dtype(engine_cfg)
     defaulted = [spec for spec in specs if explicit.get(spec.name) is None]
     wanted = sum((spec.num_pages - 1) * spec.bytes_per_page(dtype) for spec in defaulted)
     budget = engine_cfg.kv_memory_fraction * free - reserved_bytes - sum(
@@ -317,7 +324,7 @@ def build_realtime_core(model, engine_cfg: EngineConfig, tokenizer, *, warm_up=T
         "conv2": ((1, enc.hidden_size), jnp.float32),
         "last_token": ((), jnp.int32),
     }
-    cache = kv_cache.DeviceCache(specs, slot_shapes, engine_cfg.max_sessions, engine_dtype(engine_cfg),
+    cache = kv_cache.DeviceCache(specs, slot_shapes, engine_cfg.max_sessions, kv_dtype(engine_cfg),
                                  shardings={spec.name: placement.kv_sharding(spec) for spec in specs},
                                  slot_sharding=placement.replicated(),
                                  reserved_slots=prefix_cache.RESERVED_SLOTS if prefix_slots else 0)

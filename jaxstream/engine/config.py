@@ -100,6 +100,13 @@ class EngineConfig:
     # is quantized when the engine is built (the caller's float copy then still takes its memory). On a CPU, int8
     # decode steps are slower (1.25-2x: its backend converts each kernel before the matmul).
     quantization: str | None = None
+    # KV cache dtype (vLLM's `kv_cache_dtype`): "auto" stores K/V in `dtype`; "fp8" (= "fp8_e4m3": float8_e4m3fn,
+    # vLLM's meaning of "fp8") and "fp8_e5m2" store them in 8 bits, unscaled (vLLM's default scale of 1.0), with
+    # the attention computed in `dtype`: a page holds the same positions in half the bytes of bfloat16, so the pools
+    # hold twice the streams. A stream's new keys and values are rounded to it before they are attended to, so an
+    # output never depends on whether its keys came from the pages or from the same dispatch. "bfloat16" keeps
+    # a float32 engine's KV in bfloat16. On a CPU, fp8 pages take the XLA attention, not the C++ kernel.
+    kv_cache_dtype: str = "auto"
     # ring_attention implementation; None picks per backend. A named one must run on this backend and dtype.
     attention_impl: str | None = None
     mesh: Any = None  # jax.sharding.Mesh for tensor parallelism (params and KV heads on `tp_axis`)
@@ -201,6 +208,11 @@ def _set_buckets(cfg: EngineConfig, name: str, *, pairs: bool) -> None:
     object.__setattr__(cfg, name, tuple(buckets))
 
 
+# `EngineConfig.kv_cache_dtype` values and the dtype each stores K/V in (None: the compute dtype).
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": "bfloat16", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+                   "fp8_e5m2": "float8_e5m2"}
+
+
 def _check_choices(cfg: EngineConfig) -> None:
     """The fields whose valid values another module owns (delays, dtypes, quantizations, kernels, mesh axes)."""
     if cfg.default_delay_ms is not None:
@@ -224,6 +236,8 @@ def _check_choices(cfg: EngineConfig) -> None:
 
         if cfg.quantization not in QUANTIZATION_METHODS:
             _fail("quantization", cfg.quantization, f"one of {', '.join(map(repr, QUANTIZATION_METHODS))} or None")
+    if cfg.kv_cache_dtype not in KV_CACHE_DTYPES:
+        _fail("kv_cache_dtype", cfg.kv_cache_dtype, f"one of {', '.join(map(repr, KV_CACHE_DTYPES))}")
     if cfg.attention_impl is not None:
         from jaxstream.tpu_kernels.ring_attention import IMPLEMENTATIONS
 
@@ -249,9 +263,9 @@ def _check_attention_runs_here(cfg: EngineConfig) -> None:
     the kernel when it is traced."""
     import jax
 
-    from jaxstream.engine.builders import engine_dtype  # imports this module: imported only when called
+    from jaxstream.engine.builders import kv_dtype  # imports this module: imported only when called
     from jaxstream.tpu_kernels import unsupported_reason
 
-    reason = unsupported_reason(cfg.attention_impl, jax.ShapeDtypeStruct(_PROBE_PAGES, engine_dtype(cfg)))
+    reason = unsupported_reason(cfg.attention_impl, jax.ShapeDtypeStruct(_PROBE_PAGES, kv_dtype(cfg)))
     if reason:
         raise InvalidRequestError(f"EngineConfig.attention_impl {cfg.attention_impl!r} cannot run here: {reason}")

@@ -12,7 +12,7 @@ JSON schema `jaxstream-eval/1` (fractions, not percentages; times in seconds or 
                  "limit": int | null, "shard": "i/N" | null,
                  "excluded": [id, ...]},                            # empty normalized references, not run
       "settings": {"concurrency": int, "realtime": bool, "normalizer": "english" | "basic" | "none",
-                   "quantization": null | "int8"},
+                   "quantization": null | "int8", "kv_cache_dtype": "auto" | "bfloat16" | "fp8" | ...},
       "runs": [{                                                    # one per --delay-ms value
         "delay_ms": int | null,                                     # null: the model's default
         "complete": bool,
@@ -127,6 +127,9 @@ _SHARED_SETTINGS = (
     # Reports written before --quantization existed ran float weights.
     lambda report: (f"with --quantization {report['settings']['quantization']}"
                     if report["settings"].get("quantization") else "without --quantization"),
+    # And before --kv-cache-dtype, the compute dtype's KV (auto).
+    lambda report: (f"with --kv-cache-dtype {report['settings']['kv_cache_dtype']}"
+                    if report["settings"].get("kv_cache_dtype", "auto") != "auto" else "without --kv-cache-dtype"),
 )
 
 
@@ -294,7 +297,8 @@ def format_markdown(report: dict) -> str:
         f"utterances" + (f", shard {corpus['shard']}" if corpus["shard"] else "")
         + (f", {len(corpus['excluded'])} excluded (empty reference)" if corpus["excluded"] else ""),
         f"- {settings['concurrency']} concurrent sessions, audio {mode}; normalizer `{settings['normalizer']}`"
-        + (f"; weights `{settings['quantization']}`" if settings.get("quantization") else ""),
+        + (f"; weights `{settings['quantization']}`" if settings.get("quantization") else "")
+        + (f"; KV cache `{settings['kv_cache_dtype']}`" if settings.get("kv_cache_dtype", "auto") != "auto" else ""),
         f"- status: {'complete' if report['complete'] else 'partial'} (updated {report['updated']})",
         "",
     ]

@@ -63,6 +63,7 @@ class RunOptions:
     concurrency: int = 8
     realtime: bool = False
     quantization: str | None = None  # the engine's weights (`--quantization`): results of another are not this run's
+    kv_cache_dtype: str = "auto"  # the engine's KV cache (`--kv-cache-dtype`): likewise
 
 
 class StreamTracker:
@@ -273,7 +274,8 @@ class Evaluation:
         self.model = model
         self.options = options
         self.settings = {"concurrency": options.concurrency, "realtime": options.realtime,
-                         "normalizer": normalizer_name, "quantization": options.quantization}
+                         "normalizer": normalizer_name, "quantization": options.quantization,
+                         "kv_cache_dtype": options.kv_cache_dtype}
         self.delays = list(delays)
         self._results = {delay: {} for delay in self.delays}  # delay -> id -> UtteranceResult
         self._wall = dict.fromkeys(self.delays, 0.0)

@@ -28,6 +28,10 @@ def ring_attention(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_n
     padding: not written, and their outputs are to be ignored (a session with num_new = 0 gets zeros).
     Returns (out [S, C, Hq, D], k_pages, v_pages); donate the pages to update them in place.
 
+    The pages may hold another floating dtype than q (an fp8 KV cache): they are read into q's dtype, and k_new /
+    v_new are rounded to the pages' dtype before anything attends to them, so an output is the same whether a key
+    was read from the pages or came in the chunk.
+
     Traced inputs out of contract are not checked, but every implementation treats them alike: num_new
     is clipped to [0, C]; a page-table entry outside the pool reads the page XLA's gather reads (a negative
     one counts from the end of the pool, then the index is clamped into it), never memory past the pool,
@@ -50,6 +54,11 @@ def ring_attention(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_n
     _validate(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, window, scale)
     window, scale = int(window), None if scale is None else float(scale)  # Static, hashable jit arguments.
     name = choose_implementation(k_pages, implementation=implementation, interpret=interpret)
+    if k_pages.dtype != k_new.dtype:
+        # Pages of another dtype (an fp8 KV cache): the chunk attends to its keys and values as they are stored,
+        # so an output does not depend on whether a key came from the chunk or from the pages (on how a
+        # prompt was cut into chunks, or a stream into steps).
+        k_new, v_new = (x.astype(k_pages.dtype).astype(x.dtype) for x in (k_new, v_new))
     args = (q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new)
     if name == "xla":
         return ring_attention_xla(*args, window=window, scale=scale)

@@ -104,8 +104,8 @@ def _attend(q, k_new, v_new, k_pages, v_pages, page_table, lengths, num_new, *, 
     page = positions.page_read(jnp.take_along_axis(page_table, ring_index // page_size, axis=1), num_pages)
     offset = ring_index % page_size
 
-    def in_position_order(pages, new):  # -> [S, Hkv, reach + C, D]
-        return jnp.concatenate([pages[page, :, offset], new], axis=1).transpose(0, 2, 1, 3)
+    def in_position_order(pages, new):  # -> [S, Hkv, reach + C, D], in the chunk's dtype (pages may be narrower)
+        return jnp.concatenate([pages[page, :, offset].astype(new.dtype), new], axis=1).transpose(0, 2, 1, 3)
 
     keys, values = in_position_order(k_pages, k_new), in_position_order(v_pages, v_new)
     query_pos = lengths[:, None] + jnp.arange(chunk, dtype=jnp.int32)[None, :]  # [S, C]

@@ -1,0 +1,136 @@
+"""`EngineConfig.kv_cache_dtype` (`--kv-cache-dtype`, vLLM's): KV pages stored in fp8 while the model computes in its
+own dtype. The kernels' side (every implementation against the float64 oracle over fp8-rounded keys and values) is in
+tests/ring_attention_base.py; here, the engines: a text LM's greedy tokens and logprobs against one offline forward
+over fp8 pages, the embedded speech model's transcript against the sample's text, the pools' bytes, and the flag
+from every command."""
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_fixtures import BYTE_BPE_EOS, byte_bpe_llama
+from jaxstream.cli import main
+from jaxstream.engine.async_engine import AsyncEngine
+from jaxstream.engine.config import KV_CACHE_DTYPES, EngineConfig
+from jaxstream.engine.requests import SamplingParams
+from jaxstream.errors import InvalidRequestError, UserError
+from jaxstream.commands.transcribe import KV_CACHE_DTYPE_CHOICES
+from jaxstream.models import contiguous_page_table, init_kv_cache, loading
+from jaxstream.models.audio import load_audio
+
+SAMPLE = loading.BUILTIN_MODELS["tiny"].parent / "samples" / "sample.wav"
+SAMPLE_TEXT = "he who has imagination without learning has wings but no feet"
+
+
+def test_kv_cache_dtype_values():
+    assert KV_CACHE_DTYPE_CHOICES == tuple(KV_CACHE_DTYPES)  # the parsers' copy (they do not import jax)
+    with pytest.raises(InvalidRequestError, match="EngineConfig.kv_cache_dtype must be one of 'auto', 'bfloat16'"):
+        EngineConfig(kv_cache_dtype="int8")
+    # The C++ kernel takes float32 pages only: named explicitly, an fp8 cache is refused in one line.
+    with pytest.raises(InvalidRequestError, match="attention_impl 'cpu' cannot run here: the C[+][+] kernel takes "
+                                                  "float32 pages, not float8_e4m3fn"):
+        EngineConfig(kv_cache_dtype="fp8", attention_impl="cpu")
+
+
+@pytest.fixture(scope="module")
+def text_engines():
+    # One decode and one prefill program each: a prompt is prefilled in pieces of 64.
+    engines = {dtype: AsyncEngine(byte_bpe_llama(), config=EngineConfig(
+        max_sessions=1, prefill_buckets=((1, 64),), kv_cache_dtype=dtype), eos_token_id=BYTE_BPE_EOS)
+        for dtype in ("fp8", "fp8_e5m2")}
+    yield engines
+    for engine in engines.values():
+        engine.close()
+
+
+def _oracle_logprobs(engine, context, page_dtype) -> np.ndarray:
+    """Log-softmax [len(context), V] of one offline forward over `context`, its KV pages in `page_dtype`."""
+    cfg = engine.model_config
+    window = cfg.attention_window
+    table, num_pages = contiguous_page_table(1, window, window)
+    cache = init_kv_cache(cfg.num_layers, num_pages, cfg.num_kv_heads, window, cfg.head_dim, dtype=page_dtype)
+    logits, _ = byte_bpe_llama()(jnp.asarray([context], jnp.int32), cache, jnp.asarray(table),
+                                 jnp.zeros(1, jnp.int32), jnp.asarray([len(context)], jnp.int32))
+    logits = np.asarray(logits[0], np.float64)
+    return logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
+        -1, keepdims=True)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+async def test_text_generation_over_fp8_pages_equals_one_forward_over_them(text_engines, kv_cache_dtype):
+    """A 200-token prompt (prefilled in pieces of 64) and 24 greedy tokens (decode steps) over an fp8 cache:
+    each token is the argmax, and its logprob the log-softmax, of one offline forward of the whole context over fp8
+    pages. The chunk's own keys are rounded before they are attended to, so how the context was cut into dispatches
+    does not change the outputs."""
+    engine = text_engines[kv_cache_dtype]
+    assert engine.core.cache.dtype == jnp.dtype(KV_CACHE_DTYPES[kv_cache_dtype])
+    prompt = [int(i) for i in np.random.default_rng(0).integers(3, 300, 200)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=0, ignore_eos=True)
+    tokens, logprobs = [], []
+    async for out in engine.generate(prompt, params):
+        tokens += out.outputs[0].token_ids
+        logprobs += out.outputs[0].logprobs  # the sampled tokens' (logprobs=0)
+    expected = _oracle_logprobs(engine, prompt + tokens[:-1], KV_CACHE_DTYPES[kv_cache_dtype])[len(prompt) - 1:]
+    assert tokens == [int(i) for i in expected.argmax(-1)]
+    np.testing.assert_allclose(logprobs, expected[np.arange(len(tokens)), tokens], atol=1e-4)
+
+
+async def test_the_embedded_model_transcribes_its_sample_over_an_fp8_cache():
+    """The tiny model with fp8 (e4m3) KV pages: the sample's exact text at the shortest, default and longest delays it
+    was trained at (all 11 match, measured), with pages of a quarter of float32's bytes."""
+    engine = AsyncEngine.from_pretrained("tiny", config=EngineConfig(max_sessions=1, kv_cache_dtype="fp8"))
+    try:
+        assert engine.core.cache.dtype == jnp.float8_e4m3fn
+        for spec in engine.core.cache.specs.values():
+            assert spec.bytes_per_page(engine.core.cache.dtype) * 4 == spec.bytes_per_page(jnp.float32)
+        audio = load_audio(SAMPLE)
+        for delay in (160, 480, 960):
+            assert (await engine.transcribe(audio, delay_ms=delay)).text == SAMPLE_TEXT, delay
+    finally:
+        engine.close()
+
+
+def test_fp8_pages_double_bfloat16_pools_in_the_same_memory(monkeypatch):
+    """Pools fitted to a device's memory: an fp8 cache gets twice the pages of a bfloat16 one."""
+    from jaxstream.engine import builders, kv_cache, sharding
+
+    monkeypatch.setattr(builders, "_free_device_bytes", lambda placement: 2e9)
+    spec = kv_cache.stack_spec("text", num_layers=26, num_kv_heads=8, head_dim=128, page_size=64, ring=8192,
+                               num_pages=None, max_sessions=64)
+    pages = {dtype: builders.fit_pools([spec], EngineConfig(dtype="bfloat16", kv_cache_dtype=dtype),
+                                       sharding.Placement(None, "tp"))[0].num_pages - 1
+             for dtype in ("auto", "fp8")}
+    assert abs(pages["fp8"] - 2 * pages["auto"]) <= 1
+
+
+@pytest.mark.parametrize("command", ["transcribe", "eval", "bench", "serve", "serve-toml"])
+def test_the_kv_cache_dtype_flag_reaches_the_engine(monkeypatch, tmp_path, command):
+    """`--kv-cache-dtype fp8` (or a server TOML's `[engine] kv_cache_dtype`) is the EngineConfig the engine loads
+    with."""
+    import logging
+
+    configs = []
+
+    def from_pretrained(model, config=None, **kwargs):
+        configs.append(config)
+        raise UserError("this test loads no model")
+
+    monkeypatch.setattr(AsyncEngine, "from_pretrained", from_pretrained)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    shutil.copy(SAMPLE, corpus / "a.wav")
+    (corpus / "a.txt").write_text(SAMPLE_TEXT)
+    (tmp_path / "server.toml").write_text('[engine]\nkv_cache_dtype = "fp8"\n')
+    serve = ["serve", "--host", "127.0.0.1", "--port", "0"]
+    argv = {"transcribe": ["transcribe", str(SAMPLE), "--kv-cache-dtype", "fp8"],
+            "eval": ["eval", str(corpus), "--kv-cache-dtype", "fp8"],
+            "bench": ["bench", "--kv-cache-dtype", "fp8"],
+            "serve": serve + ["--kv-cache-dtype", "fp8"],
+            "serve-toml": serve + ["--config", str(tmp_path / "server.toml")]}[command]
+    level = logging.getLogger("jaxstream").level  # serve sets its own
+    try:
+        assert main(argv) == 2
+    finally:
+        logging.getLogger("jaxstream").setLevel(level)
+    assert [config.kv_cache_dtype for config in configs] == ["fp8"]
