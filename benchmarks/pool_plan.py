@@ -58,17 +58,20 @@ def main(argv=None) -> None:
     parser.add_argument("--lengths", type=float, nargs="+", default=[10, 60, 300, 660],
                         help="stream lengths in seconds to count (660: past the 4B's 11-minute decoder window)")
     parser.add_argument("--quantization", choices=("none", "int8"), nargs="+", default=["none", "int8"])
+    parser.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig.kv_cache_dtype (default auto: "
+                        "bfloat16 pages; fp8: 8-bit pages)")
     args = parser.parse_args(argv)
     plans = [None if plan == "none" else float(plan) for plan in args.plans]
     header = " ".join(f"{f'{length:g} s':>7}" for length in args.lengths)
-    print(f"Voxtral Realtime 4B, bfloat16, EngineConfig defaults but planned_stream_seconds; streams that fit at once "
-          f"(at most {EngineConfig().max_sessions}):")
+    print(f"Voxtral Realtime 4B, bfloat16, KV cache {args.kv_cache_dtype}, EngineConfig defaults but "
+          f"planned_stream_seconds; streams that fit at once (at most {EngineConfig().max_sessions}):")
     print(f"{'memory':>6} {'weights':>7} {'plan':>5} {'encoder pages':>13} {'decoder pages':>13} {header}")
     for quantization in args.quantization:
         weights = weight_bytes(None if quantization == "none" else quantization)
         for memory in args.memory_gb:
             for plan in plans:
-                engine_cfg = EngineConfig(dtype="bfloat16", planned_stream_seconds=plan)
+                engine_cfg = EngineConfig(dtype="bfloat16", planned_stream_seconds=plan,
+                                          kv_cache_dtype=args.kv_cache_dtype)
                 pools = fitted_pools(memory * GB, weights, engine_cfg)
                 counts = " ".join(f"{streams_of(pools, length, engine_cfg.max_sessions):7d}"
                                   for length in args.lengths)
