@@ -121,6 +121,9 @@ class VoxtralConfig:
                       any_sign={"eos_id"})
 
 
+ModelConfig = TextConfig | VoxtralConfig  # a checkpoint's configuration: a text LM's or a Voxtral Realtime's
+
+
 VOXTRAL_MINI_4B = VoxtralConfig(
     encoder=EncoderConfig(hidden_size=1280, intermediate_size=5120, num_layers=32, num_heads=32, head_dim=64),
     text=TextConfig(

@@ -1,4 +1,5 @@
-"""Restoring the state of a jaxstream Orbax checkpoint (what orbax_writer.py writes; `load_model` reads it).
+"""Restoring the state of a jaxstream Orbax checkpoint (what orbax_writer.py writes and `load_model` reads;
+checkpoint_metadata.py reads its jaxstream.json).
 
 `restore_state` restores the whole state at once, or consecutive groups of its tensors (Orbax's partial restore),
 so that a loader that turns each tensor into something else (int8 weights) never holds the whole float state.
@@ -12,7 +13,7 @@ import jax
 from flax import traverse_util
 
 from jaxstream.models.errors import UserError
-from jaxstream.models.loading import ORBAX_METADATA, _first_line
+from jaxstream.models.checkpoint_metadata import ORBAX_METADATA, first_line
 
 
 def restore_state(state_dir: Path, target: dict, *, group_bytes: int | None = None) -> Iterator[dict]:
@@ -47,7 +48,7 @@ def restore_state(state_dir: Path, target: dict, *, group_bytes: int | None = No
         if _drop_abandoned_orbax_reads not in asyncio_logger.filters:
             asyncio_logger.addFilter(_drop_abandoned_orbax_reads)
         raise UserError(f"cannot restore {state_dir} as {ORBAX_METADATA} describes it: "
-                        f"{_first_line(_tensorstore_status(exc), 300)}") from None
+                        f"{first_line(_tensorstore_status(exc), 300)}") from None
 
 
 def _groups_of_bytes(leaves: dict, limit: int) -> list[dict]:

@@ -1,8 +1,9 @@
 """The jaxstream Orbax checkpoint writer: `save_checkpoint` (used by `jaxstream convert` and `jaxstream train`)
 and `check_destination`, the check a caller runs before any work.
 
-The format is read by `jaxstream.models.loading` (`load_model`, `inspect_checkpoint`), which owns its file
-names and metadata fields (`ORBAX_*`, `config_to_dict`); this module only writes them.
+The format is read by `jaxstream.models.checkpoint_metadata` (`inspect_checkpoint`), which owns its file names and
+metadata fields (`ORBAX_*`, `config_to_dict`), and `jaxstream.models.loading` (`load_model`); this module only
+writes them.
 """
 import json
 import os
@@ -14,9 +15,10 @@ from flax import nnx
 
 from jaxstream.models.chat_templates import CHAT_TEMPLATE_FILE
 from jaxstream.models.errors import UserError
-from jaxstream.models.loading import (
-    ORBAX_FORMAT, ORBAX_FORMAT_VERSION, ORBAX_METADATA, ORBAX_STATE_DIR, LoadedModel, config_to_dict,
+from jaxstream.models.checkpoint_metadata import (
+    ORBAX_FORMAT, ORBAX_FORMAT_VERSION, ORBAX_METADATA, ORBAX_STATE_DIR, config_to_dict,
 )
+from jaxstream.models.loading import LoadedModel
 
 
 class CheckpointExistsError(UserError):

@@ -12,7 +12,7 @@ import soundfile
 import soxr
 
 from jaxstream.engine.audio_front_end import FrontEndWorker
-from jaxstream.models import audio_checks, loading
+from jaxstream.models import audio_checks, checkpoint_metadata, loading
 from jaxstream.models.audio import AudioTooLongError, StreamingLogMel, load_audio, resample_to_16k
 from jaxstream.models.config import VoxtralConfig
 from jaxstream.synth.augment import band_limit, telephone
@@ -78,7 +78,7 @@ def test_no_judgement_on_silence_or_too_little_audio(wideband):
 
 
 def test_delay_outside_the_trained_range():
-    tiny = loading.inspect_checkpoint(loading.BUILTIN_MODELS["tiny"]).config
+    tiny = checkpoint_metadata.inspect_checkpoint(loading.BUILTIN_MODELS["tiny"]).config
     assert tiny.trained_delays_ms == (160, 960)  # configs/tiny.toml's delays_ms, recorded in the checkpoint
     assert audio_checks.delay_warning(tiny, 480) is None
     assert audio_checks.delay_warning(tiny, 960) is None

@@ -172,7 +172,7 @@ def entrypoint(tmp_path):
     ({"SAGEMAKER_BIND_TO_PORT": "8080"}, None, ["serve"], "serve --host 0.0.0.0 --port 8080"),
     ({"SM_MODEL_DIR": "/opt/ml/model"}, None, ["serve"], "serve --host 0.0.0.0 --port 8080"),
     ({"SM_MODEL_DIR": "{model}"}, ["config.json"], ["serve"], "serve --host 0.0.0.0 --port 8080 {model}"),
-    # A checkpoint is what models/loading.py's inspect_checkpoint recognises: params.json (Mistral native),
+    # A checkpoint is what models/checkpoint_metadata.py's inspect_checkpoint recognises: params.json (Mistral native),
     # config.json (Hugging Face), jaxstream.json (jaxstream Orbax). Anything else is not one (`jaxstream serve DIR`
     # fails on it): a model tarball holding only code (SageMaker's framework toolkits' code/inference.py) was
     # passed as the model all the same.

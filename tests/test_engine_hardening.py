@@ -20,7 +20,8 @@ from jaxstream.errors import (
     ProcessGroupError, SessionClosedError,
 )
 from jaxstream.models.audio import load_audio
-from jaxstream.models.loading import BUILTIN_MODELS, inspect_checkpoint
+from jaxstream.models.checkpoint_metadata import inspect_checkpoint
+from jaxstream.models.loading import BUILTIN_MODELS
 
 SAMPLE = load_audio(BUILTIN_MODELS["tiny"].parent / "samples" / "sample.wav")
 SMALL = dict(batch_buckets=(2,), realtime_step_buckets=(1, 4), realtime_prefill_buckets=((2, 48),))

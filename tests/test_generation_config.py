@@ -1,5 +1,5 @@
 """The sampling defaults a checkpoint's generation_config.json declares, applied as vLLM's `--generation-config auto`
-applies them: read as the file's diff against transformers' defaults (`loading.declared_sampling_defaults`), kept
+applies them: read as the file's diff against transformers' defaults (`declared_sampling_defaults`), kept
 by `convert`, exposed as `AsyncEngine.default_sampling_params()`, and taken by completions that omit (or null)
 temperature, top_p or top_k, while a value the request gives wins. The oracle is the generation_config.json each
 test writes, vLLM's rule, and the engine API sampling with the same values given explicitly (same seed, same
@@ -23,6 +23,7 @@ from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.requests import SamplingParams, StreamingInput
 from jaxstream.errors import UserError
 from jaxstream.models import loading
+from jaxstream.models.checkpoint_metadata import ORBAX_METADATA, declared_sampling_defaults
 from jaxstream.serving.testing import ServerThread, wait_engine_baseline
 from test_engine_text_model import LLAMA, word_level_tokenizer
 from test_serve_http import parse_sse
@@ -43,12 +44,12 @@ def checkpoint(directory: Path, **generation) -> Path:
 
 
 def declared(tmp_path, **generation) -> dict:
-    return loading.declared_sampling_defaults(checkpoint(tmp_path / "model", **generation))
+    return declared_sampling_defaults(checkpoint(tmp_path / "model", **generation))
 
 
 # -- what the loader reads ----------------------------------------------------------------------------------------
 def test_the_defaults_are_the_files_diff_against_transformers_defaults(tmp_path):
-    assert loading.declared_sampling_defaults(LLAMA) == {}  # the fixture declares only BOS / EOS
+    assert declared_sampling_defaults(LLAMA) == {}  # the fixture declares only BOS / EOS
     assert declared(tmp_path, **SAMPLING) == {"temperature": 0.6, "top_p": 0.9, "top_k": 8, "max_tokens": 5}
 
 
@@ -78,7 +79,7 @@ def test_values_at_transformers_defaults_are_not_declared(tmp_path, generation, 
 def test_a_bad_value_is_a_one_line_error_naming_the_file_and_key(tmp_path, capsys, key, value, message):
     source = checkpoint(tmp_path / "model", **{key: value})
     with pytest.raises(UserError) as raised:
-        loading.declared_sampling_defaults(source)
+        declared_sampling_defaults(source)
     assert str(raised.value) == f"{source / 'generation_config.json'}: {message}"
     # `convert` reads the file before the weights, and says it in one line.
     assert cli.main(["convert", str(source), str(tmp_path / "out")]) == 2
@@ -90,18 +91,18 @@ def test_a_converted_checkpoint_keeps_them(tmp_path):
     source = checkpoint(tmp_path / "model", **SAMPLING, min_p=0.05)
     converted = tmp_path / "converted"
     assert cli.main(["convert", str(source), str(converted)]) == 0
-    assert loading.declared_sampling_defaults(converted) == loading.declared_sampling_defaults(source) == {
+    assert declared_sampling_defaults(converted) == declared_sampling_defaults(source) == {
         "temperature": 0.6, "top_p": 0.9, "top_k": 8, "min_p": 0.05, "max_tokens": 5}
-    metadata_path = converted / loading.ORBAX_METADATA
+    metadata_path = converted / ORBAX_METADATA
     metadata = json.loads(metadata_path.read_text())
     del metadata["sampling_defaults"]  # a checkpoint written before they were kept declares none
     metadata_path.write_text(json.dumps(metadata))
-    assert loading.declared_sampling_defaults(converted) == {}
+    assert declared_sampling_defaults(converted) == {}
     for damaged, message in (({"top_p": 2}, "sampling_defaults.top_p must be a number in (0, 1], got 2"),
                              ({"typical_p": 0.5}, "sampling_defaults must map some of")):
         metadata_path.write_text(json.dumps({**metadata, "sampling_defaults": damaged}))
         with pytest.raises(UserError, match=message.replace("(", r"\(").replace("[", r"\[")):
-            loading.declared_sampling_defaults(converted)
+            declared_sampling_defaults(converted)
 
 
 # -- what the engine takes ----------------------------------------------------------------------------------------

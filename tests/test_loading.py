@@ -23,7 +23,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxstream import cli
 from jaxstream.models import VOXTRAL_MINI_4B, TextConfig, hf_name_map, num_parameters
-from jaxstream.models import loading
+from jaxstream.models import checkpoint_metadata, loading
 from jaxstream.models.layers import contiguous_page_table, init_kv_cache
 from jaxstream.models.native_weights import native_tensor_shapes, native_to_hf_name, rope_permutation_heads
 from loading_fixtures import (FIXTURES, MISTRAL_DIR, VOXTRAL_DIR, P, copy_fixture, flat_params, one_line_error,
@@ -320,7 +320,7 @@ def test_convert_dtype_auto_broken_and_mixed_checkpoints(tmp_path, capsys):
         first = next(iter(reader.keys()))
     mixed = copy_fixture(MISTRAL_DIR, tmp_path / "mixed", lambda tensors: {
         name: t if name == first else t.astype(ml_dtypes.bfloat16) for name, t in tensors.items()})
-    assert loading.checkpoint_dtype(loading.inspect_checkpoint(mixed)) == jnp.bfloat16
+    assert checkpoint_metadata.checkpoint_dtype(checkpoint_metadata.inspect_checkpoint(mixed)) == jnp.bfloat16
 
 
 @pytest.mark.parametrize("edit, field", [

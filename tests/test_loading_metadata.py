@@ -17,6 +17,7 @@ from jaxstream import cli
 from jaxstream.errors import UserError
 from jaxstream.models import VOXTRAL_MINI_4B
 from jaxstream.models import loading, orbax_writer
+from jaxstream.models.checkpoint_metadata import CheckpointInfo, checkpoint_dtype, declared_token_ids
 from loading_fixtures import (FIXTURES, MISTRAL_DIR, VOXTRAL_DIR, copy_fixture, flat_params, one_line_error,
                               write_native)
 
@@ -26,7 +27,7 @@ def test_declared_token_ids_prefer_generation_config(tmp_path):
         directory = Path(tempfile.mkdtemp(dir=tmp_path))
         for name, content in files.items():
             (directory / f"{name}.json").write_text(json.dumps(content))
-        return loading.declared_token_ids(directory)
+        return declared_token_ids(directory)
 
     # generation_config.json first (transformers' generate reads it), field by field, then config.json.
     assert declared(generation_config={"eos_token_id": [128001, 128009]},
@@ -65,7 +66,7 @@ def test_hf_checkpoint_tokenizer_json_wins_over_tokenizer_model(tmp_path):
     # `convert` keeps what the source declared: the engine stops at the same EOS ids after conversion.
     converted = tmp_path / "converted"
     assert cli.main(["convert", str(directory), str(converted)]) == 0
-    assert loading.declared_token_ids(converted) == loading.declared_token_ids(directory) == (1, (2, 3))
+    assert declared_token_ids(converted) == declared_token_ids(directory) == (1, (2, 3))
     restored = loading.load_checkpoint_tokenizer(converted, loading.load_model(converted).tokenizer_path)
     assert (restored.bos_id, restored.eos_id) == (1, 2)
 
@@ -95,7 +96,7 @@ def test_text_models_never_read_tokenizer_model_in_the_voxtral_layout(tmp_path, 
     hf = copy_fixture(MISTRAL_DIR, tmp_path / "hf")
     shutil.copy(native / "tokenizer.model", hf / "tokenizer.model")
     for directory in (native, hf):
-        with caplog.at_level("WARNING", logger="jaxstream.models.loading"):
+        with caplog.at_level("WARNING", logger="jaxstream.models.checkpoint_metadata"):
             assert loading.load_model(directory).tokenizer_path is None
         assert "tokenizer.model not used" in caplog.text
         caplog.clear()
@@ -128,7 +129,7 @@ def test_orbax_metadata_and_state_errors_are_one_line(voxtral_orbax, tmp_path):
     no_dtype = broken_orbax(voxtral_orbax, tmp_path / "no_dtype", lambda m: m.pop("param_dtype"))
     assert "param_dtype must be one of" in one_line_error(no_dtype)
     with pytest.raises(UserError, match="param_dtype"):
-        loading.checkpoint_dtype(loading.CheckpointInfo("orbax", no_dtype, VOXTRAL_MINI_4B, (), None))
+        checkpoint_dtype(CheckpointInfo("orbax", no_dtype, VOXTRAL_MINI_4B, (), None))
     no_data = broken_orbax(voxtral_orbax, tmp_path / "no_data")
     shutil.rmtree(no_data / "state" / "ocdbt.process_0")
     # In a process of its own: after the first failed read Orbax abandons its other reads, whose failures

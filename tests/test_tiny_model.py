@@ -46,7 +46,8 @@ def test_tiny_preset_reproduces_the_shipped_architecture():
     """`jaxstream train --config tiny` is the shipped model's recipe: same [model] block, the decoder vocabulary
     sized from the tokenizer it trains."""
     from jaxstream.commands.train import resolve_config_path
-    from jaxstream.models.loading import inspect_checkpoint, resolve_model_dir
+    from jaxstream.models.checkpoint_metadata import inspect_checkpoint
+    from jaxstream.models.loading import resolve_model_dir
     from jaxstream.training import load_train_config
     from jaxstream.training.config import with_vocab_size
 

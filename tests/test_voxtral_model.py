@@ -21,7 +21,8 @@ from jaxstream.models import (
     init_kv_cache, load_hf_weights, num_parameters,
 )
 from jaxstream.models.audio import StreamingLogMel, offline_features
-from jaxstream.models.loading import abstract_model, config_from_dict, config_to_dict
+from jaxstream.models.checkpoint_metadata import config_from_dict, config_to_dict
+from jaxstream.models.loading import abstract_model
 from jaxstream.models.voxtral import time_condition
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -13,7 +13,8 @@ import pytest
 
 from jaxstream.engine.transcription_session import transcription_prompt
 from jaxstream.models.audio import prompt_length
-from jaxstream.models.loading import inspect_checkpoint, load_model
+from jaxstream.models.checkpoint_metadata import inspect_checkpoint
+from jaxstream.models.loading import load_model
 from jaxstream.models.tokenizers import load_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -27,7 +27,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
-    from jaxstream.models import loading, orbax_writer
+    from jaxstream.models import checkpoint_metadata, loading, orbax_writer
     from jaxstream.models.layers import num_parameters
 
     source = loading.resolve_model_dir(args.src)
@@ -37,10 +37,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{exc} (use --overwrite to replace it)") from None
     if destination == source.resolve():
         raise UserError("SRC and DST are the same directory")
-    info = loading.inspect_checkpoint(source)
-    dtype = loading.checkpoint_dtype(info) if args.dtype == "auto" else jnp.dtype(args.dtype)
+    info = checkpoint_metadata.inspect_checkpoint(source)
+    dtype = checkpoint_metadata.checkpoint_dtype(info) if args.dtype == "auto" else jnp.dtype(args.dtype)
     # Read (and checked) before the weights: a bad generation_config.json fails at once.
-    declared_ids, sampling_defaults = loading.declared_token_ids(source), loading.declared_sampling_defaults(source)
+    declared_ids = checkpoint_metadata.declared_token_ids(source)
+    sampling_defaults = checkpoint_metadata.declared_sampling_defaults(source)
     loaded = loading.load_model(source, dtype=dtype)
     written = orbax_writer.save_checkpoint(loaded, destination, overwrite=args.overwrite, declared_ids=declared_ids,
                                            sampling_defaults=sampling_defaults)

@@ -42,7 +42,7 @@ def load_pretrained(model_source, engine_cfg: EngineConfig, *, dtype=None):
     """(model, tokenizer, declared EOS ids or None) of a built-in name, local directory or hub id, with the
     parameters placed as `engine_cfg`'s mesh wants them (each process reads only its own shards) and quantized as
     they are read when `engine_cfg.quantization` says so."""
-    from jaxstream.models import loading
+    from jaxstream.models import checkpoint_metadata, loading
 
     placement = sharding.Placement(engine_cfg.mesh, engine_cfg.tp_axis)
     rule = placement.param_sharding if engine_cfg.mesh is not None else None
@@ -50,7 +50,7 @@ def load_pretrained(model_source, engine_cfg: EngineConfig, *, dtype=None):
     loaded = loading.load_model(directory, dtype=dtype or engine_dtype(engine_cfg), sharding=rule,
                                 quantization=engine_cfg.quantization)
     tokenizer = loading.load_checkpoint_tokenizer(directory, loaded.tokenizer_path)
-    _, eos_ids = loading.declared_token_ids(directory)
+    _, eos_ids = checkpoint_metadata.declared_token_ids(directory)
     return loaded.model, tokenizer, eos_ids or None
 
 
@@ -74,16 +74,16 @@ def load_for_engine(model_source, engine_cfg: EngineConfig, *, dtype=None, gener
 
 def checkpoint_sampling_params(model, directory, generation_config: str = "auto") -> SamplingParams:
     """vLLM's `LLM.get_default_sampling_params()` for `model`'s checkpoint `directory`: with `generation_config`
-    "auto", the sampling defaults it declares (`loading.declared_sampling_defaults`); with "vllm", none. Voxtral
-    Realtime transcribes greedily: none either."""
-    from jaxstream.models import loading
+    "auto", the sampling defaults it declares (`checkpoint_metadata.declared_sampling_defaults`); with "vllm",
+    none. Voxtral Realtime transcribes greedily: none either."""
+    from jaxstream.models import checkpoint_metadata
 
     if generation_config not in GENERATION_CONFIGS:
         raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIGS)}, "
                          f"got {generation_config!r}")
     if generation_config == "vllm" or isinstance(model_config(model), VoxtralConfig):
         return SamplingParams()
-    return SamplingParams(**loading.declared_sampling_defaults(directory))
+    return SamplingParams(**checkpoint_metadata.declared_sampling_defaults(directory))
 
 
 def build_core(model, engine_cfg: EngineConfig, *, tokenizer=None, eos_token_id=None):

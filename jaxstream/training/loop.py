@@ -23,8 +23,9 @@ from flax import nnx
 
 from jaxstream.models import audio as front_end
 from jaxstream.errors import UserError
+from jaxstream.models.checkpoint_metadata import inspect_checkpoint
 from jaxstream.models.config import VoxtralConfig
-from jaxstream.models.loading import LoadedModel, inspect_checkpoint, load_model
+from jaxstream.models.loading import LoadedModel, load_model
 from jaxstream.models.orbax_writer import save_checkpoint
 from jaxstream.models.tokenizers import SentencePieceTokenizer
 from jaxstream.models.voxtral import VoxtralRealtime
