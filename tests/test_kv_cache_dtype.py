@@ -105,9 +105,10 @@ def test_fp8_pages_double_bfloat16_pools_in_the_same_memory(monkeypatch):
 
 
 @pytest.mark.parametrize("command", ["transcribe", "eval", "bench", "serve", "serve-toml"])
-def test_the_kv_cache_dtype_flag_reaches_the_engine(monkeypatch, tmp_path, command):
-    """`--kv-cache-dtype fp8` (or a server TOML's `[engine] kv_cache_dtype`) is the EngineConfig the engine loads
-    with."""
+@pytest.mark.parametrize("field,value", [("kv_cache_dtype", "fp8"), ("quantization", "int8")])
+def test_the_precision_flags_reach_the_engine(monkeypatch, tmp_path, command, field, value):
+    """`--kv-cache-dtype fp8` and `--quantization int8` (or a server TOML's `[engine]` keys) are the EngineConfig the
+    engine loads with."""
     import logging
 
     configs = []
@@ -121,16 +122,15 @@ def test_the_kv_cache_dtype_flag_reaches_the_engine(monkeypatch, tmp_path, comma
     corpus.mkdir()
     shutil.copy(SAMPLE, corpus / "a.wav")
     (corpus / "a.txt").write_text(SAMPLE_TEXT)
-    (tmp_path / "server.toml").write_text('[engine]\nkv_cache_dtype = "fp8"\n')
+    (tmp_path / "server.toml").write_text(f'[engine]\n{field} = "{value}"\n')
+    flag = ["--" + field.replace("_", "-"), value]
     serve = ["serve", "--host", "127.0.0.1", "--port", "0"]
-    argv = {"transcribe": ["transcribe", str(SAMPLE), "--kv-cache-dtype", "fp8"],
-            "eval": ["eval", str(corpus), "--kv-cache-dtype", "fp8"],
-            "bench": ["bench", "--kv-cache-dtype", "fp8"],
-            "serve": serve + ["--kv-cache-dtype", "fp8"],
+    argv = {"transcribe": ["transcribe", str(SAMPLE), *flag], "eval": ["eval", str(corpus), *flag],
+            "bench": ["bench", *flag], "serve": serve + flag,
             "serve-toml": serve + ["--config", str(tmp_path / "server.toml")]}[command]
     level = logging.getLogger("jaxstream").level  # serve sets its own
     try:
         assert main(argv) == 2
     finally:
         logging.getLogger("jaxstream").setLevel(level)
-    assert [config.kv_cache_dtype for config in configs] == ["fp8"]
+    assert [getattr(config, field) for config in configs] == [value]

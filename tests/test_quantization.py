@@ -5,7 +5,6 @@ through the engine, and the flag from the command line to the engine."""
 import gc
 import json
 import math
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,7 @@ from jaxstream.engine.async_engine import AsyncEngine
 from jaxstream.engine.config import EngineConfig
 from jaxstream.engine.requests import SamplingParams
 from jaxstream.engine.sharding import Placement
-from jaxstream.errors import InvalidRequestError, UserError
+from jaxstream.errors import InvalidRequestError
 from jaxstream.models import VOXTRAL_MINI_4B, TextConfig, contiguous_page_table, hf_name_map, init_kv_cache, loading
 from jaxstream.models.audio import load_audio
 from jaxstream.models.orbax_writer import save_checkpoint
@@ -260,35 +259,3 @@ def test_bad_quantization_values_name_the_choices(capsys):
         main(["transcribe", str(SAMPLE), "--quantization", "int4"])
     assert capsys.readouterr().err.splitlines()[-1] == ("jaxstream transcribe: error: argument --quantization: "
                                                         "invalid choice: 'int4' (choose from 'int8')")
-
-
-@pytest.mark.parametrize("command", ["transcribe", "eval", "bench", "serve", "serve-toml"])
-def test_the_quantization_flag_reaches_the_engine(monkeypatch, tmp_path, command):
-    """`--quantization int8` (or a server TOML's `[engine] quantization`) is the EngineConfig the engine loads with."""
-    import logging
-
-    configs = []
-
-    def from_pretrained(model, config=None, **kwargs):
-        configs.append(config)
-        raise UserError("this test loads no model")
-
-    monkeypatch.setattr(AsyncEngine, "from_pretrained", from_pretrained)
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    shutil.copy(SAMPLE, corpus / "a.wav")
-    (corpus / "a.txt").write_text(SAMPLE_TEXT)
-    (tmp_path / "server.toml").write_text('[engine]\nquantization = "int8"\n')
-    serve = ["serve", "--host", "127.0.0.1", "--port", "0"]
-    argv = {"transcribe": ["transcribe", str(SAMPLE), "--quantization", "int8"],
-            "eval": ["eval", str(corpus), "--quantization", "int8"],
-            "bench": ["bench", "--quantization", "int8"],
-            "serve": serve + ["--quantization", "int8"],
-            "serve-toml": serve + ["--config", str(tmp_path / "server.toml")]}[command]
-    level = logging.getLogger("jaxstream").level  # serve sets its own
-    try:
-        assert main(argv) == 2
-    finally:
-        logging.getLogger("jaxstream").setLevel(level)
-    assert [config.quantization for config in configs] == ["int8"]
-
