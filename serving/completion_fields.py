@@ -1,7 +1,9 @@
 """The request fields /v1/completions reads (and chat, Mode A and Mode B sessions with it): sampling parameters with
-vLLM's defaults and refusals (`sampling_params`, structured outputs through structured_output_fields.py), the prompt,
-the context-length check, boolean flags and `stream_options` (http_completions.py documents the fields)."""
+vLLM's defaults and refusals (`sampling_params`, vLLM's extras `allowed_token_ids` and `bad_words` among them,
+structured outputs through structured_output_fields.py), the prompt, the context-length check, boolean flags and
+`stream_options` (http_completions.py documents the fields)."""
 from jaxstream.engine.requests import SamplingParams
+from jaxstream.engine.sample_masks import bad_word_sequences
 from jaxstream.errors import InvalidRequestError
 from jaxstream.serving import structured_output_fields
 from jaxstream.serving.http_errors import RequestError
@@ -15,18 +17,18 @@ DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # Fields jaxstream cannot honour, OpenAI's and then vLLM's sampling extras, with the value that means "not used"
 # (an empty list or object is not used either). vLLM honours them all: taking one and ignoring it would give a
 # client other output than it asked for, without a word.
-NEUTRAL = {"suffix": None, "best_of": 1, "length_penalty": 1, "use_beam_search": False,
-            "allowed_token_ids": None, "bad_words": None, "truncate_prompt_tokens": None,
-            "add_special_tokens": True, "skip_special_tokens": True, "spaces_between_special_tokens": True,
-            "logits_processors": None}
+NEUTRAL = {"suffix": None, "best_of": 1, "length_penalty": 1, "use_beam_search": False, "truncate_prompt_tokens": None,
+           "add_special_tokens": True, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+           "logits_processors": None}
 
 
 def sampling_params(body: dict, defaults: SamplingParams, *, streaming: bool = True, neutral: dict = NEUTRAL,
                     default_max_tokens: int | None = DEFAULT_MAX_TOKENS, vocab_size: int | None = None,
-                    structured: Requested | None = None) -> SamplingParams:
+                    structured: Requested | None = None, tokenizer=None) -> SamplingParams:
     """SamplingParams from OpenAI completion fields (and vLLM's extras) for a streaming-input session, or a
     one-shot request (`streaming=False`: stop strings allowed); RequestError 400 when invalid, and when
-    `logit_bias` names an id outside a `vocab_size` given (else the engine refuses the request). A field of
+    `logit_bias` or `allowed_token_ids` names an id outside a `vocab_size` given, or `bad_words` that the model's
+    `tokenizer` given (with `vocab_size`) tokenizes as vLLM refuses (else the engine refuses the request). A field of
     `DEFAULTED` the body omits or sends as null takes its value in `defaults` (the engine's
     `default_sampling_params()`), as vLLM's `to_sampling_params` merges the model's generation config. The fields
     of `neutral` are refused unless they hold their "not used" value; `max_tokens` omitted or null is
@@ -41,7 +43,7 @@ def sampling_params(body: dict, defaults: SamplingParams, *, streaming: bool = T
               "include_stop_str_in_output": False}
     fields.update({name: body[name] for name in (*fields, "seed", "stop", "stop_token_ids", "logprobs",
                                                  "prompt_logprobs", "presence_penalty", "frequency_penalty",
-                                                 "logit_bias")
+                                                 "logit_bias", "allowed_token_ids", "bad_words")
                    if body.get(name) is not None})
     # null is the default too, as in vLLM: OpenAI's SDK sends null for an argument given as None.
     fields["max_tokens"] = default_max_tokens if body.get("max_tokens") is None else body["max_tokens"]
@@ -56,6 +58,11 @@ def sampling_params(body: dict, defaults: SamplingParams, *, streaming: bool = T
             params.check_vocabulary(vocab_size)
     except InvalidRequestError as exc:
         raise RequestError(400, "invalid_request", str(exc), _field_named(str(exc), fields)) from None
+    if tokenizer is not None and vocab_size is not None and params.bad_words:
+        try:  # what the engine refuses once it tokenizes them
+            bad_word_sequences(params.bad_words, tokenizer, vocab_size)
+        except InvalidRequestError as exc:
+            raise RequestError(400, "invalid_request", str(exc), "bad_words") from None
     if params.prompt_logprobs and body.get("stream") is True:  # vLLM's: a stream's choices have no such field
         raise RequestError(400, "invalid_request", "`prompt_logprobs` are not available when `stream=True`.",
                            "prompt_logprobs")
@@ -63,8 +70,11 @@ def sampling_params(body: dict, defaults: SamplingParams, *, streaming: bool = T
 
 
 def _field_named(message: str, fields: dict) -> str | None:
-    """The field an engine refusal is about (its messages start with the name), for the error's `param`."""
+    """The field an engine refusal is about (its messages start with the name, but vLLM's "Too many bad words"
+    ones), for the error's `param`."""
     name = message.split(" ", 1)[0].split("=", 1)[0]
+    if name not in fields and "bad word" in message:
+        return "bad_words"
     return name if name in fields else None
 
 

@@ -323,7 +323,7 @@ def _chat(body: dict, state) -> tuple[ChatInput, list[int]]:
         params = sampling_params({**body, "max_tokens": body.get(name), "logprobs": _logprobs(body)},
                                  state.engine.default_sampling_params(), streaming=False, neutral=NEUTRAL,
                                  default_max_tokens=None, vocab_size=state.engine.model_config.vocab_size,
-                                 structured=Requested({}))
+                                 tokenizer=state.engine.tokenizer, structured=Requested({}))
     except RequestError as exc:
         if exc.param == "max_tokens":
             exc.param = name

@@ -11,7 +11,7 @@ each chunk is one choice's, by its `index`), `presence_penalty` and `frequency_p
 answers with SSE `text_completion` chunks and `data: [DONE]`; `stream_options` without it is refused, as vLLM refuses
 it. Structured outputs (vLLM's guided decoding: `structured_outputs`, OpenAI's `response_format`, the old `guided_*`
 fields) constrain the text to a JSON schema, regex, choice or grammar (structured_output_fields.py). OpenAI's fields it
-cannot honour (`best_of`, `suffix`, ...) and vLLM's extras (`truncate_prompt_tokens`, `bad_words`, ...: `NEUTRAL`)
+cannot honour (`best_of`, `suffix`, ...) and vLLM's (`truncate_prompt_tokens`, `logits_processors`, ...: `NEUTRAL`)
 are refused, 400 `unsupported_parameter`, unless they hold their "not used" value: served and ignored, they would give
 other output than the client asked for. Other unknown fields are ignored, as vLLM ignores them. The fields are read
 in completion_fields.py.
@@ -436,7 +436,8 @@ def _completion(body: dict, state) -> tuple["TextInput", list[int]]:
     prompt = prompt_ids(given, state)
     structured = structured_output_fields.requested(body)
     params = sampling_params(body, state.engine.default_sampling_params(), streaming=False,
-                             vocab_size=state.engine.model_config.vocab_size, structured=structured)
+                             vocab_size=state.engine.model_config.vocab_size,
+                             tokenizer=state.engine.tokenizer, structured=structured)
     echo = _echoed(body, given, state)
     if echo and params.logprobs is not None and params.prompt_logprobs is None:  # vLLM's: the echoed tokens' too
         params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
@@ -477,7 +478,8 @@ async def _streaming_input(request: web.Request, state) -> web.StreamResponse:
     streaming_input.check_streamed(params)
     _, include_usage = parse_stream(params, implied=True)
     sampling = sampling_params(params, state.engine.default_sampling_params(),
-                               vocab_size=state.engine.model_config.vocab_size)
+                               vocab_size=state.engine.model_config.vocab_size,
+                               tokenizer=state.engine.tokenizer)
     text_input = TextInput(state, sampling, sse.EventLog(), include_usage=include_usage,
                            return_token_ids=parse_flag(params, "return_token_ids"))
     return await streaming_input.serve_mode_a(request, state, text_input, policy, objects, first_chunk)

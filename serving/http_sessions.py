@@ -370,7 +370,8 @@ def _new_session(body: dict, registry: StreamingInputSessions, key: str) -> tupl
                                "params.prompt")
         try:
             sampling = sampling_params(params, state.engine.default_sampling_params(),
-                                       vocab_size=state.engine.model_config.vocab_size)
+                                       vocab_size=state.engine.model_config.vocab_size,
+                                       tokenizer=state.engine.tokenizer)
             engine_input = TextInput(state, sampling, log, return_token_ids=parse_flag(params, "return_token_ids"))
         except RequestError as exc:
             raise RequestError(422, exc.code, str(exc), f"params.{exc.param}" if exc.param else "params") from None

@@ -570,7 +570,7 @@ def test_demand_admission_keeps_the_smaller_pools_whole_and_scales_the_largest(m
     used = sum((spec.num_pages - 1) * page_bytes[spec.name] for spec in less)
     assert budget - reserved - sum(page_bytes.values()) < used <= budget - reserved
     # A slot's counts, their chunk start and its structured-output bitmask (one bit an id).
-    assert kv_cache.slot_row_bytes(steps.text_slot_shapes(131072)) == (131072 + 1 + 131072 // 32) * 4
+    assert kv_cache.slot_row_bytes(steps.text_slot_shapes(131072)) == (131072 + 1 + 2 * 131072 // 32) * 4
 
 
 @pytest.mark.parametrize("seconds", [10.0, 60.0, 300.0])

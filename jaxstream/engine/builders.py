@@ -110,11 +110,11 @@ def build_core(model, engine_cfg: EngineConfig, *, tokenizer=None, eos_token_id=
         eos_token_id = tokenizer.eos_id
     return build_text_core(model, engine_cfg, eos_token_id=eos_token_id,
                            primary_eos_token_id=tokenizer.named_eos_id if tokenizer is not None else None,
-                           detokenizer_factory=tokenizer.stream_decoder if tokenizer is not None else None)
+                           tokenizer=tokenizer)
 
 
 def build_text_core(model, engine_cfg: EngineConfig, *, eos_token_id=None, primary_eos_token_id=None,
-                    detokenizer_factory=None, warm_up=True) -> TextScheduler:
+                    tokenizer=None, warm_up=True) -> TextScheduler:
     """The text scheduler over `model`, stopping at `eos_token_id` (one id or several) and at
     `primary_eos_token_id` (default: the first of them), which reports stop_reason None; any other reports its id."""
     cfg = model_config(model)
@@ -145,7 +145,7 @@ def build_text_core(model, engine_cfg: EngineConfig, *, eos_token_id=None, prima
                                  pool_types={STACK: text_prefix_cache.CachingPagePool} if caching else None)
     programs = steps.Programs(model, cache, **placement.program_shardings(model, cache))
     scheduler = TextScheduler(programs, engine_cfg, cfg, max_model_len=max_model_len, eos_token_id=eos_token_id,
-                              primary_eos_token_id=primary_eos_token_id, detokenizer_factory=detokenizer_factory)
+                              primary_eos_token_id=primary_eos_token_id, tokenizer=tokenizer)
     if warm_up:
         _warm_up(scheduler)
     return scheduler

@@ -26,6 +26,14 @@ MAX_STOP_STRING_CHARS = 1000
 MAX_LOGIT_BIAS = 300
 # Completions one request may ask for (OpenAI's bound on `n`): each is an engine request of its own.
 MAX_N = 128
+# vLLM's bounds on a request's bad words (VLLM_MAX_NUM_BAD_WORDS: token sequences once tokenized, so words too;
+# VLLM_MAX_BAD_WORDS_TOTAL_TOKENS of its V2 model runner), and characters a word (each is tokenized twice on the
+# engine thread; vLLM sets no bound).
+MAX_BAD_WORDS = 128
+MAX_BAD_WORDS_TOKENS = 1024
+MAX_BAD_WORD_CHARS = 1000
+# Entries of `allowed_token_ids`: the largest vocabularies' size (vLLM sets no bound; each entry is checked in Python).
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
 # Seeds take any 64-bit value, signed or not (torch's `manual_seed` range, as vLLM); the engine reduces
 # them to the 32 bits its PRNG keys hold.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
@@ -137,7 +145,11 @@ class SamplingParams:
     outputs, divided by it when positive, multiplied when not), `frequency_penalty` and `presence_penalty` (in [-2,
     2], OpenAI's: minus the penalty times the id's count among the chunk's outputs, and once more if it occurs
     there); then temperature; `min_p` (in [0, 1]: drops ids less likely than min_p times the likeliest); top-k;
-    top-p. Logprobs are the raw logits' (the grammar's masked ones, for structured outputs).
+    top-p. `allowed_token_ids` (only these ids may be sampled) and `bad_words` (vLLM's rule: the last token of a word's
+    tokenization, with and without a leading space, is banned where the chunk's outputs end with the tokens before it;
+    a one-token word is never sampled) apply with min_tokens' bans (sample_masks.py). Logprobs are the raw logits'
+    (the grammar's masked ones, for structured outputs): as vLLM's sampler, which takes its raw logprobs before
+    applying allowed_token_ids and bad_words, neither changes them.
     """
 
     n: int = 1
@@ -164,6 +176,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token ids as ints or decimal strings (JSON's keys)
     # The text the outputs must form (a `StructuredOutputsParams`, or a dict of its fields). One-shot requests only.
     structured_outputs: "StructuredOutputsParams | None" = None
+    allowed_token_ids: tuple[int, ...] | None = None  # ids in the vocabulary (check_vocabulary), not empty
+    bad_words: tuple[str, ...] | None = None  # non-empty strings, kept once each in order (vLLM's); needs a tokenizer
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
 
@@ -190,6 +204,8 @@ class SamplingParams:
             "min_p": _float("min_p", self.min_p),
             "logit_bias": _logit_bias(self.logit_bias),
             "structured_outputs": _structured_outputs(self.structured_outputs),
+            "allowed_token_ids": _allowed_token_ids(self.allowed_token_ids),
+            "bad_words": _bad_words(self.bad_words),
         }
         if fields["temperature"] < 0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
@@ -213,11 +229,14 @@ class SamplingParams:
             object.__setattr__(self, name, value)
 
     def check_vocabulary(self, vocab_size: int) -> None:
-        """Raises InvalidRequestError when `logit_bias` names an id outside [0, vocab_size) (vLLM's 400)."""
+        """Raises InvalidRequestError when `logit_bias` or `allowed_token_ids` names an id outside [0, vocab_size)
+        (vLLM's 400s; the second in vLLM's words)."""
         outside = sorted(token for token in self.logit_bias or () if token >= vocab_size)
         if outside:
             raise InvalidRequestError(f"logit_bias holds token ids outside the vocabulary [0, {vocab_size}): "
                                       f"{outside[:10]}")
+        if any(not 0 <= token < vocab_size for token in self.allowed_token_ids or ()):
+            raise InvalidRequestError("allowed_token_ids contains out-of-vocab token id!")
 
     def check_supported(self, *, streaming: bool) -> None:
         """Raises InvalidRequestError for what jaxstream does not serve (vLLM rejects the same for streaming
@@ -344,6 +363,38 @@ def _logit_bias(biases) -> dict[int, float] | None:
             raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
         checked[token] = value
     return checked or None
+
+
+def _allowed_token_ids(ids) -> tuple[int, ...] | None:
+    """The ids as given; their range is the vocabulary's (`check_vocabulary`, vLLM's message for any outside it)."""
+    if ids is None:
+        return None
+    if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__len__"):
+        raise InvalidRequestError(f"allowed_token_ids must be a list of token ids, got {ids!r}")
+    if not ids:
+        raise InvalidRequestError("allowed_token_ids is not None and empty!")  # vLLM's words
+    if len(ids) > MAX_ALLOWED_TOKEN_IDS:
+        raise InvalidRequestError(f"allowed_token_ids takes at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(ids)}")
+    if any(isinstance(token, bool) or not isinstance(token, numbers.Integral) for token in ids):
+        raise InvalidRequestError(f"allowed_token_ids must be a list of token ids (integers), got {list(ids)[:10]!r}")
+    return tuple(int(token) for token in ids)
+
+
+def _bad_words(words) -> tuple[str, ...] | None:
+    """Each word once, in order (vLLM's); None when there are none."""
+    if words is None:
+        return None
+    if isinstance(words, str) or not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+        raise InvalidRequestError(f"bad_words must be a list of strings, got {words!r}")
+    words = tuple(dict.fromkeys(words))
+    if not all(words):
+        raise InvalidRequestError(f"bad_words cannot contain an empty string. Got bad_words={list(words)}")
+    if len(words) > MAX_BAD_WORDS:  # each is one token sequence at least: vLLM refuses them once tokenized, so
+        raise InvalidRequestError(f"Too many bad words after tokenization: {MAX_BAD_WORDS + 1}. The max number is "
+                                  f"{MAX_BAD_WORDS}.")
+    if max(map(len, words), default=0) > MAX_BAD_WORD_CHARS:
+        raise InvalidRequestError(f"bad_words entries take at most {MAX_BAD_WORD_CHARS} characters")
+    return words or None
 
 
 def _stop_token_ids(ids) -> tuple[int, ...] | None:

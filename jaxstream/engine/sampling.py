@@ -1,5 +1,6 @@
-"""On-device sampling with per-row parameters, in vLLM's order: min_tokens' bans and `logit_bias`; repetition,
-frequency and presence penalties; then (sampled rows) temperature, min_p, top-k, top-p and a seeded draw.
+"""On-device sampling with per-row parameters, in vLLM's order: allowed_token_ids and bad words (a slot's bitmask);
+min_tokens' bans and `logit_bias`; repetition, frequency and presence penalties; then (sampled rows) temperature,
+min_p, top-k, top-p and a seeded draw.
 
 Each row draws with the key `fold_in(PRNGKey(seed), position)`, `position` being the index the sampled
 token will have in the session's sequence, so a seeded session samples the same tokens whatever it is
@@ -22,6 +23,10 @@ import jax.numpy as jnp
 # Ids a row may ban (vLLM's min_tokens: EOS and stop ids until min_tokens outputs); a fixed width keeps the
 # batch's shapes static, so no request compiles a program.
 MAX_BANNED_IDS = 16
+# A slot's two bitmasks of the ids it may sample: structured outputs' grammar (applied before the logprobs, as vLLM
+# applies it before its sampler) and allowed_token_ids less the bad words' bans (applied after them, as vLLM's
+# sampler does: sample_masks.py).
+GRAMMAR_MASK, SAMPLE_MASK = 0, 1
 
 
 class Penalties(NamedTuple):
@@ -92,16 +97,18 @@ def filtered_logits(logits, temperature, top_k, top_p, min_p=None):
     return jnp.where((scaled >= cutoff) & (scaled >= kth), scaled, -jnp.inf)
 
 
-def allowed_only(logits, masks, guided):
-    """`logits` [S, V] with -inf where a `guided` [S] row's bitmask `masks` [S, ceil(V / 32)] (int32, bit i of word w
-    for id 32 w + i) has a 0: structured outputs' allowed ids. A batch without such a row is left as it was."""
+def allowed_only(logits, masks, slot, which: int, rows):
+    """`logits` [S, V] with -inf where a `rows` [S] row's bitmask has a 0: `masks[slot, which]`, `masks` being the
+    slots' bitmasks [slots, 2, ceil(V / 32)] (int32, bit i of word w for id 32 w + i; GRAMMAR_MASK or SAMPLE_MASK),
+    `slot` [S] the rows' slots. A batch without such a row is left as it was, and gathers no bitmask."""
 
     def apply(logits):
-        bits = (masks[:, :, None] >> jnp.arange(32, dtype=masks.dtype)) & 1
-        allowed = bits.reshape(masks.shape[0], -1)[:, :logits.shape[-1]].astype(bool)
-        return jnp.where(guided[:, None] & ~allowed, -jnp.inf, logits)
+        words = masks[jnp.clip(slot, 0, masks.shape[0] - 1), which]
+        bits = (words[:, :, None] >> jnp.arange(32, dtype=words.dtype)) & 1
+        allowed = bits.reshape(words.shape[0], -1)[:, :logits.shape[-1]].astype(bool)
+        return jnp.where(rows[:, None] & ~allowed, -jnp.inf, logits)
 
-    return jax.lax.cond(jnp.any(guided), apply, lambda logits: logits, logits)
+    return jax.lax.cond(jnp.any(rows), apply, lambda logits: logits, logits)
 
 
 def _with_logit_bias(logits, ids, biases):
@@ -132,16 +139,21 @@ def _with_penalties(logits, penalties: Penalties):
 
 
 def sample(logits, temperature, top_k, top_p, seed, position, banned_ids=None, *, min_p=None, logit_bias=None,
-           penalties: Penalties | None = None):
+           penalties: Penalties | None = None, sample_masks=None):
     """[S, V] logits and per-row params -> (tokens [S] int32, logprobs [S] f32 of the raw logits).
 
     temperature == 0 is greedy. The filtering pass (a sort over the vocabulary) runs only when some row
-    samples. `banned_ids` [S, MAX_BANNED_IDS] (-1 pads) are ids a row must not sample; `logit_bias` is (ids,
-    biases) [S, MAX_LOGIT_BIAS] (-1 pads); `min_p` [S]; `penalties` as `Penalties`. Like vLLM's default
-    `logprobs_mode` ("raw_logprobs"), none of them changes the logprobs, which are those of the raw logits.
+    samples. `sample_masks` is (the slots' bitmasks, the rows' slots [S], the rows [S] sampled under their slot's
+    SAMPLE_MASK: `allowed_only`); `banned_ids` [S, MAX_BANNED_IDS] (-1 pads) are ids a row must not sample;
+    `logit_bias` is (ids, biases) [S, MAX_LOGIT_BIAS] (-1 pads); `min_p` [S]; `penalties` as `Penalties`. Like
+    vLLM's default `logprobs_mode` ("raw_logprobs"), none of them changes the logprobs, which are those of the raw
+    logits.
     """
     raw = jnp.asarray(logits, jnp.float32)
     logits = raw
+    if sample_masks is not None:  # vLLM's order: allowed_token_ids and bad words, then min_tokens and logit_bias
+        masks, slot, rows = sample_masks
+        logits = allowed_only(logits, masks, slot, SAMPLE_MASK, rows)
     if banned_ids is not None:
         vocab = logits.shape[-1]
         rows = jnp.arange(logits.shape[0])[:, None]

@@ -120,8 +120,9 @@ def text_slot_shapes(vocab_size: int) -> dict:
     fixed size whatever `max_model_len` (the history of a 128k context is as large), and a step touches only the
     ids it feeds, and whole rows only of the rows that use penalties or start a session or a chunk."""
     return {"context_counts": ((vocab_size,), jnp.int32), "counts_start": ((), jnp.int32),
-            # Structured outputs: the ids a slot's grammar allows at its next sampled position, one bit an id.
-            "token_mask": (((vocab_size + 31) // 32,), jnp.int32)}
+            # The ids a slot may sample at its next sampled position, one bit an id: structured outputs' grammar
+            # allows them (sampling.GRAMMAR_MASK) and allowed_token_ids and bad words do (sampling.SAMPLE_MASK).
+            "token_mask": ((2, (vocab_size + 31) // 32), jnp.int32)}
 
 
 def count_row_batch(vocab_size: int) -> dict[str, np.ndarray]:
@@ -143,12 +144,13 @@ def write_count_row(model, state, batch):
 
 
 def write_token_masks(model, state, batch):
-    """Sets slots' structured-output bitmasks ("token_mask") to the batch's (structured_outputs.write_masks)."""
+    """Sets bitmasks of slots ("token_mask": the batch's `slot`, its `which`) to the batch's `mask`
+    (structured_outputs.write_masks)."""
     del model
     slots = state["slots"]
     num_slots = slots["token_mask"].shape[0]
-    masks = slots["token_mask"].at[jnp.where(batch["slot"] >= 0, batch["slot"], num_slots)].set(batch["mask"],
-                                                                                               mode="drop")
+    slot = jnp.where(batch["slot"] >= 0, batch["slot"], num_slots)
+    masks = slots["token_mask"].at[slot, batch["which"]].set(batch["mask"], mode="drop")
     return {}, {**state, "slots": {**slots, "token_mask": masks}}
 
 
@@ -176,8 +178,10 @@ def text_batch(rows: int, chunk: int, pages_per_window: int) -> dict[str, np.nda
         "bias_values": np.zeros((rows, MAX_LOGIT_BIAS), np.float32),
         # Per position, the prompt token after it where the row's request asks for prompt logprobs, else -1.
         "prompt_targets": np.full((rows, chunk), -1, np.int32),
-        # Rows sampled under their slot's structured-output bitmask ("token_mask").
+        # Rows sampled under their slot's structured-output bitmask ("token_mask", sampling.GRAMMAR_MASK).
         "guided": np.zeros(rows, bool),
+        # Rows sampled under their slot's allowed_token_ids and bad words bitmask (sampling.SAMPLE_MASK).
+        "masked": np.zeros(rows, bool),
     }
 
 
@@ -187,15 +191,16 @@ def text_step(model, state, batch, *, stack, attention_impl):
     features, head, cache = _forward(model, state["stacks"][stack], batch, attention_impl)
     logits = head(select_logit_rows(features, jnp.maximum(batch["num_new"] - 1, 0)))
     slots = state["slots"]
-    # Before everything else, as vLLM applies a grammar's bitmask: the logprobs are the masked logits'.
-    row_slot = jnp.clip(batch["slot"], 0, slots["token_mask"].shape[0] - 1)
-    logits = sampling.allowed_only(logits, slots["token_mask"][row_slot], batch["guided"])
+    # Before everything else, as vLLM applies a grammar's bitmask: the logprobs are the masked logits'. The sampling
+    # mask (allowed_token_ids, bad words) applies in `sample`, after the logprobs are taken, as in vLLM's sampler.
+    logits = sampling.allowed_only(logits, slots["token_mask"], batch["slot"], sampling.GRAMMAR_MASK, batch["guided"])
     counts, start = sampling.count_fed_tokens(slots["context_counts"], slots["counts_start"], batch)
     penalties = sampling.Penalties(counts, jnp.clip(batch["slot"], 0, counts.shape[0] - 1), batch["presence"],
                                    batch["frequency"], batch["repetition"])
     tokens, logprobs = sampling.sample(logits, batch["temperature"], batch["top_k"], batch["top_p"],
                                        batch["seed"], batch["position"], batch["banned_ids"], min_p=batch["min_p"],
-                                       logit_bias=(batch["bias_ids"], batch["bias_values"]), penalties=penalties)
+                                       logit_bias=(batch["bias_ids"], batch["bias_values"]), penalties=penalties,
+                                       sample_masks=(slots["token_mask"], batch["slot"], batch["masked"]))
     top = min(MAX_LOGPROBS, logits.shape[-1])
 
     def most_likely(_):

@@ -4,8 +4,9 @@
 thread (`AsyncEngine.generate` awaits it, and `AsyncEngine.check_sampling_params` for a server that refuses an invalid
 grammar before it answers), keeping the last compiled ones so a repeated or checked schema costs a copy. The
 scheduler keeps the matcher with its session: before a step that samples for it, the matcher's bitmask of allowed
-ids (one bit an id) goes into the session's slot on the device (`write_masks`, program `TOKEN_MASKS`), the step
-sets every other id's logit to -inf (steps.text_step), and the sampled id advances the matcher (`advance`).
+ids (one bit an id) goes into the session's slot on the device (`write_masks`, program `TOKEN_MASKS`, which writes
+the slots' allowed_token_ids and bad words bitmasks too: sample_masks.py), the step sets every other id's logit to
+-inf (steps.text_step), and the sampled id advances the matcher (`advance`).
 A batch without such a row pays one `lax.cond` and transfers nothing more.
 
 As vLLM's guidance backend: JSON schemas compile with flexible whitespace unless `disable_any_whitespace`, a
@@ -71,6 +72,12 @@ class Guide:
             return
         logger.warning("request %s: structured outputs: sampled id %d is outside the grammar: %s", request_id, token,
                        _first_line(self.matcher.get_error()))
+
+    def mask(self) -> np.ndarray:
+        """The bitmask of the ids the grammar allows next (llguidance's vocabulary's width)."""
+        row = np.empty(self.words, np.int32)  # llguidance writes exactly its vocabulary's width
+        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        return row
 
 
 class Grammars:
@@ -191,20 +198,20 @@ def _first_line(message: str) -> str:
 
 
 def token_masks_batch(vocab_size: int) -> dict[str, np.ndarray]:
-    """The batch of `steps.write_token_masks`: MASK_ROWS slots (-1: none) and their bitmasks (all ids allowed)."""
-    return {"slot": np.full(MASK_ROWS, -1, np.int32),
+    """The batch of `steps.write_token_masks`: MASK_ROWS slots (-1: none), which of their bitmasks
+    (sampling.GRAMMAR_MASK or SAMPLE_MASK) and those bitmasks (all ids allowed)."""
+    return {"slot": np.full(MASK_ROWS, -1, np.int32), "which": np.zeros(MASK_ROWS, np.int32),
             "mask": np.full((MASK_ROWS, mask_words(vocab_size)), -1, np.int32)}
 
 
 def write_masks(programs, vocab_size: int, rows) -> None:
-    """Puts the allowed-id bitmask of each (slot, Guide) of `rows` into its slot on the device, MASK_ROWS a call."""
+    """For each (slot, which, make) of `rows`, puts the bitmask `make()` computes into that slot's bitmask `which` on
+    the device, MASK_ROWS a call (a bitmask longer than the model's vocabulary's, llguidance's, is cut to it)."""
     rows = list(rows)
     for start in range(0, len(rows), MASK_ROWS):
         part = rows[start:start + MASK_ROWS]
         batch = token_masks_batch(vocab_size)
-        for i, (slot, guide) in enumerate(part):
-            row = np.empty(guide.words, np.int32)  # llguidance writes exactly its vocabulary's width
-            guide.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-            batch["slot"][i] = slot
-            batch["mask"][i] = row[:batch["mask"].shape[1]]
+        for i, (slot, which, make) in enumerate(part):
+            batch["slot"][i], batch["which"][i] = slot, which
+            batch["mask"][i] = make()[:batch["mask"].shape[1]]
         programs.run(TOKEN_MASKS, batch)

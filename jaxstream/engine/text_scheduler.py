@@ -13,7 +13,8 @@ A tick schedules running sessions first (decodes, then unfinished prefills), the
 FIFO order, under a token budget; decode rows (one token) go to a C = 1 program and prefill rows to one
 prefill bucket; both are dispatched before one host sync. Sessions whose contexts start alike share the KV pages
 of their common full blocks (automatic prefix caching, text_prefix_cache.py). A request with `prompt_logprobs` gets
-those of its prompt positions from its prefills and with its first token (prompt_logprobs.py).
+those of its prompt positions from its prefills and with its first token (prompt_logprobs.py). A chunk's grammar
+(structured_outputs.py) and its allowed_token_ids and bad words (sample_masks.py) are bitmasks in its slot.
 """
 import collections
 import dataclasses
@@ -23,7 +24,7 @@ import time
 
 import numpy as np
 
-from jaxstream.engine import first_runs, sampling, steps, structured_outputs, text_prefix_cache
+from jaxstream.engine import first_runs, sample_masks, sampling, steps, structured_outputs, text_prefix_cache
 from jaxstream.engine.prompt_logprobs import FlatPromptLogprobs
 from jaxstream.engine.requests import SamplingParams
 from jaxstream.engine.residency import END_OF_STREAM, Residency, SessionBase, Status, TickStats, deliver
@@ -42,6 +43,7 @@ class ChunkUpdate:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     guide: structured_outputs.Guide | None = None
+    sample_mask: sample_masks.SampleMask | None = None
 
 
 class TextSession(SessionBase):
@@ -79,6 +81,7 @@ class TextSession(SessionBase):
         self.collecting: FlatPromptLogprobs | None = None
         self.prompt_logprobs: FlatPromptLogprobs | None = None
         self.guide: structured_outputs.Guide | None = None  # structured outputs: the grammar's matcher
+        self.sample_mask: sample_masks.SampleMask | None = None  # the chunk's allowed_token_ids and bad words
 
     @property
     def num_tokens(self) -> int:
@@ -98,7 +101,7 @@ class TextScheduler(Residency):
     can_drop_kv = True
 
     def __init__(self, programs: steps.Programs, engine_cfg, model_cfg, *, max_model_len, eos_token_id=None,
-                 primary_eos_token_id=None, detokenizer_factory=None):
+                 primary_eos_token_id=None, tokenizer=None):
         super().__init__(programs, engine_cfg.host_offload_bytes)
         self.cfg = engine_cfg
         self.vocab_size = model_cfg.vocab_size
@@ -117,7 +120,8 @@ class TextScheduler(Residency):
             eos_ids.append(int(primary_eos_token_id))
         self.eos_token_ids = frozenset(eos_ids)
         self.secondary_eos_token_ids = self.eos_token_ids - {primary_eos_token_id}
-        self.detokenizer_factory = detokenizer_factory
+        self.tokenizer = tokenizer  # its stream decoders detokenize the outputs; it tokenizes bad words
+        self.sample_masks = sample_masks.SampleMasks(tokenizer, self.vocab_size)
         self.waiting: collections.deque[TextSession] = collections.deque()
         self.running: list[TextSession] = []
         self._seed_counter = 0
@@ -161,10 +165,10 @@ class TextScheduler(Residency):
             if not first:
                 return
             session = TextSession(request_id, sink, self.cache.new_pages(), resumable=resumable,
-                                  detokenizer=self.detokenizer_factory() if self.detokenizer_factory else None)
+                                  detokenizer=self.tokenizer.stream_decoder() if self.tokenizer is not None else None)
             self.sessions[request_id] = session
         try:
-            update = ChunkUpdate(self._validated(prompt_ids), params, guide)
+            ids = self._validated(prompt_ids)
             if (guide is None) != (params.structured_outputs is None):
                 raise ValueError("structured outputs need their compiled grammar (AsyncEngine.generate compiles it)")
             params.check_supported(streaming=resumable)  # stop strings: one-shot requests only
@@ -174,6 +178,7 @@ class TextScheduler(Residency):
             if len(self._min_tokens_bans(params)) > sampling.MAX_BANNED_IDS:
                 raise ValueError(f"min_tokens bans the EOS and stop ids until then: at most "
                                  f"{sampling.MAX_BANNED_IDS} of them are supported")
+            update = ChunkUpdate(ids, params, guide, self.sample_masks.for_params(params))
         except ValueError as exc:
             logger.info("request %s: chunk rejected: %s", request_id, exc)
             self.fail(session, exc)
@@ -239,6 +244,7 @@ class TextScheduler(Residency):
             session.collecting = FlatPromptLogprobs(session.prompt_ids, update.params.prompt_logprobs)
         session.seed = self._seed(update.params)
         session.guide = update.guide
+        session.sample_mask = update.sample_mask
         if session.guide is not None:
             session.guide.start(session.prompt_ids)
         if session.counts_stale and _uses_penalties(update.params):
@@ -285,6 +291,7 @@ class TextScheduler(Residency):
         looks_up = self._looks_up(session)
         if not super().admit(session):
             return False
+        self.sample_masks.forget(session.slot)  # a restore wrote the slot's bitmasks
         if looks_up:
             session.num_computed = self.prefix.lookup(session)
             if session.num_computed and _uses_penalties(session.params):
@@ -324,6 +331,7 @@ class TextScheduler(Residency):
         """The device state was rebuilt: no cached page holds its KV any more."""
         if self.prefix is not None:
             self.prefix.pool.drop()
+        self.sample_masks.forget()
 
     def _unschedule(self, session: TextSession) -> None:
         if session in self.running:
@@ -454,10 +462,11 @@ class TextScheduler(Residency):
         return True
 
     def _execute(self, decode, prefill, bucket):
-        guided = [(session.slot, session.guide) for session, start, count in decode + prefill
-                  if _guided(session, start, count)]
-        if guided:  # into the slots before the steps that read them
-            structured_outputs.write_masks(self.programs, self.vocab_size, guided)
+        scheduled = decode + prefill
+        masks = [(session.slot, sampling.GRAMMAR_MASK, session.guide.mask) for session, start, count in scheduled
+                 if _guided(session, start, count)] + self.sample_masks.writes(scheduled)
+        if masks:  # into the slots before the steps that read them
+            structured_outputs.write_masks(self.programs, self.vocab_size, masks)
         dispatched = []
         if decode:
             rows = next(b for b in self.cfg.decode_batch_buckets if b >= len(decode))
@@ -506,6 +515,7 @@ class TextScheduler(Residency):
                 targets = session.collecting.targets(start, count)
                 batch["prompt_targets"][i, :len(targets)] = targets
             batch["guided"][i] = _guided(session, start, count)
+            batch["masked"][i] = sample_masks.samples_under(session, start, count)
         return batch
 
     # -- results --------------------------------------------------------------------------------------
