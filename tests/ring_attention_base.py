@@ -208,12 +208,13 @@ class RingAttentionTestBase:
             np.testing.assert_array_equal(np.asarray(written.astype(jnp.float32)), expected_pool,
                                           err_msg=f"{name}_pages after the write")
 
-    @pytest.mark.parametrize("case_name", ["paged_prefill_wrap", "paged_decode_gqa8"])
     @pytest.mark.parametrize("page_dtype", ["float8_e4m3fn", "float8_e5m2"])
-    def test_fp8_pages_match_dense_oracle_over_the_stored_values(self, case_name, page_dtype):
+    def test_fp8_pages_match_dense_oracle_over_the_stored_values(self, page_dtype):
         """float32 queries and new keys/values over fp8 pages (an fp8 KV cache): the output is the float64
         oracle's over the whole history as fp8 stores it, the chunk's own rows included (rounded before they are
-        attended to, not only when written), and the pages after the write hold the chunk rounded to fp8."""
+        attended to, not only when written), and the pages after the write hold the chunk rounded to fp8. (Decode
+        steps over fp8 pages: tests/test_kv_cache_dtype.py's engine.)"""
+        case_name = "paged_prefill_wrap"  # chunks that wrap the ring, a fresh prompt longer than it, an idle session
         case = CASES[case_name]
         if not self.takes_fp8_pages:
             pytest.skip("this implementation refuses pages other than float32")
