@@ -11,8 +11,9 @@ pages and open sockets, and (--log) the tracebacks and ERROR lines in the server
 
 The behaviours are functions, one per client behaviour: the WebSocket ones in serve_chaos_clients.py, the HTTP ones
 in serve_chaos_http.py, server VAD in serve_chaos_vad.py, in serve_chaos_limits.py the server's limits, API keys and
-routing refusals, and in serve_chaos_text.py those of a server over a text LM (which runs them instead of the
-others: its module docstring says how to serve one). "As expected" is what specs/realtime_protocols.md and the
+routing refusals, and in serve_chaos_text.py and serve_chaos_guided.py (structured outputs, allowed ids, bad words)
+those of a server over a text LM (which runs them instead of the others: serve_chaos_text.py's docstring says how to
+serve one). "As expected" is what specs/realtime_protocols.md and the
 serving modules have the server answer in its default (strict) mode: a transcript whose deltas add up to it and that
 equals every other transcript of the same audio at the same rate, whatever the route or the load (so cross-talk
 between streams shows), or the structured error or HTTP 4xx documented for that input or limit, the socket kept or
@@ -25,7 +26,9 @@ The soak assumes the server's default limits unless told the TOML it was started
 [limits]): only then do the behaviours that wait for the idle timeout, the maximum duration or the send timeout
 run (benchmarks/serve_chaos.toml makes each a matter of seconds; every other behaviour stays within them). With
 --api-key every request presents the key, and the key behaviour checks refusals without it; without, that
-behaviour does not run. Each round's report names the behaviours that did not run and why.
+behaviour does not run. --api-key-file gives the server's key file instead: its first key is --api-key's, the others
+are other clients' (the text flood's: one key floods the request queue, another's request must still be served).
+Each round's report names the behaviours that did not run and why.
 """
 import argparse
 import asyncio
@@ -41,19 +44,21 @@ import aiohttp
 import numpy as np
 import soundfile
 
+import serve_chaos_guided
 import serve_chaos_http
 import serve_chaos_limits
 import serve_chaos_text
 import serve_chaos_vad
 from jaxstream.errors import UserError
 from jaxstream.models.audio import SAMPLING_RATE
+from jaxstream.serving.auth import load_api_keys
 from jaxstream.serving.config import load_server_file
 from jaxstream.serving.limits import Limits
 from serve_chaos_clients import BEHAVIOURS, Chaos, auth_headers, of_kind, run_one, unavailable
 from serve_load import SAMPLE, rss_bytes
 
 # Imported for what they register.
-BEHAVIOUR_MODULES = (serve_chaos_http, serve_chaos_limits, serve_chaos_text, serve_chaos_vad)
+BEHAVIOUR_MODULES = (serve_chaos_guided, serve_chaos_http, serve_chaos_limits, serve_chaos_text, serve_chaos_vad)
 BASELINE_S = 30.0  # after a round, for the server to free what its clients held
 # What a round's clients held and must have given back: the samples of these gauges, summed over their labels.
 HELD = re.compile(r"^(jaxstream_(?:engine_sessions|kv_pages_used|ws_connections))(?:\{.*\})? (\S+)$", re.M)
@@ -87,21 +92,24 @@ def load_sample(path: str) -> np.ndarray:
 
 @contextlib.asynccontextmanager
 async def connect(url: str, timeout: float, audio: str, ready_s: float, key: str | None = None,
-                  limits: Limits | None = None):
-    """The Chaos of the server at `url`, once it is ready; its HTTP session presents `key` on every request."""
+                  limits: Limits | None = None, other_keys: tuple[str, ...] = ()):
+    """The Chaos of the server at `url`, once it is ready; its HTTP session presents `key` on every request, and
+    `other_keys` are the server's others (`c.other_keys`: other clients')."""
     url = url.rstrip("/")
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=auth_headers(key),
                                      timeout=aiohttp.ClientTimeout(total=timeout)) as http:
         model, kind = await served_model(url, http, ready_s)
-        yield Chaos(url, http, model, load_sample(audio), key, limits, kind)
+        chaos = Chaos(url, http, model, load_sample(audio), key, limits, kind)
+        chaos.other_keys = other_keys
+        yield chaos
 
 
 async def run_each(url: str, names, seed: int = 0, timeout: float = 120.0, audio: str = str(SAMPLE),
-                   ready_s: float = 300.0, key: str | None = None,
-                   limits: Limits | None = None) -> tuple[dict[str, str | None], dict[str, str]]:
+                   ready_s: float = 300.0, key: str | None = None, limits: Limits | None = None,
+                   other_keys: tuple[str, ...] = ()) -> tuple[dict[str, str | None], dict[str, str]]:
     """Runs the behaviours `names` (those for the served model's kind) once each, one after the other: ({name: None
     when ok, else why not}, {name: what it needs, for those this server cannot run})."""
-    async with connect(url, timeout, audio, ready_s, key, limits) as c:
+    async with connect(url, timeout, audio, ready_s, key, limits, other_keys) as c:
         rng = random.Random(seed)
         names = of_kind(c.kind, names)
         skipped = {name: why for name in names if (why := unavailable(c, name))}
@@ -170,7 +178,7 @@ def report(tally: Tally, names: list[str], skipped: dict[str, str], log: dict | 
 
 
 async def soak(args, limits: Limits | None) -> int:
-    async with connect(args.url, args.timeout, args.audio, args.ready_s, args.api_key, limits) as c:
+    async with connect(args.url, args.timeout, args.audio, args.ready_s, args.api_key, limits, args.other_keys) as c:
         skipped = {name: why for name in of_kind(c.kind) if (why := unavailable(c, name))}
         names = [name for name in of_kind(c.kind) if name not in skipped]
         tally, leaks, seeds = Tally(), [], random.Random(args.seed)
@@ -202,8 +210,11 @@ def main(argv=None) -> int:
     parser.add_argument("--log", help="the server's log, for its tracebacks and ERROR lines")
     parser.add_argument("--audio", default=str(SAMPLE), help="16 kHz mono speech (default: the bundled sample)")
     parser.add_argument("--ready-s", type=float, default=300.0, help="wait this long for /health (default 300)")
-    parser.add_argument("--api-key", metavar="K", help="the server's API key: every request presents it, and the "
-                        "key behaviour runs")
+    keys = parser.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", metavar="K", help="the server's API key: every request presents it, and the key "
+                      "behaviour runs")
+    keys.add_argument("--api-key-file", metavar="F", help="the server's key file: its first key is --api-key's, the "
+                      "others other clients' (the text flood needs three keys)")
     parser.add_argument("--server-config", metavar="TOML", help="the TOML the server was started with (--config): "
                         "its [limits], and the behaviours that wait for them")
     parser.add_argument("--once", nargs="*", metavar="BEHAVIOUR", help="no rounds: run each behaviour (default: "
@@ -213,12 +224,19 @@ def main(argv=None) -> int:
         limits = Limits(**load_server_file(args.server_config).limits) if args.server_config else None
     except (UserError, ValueError) as exc:
         parser.error(f"--server-config: {exc}")
+    args.other_keys = ()
+    if args.api_key_file:
+        try:
+            keys = load_api_keys(None, args.api_key_file)
+        except UserError as exc:
+            parser.error(str(exc))
+        args.api_key, args.other_keys = keys[0], keys[1:]
     if args.once is None:
         return asyncio.run(soak(args, limits))
     if unknown := set(args.once) - set(BEHAVIOURS):
         parser.error(f"unknown behaviour(s): {', '.join(sorted(unknown))}")
     results, skipped = asyncio.run(run_each(args.url, args.once or sorted(BEHAVIOURS), args.seed, args.timeout,
-                                            args.audio, args.ready_s, args.api_key, limits))
+                                            args.audio, args.ready_s, args.api_key, limits, args.other_keys))
     for name, reason in results.items():
         print(f"{name:32} {reason or 'ok'}")
     for name, why in skipped.items():

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 KEY = "chaos-key"
+OTHER_KEYS = ("flood-key", "lone-key")  # the text flood's: one floods the request queue, one must be served
 # Short enough that a behaviour waiting for each takes seconds; the idle timeout long enough that the slow reader's
 # wait for its first delta, under a loaded CI machine, is not taken for silence.
 LIMITS = Limits(idle_timeout_s=4.0, max_session_seconds=8.0, send_timeout_s=2.0)
@@ -57,7 +58,7 @@ async def test_every_behaviour_ends_as_it_expects(server, limited_server, chaos)
     assert {name.split("_")[0] for name in speech} == routes
     assert {"realtime_vad", "openai_vad", "http_session_resume", "http_sse_slow_reader",
             "http_routing_refusals"} < set(speech)
-    assert set(clients.NEEDS) == {*WAITS, "auth_keys"}
+    assert set(clients.NEEDS) == {*WAITS, "auth_keys", "text_key_flood"}  # (the last a text server's)
     plain = sorted(set(speech) - set(clients.NEEDS))
     limited = [["limits_max_duration"], ["limits_idle", "auth_keys"],
                ["limits_slow_reader", "realtime_utterances", "http_session", "kyutai_stream", "envelope_utterance"]]
@@ -74,16 +75,22 @@ async def test_every_behaviour_ends_as_it_expects(server, limited_server, chaos)
 
 
 async def test_every_text_behaviour_ends_as_it_expects(chaos, tmp_path):
-    """Against a text LM's server (serve_chaos_text's model) the soak runs the text behaviours, and only those: greedy
-    answers equal across routes, logprobs, stop strings, seeded sampling, /tokenize, Mode A and B text, refusals,
-    dropped streams. Two lanes side by side, so that streams share the engine's batches."""
+    """Against a text LM's server (serve_chaos_text's model, keyed with three keys and a small request queue) the soak
+    runs the text behaviours, and only those: greedy answers equal across routes, logprobs, stop strings, seeded
+    sampling, /tokenize, Mode A and B text, refusals, dropped streams, structured outputs and forced tool calls,
+    allowed ids and bad words, and one key's flood of the queue beside another key's request. Two lanes side by side,
+    so that streams share the engine's batches."""
     soak, clients = chaos
     text = clients.of_kind("text")
-    assert {"text_completion", "text_chat", "text_mode_a", "text_mode_b", "text_refusals", "text_drops"} < set(text)
+    assert {"text_completion", "text_chat", "text_mode_a", "text_mode_b", "text_refusals", "text_drops",
+            "text_structured", "text_tool_choice", "text_constraint_refusals", "text_allowed_tokens", "text_bad_words",
+            "text_guided_drops", "text_key_flood"} < set(text)
     engine = text_engine(importlib.import_module("serve_chaos_text").make_model(tmp_path / "llama"))
-    server = ServerThread(engine, ServerConfig())
+    limits = Limits(max_connections=4)
+    server = ServerThread(engine, ServerConfig(api_keys=(KEY, *OTHER_KEYS), limits=limits))
     try:
-        runs = await asyncio.gather(*(soak.run_each(server.url("", "http"), sorted(clients.BEHAVIOURS), seed=lane)
+        runs = await asyncio.gather(*(soak.run_each(server.url("", "http"), sorted(clients.BEHAVIOURS), seed=lane,
+                                                    key=KEY, limits=limits, other_keys=OTHER_KEYS)
                                       for lane in range(2)))
         await wait_engine_baseline(engine)
     finally:
@@ -131,3 +138,13 @@ def test_a_soak_round_reports_its_runs_rss_and_log(server, chaos, tmp_path, caps
     # Told neither the server's limits nor its key, the soak leaves out what needs them, and says so.
     assert "not run: auth_keys (needs a keyed server (--api-key))" in out
     assert "not run: limits_idle (needs the server's limits (--server-config))" in out
+
+
+def test_a_key_file_gives_the_soak_its_keys(limited_server, chaos, tmp_path, capsys):
+    """--api-key-file: its first key presents every request, as --api-key's (the key behaviour then checks the keyed
+    server's refusals without it)."""
+    soak, _ = chaos
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY}\n{OTHER_KEYS[0]}\n\n{OTHER_KEYS[1]}\n")
+    status = soak.main(["--url", limited_server.url("", "http"), "--api-key-file", str(keys), "--once", "auth_keys"])
+    assert (status, capsys.readouterr().out.split()) == (0, ["auth_keys", "ok"])
