@@ -33,7 +33,9 @@ from test_engine_text_model import ENGINE_CFG, random_chunks, stream_session, ti
 FIXTURES = Path(__file__).parent / "fixtures"
 VOXTRAL = FIXTURES / "voxtral_tiny"
 # Two CPU devices per process; the 4-device mesh spans both processes.
-JOB_ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+# A lost follower is noticed after 5 s of silence (10 by default), which the serve tests wait out.
+JOB_ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAXSTREAM_FOLLOWER_TIMEOUT_S": "5"}
 STREAMED = 3  # streamed text sessions, run concurrently
 
 
@@ -241,7 +243,6 @@ async def _connect(base: str):
 
 
 async def test_voxtral_through_serve_on_process_0(served, transcript):
-    from jaxstream.engine.multihost import LOST_AFTER_S
     from jaxstream.serving.testing import stream_utterance
 
     base, _, ready_at = served
@@ -254,7 +255,8 @@ async def test_voxtral_through_serve_on_process_0(served, transcript):
             await client.close()
         assert result["done"]["text"] == text
         # An idle leader keeps its followers: their heartbeats, not dispatches, say they are alive.
-        await asyncio.sleep(max(0.0, ready_at + LOST_AFTER_S + 2 - time.monotonic()))
+        lost_after = float(JOB_ENV["JAXSTREAM_FOLLOWER_TIMEOUT_S"])
+        await asyncio.sleep(max(0.0, ready_at + lost_after + 2 - time.monotonic()))
         assert _get(base + "/health") == 200
 
 

@@ -42,7 +42,7 @@ SPEEDUP = 8
 # Under one append: a client whose appends the drain's server held for a later utterance was refused at once.
 PENDING_LIMIT = Limits(max_pending_seconds=0.25)
 CHUNK_S = 2.0  # Mode B's chunks
-DRAIN_S = 8.0  # the drain ends running inputs itself half-way (app.drain keeps the rest for their flush)
+DRAIN_S = 4.0  # the drain ends running inputs itself half-way (app.drain keeps the rest for their flush)
 
 
 def as_sent(pcm: np.ndarray) -> np.ndarray:

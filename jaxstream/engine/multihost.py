@@ -21,7 +21,8 @@ A lost follower (jax 0.10.2, CPU and gloo, measured). With two devices per proce
 died may raise ("connection reset") or may wait forever: a local device that already gave up leaves its
 partner waiting on a healthy socket. So the leader does not rely on collectives failing: every follower
 bumps a heartbeat counter in the store each second, and the leader's watchdog declares a follower lost
-when its counter stops for `LOST_AFTER_S`. Either way the leader's `on_lost` ends every session with
+when its counter stops for `LOST_AFTER_S` (10 s; $JAXSTREAM_FOLLOWER_TIMEOUT_S sets another, for hosts whose
+store round trips are slower, or a test that stops a follower on purpose). Either way the leader's `on_lost` ends every session with
 `ProcessGroupError` and the engine stops (`healthy` is False, so `/health` answers 503); the leader process
 survives because `distributed.initialize(..., recoverable=True)` turns off JAX's abort-on-peer-loss. A
 follower whose leader dies is terminated by JAX's coordination service at once (the coordinator lived in
@@ -30,6 +31,7 @@ the group.
 """
 import itertools
 import logging
+import os
 import threading
 import time
 
@@ -44,7 +46,8 @@ logger = logging.getLogger(__name__)
 _STOP = "stop"
 _POLL_MS = 10_000  # how long one wait on the store lasts before the follower waits again
 _HEARTBEAT_S = 1.0
-LOST_AFTER_S = 10.0  # a follower whose heartbeat stops this long is lost
+# A follower whose heartbeat stops this long is lost.
+LOST_AFTER_S = float(os.environ.get("JAXSTREAM_FOLLOWER_TIMEOUT_S", "10"))
 _READY_TIMEOUT_MS = 15 * 60 * 1000  # processes compile at different speeds before they meet
 # Engines built one after another in one job (a test builds several) each get their own key space; leader
 # and followers count them alike because they build the same engines in the same order.
