@@ -46,7 +46,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxstream.serving import demo, envelope, kyutai, openai_realtime, realtime_dialects, wire_json
-from jaxstream.serving.auth import OPEN_PATHS, auth_middleware, is_authorized
+from jaxstream.serving.auth import OPEN_PATHS, auth_middleware, is_authorized, presented_key
+from jaxstream.serving.client_secrets import ClientSecrets, add_client_secret_routes
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.cors import Cors
 from jaxstream.serving.http_chat import add_chat_routes
@@ -102,7 +103,8 @@ class ServerState:
         self.connection_queue, self.session_queue = RequestQueue(), RequestQueue()
         self.metrics.requests_waiting.set_function(lambda: len(self.connection_queue) + len(self.session_queue))
         self.created = int(time.time())
-        self.key_limits = KeyLimits(config.limits, config.api_keys)
+        self.client_secrets = ClientSecrets()
+        self.key_limits = KeyLimits(config.limits, config.api_keys, self.client_secrets)
         # Its sweep needs aiohttp's server, which the app never sees: `jaxstream serve` runs it on its runner.
         self.first_request = FirstRequestDeadline(config.limits.first_request_timeout_s)
         if engine is not None:
@@ -219,8 +221,8 @@ def create_app(config: ServerConfig | None = None, *, engine=None, engine_factor
     # Starlette's middleware does in vLLM; every other answer gets its CORS headers as it is prepared.
     quiet_malformed_requests()  # aiohttp's ERROR and traceback for each request it cannot parse: one WARNING line
     cors = Cors.from_config(config)
-    app = web.Application(middlewares=[state.first_request.middleware(), cors.middleware(),
-                                       auth_middleware(config.api_keys, open_paths | {envelope.ROUTE}),
+    auth = auth_middleware(config.api_keys, open_paths | {envelope.ROUTE}, state.client_secrets)
+    app = web.Application(middlewares=[state.first_request.middleware(), cors.middleware(), auth,
                                        key_limits_middleware(state.key_limits, open_paths),
                                        routing_errors_middleware(WEBSOCKET_ROUTES)],
                           client_max_size=64 << 10)
@@ -241,6 +243,7 @@ def create_app(config: ServerConfig | None = None, *, engine=None, engine_factor
     add_completion_routes(app)
     add_chat_routes(app)
     add_tokenize_routes(app)
+    add_client_secret_routes(app)
     app.cleanup_ctx.append(_lifecycle(engine_factory))
     # aiohttp waits for open handlers after on_shutdown and before cleanup: sockets still open then (no
     # SIGTERM drain ran) are closed here, at once.
@@ -366,6 +369,10 @@ async def drain(app: web.Application, timeout: float | None = None) -> bool:
 # -- handlers -----------------------------------------------------------------------------------------
 async def _realtime(request: web.Request) -> web.StreamResponse:
     state = request.app[SERVER]
+    secret = state.client_secrets.lookup(presented_key(request))  # live: the auth middleware checked it
+    if secret is not None:  # its sessions speak the dialect it was minted in, configured as it was
+        return await run_websocket(request, state, "/v1/realtime", lambda conn: openai_realtime.OpenAiRealtime(
+            conn, state, beta=secret.beta, preset=secret.changes), subprotocols=realtime_dialects.SUBPROTOCOLS)
     dialect = realtime_dialects.handshake_dialect(request)
     if dialect is not None:
         return await run_websocket(request, state, "/v1/realtime", lambda conn: openai_realtime.OpenAiRealtime(

@@ -4,7 +4,7 @@ A key is accepted as `Authorization: Bearer K` (OpenAI and vLLM clients), `X-API
 (the `/ws` conventions), or as the WebSocket subprotocol `openai-insecure-api-key.K` (OpenAI's browser
 clients: a browser's WebSocket can set no header but `Sec-WebSocket-Protocol`). A failure is HTTP 401 before the
 upgrade, as vLLM does, so a WebSocket client sees it as a refused handshake. Keys are compared in
-constant time.
+constant time. An ephemeral client secret (`ek_...`, serving/client_secrets.py) is a key for `/v1/realtime` alone.
 """
 import hmac
 import logging
@@ -44,6 +44,8 @@ def load_api_keys(cli_key: str | None = None, key_file: str | None = None, envir
 
 
 KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
+SECRET_PREFIX = "ek_"  # an ephemeral client secret's (OpenAI's form)
+REALTIME_PATH = "/v1/realtime"  # the one route a client secret opens
 
 
 def offered_subprotocols(request: web.Request) -> list[str]:
@@ -79,17 +81,31 @@ def is_authorized(request: web.Request, keys: tuple[str, ...]) -> bool:
     return sum(hmac.compare_digest(given, k.encode()) for k in keys) > 0
 
 
-def auth_middleware(keys: tuple[str, ...], open_paths=OPEN_PATHS):
-    """Refuses every request but those to `open_paths` without a valid key (401 before any upgrade)."""
+def auth_middleware(keys: tuple[str, ...], open_paths=OPEN_PATHS, client_secrets=None):
+    """Refuses every request but those to `open_paths` without a valid key (401 before any upgrade). A live client
+    secret of `client_secrets` (serving/client_secrets.py) is a key for `/v1/realtime` alone; one that is not live
+    is refused there even when the server has no keys."""
     @web.middleware
     async def check_api_key(request: web.Request, handler):
-        if keys and request.path not in open_paths and not is_authorized(request, keys):
-            logger.info("refused %s %s from %s: missing or wrong API key", request.method, request.path,
-                        request.remote)
-            # OpenAI's own answer to a bad key: 401, code invalid_api_key, type invalid_request_error.
-            response = error_response(401, "invalid_api_key", "Missing or invalid API key")
-            response.headers["WWW-Authenticate"] = "Bearer"
-            return response
+        if request.path in open_paths or (keys and is_authorized(request, keys)):
+            return await handler(request)
+        key = presented_key(request)
+        if client_secrets is not None and key is not None and key.startswith(SECRET_PREFIX):
+            if request.path != REALTIME_PATH:
+                return _refused(request, "A client secret opens /v1/realtime connections only: use an API key")
+            if client_secrets.lookup(key) is None:
+                return _refused(request, "The client secret is invalid or has expired")
+            return await handler(request)
+        if keys:
+            return _refused(request, "Missing or invalid API key")
         return await handler(request)
 
     return check_api_key
+
+
+def _refused(request: web.Request, message: str) -> web.Response:
+    logger.info("refused %s %s from %s: %s", request.method, request.path, request.remote, message)
+    # OpenAI's own answer to a bad key: 401, code invalid_api_key, type invalid_request_error.
+    response = error_response(401, "invalid_api_key", message)
+    response.headers["WWW-Authenticate"] = "Bearer"
+    return response

@@ -1,8 +1,9 @@
 """OpenAI's realtime transcription dialect on `GET /v1/realtime` (specs/realtime_protocols.md §4), GA shape
 (`session.update` with `session.type: "transcription"`) and beta shape (`transcription_session.update`).
 
-Which connections speak it: realtime_dialects.py. What a `session.update` may set, and its checks:
-openai_session_config.py.
+Which connections speak it: realtime_dialects.py, and every connection a client secret opens
+(client_secrets.py), which starts with the secret's session configuration. What a `session.update` may set, and
+its checks: openai_session_config.py.
 
 Turns: the audio between two commits is one item, and each item is its own engine session (fresh
 context, like one vLLM utterance). An item opens with the first audio after the previous commit, so its
@@ -90,10 +91,13 @@ class _Item:
 class OpenAiRealtime:
     """The dialect on one connection (see the module docstring); built per connection by the app."""
 
-    def __init__(self, conn, server, *, beta: bool = False):
+    def __init__(self, conn, server, *, beta: bool = False, preset: dict | None = None):
+        """`preset`: the session configuration the connection starts with (parse_session_update's changes: the
+        client secret's that opened it, serving/client_secrets.py)."""
         self.conn = conn
         self.server = server
         self.beta = beta
+        self.preset = preset or {}
         self.limits = server.config.limits
         self.session_id = f"sess_{secrets.token_hex(12)}"
         self.format = "audio/pcm"
@@ -128,8 +132,12 @@ class OpenAiRealtime:
     async def run(self, first_frame: str | None = None) -> None:
         """`first_frame`: the event that switched the connection to this dialect, answered first."""
         self.transcription["model"] = self.server.model_id
+        if self.preset.get("turn_detection") is not None:
+            self.segmenter = await self._new_segmenter(self.preset["turn_detection"],
+                                                       FORMAT_RATES[self.preset.get("format", self.format)])
+        self.configure(self.preset)
         await self._send("transcription_session.created" if self.beta else "session.created",
-                         session=self._session_object(self.beta))
+                         session=self.session_object(self.beta))
         await self._send_rate_limits()
         if first_frame is not None:
             async with self._lock:
@@ -220,14 +228,19 @@ class OpenAiRealtime:
             if self.segmenter is not None:
                 self.segmenter.close()
             self.segmenter = segmenter
+        self.configure(changes)
+        await self._send("transcription_session.updated" if beta else "session.updated",
+                         session=self.session_object(beta))
+        await self._send_rate_limits()
+
+    def configure(self, changes: dict) -> None:
+        """Sets what a checked update (parse_session_update) changes; the segmenter its turn detection needs is the
+        caller's."""
         self.format = changes.get("format", self.format)
         self.transcription.update(changes.get("transcription", {}))
         self.noise_reduction = changes.get("noise_reduction", self.noise_reduction)
         self.include = changes.get("include", self.include)
         self.turn_detection = changes.get("turn_detection", self.turn_detection)
-        await self._send("transcription_session.updated" if beta else "session.updated",
-                         session=self._session_object(beta))
-        await self._send_rate_limits()
 
     async def _on_append(self, event: dict) -> None:
         audio = event.get("audio")
@@ -436,7 +449,7 @@ class OpenAiRealtime:
                 self.open = None
 
     # -- wire objects ---------------------------------------------------------------------------------
-    def _session_object(self, beta: bool) -> dict:
+    def session_object(self, beta: bool) -> dict:
         transcription = dict(self.transcription)
         noise = {"type": self.noise_reduction} if self.noise_reduction else None
         if beta:

@@ -402,7 +402,7 @@ def test_the_ready_line_names_the_routes_the_app_serves():
     app = create_app(ServerConfig(), engine_factory=lambda: None)
     routes = {route.resource.canonical for route in app.router.routes()}
     top_level = {path for path in routes if "{" not in path and not path.startswith("/static/")}
-    aliases = {"/healthz", "/ping"}  # of /health
+    aliases = {"/healthz", "/ping", "/v1/realtime/transcription_sessions"}  # of /health, of client_secrets (beta)
     ready, _ = _ready_lines("realtime", "tiny", "127.0.0.1", 8000)
     listed = _route_paths(ready)
     # The text routes, and the tokenizer's (which a speech model answers too, but its users seldom want).

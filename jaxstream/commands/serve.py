@@ -372,7 +372,7 @@ def log_chat_template(engine, config) -> None:
 
 # The routes each kind of model is served on besides the first (serving/app.py's table).
 SPEECH_ROUTES = ("/ws", "/api/asr-streaming", "/invocations-bidirectional-stream", "/v1/audio/transcriptions",
-                 "/v1/streaming_input/sessions", "/v1/models", "/health", "/metrics")
+                 "/v1/streaming_input/sessions", "/v1/realtime/client_secrets", "/v1/models", "/health", "/metrics")
 TEXT_ROUTES = ("/v1/chat/completions", "/v1/streaming_input/sessions", "/tokenize", "/v1/models", "/health",
                "/metrics")
 KEY_PLACEHOLDER = "YOUR_KEY"
