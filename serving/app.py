@@ -46,7 +46,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxstream.serving import demo, envelope, kyutai, openai_realtime, realtime_dialects, wire_json
-from jaxstream.serving.auth import OPEN_PATHS, auth_middleware, is_authorized, presented_key
+from jaxstream.serving.auth import CLIENT_SECRET, OPEN_PATHS, auth_middleware, is_authorized
 from jaxstream.serving.client_secrets import ClientSecrets, add_client_secret_routes
 from jaxstream.serving.config import ServerConfig
 from jaxstream.serving.cors import Cors
@@ -104,7 +104,7 @@ class ServerState:
         self.metrics.requests_waiting.set_function(lambda: len(self.connection_queue) + len(self.session_queue))
         self.created = int(time.time())
         self.client_secrets = ClientSecrets()
-        self.key_limits = KeyLimits(config.limits, config.api_keys, self.client_secrets)
+        self.key_limits = KeyLimits(config.limits, config.api_keys)
         # Its sweep needs aiohttp's server, which the app never sees: `jaxstream serve` runs it on its runner.
         self.first_request = FirstRequestDeadline(config.limits.first_request_timeout_s)
         if engine is not None:
@@ -369,7 +369,7 @@ async def drain(app: web.Application, timeout: float | None = None) -> bool:
 # -- handlers -----------------------------------------------------------------------------------------
 async def _realtime(request: web.Request) -> web.StreamResponse:
     state = request.app[SERVER]
-    secret = state.client_secrets.lookup(presented_key(request))  # live: the auth middleware checked it
+    secret = request.get(CLIENT_SECRET)  # the live secret the auth middleware let in
     if secret is not None:  # its sessions speak the dialect it was minted in, configured as it was
         return await run_websocket(request, state, "/v1/realtime", lambda conn: openai_realtime.OpenAiRealtime(
             conn, state, beta=secret.beta, preset=secret.changes), subprotocols=realtime_dialects.SUBPROTOCOLS)

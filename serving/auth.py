@@ -46,6 +46,11 @@ def load_api_keys(cli_key: str | None = None, key_file: str | None = None, envir
 KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."
 SECRET_PREFIX = "ek_"  # an ephemeral client secret's (OpenAI's form)
 REALTIME_PATH = "/v1/realtime"  # the one route a client secret opens
+# The request's entry for the client secret that authenticated it: resolved once, so the limits and the handler
+# see the secret the check saw even if it expires in between. A typed key from aiohttp 3.13 (a plain name warns
+# there), a plain name before it (setup.cfg allows 3.9).
+CLIENT_SECRET = (web.RequestKey("jaxstream_client_secret", object) if hasattr(web, "RequestKey")
+                 else "jaxstream_client_secret")
 
 
 def offered_subprotocols(request: web.Request) -> list[str]:
@@ -84,7 +89,7 @@ def is_authorized(request: web.Request, keys: tuple[str, ...]) -> bool:
 def auth_middleware(keys: tuple[str, ...], open_paths=OPEN_PATHS, client_secrets=None):
     """Refuses every request but those to `open_paths` without a valid key (401 before any upgrade). A live client
     secret of `client_secrets` (serving/client_secrets.py) is a key for `/v1/realtime` alone; one that is not live
-    is refused there even when the server has no keys."""
+    is refused there even when the server has no keys; a live one is the request's `CLIENT_SECRET`."""
     @web.middleware
     async def check_api_key(request: web.Request, handler):
         if request.path in open_paths or (keys and is_authorized(request, keys)):
@@ -93,8 +98,10 @@ def auth_middleware(keys: tuple[str, ...], open_paths=OPEN_PATHS, client_secrets
         if client_secrets is not None and key is not None and key.startswith(SECRET_PREFIX):
             if request.path != REALTIME_PATH:
                 return _refused(request, "A client secret opens /v1/realtime connections only: use an API key")
-            if client_secrets.lookup(key) is None:
+            secret = client_secrets.lookup(key)
+            if secret is None:
                 return _refused(request, "The client secret is invalid or has expired")
+            request[CLIENT_SECRET] = secret
             return await handler(request)
         if keys:
             return _refused(request, "Missing or invalid API key")

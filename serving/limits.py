@@ -270,21 +270,20 @@ class KeyLimits:
 
     _SWEEP_AT = 4096  # rate windows kept before the idle ones are dropped
 
-    def __init__(self, limits: Limits, api_keys: tuple[str, ...], client_secrets=None):
+    def __init__(self, limits: Limits, api_keys: tuple[str, ...]):
         self.max_streams = limits.max_streams_per_key
         self.max_requests = limits.max_requests_per_minute_per_key
         self.api_keys = api_keys
-        self.client_secrets = client_secrets  # a client secret's requests count as its minting key's
         self._streams: collections.Counter = collections.Counter()
         self._rates: dict[str, tuple[RollingWindowLimiter, float]] = {}  # key -> (window, last request time)
 
     def key_of(self, request) -> str:
-        from jaxstream.serving.auth import is_authorized, presented_key
+        from jaxstream.serving.auth import CLIENT_SECRET, is_authorized, presented_key
 
         if self.api_keys and is_authorized(request, self.api_keys):
             # A digest, so the accounting never holds the secret itself.
             return "key:" + hashlib.sha256(presented_key(request).encode()).hexdigest()[:24]
-        secret = None if self.client_secrets is None else self.client_secrets.lookup(presented_key(request))
+        secret = request.get(CLIENT_SECRET)  # set by the auth middleware: it counts as its minting key
         if secret is not None:
             return secret.owner
         return f"addr:{request.remote}"

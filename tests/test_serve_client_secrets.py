@@ -127,6 +127,24 @@ async def test_a_secret_opens_nothing_else_and_dies_at_its_expiry(keyed):
     assert store.lookup(secret) is None  # forgotten once expired, the clock put back or not
 
 
+async def test_a_secret_that_expires_just_after_the_handshake_check_still_opens_its_session(keyed):
+    secret = (await mint(keyed, expires_after={"seconds": 10}, session=SESSION)).value
+    store = keyed.state.client_secrets
+    clock, looked_up = store._clock, []
+
+    def expiring() -> float:  # live at the first look, expired at any later one
+        looked_up.append(True)
+        return clock() + (0 if len(looked_up) == 1 else 10)
+
+    store._clock = expiring
+    try:
+        async with websockets.connect(keyed.url(), subprotocols=[f"openai-insecure-api-key.{secret}"]) as ws:
+            created = await Client(ws).event()
+    finally:
+        store._clock = clock
+    assert created["type"] == "session.created" and created["session"]["include"] == [LOGPROBS]
+
+
 async def test_sessions_a_secret_opens_count_against_the_key_that_minted_it(keyed):
     secret = (await mint(keyed)).value
     ws = await websockets.connect(keyed.url(), subprotocols=[f"openai-insecure-api-key.{secret}"])
