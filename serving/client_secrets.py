@@ -88,19 +88,19 @@ def _digest(value: str) -> bytes:
     return hashlib.sha256(value.encode("utf-8", "surrogatepass")).digest()
 
 
-def _seconds(holder, name: str, param: str, default: int) -> int:
-    """The lifetime an `expires_after` (GA) or `client_secret.expires_at` (beta) object asks for."""
+def _seconds(holder, param: str, default: int) -> int:
+    """The lifetime the `param` object (GA `expires_after`, beta `client_secret.expires_at`) asks for."""
     if holder is None:
         return default
     if not isinstance(holder, dict):
-        raise RequestError(400, "invalid_type", f"{name} must be an object", param)
+        raise RequestError(400, "invalid_type", f"{param} must be an object", param)
     anchor = holder.get("anchor", "created_at")
     if anchor != "created_at":
-        raise RequestError(400, "invalid_value", f"{name}.anchor must be \"created_at\", got {wire_json.shown(anchor)}",
-                           f"{param}.anchor")
+        raise RequestError(400, "invalid_value", f"{param}.anchor must be \"created_at\", got "
+                           f"{wire_json.shown(anchor)}", f"{param}.anchor")
     seconds = holder.get("seconds", default)
     if not isinstance(seconds, int) or isinstance(seconds, bool) or not MIN_SECONDS <= seconds <= MAX_SECONDS:
-        raise RequestError(400, "invalid_value", f"{name}.seconds must be a whole number from {MIN_SECONDS} to "
+        raise RequestError(400, "invalid_value", f"{param}.seconds must be a whole number from {MIN_SECONDS} to "
                            f"{MAX_SECONDS}, got {wire_json.shown(seconds)}", f"{param}.seconds")
     return seconds
 
@@ -123,11 +123,10 @@ async def _mint(request: web.Request, *, beta: bool) -> web.Response:
             expiry = body.get("client_secret")
             if expiry is not None and not isinstance(expiry, dict):
                 raise RequestError(400, "invalid_type", "client_secret must be an object", "client_secret")
-            seconds = _seconds((expiry or {}).get("expires_at"), "client_secret.expires_at",
-                               "client_secret.expires_at", BETA_SECONDS)
+            seconds = _seconds((expiry or {}).get("expires_at"), "client_secret.expires_at", BETA_SECONDS)
             session = {key: value for key, value in body.items() if key not in ("client_secret", "modalities")}
         else:
-            seconds = _seconds(body.get("expires_after"), "expires_after", "expires_after", GA_SECONDS)
+            seconds = _seconds(body.get("expires_after"), "expires_after", GA_SECONDS)
             session = body.get("session")
             if session is None:
                 session = {"type": "transcription"}

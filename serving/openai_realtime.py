@@ -132,9 +132,8 @@ class OpenAiRealtime:
     async def run(self, first_frame: str | None = None) -> None:
         """`first_frame`: the event that switched the connection to this dialect, answered first."""
         self.transcription["model"] = self.server.model_id
-        if self.preset.get("turn_detection") is not None:
-            self.segmenter = await self._new_segmenter(self.preset["turn_detection"],
-                                                       FORMAT_RATES[self.preset.get("format", self.format)])
+        self.segmenter = await self._new_segmenter(self.preset.get("turn_detection"),
+                                                   FORMAT_RATES[self.preset.get("format", self.format)])
         self.configure(self.preset)
         await self._send("transcription_session.created" if self.beta else "session.created",
                          session=self.session_object(self.beta))

@@ -22,9 +22,9 @@ died may raise ("connection reset") or may wait forever: a local device that alr
 partner waiting on a healthy socket. So the leader does not rely on collectives failing: every follower
 bumps a heartbeat counter in the store each second, and the leader's watchdog declares a follower lost
 when its counter stops for `LOST_AFTER_S` (10 s; $JAXSTREAM_FOLLOWER_TIMEOUT_S sets another, for hosts whose
-store round trips are slower, or a test that stops a follower on purpose). Either way the leader's `on_lost` ends every session with
-`ProcessGroupError` and the engine stops (`healthy` is False, so `/health` answers 503); the leader process
-survives because `distributed.initialize(..., recoverable=True)` turns off JAX's abort-on-peer-loss. A
+store round trips are slower, or a test that stops a follower on purpose). Either way the leader's `on_lost` ends
+every session with `ProcessGroupError` and the engine stops (`healthy` is False, so `/health` answers 503); the
+leader process survives because `distributed.initialize(..., recoverable=True)` turns off JAX's abort-on-peer-loss. A
 follower whose leader dies is terminated by JAX's coordination service at once (the coordinator lived in
 the leader), with JAX's "another task died" message. Neither side hangs; a LeaderWorkerSet then recreates
 the group.
