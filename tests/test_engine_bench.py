@@ -126,16 +126,20 @@ def test_an_unpaced_steady_state_starts_once_every_prompt_is_computed():
 
 
 def _long_windows_config(tmp_path) -> Path:
-    """configs/tiny.toml with windows much longer than the streams (encoder 256 frames, decoder 512 slots)."""
+    """configs/tiny.toml with windows much longer than the streams (encoder 256 frames, decoder 512 slots) and one
+    layer a side (what these tests count is pages, and a layer compiles in a fraction of the time of six)."""
     toml = (Path(__file__).parents[1] / "configs" / "tiny.toml").read_text()
     encoder, text = toml.split("[model.text]")  # the encoder's window is above [model.text], the decoder's below
     recipe = tomllib.loads(toml)["model"]
     assert recipe["encoder"]["sliding_window"] < 256 and recipe["text"]["sliding_window"] < 512
     encoder = re.sub(r"^sliding_window = \d+", "sliding_window = 256", encoder, count=1, flags=re.M)
     text = re.sub(r"^sliding_window = \d+", "sliding_window = 512", text, count=1, flags=re.M)
+    encoder, text = (re.sub(r"^num_layers = \d+", "num_layers = 1", side, count=1, flags=re.M)
+                     for side in (encoder, text))
     toml = encoder + "[model.text]" + text
     model = tomllib.loads(toml)["model"]
     assert model["encoder"]["sliding_window"] == 256 and model["text"]["sliding_window"] == 512
+    assert model["encoder"]["num_layers"] == model["text"]["num_layers"] == 1
     config = tmp_path / "long_windows.toml"
     config.write_text(toml)
     return config
