@@ -7,6 +7,7 @@ logical page (p // page_size) % pages_per_window, so a session allocates pages a
 its own pages once it holds a full window (design.md, "The KV cache: a paged ring buffer").
 """
 import dataclasses
+import functools
 import math
 
 import jax
@@ -241,10 +242,10 @@ class DeviceCache:
             return
         tables = {name: np.zeros(spec.pages_per_window, np.int32) for name, spec in self.specs.items()}
         slot = np.int32(0)
-        self._offload = jax.jit(_offload_session).lower(self.state, slot, tables).compile()
+        self._offload = _OFFLOAD.lower(self.state, slot, tables).compile()
         data = jax.eval_shape(_offload_session, self.state, slot, tables)
-        restore = jax.jit(_restore_session, donate_argnums=(0,), out_shardings=self.shardings)
-        self._restore = restore.lower(self.state, slot, tables, data).compile()
+        leaves, tree = jax.tree_util.tree_flatten(self.shardings)
+        self._restore = _restore_jit(tuple(leaves), tree).lower(self.state, slot, tables, data).compile()
 
     def offload(self, slot: int, pages: dict[str, SessionPages]):
         """Copies a session's pages and slot rows to host memory and frees them. Returns (data, bytes)."""
@@ -309,3 +310,14 @@ def _restore_session(state, slot, tables, data):
         "slots": {name: rows.at[slot].set(data["slots"][name], mode="drop")
                   for name, rows in state["slots"].items()},
     }
+
+
+# One jitted offload for the process and one restore per placement of the state, as steps.py keeps its steps: a
+# cache built again in the same process gets its executables back rather than lowering them again.
+_OFFLOAD = jax.jit(_offload_session)
+
+
+@functools.lru_cache(16)
+def _restore_jit(sharding_leaves, sharding_tree):
+    return jax.jit(_restore_session, donate_argnums=(0,),
+                   out_shardings=jax.tree_util.tree_unflatten(sharding_tree, sharding_leaves))

@@ -18,6 +18,7 @@ those of its prompt positions from its prefills and with its first token (prompt
 """
 import collections
 import dataclasses
+import functools
 import logging
 import numbers
 import time
@@ -138,7 +139,7 @@ class TextScheduler(Residency):
         """Compiles every decode and prefill bucket, runs each once per early attention bucket (first_runs.py),
         and compiles the offload/restore programs."""
         spec = self.cache.specs[STACK]
-        step = _text_step(self.cfg.attention_impl)
+        step = functools.partial(steps.text_step, stack=STACK, attention_impl=self.cfg.attention_impl)
         shapes = dict.fromkeys([(rows, 1) for rows in self.cfg.decode_batch_buckets] + list(self.cfg.prefill_buckets))
         for rows, chunk in shapes:
             self.programs.compile(("text", rows, chunk), step, steps.text_batch(rows, chunk, spec.pages_per_window))
@@ -570,13 +571,6 @@ class TextScheduler(Residency):
         if last in session.stop_token_ids:
             return "stop", last, False
         return None, None, False
-
-
-def _text_step(attention_impl):
-    def step(model, state, batch):
-        return steps.text_step(model, state, batch, stack=STACK, attention_impl=attention_impl)
-
-    return step
 
 
 def _guided(session: TextSession, start: int, count: int) -> bool:

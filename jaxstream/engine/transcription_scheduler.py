@@ -19,6 +19,7 @@ produced control ids this tick costs no Python; then they go to the stream's con
 whose detokenizer (transcription_session.TranscriptAssembler) runs on the consumer's side, off this thread.
 """
 import dataclasses
+import functools
 import time
 import typing
 
@@ -121,12 +122,8 @@ class RealtimeScheduler(RealtimeAdmission):
         enc = self.cache.specs["encoder"].pages_per_window
         dec = self.cache.specs["decoder"].pages_per_window
 
-        def decode(model, state, batch):
-            return steps.realtime_decode_step(model, state, batch, eos_id=self.eos_id, attention_impl=impl)
-
-        def prefill(model, state, batch):
-            return steps.realtime_prefill_step(model, state, batch, attention_impl=impl)
-
+        decode = functools.partial(steps.realtime_decode_step, eos_id=self.eos_id, attention_impl=impl)
+        prefill = functools.partial(steps.realtime_prefill_step, attention_impl=impl)
         cfg = self.model_cfg
         runs = []  # (key, batch, decoder lengths): every program's first runs, once all are compiled
         windows = (cfg.encoder.sliding_window, cfg.text.attention_window, cfg.downsample_factor)
