@@ -69,3 +69,19 @@ async def test_another_bucket_compiles_its_own_program(compiled):
         assert "jit(_merged_step)" in compiled()
     finally:
         await engine.shutdown()
+
+
+def test_a_step_with_unhashable_arguments_gets_a_jitted_step_of_its_own():
+    """A step (or model structure) that cannot be a key is jitted afresh, as every engine's was before."""
+    import functools
+
+    from jaxstream.engine import steps
+
+    def step(model, state, batch, *, table):
+        return batch, state
+
+    shared = functools.partial(step, table=(1, 2))
+    assert steps._jitted_step(shared, None, None, {}) is steps._jitted_step(functools.partial(step, table=(1, 2)),
+                                                                           None, None, {})
+    unhashable = functools.partial(step, table=[1, 2])
+    assert steps._jitted_step(unhashable, None, None, {}) is not steps._jitted_step(unhashable, None, None, {})

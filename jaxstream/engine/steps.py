@@ -14,6 +14,7 @@ embedded model, persistent compilation cache warm: 4.4 s of its 6.1 s).
 import collections
 import functools
 import logging
+import threading
 import time
 
 import jax
@@ -111,27 +112,35 @@ def _merged_step(step, graphdef, param_tree, params, state, batch):
 
 _JITTED_STEPS = 64  # the jitted step functions a process keeps (each holds its buckets' executables)
 _jitted_steps: collections.OrderedDict = collections.OrderedDict()
+_jitted_steps_lock = threading.Lock()  # engines may be built on several threads at once
 
 
 def _jitted_step(step, graphdef, param_tree, jit_kwargs):
     """The process's jitted `_merged_step` of `step` for this model structure and placement (module docstring).
-    `step` is a module-level function or a `functools.partial` of one with hashable arguments: a partial is
-    keyed by what it holds, not by identity, so that every engine's partial of the same step finds it."""
+    `step` is a module-level function or a `functools.partial` of one: a partial is keyed by what it holds, not by
+    identity, so that every engine's partial of the same step finds it. A model or step with unhashable static
+    parts gets a jitted step of its own, as every engine did before."""
     if isinstance(step, functools.partial):
         step_key = (step.func, step.args, tuple(sorted(step.keywords.items())))
     else:
         step_key = step
     placement = jax.tree_util.tree_flatten(jit_kwargs)
     key = (step_key, graphdef, param_tree, tuple(placement[0]), placement[1])
-    jitted = _jitted_steps.get(key)
-    if jitted is None:
-        jitted = jax.jit(functools.partial(_merged_step, step, graphdef, param_tree), donate_argnums=(1,),
-                         **jit_kwargs)
-        _jitted_steps[key] = jitted
-        if len(_jitted_steps) > _JITTED_STEPS:
-            _jitted_steps.popitem(last=False)
-    else:
-        _jitted_steps.move_to_end(key)
+    try:
+        hash(key)
+    except TypeError:
+        key = None
+    with _jitted_steps_lock:
+        jitted = None if key is None else _jitted_steps.get(key)
+        if jitted is None:
+            jitted = jax.jit(functools.partial(_merged_step, step, graphdef, param_tree), donate_argnums=(1,),
+                             **jit_kwargs)
+            if key is not None:
+                _jitted_steps[key] = jitted
+                if len(_jitted_steps) > _JITTED_STEPS:
+                    _jitted_steps.popitem(last=False)
+        else:
+            _jitted_steps.move_to_end(key)
     return jitted
 
 
