@@ -393,6 +393,7 @@ def test_train_resumes_and_exports_a_loadable_model(three_step_runs):
     np.testing.assert_allclose(after_one_step, expected, atol=5 * cfg.optimizer.learning_rate)  # Adam moves <= ~lr
     logged = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [entry["step"] for entry in logged] == [1, 2, 3]  # each later run resumed where the one before stopped
+    assert all(entry["cpu_seconds"] > 0 for entry in logged)  # each sitting's CPU so far: the run's cost
     # ... on the recipe's schedule: stopping early (until_step) did not shorten it.
     schedule = learning_rate_schedule(cfg.optimizer)
     assert [entry["learning_rate"] for entry in logged] == [float(schedule(step)) for step in range(3)]

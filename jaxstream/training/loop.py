@@ -6,7 +6,9 @@ Layout of a run directory OUT:
                            picks the newest)
   model/                   the latest params as a loadable jaxstream checkpoint (`jaxstream.models.load_model`)
   best/                    the params with the best held-out WER so far, same format
-  log.jsonl                one JSON object per logged step / evaluation
+  log.jsonl                one JSON object per logged step / evaluation; a step's `cpu_seconds` is the CPU
+                           time its process has used so far (all threads), so a run's cost is the sum of each
+                           sitting's last value
 """
 import dataclasses
 import json
@@ -237,7 +239,7 @@ def train(cfg: TrainConfig, corpus_dir: str | list[str], out_dir: str, *, eval_c
             metrics = {key: float(value) for key, value in step_metrics.items()}
             # The rate this step applied (optax counts the updates before it).
             metrics.update(step=step, learning_rate=float(schedule(step - 1)),
-                           seconds=round(time.perf_counter() - began, 3))
+                           seconds=round(time.perf_counter() - began, 3), cpu_seconds=round(time.process_time(), 1))
             bar.update()
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.3f}")
             _log(paths, metrics)
