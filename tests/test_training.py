@@ -194,6 +194,63 @@ def test_vtlp_range_warps_every_training_example(corpus, tokenizer, tmp_path):
     assert not np.array_equal(batches["warped"].mel, batches["plain"].mel)
 
 
+def test_a_long_example_is_its_utterances_as_one_recording(corpus, tokenizer, tmp_path):
+    corpus_dir, records = corpus
+    # Oracle: the same utterances written out as one recording with its words' times shifted by hand, loaded as
+    # a single utterance (load_example: checked above against the front end and the word timings).
+    audios = [soundfile.read(os.path.join(corpus_dir, r["path"]), dtype="float32")[0] for r in records[:3]]
+    starts = np.cumsum([0] + [a.size for a in audios])[:-1] / 16000
+    words = [{**w, "start": w["start"] + start, "end": w["end"] + start}
+             for r, start in zip(records[:3], starts) for w in r["words"]]
+    soundfile.write(tmp_path / "joined.wav", np.concatenate(audios), 16000, subtype="FLOAT")
+    text = " ".join(r["text"] for r in records[:3])
+    joined = {"path": "joined.wav", "words": words, "text": text}
+    for n_delay in (2, 9):
+        expected = data.load_example(os.fspath(tmp_path), joined, tokenizer, n_delay)
+        example = data.load_long_example(corpus_dir, records[:3], tokenizer, n_delay)
+        for got, want in zip(example, expected):
+            np.testing.assert_array_equal(got, want)
+        # Every word's marker; this tokenizer spells words letter by letter, so the last word's may spill past
+        # the stream's end.
+        assert (example.tokens == 33).sum() == len(words) and text.startswith(tokenizer.decode(example.tokens))
+
+
+def test_long_stream_batches_join_whole_utterances_within_their_length(corpus, tokenizer):
+    corpus_dir, records = corpus
+    seconds = 9.0
+    long_streams = data.LongStreams(fraction=1.0, seconds=seconds, from_step=2)
+    streams = [data.BatchStream(corpus_dir, records, tokenizer, batch_size=4, delays_slots=(3, 6), seed=3,
+                                long_streams=streams) for streams in (None, long_streams)]
+    (plain, _), (first, second) = [[next(stream), next(stream)] for stream in streams]
+    for stream in streams:
+        stream.close()
+    for got, want in zip(first, plain):  # before from_step: the batch a stream without long ones makes
+        np.testing.assert_array_equal(got, want)
+    # From from_step: half the rows, all padded to the slots of `seconds` of audio (+ a slot of margin).
+    slots = data.bucket_slots(targets.num_stream_slots(int(seconds * 16000) + 1280, 6))
+    assert second.tokens.shape == (2, slots) and second.mel.shape[1] == 8 * (slots - data.SHARED_PREFIX_SLOTS)
+    texts = {r["text"]: r["duration"] for r in records}
+
+    def split(text):  # the utterances whose texts, joined, make `text` (each one's text is whole)
+        if not text:
+            return []
+        for candidate in texts:
+            if text == candidate or text.startswith(candidate + " "):
+                rest = split(text[len(candidate) + 1:])
+                if rest is not None:
+                    return [candidate, *rest]
+        return None
+
+    lengths = []
+    for tokens, chars, padding in zip(second.tokens, second.chars, second.char_padding):
+        text = "".join(data.CTC_CHARACTERS[c - 1] for c in chars[padding == 0])
+        utterances = split(text)
+        assert utterances and sum(texts[u] for u in utterances) <= seconds
+        assert text.startswith(tokenizer.decode(tokens))  # spelled letter by letter, a last word may spill
+        lengths.append(len(utterances))
+    assert max(lengths) > 1  # utterances of 2-4 s: a row of 9 s holds several
+
+
 def test_phoneme_ctc_targets_reach_the_batch_and_size_the_head(corpus, tokenizer, tmp_path, monkeypatch):
     from jaxstream.errors import UserError
     from jaxstream.training import load_train_config, loop, train

@@ -250,8 +250,12 @@ def test_eval_audio_at_another_rate_is_resampled_to_16khz(tmp_path, monkeypatch)
     ("delays_ms = []", r"\[train\] delays_ms must be a non-empty list"),
     ("eval_delay_ms = 500", r"\[train\] eval_delay_ms: delay_ms must be a multiple of 80 .*got 500"),
     ("seed = -1", r"\[train\] seed must be an integer >= 0, got -1"),
+    ("long_stream_fraction = 1.5", r"\[train\] long_stream_fraction must be a share between 0 and 1, got 1.5"),
+    ("long_stream_fraction = 0.1\nctc_targets = \"phonemes\"", r"long_stream_fraction needs ctc_targets"),
+    ("long_stream_seconds = 0", r"\[train\] long_stream_seconds must be > 0, got 0"),
+    ("long_streams_from_step = 1.5", r"\[train\] long_streams_from_step must be an integer >= 0, got 1.5"),
 ])
-def test_recipe_checks_its_delays_and_seed(tmp_path, setting, message):
+def test_recipe_checks_its_delays_seed_and_long_streams(tmp_path, setting, message):
     from jaxstream.training import load_train_config
 
     recipe = TINY_TOML.replace("delays_ms = [160, 480]", "") + setting + "\n"

@@ -34,6 +34,11 @@ class TrainConfig:
     # What the auxiliary CTC (`[optimizer] ctc_weight`) predicts: the transcript's "characters", or the
     # "phonemes" espeak-ng spoke in each utterance's accent (`jaxstream/training/phonemes.py`).
     ctc_targets: str = "characters"
+    # A share of the batches whose rows are several utterances back to back, up to long_stream_seconds of audio,
+    # from step long_streams_from_step on (`jaxstream/training/data.py`, `LongStreams`); 0 for none.
+    long_stream_fraction: float = 0.0
+    long_stream_seconds: float = 24.0
+    long_streams_from_step: int = 0
 
 
 def load_train_config(path: str | Path) -> TrainConfig:
@@ -74,6 +79,16 @@ def load_train_config(path: str | Path) -> TrainConfig:
                          f"got {list(vtlp_range)}")
     if train.get("ctc_targets", "characters") not in CTC_TARGETS:
         raise ValueError(f"[train] ctc_targets must be one of {CTC_TARGETS}, got {train['ctc_targets']!r}")
+    fraction = train.get("long_stream_fraction", 0.0)
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"[train] long_stream_fraction must be a share between 0 and 1, got {fraction!r}")
+    if fraction and train.get("ctc_targets", "characters") != "characters":
+        raise ValueError("[train] long_stream_fraction needs ctc_targets = \"characters\"")
+    if train.get("long_stream_seconds", TrainConfig.long_stream_seconds) <= 0:
+        raise ValueError(f"[train] long_stream_seconds must be > 0, got {train['long_stream_seconds']!r}")
+    from_step = train.get("long_streams_from_step", 0)
+    if isinstance(from_step, bool) or not isinstance(from_step, int) or from_step < 0:
+        raise ValueError(f"[train] long_streams_from_step must be an integer >= 0, got {from_step!r}")
     return TrainConfig(model=voxtral, optimizer=optimizer, spm_vocab_size=spm_vocab_size, spm_model_type=model_type,
                        **train)
 

@@ -56,11 +56,35 @@ def load_example(corpus_dir: str, record: dict, tokenizer: Tokenizer, n_delay: i
                  mel_filters: np.ndarray = front_end.MEL_FILTERS) -> Example:
     """One utterance at one delay as an `Example` (T = its stream's slots, cut after the last piece);
     `mel_filters` replaces the front end's filterbank (a VTLP-warped one, `training/vtlp.py`)."""
+    return stream_example(_read_audio(corpus_dir, record), record["words"], record["text"], tokenizer, n_delay,
+                          cut_tail=cut_tail, mel_filters=mel_filters)
+
+
+def load_long_example(corpus_dir: str, records: list[dict], tokenizer: Tokenizer, n_delay: int, *,
+                      mel_filters: np.ndarray = front_end.MEL_FILTERS) -> Example:
+    """Several utterances as one stream, back to back: each keeps its own lead and tail silence (0.2-1.0 s
+    between sentences in a `jaxstream synth` corpus), its words shifted by the audio before it."""
+    audios, words, offset = [], [], 0.0
+    for record in records:
+        audio = _read_audio(corpus_dir, record)
+        words += [{**word, "start": word["start"] + offset, "end": word["end"] + offset} for word in record["words"]]
+        offset += audio.size / front_end.SAMPLING_RATE
+        audios.append(audio)
+    return stream_example(np.concatenate(audios), words, " ".join(record["text"] for record in records), tokenizer,
+                          n_delay, mel_filters=mel_filters)
+
+
+def _read_audio(corpus_dir: str, record: dict) -> np.ndarray:
     audio, rate = soundfile.read(os.path.join(corpus_dir, record["path"]), dtype="float32")
     if rate != front_end.SAMPLING_RATE:
         raise ValueError(f"{record['path']}: expected {front_end.SAMPLING_RATE} Hz audio, got {rate}")
+    return audio
+
+
+def stream_example(audio: np.ndarray, words: list[dict], text: str, tokenizer: Tokenizer, n_delay: int, *,
+                   cut_tail: bool = True, mel_filters: np.ndarray = front_end.MEL_FILTERS) -> Example:
+    """The `Example` of 16 kHz `audio` whose `words` (dicts with "word" and "end" in seconds) spell `text`."""
     num_slots = targets.num_stream_slots(audio.size, n_delay)
-    words = record["words"]
     tokens, used = targets.stream_tokens([w["end"] for w in words], word_pieces(tokenizer, [w["word"] for w in words]),
                                          n_delay, num_slots)
     if cut_tail:
@@ -72,7 +96,7 @@ def load_example(corpus_dir: str, record: dict, tokenizer: Tokenizer, n_delay: i
     mel = front_end.log_mel(padded[start : num_slots * front_end.SAMPLES_PER_SLOT + front_end.WINDOW_SIZE],
                             mel_filters=mel_filters)
     mel = mel[lead_frames : lead_frames + (num_slots - SHARED_PREFIX_SLOTS) * front_end.MEL_FRAMES_PER_SLOT]
-    return Example(mel, tokens[:num_slots], targets.loss_mask(num_slots, n_delay), record["text"])
+    return Example(mel, tokens[:num_slots], targets.loss_mask(num_slots, n_delay), text)
 
 
 def ctc_classes(text: str) -> np.ndarray:
@@ -111,6 +135,10 @@ def _padded_rows(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return ids, padding
 
 
+def _samples(record: dict) -> int:
+    return int(round(record["duration"] * front_end.SAMPLING_RATE))
+
+
 def _silence_mel_value() -> float:
     """The normalised log-mel of digital silence (-0.625): the floor (1.5 - 8 + 4) / 4."""
     return (front_end.GLOBAL_LOG_MEL_MAX - 8.0 + 4.0) / 4.0
@@ -118,6 +146,17 @@ def _silence_mel_value() -> float:
 
 def bucket_slots(num_slots: int) -> int:
     return -(-num_slots // BUCKET_SLOTS) * BUCKET_SLOTS
+
+
+class LongStreams(NamedTuple):
+    """Batches of several utterances a row (`load_long_example`): from training step `from_step` on, a `fraction`
+    of the batches; each row is utterances drawn at random and kept while their audio stays within `seconds`.
+    A served stream outlives the decoder's window, and a model that never heard one loses words once its window
+    no longer holds the stream's start. Long batches hold half the rows (a row costs about three usual ones) and
+    are padded to one length, so they compile one program (per CTC label width)."""
+    fraction: float
+    seconds: float
+    from_step: int = 0
 
 
 class BatchStream:
@@ -128,26 +167,44 @@ class BatchStream:
     a VTLP factor drawn uniformly from that range. `ctc_labels` maps a record to its CTC target (by default
     the transcript's characters; `phonemes.PhonemeLexicon.ctc_labels` for phonemes). The stream starts at
     training step `first_step`; each step's batch is drawn from its own generator, seeded by (seed, step), so a
-    resumed run trains on the batches an uninterrupted one would have.
+    resumed run trains on the batches an uninterrupted one would have. With `long_streams`, whether a step's
+    batch is a long one, and its utterances, come from a generator of their own, so the other batches stay
+    those of a stream without.
     """
 
     def __init__(self, corpus_dir: str, records: list[dict], tokenizer: Tokenizer, *, batch_size: int,
                  delays_slots: tuple[int, ...], seed: int, first_step: int = 1, prefetch: int = 4,
-                 vtlp_range: tuple[float, ...] = (), ctc_labels: Callable[[dict], np.ndarray] | None = None):
+                 vtlp_range: tuple[float, ...] = (), ctc_labels: Callable[[dict], np.ndarray] | None = None,
+                 long_streams: LongStreams | None = None):
         self.corpus_dir, self.records, self.tokenizer, self.ctc_labels = corpus_dir, records, tokenizer, ctc_labels
         self.batch_size, self.delays, self.vtlp_range = batch_size, delays_slots, vtlp_range
         self.seed, self.next_step = seed, first_step
         max_delay = max(delays_slots)
         self.buckets: dict[int, list[int]] = {}
         for index, record in enumerate(records):
-            samples = int(round(record["duration"] * front_end.SAMPLING_RATE))
-            self.buckets.setdefault(bucket_slots(targets.num_stream_slots(samples, max_delay)), []).append(index)
+            self.buckets.setdefault(bucket_slots(targets.num_stream_slots(_samples(record), max_delay)),
+                                    []).append(index)
+        self.long_streams = long_streams
+        if long_streams is not None:
+            if ctc_labels is not None:
+                raise ValueError("long streams train the auxiliary CTC on characters only")
+            self._long_samples = int(long_streams.seconds * front_end.SAMPLING_RATE)
+            # A slot of margin: a record's duration is rounded, its audio may hold a few samples more.
+            self._long_slots = bucket_slots(targets.num_stream_slots(self._long_samples + front_end.SAMPLES_PER_SLOT,
+                                                                     max_delay))
+            self._long_pool = [i for i, record in enumerate(records) if _samples(record) <= self._long_samples]
+            if not self._long_pool:
+                raise ValueError(f"no utterance is as short as the long streams' {long_streams.seconds} s")
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._fill, daemon=True)
         self._thread.start()
 
     def _make(self, step: int) -> Batch:
+        if self.long_streams is not None and step >= self.long_streams.from_step:
+            long_rng = np.random.default_rng([self.seed, step, 1])
+            if long_rng.random() < self.long_streams.fraction:
+                return self._make_long(long_rng)
         rng = np.random.default_rng([self.seed, step])
         keys = sorted(self.buckets)
         sizes = np.array([len(self.buckets[k]) for k in keys], np.float64)
@@ -159,6 +216,22 @@ class BatchStream:
         num_slots = bucket_slots(max(example.tokens.size for example in examples))
         labels = None if self.ctc_labels is None else [self.ctc_labels(self.records[i]) for i in chosen]
         return collate(examples, n_delays, num_slots, labels)
+
+    def _make_long(self, rng: np.random.Generator) -> Batch:
+        rows = []
+        for _ in range(max(self.batch_size // 2, 1)):
+            chosen, samples = [], 0
+            while True:  # the first draw always fits: the pool holds only utterances that fit alone
+                index = int(rng.choice(self._long_pool))
+                if samples + _samples(self.records[index]) > self._long_samples:
+                    break
+                chosen.append(index)
+                samples += _samples(self.records[index])
+            rows.append(chosen)
+        n_delays = [int(rng.choice(self.delays)) for _ in rows]
+        examples = [load_long_example(self.corpus_dir, [self.records[i] for i in row], self.tokenizer, d,
+                                      mel_filters=self._mel_filters(rng)) for row, d in zip(rows, n_delays)]
+        return collate(examples, n_delays, self._long_slots)
 
     def _mel_filters(self, rng: np.random.Generator) -> np.ndarray:
         if not self.vtlp_range:

@@ -33,7 +33,7 @@ from jaxstream.models.tokenizers import SentencePieceTokenizer
 from jaxstream.models.voxtral import VoxtralRealtime
 from jaxstream.synth import SentenceSampler, read_manifest
 from jaxstream.training.config import TrainConfig, with_total_steps, with_vocab_size
-from jaxstream.training.data import CTC_CLASSES, BatchStream
+from jaxstream.training.data import CTC_CLASSES, BatchStream, LongStreams
 from jaxstream.training.decode import transcribe_corpus, word_error_rate
 from jaxstream.training.phonemes import PHONEME_CLASSES, PhonemeLexicon
 from jaxstream.training.spelling import init_word_embeddings
@@ -226,7 +226,9 @@ def train(cfg: TrainConfig, corpus_dir: str | list[str], out_dir: str, *, eval_c
     # Each record's path names its corpus folder (read_corpora).
     stream = BatchStream("", records, tokenizer, batch_size=cfg.batch_size, delays_slots=delays,
                          seed=cfg.seed, first_step=start + 1, vtlp_range=cfg.vtlp_range,
-                         ctc_labels=lexicon.ctc_labels if lexicon else None)
+                         ctc_labels=lexicon.ctc_labels if lexicon else None,
+                         long_streams=LongStreams(cfg.long_stream_fraction, cfg.long_stream_seconds,
+                                                  cfg.long_streams_from_step) if cfg.long_stream_fraction else None)
     schedule = learning_rate_schedule(cfg.optimizer)
     metrics: dict = {}
     bar = tqdm(total=last_step, initial=start, unit="step", disable=not progress, dynamic_ncols=True)
