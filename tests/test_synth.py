@@ -381,6 +381,57 @@ def test_synth_cli_sentence_options(tmp_path, tiny_pools, capsys):
     assert all(json.loads(line)["telephone"] for line in (out / "manifest.jsonl").read_text().splitlines())
 
 
+@needs_espeak
+def test_joined_streams_are_the_utterances_back_to_back(tmp_path, tiny_pools):
+    from jaxstream.synth.long_streams import join_corpus
+
+    plain = generate_corpus(os.fspath(tmp_path / "plain"), CorpusSpec(6, seed=4, held_out=True, text="sentences"))
+    streams = join_corpus(os.fspath(tmp_path / "plain"), plain, os.fspath(tmp_path / "long"), 8.0)
+    assert read_manifest(os.fspath(tmp_path / "long")) == streams
+    # Oracle: the utterances' own files and word times. Streams are the utterances in order, each stream within
+    # 8 s unless one utterance alone is longer, its words the utterances' shifted by the audio before them.
+    assert [u for stream in streams for u in stream["utterances"]] == [r["id"] for r in plain]
+    assert 1 < len(streams) < len(plain)
+    by_id = {r["id"]: r for r in plain}
+    for stream in streams:
+        members = [by_id[u] for u in stream["utterances"]]
+        assert stream["text"] == " ".join(r["text"] for r in members)
+        assert sum(r["duration"] for r in members) <= 8 or len(members) == 1
+        audios = [soundfile.read(tmp_path / "plain" / r["path"], dtype="float32")[0] for r in members]
+        joined, rate = soundfile.read(tmp_path / "long" / stream["path"], dtype="float32")
+        np.testing.assert_array_equal(joined, np.concatenate(audios))
+        offsets = np.cumsum([0] + [a.size for a in audios])[:-1] / rate
+        expected = [(w["word"], round(w["start"] + t, 4), round(w["end"] + t, 4))
+                    for r, t in zip(members, offsets) for w in r["words"]]
+        assert [(w["word"], w["start"], w["end"]) for w in stream["words"]] == expected
+    corpus = read_corpus(tmp_path / "long")  # what `jaxstream eval` reads
+    assert corpus.layout == "manifest" and [u.text for u in corpus.utterances] == [s["text"] for s in streams]
+
+
+@needs_espeak
+def test_synth_cli_join_seconds_writes_a_long_stream_set_of_held_out_sentences(tmp_path, tiny_pools, capsys):
+    from jaxstream.cli import main
+
+    assert main(["synth", os.fspath(tmp_path / "long"), "--num", "4", "--seed", "4", "--held-out", "--workers", "1",
+                 "--join-seconds", "8"]) == 0
+    assert capsys.readouterr().out.strip().startswith("wrote ")
+    assert sorted(p.name for p in (tmp_path / "long").iterdir()) == ["manifest.jsonl", "streams"]
+    assert not [p for p in tmp_path.iterdir() if p.name != "long"]  # the utterances' folder is gone
+    streams = read_manifest(os.fspath(tmp_path / "long"))
+    from jaxstream.synth.sentences import held_out_sentence
+
+    assert sorted(int(u.split("-")[2]) for stream in streams for u in stream["utterances"]) == [0, 1, 2, 3]
+    for stream in streams:  # each utterance's held-out sentence (seed 4, its index), in the stream's order
+        assert stream["text"] == " ".join(held_out_sentence(4, int(u.split("-")[2])) for u in stream["utterances"])
+    assert all(int(u.split("-")[0]) >= 9000 for stream in streams for u in stream["utterances"])  # held-out voices
+    for argv, message in ((["--join-seconds", "8"], "use it with --held-out"),
+                          (["--held-out", "--join-seconds", "0"], "--join-seconds must be a positive number"),
+                          (["--held-out", "--join-seconds", "8", "--telephone", "0.5"], "needs --telephone 0 or 1")):
+        assert main(["synth", os.fspath(tmp_path / "x"), "--num", "1", *argv]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 @pytest.mark.parametrize("option, message", [
     (["--engines", "espeak:nan"], "the share must be positive and finite"),
     (["--engines", "espeak:inf"], "the share must be positive and finite"),

@@ -4,6 +4,7 @@ import argparse
 import math
 import os
 import shutil
+import tempfile
 
 from jaxstream.errors import UserError
 
@@ -47,6 +48,10 @@ def register(subparsers) -> None:
     parser.add_argument("--voice-edits", type=float, default=0.5, metavar="FRACTION",
                         help="share of utterances whose voice variant gets random pitch, consonant, breath and "
                              "formant edits (default 0.5; never in --held-out corpora)")
+    parser.add_argument("--join-seconds", type=float, default=None, metavar="S",
+                        help="--held-out: write the utterances joined back to back into streams of at most S "
+                             "seconds (consecutive utterances, so mostly one voice after another), a long-stream "
+                             "test set: OUT/streams/*.flac and OUT/manifest.jsonl with every word's time")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel processes")
     parser.set_defaults(func=run)
 
@@ -73,6 +78,14 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--augment must be between 0 and {MAX_STRENGTH:g}, got {args.augment}")
     if not 0 <= args.voice_edits <= 1:
         raise UserError(f"--voice-edits must be between 0 and 1, got {args.voice_edits}")
+    if args.join_seconds is not None:
+        if not args.held_out:
+            raise UserError("--join-seconds writes a long-stream test set: use it with --held-out (training joins "
+                            "utterances itself: [train] long_stream_fraction)")
+        if not 0 < args.join_seconds < math.inf:  # also refuses nan
+            raise UserError(f"--join-seconds must be a positive number of seconds, got {args.join_seconds}")
+        if 0 < args.telephone < 1:
+            raise UserError("--join-seconds needs --telephone 0 or 1: a stream is written at one sampling rate")
     engines = _parse_engines(args.engines)
     if args.text == "words" and engines != (("espeak", 1.0),):
         raise UserError("--engines needs --text sentences (word-list corpora are espeak-ng only)")
@@ -112,9 +125,18 @@ def run(args: argparse.Namespace) -> int:
         os.makedirs(args.out, exist_ok=True)  # now: a folder that cannot be made failed only in the workers
     except OSError as exc:
         raise UserError(f"cannot create the output folder {args.out}: {exc.strerror or exc}") from None
-    records = generate_corpus(args.out, spec, workers=max(args.workers, 1), progress=True)
+    if args.join_seconds is None:
+        records = generate_corpus(args.out, spec, workers=max(args.workers, 1), progress=True)
+        kind = "utterances"
+    else:
+        from jaxstream.synth.long_streams import join_corpus
+
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(args.out))) as utterances:
+            records = generate_corpus(utterances, spec, workers=max(args.workers, 1), progress=True)
+            records = join_corpus(utterances, records, args.out, args.join_seconds)
+        kind = f"streams of {args.num} utterances"
     hours = sum(record["duration"] for record in records) / 3600
-    print(f"wrote {len(records)} utterances ({hours:.2f} h) to {args.out}")
+    print(f"wrote {len(records)} {kind} ({hours:.2f} h) to {args.out}")
     return 0
 
 
