@@ -161,7 +161,7 @@ def main(argv=None) -> int:
                 xla_cache_enabled()  # checked before the re-execution, which would only repeat the mistake
                 allocator.reexecute_with_tcmalloc()
             except ValueError as exc:
-                print(f"jaxstream {args.command}: error: {exc}", file=sys.stderr)
+                _stderr_line(f"jaxstream {args.command}: error: {exc}")
                 return 2
             with _interrupts_held():
                 importlib.import_module("jax")  # jaxlib's native start-up
@@ -177,11 +177,18 @@ def main(argv=None) -> int:
         with threadpool_limits(limits=1, user_api="blas"), _command_style_warnings(args.command, verbosity):
             return args.func(args) or 0
     except UserError as exc:
-        print(f"jaxstream {args.command}: error: {exc}", file=sys.stderr)
+        _stderr_line(f"jaxstream {args.command}: error: {exc}")
         return 2
     except KeyboardInterrupt:
-        print(f"jaxstream{f' {args.command}' if args else ''}: interrupted", file=sys.stderr)
+        _stderr_line(f"jaxstream{f' {args.command}' if args else ''}: interrupted")
         return 130
+
+
+def _stderr_line(text: str) -> None:
+    """One write, newline included: `print` writes the text and its newline apart, and a library thread's
+    traceback (Orbax's abandoned reads after a failed restore) once landed between the two, on the error's line."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 @contextlib.contextmanager
