@@ -220,7 +220,7 @@ def test_long_stream_batches_join_whole_utterances_within_their_length(corpus, t
     seconds = 9.0
     long_streams = data.LongStreams(fraction=1.0, seconds=seconds, from_step=2)
     streams = [data.BatchStream(corpus_dir, records, tokenizer, batch_size=4, delays_slots=(3, 6), seed=3,
-                                long_streams=streams) for streams in (None, long_streams)]
+                                long_streams=setting) for setting in (None, long_streams)]
     (plain, _), (first, second) = [[next(stream), next(stream)] for stream in streams]
     for stream in streams:
         stream.close()
