@@ -18,6 +18,7 @@ import soundfile
 from jaxstream.errors import UserError
 from jaxstream.models import audio as front_end
 from jaxstream.models.tokenizers import Tokenizer
+from jaxstream.synth.long_streams import join_utterances
 from jaxstream.training import targets, vtlp
 
 SHARED_PREFIX_SLOTS = front_end.N_LEFT_PAD_TOKENS - 1
@@ -62,16 +63,11 @@ def load_example(corpus_dir: str, record: dict, tokenizer: Tokenizer, n_delay: i
 
 def load_long_example(corpus_dir: str, records: list[dict], tokenizer: Tokenizer, n_delay: int, *,
                       mel_filters: np.ndarray = front_end.MEL_FILTERS) -> Example:
-    """Several utterances as one stream, back to back: each keeps its own lead and tail silence (0.2-1.0 s
-    between sentences in a `jaxstream synth` corpus), its words shifted by the audio before it."""
-    audios, words, offset = [], [], 0.0
-    for record in records:
-        audio = _read_audio(corpus_dir, record)
-        words += [{**word, "start": word["start"] + offset, "end": word["end"] + offset} for word in record["words"]]
-        offset += audio.size / front_end.SAMPLING_RATE
-        audios.append(audio)
-    return stream_example(np.concatenate(audios), words, " ".join(record["text"] for record in records), tokenizer,
-                          n_delay, mel_filters=mel_filters)
+    """Several utterances as one stream, back to back (`synth.long_streams.join_utterances`): each keeps its own
+    lead and tail silence (0.2-1.0 s between sentences in a `jaxstream synth` corpus)."""
+    audio, words, text = join_utterances(records, [_read_audio(corpus_dir, record) for record in records],
+                                         front_end.SAMPLING_RATE)
+    return stream_example(audio, words, text, tokenizer, n_delay, mel_filters=mel_filters)
 
 
 def _read_audio(corpus_dir: str, record: dict) -> np.ndarray:
