@@ -1,6 +1,7 @@
-"""`jaxstream synth OUT`: a synthetic speech corpus (espeak-ng, Festival, flite) in LibriSpeech layout with word
-timings."""
+"""`jaxstream synth OUT`: a synthetic speech corpus (espeak-ng, Festival, SVOX Pico, flite) in LibriSpeech layout
+with word timings."""
 import argparse
+import importlib.util
 import math
 import os
 import shutil
@@ -13,8 +14,8 @@ _WORDS_RANGE = (3, 7)  # --text words: the default --min-words and --max-words
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "synth", help="generate a synthetic speech corpus with espeak-ng, Festival or flite",
-        description="Speaks text with espeak-ng, Festival or flite (--engines) and writes "
+        "synth", help="generate a synthetic speech corpus with espeak-ng, Festival, SVOX Pico or flite",
+        description="Speaks text with espeak-ng, Festival, SVOX Pico or flite (--engines) and writes "
                     "OUT/<speaker>/<chapter>/*.flac + *.trans.txt (LibriSpeech layout) and OUT/manifest.jsonl with "
                     "exact word start/end times. Each utterance's text, voice and augmentation are deterministic in "
                     "(--seed, index); espeak-ng's samples also depend on --workers.")
@@ -35,6 +36,7 @@ def register(subparsers) -> None:
                         help="--text sentences: synthesizers and their shares, e.g. espeak:0.75,festival:0.25 "
                              "(default espeak). espeak = espeak-ng's English accents and voice variants; "
                              "festival = Festival's ked_diphone (apt-get install festival festvox-kdlpc16k); "
+                             "pico = SVOX Pico's en-US and en-GB (pip install ttspico), word times from alignment; "
                              "flite = flite's kal16/slt/rms/awb, held-out sets only (apt-get install flite)")
     parser.add_argument("--telephone", type=float, default=0.0, metavar="FRACTION",
                         help="--text sentences: share of utterances sent over a simulated phone line (300-3400 "
@@ -95,10 +97,16 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--telephone must be between 0 and 1, got {args.telephone}")
     if args.telephone and args.text == "words":
         raise UserError("--telephone needs --text sentences")
-    needed = {name for name, _ in engines} | ({"espeak"} if "festival" in dict(engines) else set())
-    for name in sorted(needed):
+    # espeak-ng also speaks the rare sentence that Festival splits into other words than the transcript's, or
+    # whose Pico words do not align.
+    needed = {name for name, _ in engines} | ({"espeak"} if {"festival", "pico"} & set(dict(engines)) else set())
+    for name in sorted(needed - {"pico"}):
         if shutil.which(_BINARIES[name]) is None:
             raise UserError(_MISSING[name])
+    if "pico" in needed and importlib.util.find_spec("ttspico") is None:
+        from jaxstream.synth.pico import PICO_NOT_INSTALLED
+
+        raise UserError(PICO_NOT_INSTALLED)
     if "festival" in needed:
         from jaxstream.synth.engines import check_festival_voices
 
@@ -140,8 +148,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# espeak-ng also speaks the rare sentence that Festival splits into other words than the transcript's.
-_BINARIES = {"espeak": "espeak-ng", "festival": "festival", "flite": "flite"}
+_BINARIES = {"espeak": "espeak-ng", "festival": "festival", "pico": None, "flite": "flite"}  # Pico: a Python package
 _MISSING = {"espeak": "espeak-ng is not installed (Debian/Ubuntu: apt-get install espeak-ng)",
             "festival": "festival is not installed (Debian/Ubuntu: apt-get install festival festvox-kdlpc16k)",
             "flite": "flite is not installed (Debian/Ubuntu: apt-get install flite)"}

@@ -5,7 +5,7 @@ corpora (the first tiny model's): `SentenceSampler` draws word sequences from th
 `synthesize_words` has espeak-ng speak each word alone. Sentence corpora (v2, the shipped model's and the
 default of `jaxstream synth`): `sentences` draws natural sentences (WordNet, fortunes, numbers; `normalize`
 makes them spoken words), `engines` speaks them whole with espeak-ng or Festival (flite for held-out sets),
-`spoken` assembles an utterance, `augment` adds rooms, noise, microphone bands and phone lines.
+`pico` with SVOX Pico (word times from `alignment`), `spoken` assembles an utterance, `augment` adds rooms, noise, microphone bands and phone lines.
 `long_streams` joins a corpus's utterances into long streams (`jaxstream synth --join-seconds`).
 """
 from jaxstream.synth.corpus import CorpusSpec, generate_corpus, read_manifest

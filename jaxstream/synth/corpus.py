@@ -139,7 +139,7 @@ def generate_corpus(out_dir: str, spec: CorpusSpec, *, workers: int = 1, progres
     jobs = [(out_dir, spec, index) for index in range(spec.num_utterances)]
     # Before forking, so that every worker shares them: one espeak-ng data folder for the edited variants
     # (and the library's voices), and the sentence pools (seconds to build).
-    speaks_espeak = spec.text == "sentences" and bool({"espeak", "festival"} & set(dict(spec.engines)))
+    speaks_espeak = spec.text == "sentences" and bool({"espeak", "festival", "pico"} & set(dict(spec.engines)))
     if spec.edits_voices or speaks_espeak:
         voices.private_data_path()
     if spec.text == "sentences":

@@ -1,18 +1,19 @@
 """One utterance of a sentence corpus (`CorpusSpec(text="sentences")`): a natural sentence (`sentences.py`)
-spoken whole by espeak-ng or Festival (flite for held-out sets), with each word's start and end, passed
-through a room, a microphone, noise and, for some, a phone line (`augment.py`).
+spoken whole by espeak-ng, Festival or SVOX Pico (flite for held-out sets), with each word's start and end,
+passed through a room, a microphone, noise and, for some, a phone line (`augment.py`).
 
 Voices: training espeak-ng utterances use every English accent and every voice variant except the held-out
 ones and the effect voices (robot, whisper, demonic...), half of them with edited voice files; Festival
 speaks with `engines.FESTIVAL_VOICES`, varied in speaking rate, pitch and (through tape-style speed) vocal
-tract length. Held-out espeak-ng sets use only `espeak.HELD_OUT_VARIANTS`; flite sets use flite's voices.
+tract length; Pico speaks with `pico.PICO_VOICES`, varied the same way. Held-out espeak-ng sets use only
+`espeak.HELD_OUT_VARIANTS`; flite sets use flite's voices.
 """
 import dataclasses
 
 import numpy as np
 
 from jaxstream.synth import augment as augmentation
-from jaxstream.synth import engines, sentences, voices
+from jaxstream.synth import engines, pico, sentences, voices
 from jaxstream.synth.espeak import (
     ACCENTS, HELD_OUT_VARIANTS, SAMPLING_RATE, TRAIN_VARIANTS, VoiceSpec, synthesize_words,
 )
@@ -27,8 +28,7 @@ EXTRA_TRAIN_VARIANTS = (
     "klatt5", "klatt6", "miguel", "pablo", "sandro", "steph3",
 )
 SENTENCE_TRAIN_VARIANTS = TRAIN_VARIANTS + EXTRA_TRAIN_VARIANTS
-ENGINES = ("espeak", "festival", "flite")
-TRAINING_ENGINES = ("espeak", "festival")
+ENGINES = ("espeak", "festival", "pico", "flite")
 
 
 def speaker_chapter(engine: str, voice: str, held_out: bool) -> tuple[int, int]:
@@ -38,6 +38,8 @@ def speaker_chapter(engine: str, voice: str, held_out: bool) -> tuple[int, int]:
         return 9500 + engines.FLITE_VOICES.index(voice), 0
     if engine == "festival":
         return 7000 + engines.FESTIVAL_VOICES.index(voice), 0
+    if engine == "pico":
+        return 7100 + pico.PICO_VOICES.index(voice), 0
     accent, variant = voice.split("+")
     if held_out:
         return 9000 + HELD_OUT_VARIANTS.index(variant), ACCENTS.index(accent)
@@ -80,6 +82,14 @@ def _festival(rng: np.random.Generator, words: list[str]):
     return engines.speak_festival(words, voice), voice.name, details
 
 
+def _pico(rng: np.random.Generator, words: list[str]):
+    # Pitch down to 60 %: its two voices are female, and a lower one reaches male range (tape speed below
+    # moves the formants too).
+    voice = pico.PicoVoice(language=str(rng.choice(pico.PICO_VOICES)), rate=int(rng.integers(75, 131)),
+                           pitch=int(rng.integers(60, 131)))
+    return pico.speak_pico(words, voice), voice.language, {"rate_percent": voice.rate, "pitch_percent": voice.pitch}
+
+
 def make_sentence_utterance(spec, index: int) -> tuple[dict, np.ndarray, int]:
     """(manifest record without path, audio, its sampling rate) of sentence utterance `index`. A held-out
     sentence depends only on (seed, index), so held-out sets that differ only in engine or phone line hold
@@ -95,15 +105,17 @@ def make_sentence_utterance(spec, index: int) -> tuple[dict, np.ndarray, int]:
     if engine == "flite":
         voice = str(rng.choice(engines.FLITE_VOICES))
         spoken = engines.Spoken(engines.speak_flite(text, voice), [])
-    elif engine == "festival":
-        spoken, voice, details = _festival(rng, words)
-        engine = engine if spoken is not None else "espeak"  # Festival split a word its own way
+    elif engine in ("festival", "pico"):
+        spoken, voice, details = (_festival if engine == "festival" else _pico)(rng, words)
+        # Festival split a word its own way, or Pico's words did not align: espeak-ng speaks it instead.
+        engine = engine if spoken is not None else "espeak"
     if spoken is None:
         spoken, voice, details = _espeak(spec, rng, edit_rng, words)
     lead = np.zeros(int(rng.uniform(0.1, 0.6) * SAMPLING_RATE), np.float32)
     tail = np.zeros(int(rng.uniform(0.1, 0.4) * SAMPLING_RATE), np.float32)
     audio = np.concatenate([lead, spoken.audio, tail])
-    speed_range = 0.15 if engine == "festival" else 0.1  # one Festival voice: stretch it further
+    # One Festival voice, two Pico ones: stretch them further.
+    speed_range = 0.15 if engine in ("festival", "pico") else 0.1
     audio, speed = augmentation.augment_sentence(audio, rng, spec.augment_strength, speed_range)
     offset = lead.size / SAMPLING_RATE
     record = {
