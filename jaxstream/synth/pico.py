@@ -1,8 +1,8 @@
 """SVOX Pico (the `ttspico` package: Pico's C engine and its voice data, Apache-2), a training engine whose
-voices are as foreign to espeak-ng and Festival as flite's: two female HMM voices, en-US and en-GB, varied in
-speaking rate and pitch. Pico reports no word times; `alignment.py` finds them from syntheses of the sentence's
-suffixes, so an n-word sentence costs n syntheses (~20 ms each) and n - 1 alignments: ~0.2 s of CPU, ten times
-an espeak-ng utterance."""
+voices were as foreign to a model trained on espeak-ng and Festival as flite's (models/assets/tiny/MODEL_CARD.md):
+two female HMM voices, en-US and en-GB, varied in speaking rate and pitch. Pico reports no word times;
+`alignment.py` finds them from syntheses of the sentence's suffixes, so an n-word sentence costs n syntheses
+(~20 ms each) and n - 1 alignments: ~0.1 s of CPU an utterance, about seven times an espeak-ng one."""
 import dataclasses
 import functools
 import os
@@ -13,7 +13,6 @@ from jaxstream.synth import alignment
 from jaxstream.synth.engines import Spoken
 
 PICO_VOICES = ("en-US", "en-GB")
-PICO_RATE = 16000  # Pico's output: 16-bit mono at the model's rate
 PICO_NOT_INSTALLED = "SVOX Pico is not installed (pip install ttspico; it builds with a C compiler)"
 
 
@@ -39,6 +38,7 @@ def _engine(pid: int, language: str):
 
 
 def _speak(words: list[str], voice: PicoVoice) -> np.ndarray:
+    """16 kHz float32: Pico writes 16-bit mono at the model's rate."""
     engine = _engine(os.getpid(), voice.language)
     engine.rate, engine.pitch = voice.rate, voice.pitch
     pcm = engine.speak(" ".join(words)) or b""
