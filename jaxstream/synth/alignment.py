@@ -17,7 +17,9 @@ import numpy as np
 
 from jaxstream.models import audio as front_end
 
-SILENCE_LEVEL = 3e-3  # below this a sample counts as silence (the synthesizers write digital silence)
+# Below this a sample counts as silence: where a word's sound ends (here and in engines.py's espeak-ng times; the
+# synthesizers write digital silence between words).
+SILENCE_LEVEL = 3e-3
 _FRAME_PAIRS = 2  # log-mel frames averaged per alignment frame: 20 ms, a quarter of a decoder slot
 _MIN_WORD_SECONDS = 0.02
 

@@ -27,6 +27,7 @@ import soxr
 
 from jaxstream.errors import UserError
 from jaxstream.synth import voices
+from jaxstream.synth.alignment import SILENCE_LEVEL
 from jaxstream.synth.espeak import SAMPLING_RATE, VoiceSpec
 
 FESTIVAL_VOICES = ("ked_diphone",)
@@ -36,7 +37,6 @@ FLITE_SPEAKER_VOICES = ("kal_diphone", "cmu_us_slt_arctic_hts", "cmu_us_kal_com_
                         "cmu_us_awb_arctic_hts")
 # The library selects voices by name or file, not by language as the espeak-ng command does: en-gb's file is "en".
 _ACCENT_VOICES = {"en-gb": "en"}
-_SILENCE_LEVEL = 3e-3  # below this a sample counts as silence when trimming a word's end
 _AUDIO_OUTPUT_SYNCHRONOUS = 2
 _EVENT_WORD, _EVENT_END = 1, 0
 _PARAM_RATE, _PARAM_PITCH = 1, 3
@@ -125,7 +125,7 @@ def _word_spans(words: list[str], starts_by_char: list[tuple[int, int]], audio: 
     for k, head in enumerate(heads):
         start = group_start[head]
         stop = group_start[heads[k + 1]] if k + 1 < len(heads) else audio.size
-        loud = np.flatnonzero(np.abs(audio[start:stop]) > _SILENCE_LEVEL)
+        loud = np.flatnonzero(np.abs(audio[start:stop]) > SILENCE_LEVEL)
         # A short word's event can come before its sound starts ("a" after the leading silence): then it
         # spans its whole group.
         end = start + int(loud[-1]) + 1 if loud.size else stop
